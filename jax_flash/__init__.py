@@ -1,0 +1,16 @@
+"""jax-flash: exact FlashAttention for JAX, with Pallas (Triton) GPU kernels."""
+import warnings as _warnings
+
+# Every kernel compiled through the Pallas Triton backend emits this
+# DeprecationWarning (upstream plans to remove the backend). Users of this
+# library did not choose the backend; silence exactly that message.
+_warnings.filterwarnings(
+    "ignore", message="The Pallas Triton backend is deprecated",
+    category=DeprecationWarning)
+
+from jax_flash.attention import flash_attention  # noqa: E402
+from jax_flash.reference import reference_attention  # noqa: E402
+from pallas_kernels.config import BlockSizes  # noqa: E402
+
+__all__ = ["flash_attention", "reference_attention", "BlockSizes"]
+__version__ = "0.1.0"

@@ -1,0 +1,119 @@
+"""Trace-time validation of the public arguments, shared by every implementation."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.config import MAX_HEAD_DIM, MIN_HEAD_DIM, BlockSizes
+
+IMPLEMENTATIONS = ("pallas", "interpret", "xla")
+KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """Shapes of one call after validation (always batched: [B, T, N, H])."""
+  batch: int
+  q_len: int
+  kv_len: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  unbatched: bool
+
+
+def _shape(x, name):
+  shape = getattr(x, "shape", None)
+  if shape is None:
+    raise ValueError(f"{name} must be an array, got {type(x).__name__}")
+  return tuple(shape)
+
+
+def check_qkv(query, key, value) -> Problem:
+  """Checks ranks, shapes and dtypes of query [B,T,N,H]|[T,N,H], key/value [B,S,K,H]|[S,K,H]."""
+  qs, ks, vs = _shape(query, "query"), _shape(key, "key"), _shape(value, "value")
+  if len(qs) not in (3, 4):
+    raise ValueError(
+        f"query must have shape [batch, q_len, num_heads, head_dim] or "
+        f"[q_len, num_heads, head_dim], got shape {qs}")
+  expected = ("[batch, kv_len, num_kv_heads, head_dim]" if len(qs) == 4 else
+              "[kv_len, num_kv_heads, head_dim]")
+  for name, s in (("key", ks), ("value", vs)):
+    if len(s) != len(qs):
+      raise ValueError(
+          f"{name} must have the same rank as query ({len(qs)}): expected "
+          f"{expected}, got shape {s}")
+  if ks != vs:
+    raise ValueError(f"value must have the same shape as key {ks}, got {vs}")
+  unbatched = len(qs) == 3
+  if unbatched:
+    qs, ks = (1,) + qs, (1,) + ks
+  b, t, n, h = qs
+  kb, s, k, kh = ks
+  if kb != b:
+    raise ValueError(f"key batch size {kb} must equal query batch size {b} "
+                     f"(query {tuple(query.shape)}, key {tuple(key.shape)})")
+  if kh != h:
+    raise ValueError(f"key head_dim {kh} must equal query head_dim {h} "
+                     f"(query {tuple(query.shape)}, key {tuple(key.shape)})")
+  if min(t, s, n, k, h) < 1:
+    raise ValueError(f"query {tuple(query.shape)} and key {tuple(key.shape)} "
+                     "must have no zero-sized dimension")
+  if n % k:
+    raise ValueError(
+        f"key num_kv_heads={k} must divide query num_heads={n} "
+        "(MHA: equal, GQA: a divisor, MQA: 1)")
+  dtypes = {jnp.dtype(x.dtype) for x in (query, key, value)}
+  if len(dtypes) != 1:
+    raise ValueError(
+        "query, key and value must share one dtype, got "
+        f"query {query.dtype}, key {key.dtype}, value {value.dtype}")
+  if not jnp.issubdtype(query.dtype, jnp.floating):
+    raise ValueError(f"query dtype must be floating point, got {query.dtype}")
+  return Problem(b, t, s, n, k, h, unbatched)
+
+
+def check_scale(scale, head_dim: int) -> float:
+  if scale is None:
+    return 1.0 / math.sqrt(head_dim)
+  try:
+    value = float(scale)
+  except Exception as e:  # A tracer, an array of many elements, ...
+    raise ValueError(
+        f"scale must be a static Python number, got {scale!r}") from e
+  if not math.isfinite(value):
+    raise ValueError(f"scale must be finite, got {scale!r}")
+  return value
+
+
+def check_kernel_args(problem: Problem, dtype, block_sizes, version) -> None:
+  """What the Pallas kernels (GPU or interpret) support beyond the math."""
+  if jnp.dtype(dtype) not in [jnp.dtype(d) for d in KERNEL_DTYPES]:
+    raise ValueError(
+        f"query dtype must be one of float32, bfloat16, float16 for the "
+        f"Pallas kernels, got {jnp.dtype(dtype)}")
+  h = problem.head_dim
+  if not MIN_HEAD_DIM <= h <= MAX_HEAD_DIM:
+    raise ValueError(
+        f"head_dim (last axis of query, key, value) must be in "
+        f"[{MIN_HEAD_DIM}, {MAX_HEAD_DIM}] for the Pallas kernels, got {h}; "
+        "implementation='xla' takes any head_dim")
+  if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+    raise ValueError(
+        f"block_sizes must be a jax_flash.BlockSizes or None, got "
+        f"{type(block_sizes).__name__}")
+  if version not in (1, 2):
+    raise ValueError(f"version must be 1 or 2, got {version!r}")
+
+
+def check_not_yet(**kwargs) -> None:
+  """Arguments of jax.nn.dot_product_attention the kernels do not take yet."""
+  for name, value in kwargs.items():
+    if value is not None:
+      raise NotImplementedError(
+          f"{name} is not supported yet by jax_flash (it comes with the masks "
+          f"and variants work); pass {name}=None, or use "
+          "jax.nn.dot_product_attention for now")

@@ -1,0 +1,155 @@
+"""`flash_attention`: the public entry point and its custom_vjp wiring."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jax_flash import _checks
+from jax_flash.reference import reference_attention
+from pallas_kernels import masking
+from pallas_kernels.config import BlockSizes
+from pallas_kernels.flash_bwd import flash_backward
+from pallas_kernels.flash_fwd import flash_forward
+from pallas_kernels.flash_fwd_v1 import flash_forward_v1
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  """Everything static about one call: the custom_vjp's one nondiff argument."""
+  scale: float
+  mask: masking.Mask
+  block_sizes: BlockSizes
+  version: int
+  interpret: bool
+
+
+def _forward(q, k, v, cfg: _Config):
+  forward = flash_forward if cfg.version == 2 else flash_forward_v1
+  return forward(q, k, v, scale=cfg.scale, mask=cfg.mask,
+                 block_sizes=cfg.block_sizes, interpret=cfg.interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _flash(q, k, v, cfg: _Config):
+  """(o [B,T,N,H], lse2 [B,N,T] base-2 logsumexp) with the kernels' backward."""
+  return _forward(q, k, v, cfg)
+
+
+def _flash_fwd(q, k, v, cfg: _Config):
+  o, lse2 = _forward(q, k, v, cfg)
+  return (o, lse2), (q, k, v, o, lse2)
+
+
+def _flash_bwd(cfg: _Config, residuals, cotangents):
+  q, k, v, o, lse2 = residuals
+  do, dlse2 = cotangents
+  return flash_backward(q, k, v, o, lse2, do.astype(q.dtype), dlse2,
+                        scale=cfg.scale, mask=cfg.mask,
+                        block_sizes=cfg.block_sizes, interpret=cfg.interpret)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _on_gpu(x) -> bool:
+  try:
+    return any(d.platform == "gpu" for d in x.devices())
+  except Exception:  # A tracer: it lives where the computation runs.
+    return jax.default_backend() == "gpu"
+
+
+def _resolve_implementation(implementation, query) -> str:
+  if implementation is None:
+    return "pallas" if _on_gpu(query) else "xla"
+  if implementation not in _checks.IMPLEMENTATIONS:
+    raise ValueError(
+        f"implementation must be one of {_checks.IMPLEMENTATIONS} or None, "
+        f"got {implementation!r}")
+  if implementation == "pallas" and jax.default_backend() != "gpu":
+    raise ValueError(
+        "implementation='pallas' runs the Triton kernels and needs a GPU; on "
+        "this machine use implementation='interpret' (same kernels, "
+        "interpreted) or 'xla'")
+  return implementation
+
+
+def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
+                    is_causal=False, query_seq_lengths=None,
+                    key_value_seq_lengths=None, local_window_size=None,
+                    return_residual=False, implementation=None,
+                    block_sizes=None, version=2):
+  """Exact attention, softmax(scale * Q K^T) V, without the T x S matrix in memory.
+
+  A superset of `jax.nn.dot_product_attention`: same arguments, shapes and
+  results, so either can replace the other.
+
+  Letters: B batch, T query length, S key/value length, N query heads,
+  K key/value heads (K divides N: MHA K = N, GQA, MQA K = 1), H head dim.
+
+  Args:
+    query: [B, T, N, H] or [T, N, H].
+    key: [B, S, K, H] or [S, K, H]. Query head n attends with key/value head
+      n // (N // K); keys are never repeated in memory.
+    value: same shape as key.
+    bias, mask, query_seq_lengths, key_value_seq_lengths, local_window_size:
+      not supported yet; must be None (NotImplementedError otherwise).
+    scale: multiplies the scores; default 1 / sqrt(H). A static number.
+    is_causal: query i attends to keys j <= i, aligned top-left when T != S
+      (as jax.nn does). For T=3, S=5 the visible pairs are::
+
+          1 0 0 0 0
+          1 1 0 0 0
+          1 1 1 0 0
+
+      Key tiles entirely above the diagonal are never loaded.
+    return_residual: also return the logsumexp of the scaled scores,
+      [B, T, N] (or [T, N]), natural log.
+    implementation: None picks "pallas" when query lives on a GPU and "xla"
+      otherwise. "pallas": the Triton-lowered kernels (GPU only).
+      "interpret": the same kernels run by the Pallas interpreter (any
+      backend, slow; for tests). "xla": `reference_attention`, plain jnp.
+    block_sizes: a `jax_flash.BlockSizes` for the kernels; default
+      `BlockSizes.get_default(H, dtype, is_causal)`.
+    version: 2 runs the FlashAttention-2 forward; 1 the FlashAttention-1
+      forward (for comparison). Both share the FlashAttention-2 backward.
+
+  Returns:
+    out: like query, in query.dtype; or `(out, logsumexp)`.
+
+  The kernels take float32, bfloat16 and float16 with float32 accumulation
+  (float32 inputs use full-precision float32 dots), head dims 16 to 256 (any,
+  padded internally to a power of two) and any T and S. Gradients with respect
+  to query, key and value are deterministic (no atomics). Errors in the
+  arguments are raised at trace time as ValueError.
+  """
+  _checks.check_not_yet(bias=bias, mask=mask,
+                        query_seq_lengths=query_seq_lengths,
+                        key_value_seq_lengths=key_value_seq_lengths,
+                        local_window_size=local_window_size)
+  p = _checks.check_qkv(query, key, value)
+  scale = _checks.check_scale(scale, p.head_dim)
+  implementation = _resolve_implementation(implementation, query)
+  if implementation == "xla":
+    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+      _checks.check_kernel_args(p, query.dtype, block_sizes, version)
+    return reference_attention(query, key, value, scale=scale,
+                               is_causal=is_causal,
+                               return_residual=return_residual)
+  _checks.check_kernel_args(p, query.dtype, block_sizes, version)
+  if block_sizes is None:
+    block_sizes = BlockSizes.get_default(p.head_dim, query.dtype, is_causal)
+  cfg = _Config(scale=scale, mask=masking.Mask(is_causal=bool(is_causal)),
+                block_sizes=block_sizes.clipped(p.q_len, p.kv_len),
+                version=version, interpret=implementation == "interpret")
+  if p.unbatched:
+    query, key, value = query[None], key[None], value[None]
+  with jax.named_scope("jax_flash_attention"):
+    out, lse2 = _flash(query, key, value, cfg)
+  lse = (lse2 * math.log(2.0)).transpose(0, 2, 1)
+  if p.unbatched:
+    out, lse = out[0], lse[0]
+  return (out, lse) if return_residual else out

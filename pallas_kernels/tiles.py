@@ -1,0 +1,72 @@
+"""Masked tile loads and stores for the Triton lowering.
+
+Sequence lengths need not be multiples of the block size and head dims need
+not be powers of two: every tile is power-of-two shaped and its rows past the
+sequence and columns past the head dim are masked (read as `other`, never
+written). Refs are [rows, head_dim_padded] or [rows, heads, head_dim_padded];
+`head` picks one head of the latter.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+
+def _mask(ref, start, size, row_bound, head_dim):
+  mask = None
+  if row_bound is not None:
+    mask = ((start + jnp.arange(size)) < row_bound)[:, None]
+  if head_dim is not None and head_dim < ref.shape[-1]:
+    cols = (jnp.arange(ref.shape[-1]) < head_dim)[None, :]
+    mask = cols if mask is None else jnp.logical_and(mask, cols)
+  return mask
+
+
+def _rows(start, size):
+  # A traced start: a static one past the end fails validation even when the
+  # rows past the end are masked.
+  return pl.ds(jnp.asarray(start, jnp.int32), size)
+
+
+def _index(ref, start, size, head):
+  rows = _rows(start, size)
+  if head is None:
+    return ref.at[rows, :]
+  return ref.at[rows, head, :]
+
+
+def load_tile(ref, start, size, *, row_bound=None, head_dim=None, head=None,
+              cache_modifier=None):
+  """ref[start:start+size, (head,) :], zero where masked.
+
+  `row_bound=None` promises every row is in bounds (interior tiles).
+  """
+  mask = _mask(ref, start, size, row_bound, head_dim)
+  view = _index(ref, start, size, head)
+  if mask is None:
+    return plgpu.load(view, cache_modifier=cache_modifier)
+  return plgpu.load(view, mask=mask, other=0.0, cache_modifier=cache_modifier)
+
+
+def store_tile(ref, start, value, *, row_bound, head_dim, head=None):
+  mask = _mask(ref, start, value.shape[0], row_bound, head_dim)
+  plgpu.store(_index(ref, start, value.shape[0], head),
+              value.astype(ref.dtype), mask=mask)
+
+
+def load_row_stat(ref, start, size, *, row_bound, head=None, other=0.0,
+                  cache_modifier=None):
+  """A [size] slice of a per-row statistic ([T] or [heads, T] ref)."""
+  rows = _rows(start, size)
+  view = ref.at[rows] if head is None else ref.at[head, rows]
+  mask = (start + jnp.arange(size)) < row_bound
+  return plgpu.load(view, mask=mask, other=other,
+                    cache_modifier=cache_modifier)
+
+
+def store_row_stat(ref, start, value, *, row_bound, head=None):
+  rows = _rows(start, value.shape[0])
+  view = ref.at[rows] if head is None else ref.at[head, rows]
+  mask = (start + jnp.arange(value.shape[0])) < row_bound
+  plgpu.store(view, value.astype(ref.dtype), mask=mask)
