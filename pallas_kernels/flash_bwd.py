@@ -28,7 +28,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import masking, online_softmax
 from pallas_kernels.config import BlockSizes, padded_head_dim
-from pallas_kernels.tiles import load_row_stat, load_tile, store_tile
+from pallas_kernels.tiles import dot, load_row_stat, load_tile, store_tile
 
 _INF = float("inf")
 
@@ -57,16 +57,16 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref,
         lse_ref, q_start, block_q, row_bound=q_len, head=head, other=_INF))
     delta = load_row_stat(delta_ref, q_start, block_q, row_bound=q_len,
                           head=head)
-    s_t = plgpu.dot(k, q, trans_b=True) * scale_log2  # [block_k, block_q]
+    s_t = dot(k, q, trans_b=True) * scale_log2  # [block_k, block_q]
     p_t = jnp.exp2(s_t - lse2[None, :])
     if masked:
       rows = q_start + jnp.arange(block_q)
       p_t = jnp.where(mask.visible(rows[None, :], cols[:, None], kv_len),
                       p_t, 0.0)
-    dv = dv + plgpu.dot(p_t.astype(do.dtype), do)
-    dp_t = plgpu.dot(v, do, trans_b=True)
+    dv = dv + dot(p_t.astype(do.dtype), do)
+    dp_t = dot(v, do, trans_b=True)
     ds_t = p_t * (dp_t - delta[None, :])
-    dk = dk + plgpu.dot(ds_t.astype(q.dtype), q)
+    dk = dk + dot(ds_t.astype(q.dtype), q)
     return dk, dv
 
   lo, full_lo, full_hi, hi = masking.q_block_ranges(
@@ -105,14 +105,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *,
     bound = kv_len if masked else None
     k = load_tile(k_ref, k_start, block_k, row_bound=bound, head_dim=head_dim)
     v = load_tile(v_ref, k_start, block_k, row_bound=bound, head_dim=head_dim)
-    s = plgpu.dot(q, k, trans_b=True) * scale_log2
+    s = dot(q, k, trans_b=True) * scale_log2
     p = jnp.exp2(s - lse2[:, None])
     if masked:
       cols = k_start + jnp.arange(block_k)
       p = jnp.where(mask.visible(rows[:, None], cols[None, :], kv_len), p, 0.0)
-    dp = plgpu.dot(do, v, trans_b=True)
+    dp = dot(do, v, trans_b=True)
     ds = p * (dp - delta[:, None])
-    return dq + plgpu.dot(ds.astype(k.dtype), k)
+    return dq + dot(ds.astype(k.dtype), k)
 
   lo, full_lo, full_hi, hi = masking.kv_block_ranges(
       mask, q_start, block_q, block_k, kv_len)

@@ -18,7 +18,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import masking, online_softmax
 from pallas_kernels.config import BlockSizes, padded_head_dim
-from pallas_kernels.tiles import load_tile, store_row_stat, store_tile
+from pallas_kernels.tiles import dot, load_tile, store_row_stat, store_tile
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale_log2: float,
@@ -38,14 +38,14 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale_log2: float,
     # Interior tiles are whole: no predicate on their loads or scores.
     bound = kv_len if masked else None
     k = load_tile(k_ref, k_start, block_k, row_bound=bound, head_dim=head_dim)
-    s = plgpu.dot(q, k, trans_b=True) * scale_log2
+    s = dot(q, k, trans_b=True) * scale_log2
     if masked:
       cols = k_start + jnp.arange(block_k)
       visible = mask.visible(rows[:, None], cols[None, :], kv_len)
       s = jnp.where(visible, s, online_softmax.NEG_INF)
     m, alpha, p, l = online_softmax.update(m, l, s)
     v = load_tile(v_ref, k_start, block_k, row_bound=bound, head_dim=head_dim)
-    acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
+    acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v)
     return acc, m, l
 
   lo, full_lo, full_hi, hi = masking.kv_block_ranges(

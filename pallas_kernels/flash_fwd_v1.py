@@ -25,13 +25,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import masking, online_softmax
 from pallas_kernels.config import BlockSizes, padded_head_dim
-from pallas_kernels.tiles import (load_row_stat, load_tile, store_row_stat,
-                                  store_tile)
-
-# O, m and l live in HBM between steps: read them past L1, which may hold a
-# copy from before this program's own last write.
-_UNCACHED = ".cg"
-
+from pallas_kernels.tiles import (dot, load_row_stat, load_tile,
+                                  store_row_stat, store_tile)
 
 def _forward_v1_kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
                        scale_log2: float, mask: masking.Mask, head_dim: int,
@@ -56,19 +51,16 @@ def _forward_v1_kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
   def q_step(i, carry, *, k, v, cols, masked: bool):
     q_start = i * block_q
     q = load_tile(q_ref, q_start, block_q, row_bound=q_len, head_dim=head_dim)
-    o = load_tile(o_ref, q_start, block_q, row_bound=q_len, head_dim=head_dim,
-                  cache_modifier=_UNCACHED)
-    m = load_row_stat(m_ref, q_start, block_q, row_bound=q_len,
-                      cache_modifier=_UNCACHED)
-    l = load_row_stat(l_ref, q_start, block_q, row_bound=q_len,
-                      cache_modifier=_UNCACHED)
-    s = plgpu.dot(q, k, trans_b=True) * scale_log2
+    o = load_tile(o_ref, q_start, block_q, row_bound=q_len, head_dim=head_dim)
+    m = load_row_stat(m_ref, q_start, block_q, row_bound=q_len)
+    l = load_row_stat(l_ref, q_start, block_q, row_bound=q_len)
+    s = dot(q, k, trans_b=True) * scale_log2
     if masked:
       rows = q_start + jnp.arange(block_q)
       s = jnp.where(mask.visible(rows[:, None], cols[None, :], kv_len), s,
                     online_softmax.NEG_INF)
     m_new, l_new, a, b, p = online_softmax.update_v1(m, l, s)
-    pv = plgpu.dot(p.astype(v.dtype), v)
+    pv = dot(p.astype(v.dtype), v)
     o = ((a * l)[:, None] * o + b[:, None] * pv) / (
         online_softmax.safe_divisor(l_new)[:, None])
     store_tile(o_ref, q_start, o, row_bound=q_len, head_dim=head_dim)

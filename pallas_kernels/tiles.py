@@ -1,4 +1,4 @@
-"""Masked tile loads and stores for the Triton lowering.
+"""Tile primitives for the Triton lowering: masked loads and stores, and dots.
 
 Sequence lengths need not be multiples of the block size and head dims need
 not be powers of two: every tile is power-of-two shaped and its rows past the
@@ -9,6 +9,7 @@ written). Refs are [rows, head_dim_padded] or [rows, heads, head_dim_padded];
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -36,8 +37,7 @@ def _index(ref, start, size, head):
   return ref.at[rows, head, :]
 
 
-def load_tile(ref, start, size, *, row_bound=None, head_dim=None, head=None,
-              cache_modifier=None):
+def load_tile(ref, start, size, *, row_bound=None, head_dim=None, head=None):
   """ref[start:start+size, (head,) :], zero where masked.
 
   `row_bound=None` promises every row is in bounds (interior tiles).
@@ -45,8 +45,8 @@ def load_tile(ref, start, size, *, row_bound=None, head_dim=None, head=None,
   mask = _mask(ref, start, size, row_bound, head_dim)
   view = _index(ref, start, size, head)
   if mask is None:
-    return plgpu.load(view, cache_modifier=cache_modifier)
-  return plgpu.load(view, mask=mask, other=0.0, cache_modifier=cache_modifier)
+    return plgpu.load(view)
+  return plgpu.load(view, mask=mask, other=0.0)
 
 
 def store_tile(ref, start, value, *, row_bound, head_dim, head=None):
@@ -55,14 +55,12 @@ def store_tile(ref, start, value, *, row_bound, head_dim, head=None):
               value.astype(ref.dtype), mask=mask)
 
 
-def load_row_stat(ref, start, size, *, row_bound, head=None, other=0.0,
-                  cache_modifier=None):
+def load_row_stat(ref, start, size, *, row_bound, head=None, other=0.0):
   """A [size] slice of a per-row statistic ([T] or [heads, T] ref)."""
   rows = _rows(start, size)
   view = ref.at[rows] if head is None else ref.at[head, rows]
   mask = (start + jnp.arange(size)) < row_bound
-  return plgpu.load(view, mask=mask, other=other,
-                    cache_modifier=cache_modifier)
+  return plgpu.load(view, mask=mask, other=other)
 
 
 def store_row_stat(ref, start, value, *, row_bound, head=None):
@@ -70,3 +68,13 @@ def store_row_stat(ref, start, value, *, row_bound, head=None):
   view = ref.at[rows] if head is None else ref.at[head, rows]
   mask = (start + jnp.arange(value.shape[0])) < row_bound
   plgpu.store(view, value.astype(ref.dtype), mask=mask)
+
+
+def dot(a, b, *, trans_b: bool = False):
+  """a @ b (a @ b.T with trans_b), accumulated in float32.
+
+  float32 operands get full-precision products: the Triton default for them
+  is TF32 (about 3e-4 relative error), which float32 callers do not expect.
+  """
+  precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+  return plgpu.dot(a, b, trans_b=trans_b, precision=precision)

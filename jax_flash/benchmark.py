@@ -1,0 +1,214 @@
+"""Side-by-side attention benchmark: `python -m jax_flash.benchmark`.
+
+Runs ours (FlashAttention-2, and the FlashAttention-1 forward) next to
+`jax.nn.dot_product_attention` with implementation="cudnn" and "xla" in one
+process, on the same random inputs. Timing: after a warm-up call, `--calls`
+back-to-back calls are dispatched with no host sync between them and the
+batch is timed as a whole; the median over `--repeats` batches is reported.
+FLOPs: forward 4*B*N*T*S*H (halved for causal), backward 2.5x forward.
+Writes `<out>/benchmark.json` and `<out>/benchmark.md`.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+
+import jax_flash
+from jax_flash.testing import relative_error
+
+
+def _impls(causal: bool):
+  def ours(version):
+    return lambda q, k, v: jax_flash.flash_attention(
+        q, k, v, is_causal=causal, implementation="pallas", version=version)
+
+  def jax_nn(impl):
+    return lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=causal, implementation=impl)
+
+  # name -> (function, modes it is timed in)
+  return {
+      "flash_v2": (ours(2), ("fwd", "fwd+bwd")),
+      "flash_v1": (ours(1), ("fwd",)),
+      "cudnn": (jax_nn("cudnn"), ("fwd", "fwd+bwd")),
+      "xla": (jax_nn("xla"), ("fwd", "fwd+bwd")),
+  }
+
+
+def _time(fn, args, calls: int, repeats: int) -> float:
+  jax.block_until_ready(fn(*args))  # Compile and warm up.
+  per_call = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    for _ in range(calls):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    per_call.append((time.perf_counter() - start) / calls)
+  return statistics.median(per_call)
+
+
+def run(head_dims, seq_lens, causals, tokens, hidden, dtype, calls, repeats,
+        impl_names, kv_heads=None, log=None):
+  """Times every implementation on every shape; one dict per measurement.
+
+  Each row is also appended to the file `log` as it is measured, so a run
+  cut short keeps what it measured.
+  """
+  rows = []
+  for head_dim in head_dims:
+    num_heads = hidden // head_dim
+    num_kv_heads = kv_heads or num_heads
+    for seq in seq_lens:
+      batch = max(1, tokens // seq)
+      keys = jax.random.split(jax.random.key(seq + head_dim), 4)
+      q = jax.random.normal(keys[0], (batch, seq, num_heads, head_dim), dtype)
+      k = jax.random.normal(keys[1], (batch, seq, num_kv_heads, head_dim),
+                            dtype)
+      v = jax.random.normal(keys[2], k.shape, dtype)
+      do = jax.random.normal(keys[3], q.shape, dtype)
+      for causal in causals:
+        fwd_flops = 4 * batch * num_heads * seq * seq * head_dim
+        fwd_flops /= 2 if causal else 1
+        impls = _impls(causal)
+        reference_out = None
+        for name in impl_names:
+          fn, modes = impls[name]
+          for mode in modes:
+            row = dict(impl=name, mode=mode, head_dim=head_dim, seq_len=seq,
+                       batch=batch, num_heads=num_heads,
+                       num_kv_heads=num_kv_heads, causal=causal,
+                       dtype=jnp.dtype(dtype).name)
+            try:
+              if mode == "fwd":
+                f = jax.jit(fn)
+                args = (q, k, v)
+                out = f(*args)
+                if reference_out is None:
+                  reference_out = out
+                row["rel_err_vs_first"] = relative_error(out, reference_out)
+              else:
+                f = jax.jit(lambda q, k, v, do, fn=fn: jax.vjp(fn, q, k, v)[1](do))
+                args = (q, k, v, do)
+              seconds = _time(f, args, calls, repeats)
+              flops = fwd_flops * (1.0 if mode == "fwd" else 3.5)
+              row.update(ms=seconds * 1e3, tflops=flops / seconds / 1e12)
+            except Exception as e:  # OOM or unsupported: say so, go on.
+              row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+              traceback.print_exc(limit=2)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if log:
+              with open(log, "a") as f:
+                f.write(json.dumps(row) + "\n")
+  return rows
+
+
+def markdown(rows) -> str:
+  """One line per (head dim, seq, causal): TFLOP/s and the ratio to cuDNN."""
+  def key(r):
+    return (r["head_dim"], r["seq_len"], r["causal"])
+  groups = {}
+  for r in rows:
+    groups.setdefault(key(r), {})[(r["impl"], r["mode"])] = r
+  cols = [("flash_v2", "fwd"), ("flash_v1", "fwd"), ("cudnn", "fwd"),
+          ("xla", "fwd"), ("flash_v2", "fwd+bwd"), ("cudnn", "fwd+bwd"),
+          ("xla", "fwd+bwd")]
+  head = ("| H | seq | causal | " +
+          " | ".join(f"{i} {m}" for i, m in cols) +
+          " | v2/cuDNN fwd | v2/cuDNN fwd+bwd |")
+  lines = [head, "|" + "---|" * (head.count("|") - 1)]
+
+  def fmt(r):
+    if r is None:
+      return "-"
+    if "tflops" in r:
+      return f"{r['tflops']:.0f}"
+    return "OOM" if "RESOURCE_EXHAUSTED" in r.get("error", "") else "fails"
+
+  def ratio(g, mode):
+    a, b = g.get(("flash_v2", mode)), g.get(("cudnn", mode))
+    if a and b and "tflops" in a and "tflops" in b:
+      return f"{a['tflops'] / b['tflops']:.2f}"
+    return "-"
+
+  for (h, s, c), g in sorted(groups.items()):
+    cells = [fmt(g.get(col)) for col in cols]
+    lines.append(f"| {h} | {s} | {'yes' if c else 'no'} | " +
+                 " | ".join(cells) +
+                 f" | {ratio(g, 'fwd')} | {ratio(g, 'fwd+bwd')} |")
+  return "\n".join(lines)
+
+
+def render(meta, rows, note="") -> str:
+  """The Markdown page for one run: what ran, how, and the table."""
+  return (f"# Benchmark, {meta['date'][:10]}, {meta['device']}, "
+          f"jax {meta['jax']}\n\n`{meta['command']}`\n\n"
+          "TFLOP/s (forward 4*B*N*T*S*H, halved for causal; fwd+bwd 3.5x "
+          "forward); batch = tokens / seq_len, num_heads = hidden / head_dim. "
+          "OOM: ran out of the GPU's memory; -: not run.\n\n"
+          + (note + "\n\n" if note else "") + markdown(rows) + "\n")
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--render", metavar="JSON",
+                      help="print the Markdown page of a saved run and exit "
+                      "(no GPU needed)")
+  parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+  parser.add_argument("--seq-lens", type=int, nargs="+",
+                      default=[1024, 2048, 4096, 8192, 16384])
+  parser.add_argument("--causal", choices=["both", "yes", "no"],
+                      default="both")
+  parser.add_argument("--tokens", type=int, default=16384,
+                      help="batch = tokens // seq_len")
+  parser.add_argument("--hidden", type=int, default=2048,
+                      help="num_heads = hidden // head_dim")
+  parser.add_argument("--kv-heads", type=int, default=None,
+                      help="GQA: key/value heads (default: num_heads)")
+  parser.add_argument("--dtype", default="bfloat16")
+  parser.add_argument("--impls", nargs="+",
+                      default=["flash_v2", "flash_v1", "cudnn", "xla"])
+  parser.add_argument("--calls", type=int, default=10)
+  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--out", default="benchmarks/results")
+  args = parser.parse_args(argv)
+  if args.render:
+    with open(args.render) as f:
+      saved = json.load(f)
+    print(render(saved["meta"], saved["rows"]), end="")
+    return
+  if jax.default_backend() != "gpu":
+    sys.exit("the benchmark times the GPU kernels: no GPU found")
+  causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+  os.makedirs(args.out, exist_ok=True)
+  open(os.path.join(args.out, "benchmark.jsonl"), "w").close()
+  rows = run(args.head_dims, args.seq_lens, causals, args.tokens, args.hidden,
+             jnp.dtype(args.dtype), args.calls, args.repeats, args.impls,
+             args.kv_heads, log=os.path.join(args.out, "benchmark.jsonl"))
+  meta = dict(
+      date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+      command="python -m jax_flash.benchmark " + " ".join(
+          sys.argv[1:] if argv is None else argv),
+      device=jax.devices()[0].device_kind, jax=jax.__version__,
+      python=platform.python_version())
+  meta.update(tokens=args.tokens, hidden=args.hidden, dtype=args.dtype)
+  with open(os.path.join(args.out, "benchmark.json"), "w") as f:
+    json.dump(dict(meta=meta, rows=rows), f, indent=1)
+  page = render(meta, rows)
+  with open(os.path.join(args.out, "benchmark.md"), "w") as f:
+    f.write(page)
+  print(page)
+
+
+if __name__ == "__main__":
+  main()

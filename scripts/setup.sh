@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Creates .venv (Python 3.12) with jax/jaxlib 0.11.2 and this package with its
+# test extra. Idempotent: a second run only checks. On a GPU machine install
+# the CUDA jaxlib plugin yourself (pip install "jax[cuda13]==0.11.2").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+find_python() {
+  for cmd in "python3.12" "env PYENV_VERSION=3.12.1 python3.12" "python3"; do
+    if $cmd -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; then
+      echo "$cmd"; return 0
+    fi
+  done
+  echo "jax-flash needs Python 3.12 (python3.12 not found)" >&2
+  return 1
+}
+
+if ! .venv/bin/python -c 'import jax, jax_flash, pytest; assert jax.__version__ == "0.11.2"' 2>/dev/null; then
+  PY="$(find_python)"
+  $PY -m venv .venv
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q "jax==0.11.2" "jaxlib==0.11.2" -e ".[test]"
+fi

@@ -1,0 +1,82 @@
+"""GPU-only: the real kernels at realistic sizes, and what a user sees."""
+import itertools
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flash
+from jax_flash.testing import relative_error, tolerance
+from tests.cases import Case, inputs
+from tests.test_correctness import _check
+
+pytestmark = pytest.mark.gpu
+
+# A wider sweep than the CPU can afford: every dtype x causal x head-dim class
+# at multi-tile, unaligned lengths, with GQA.
+SWEEP = [
+    Case(2, t, s, 8, k, h, dtype, causal)
+    for (dtype, causal, h), (t, s, k) in zip(
+        itertools.product(("bfloat16", "float16", "float32"), (False, True),
+                          (64, 96, 128, 256)),
+        itertools.cycle([(1000, 1000, 8), (2049, 1537, 2), (777, 2048, 1)]))
+]
+
+
+@pytest.mark.parametrize("case", SWEEP, ids=str)
+def test_sweep_matches_reference(case):
+  _check(case, "pallas")
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_long_sequence_bf16(version):
+  case = Case(1, 8192, 8192, 4, 2, 128, "bfloat16", True)
+  q, k, v, _ = inputs(case)
+  out = jax_flash.flash_attention(q, k, v, is_causal=True, version=version)
+  ref = jax_flash.reference_attention(q, k, v, is_causal=True)
+  assert relative_error(out, ref) <= tolerance(case.dtype).out
+
+
+def test_default_implementation_on_gpu_is_pallas():
+  case = Case(1, 300, 300, 2, 2, 64, "bfloat16", True)
+  q, k, v, _ = inputs(case)
+  hlo = jax.jit(lambda q, k, v: jax_flash.flash_attention(
+      q, k, v, is_causal=True)).lower(q, k, v).as_text()
+  assert "flash_attention_forward" in hlo
+
+
+def test_large_gradients_are_deterministic():
+  case = Case(2, 4096, 4096, 8, 2, 128, "bfloat16", True)
+  q, k, v, do = inputs(case)
+  f = jax.jit(jax.grad(lambda q, k, v: jnp.sum(
+      jax_flash.flash_attention(q, k, v, is_causal=True) * do),
+      argnums=(0, 1, 2)))
+  first = [np.asarray(g) for g in f(q, k, v)]
+  for _ in range(3):
+    for a, b in zip(first, f(q, k, v)):
+      np.testing.assert_array_equal(a, np.asarray(b))
+
+
+def test_no_deprecation_warning_reaches_the_user():
+  script = textwrap.dedent("""
+      import warnings
+      warnings.simplefilter("default")
+      import jax, jax.numpy as jnp
+      import jax_flash
+      x = jax.random.normal(jax.random.key(0), (1, 256, 2, 64), jnp.bfloat16)
+      for _ in range(3):
+        jax.block_until_ready(jax.grad(lambda x: jnp.sum(
+            jax_flash.flash_attention(x, x, x, is_causal=True)
+            .astype(jnp.float32)))(x))
+      print("ran")
+  """)
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+  result = subprocess.run([sys.executable, "-c", script], capture_output=True,
+                          text=True, env=env, timeout=300)
+  assert "ran" in result.stdout, result.stderr
+  assert "Pallas Triton backend is deprecated" not in result.stderr

@@ -1,0 +1,96 @@
+"""jit, grad, vmap, checkpoint, value_and_grad in a model; determinism."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_flash
+from jax_flash.testing import relative_error, tolerance
+from tests.cases import SMALL_BLOCKS, Case, inputs
+from tests.conftest import KERNEL_IMPL
+
+CASE = Case(2, 100, 70, 4, 2, 32, "float32", True)
+
+
+def _flash(q, k, v):
+  return jax_flash.flash_attention(q, k, v, is_causal=True,
+                                   implementation=KERNEL_IMPL,
+                                   block_sizes=SMALL_BLOCKS)
+
+
+def _ref(q, k, v):
+  return jax_flash.reference_attention(q, k, v, is_causal=True)
+
+
+def _loss(attn, do):
+  return lambda q, k, v: jnp.sum(attn(q, k, v) * do)
+
+
+def test_jit_grad_wrt_query_key_value():
+  q, k, v, do = inputs(CASE)
+  grads = jax.jit(jax.grad(_loss(_flash, do), argnums=(0, 1, 2)))(q, k, v)
+  ref = jax.grad(_loss(_ref, do), argnums=(0, 1, 2))(q, k, v)
+  for g, r in zip(grads, ref):
+    assert relative_error(g, r) <= tolerance(q.dtype).grad
+
+
+def test_vmap_over_extra_leading_axis():
+  q, k, v, do = inputs(CASE)
+  stack = lambda x: jnp.stack([x, 2 * x, -x])  # [3, B, ...]
+  qs, ks, vs, dos = map(stack, (q, k, v, do))
+  out = jax.jit(jax.vmap(_flash))(qs, ks, vs)
+  ref = jax.vmap(_ref)(qs, ks, vs)
+  assert out.shape == qs.shape
+  assert relative_error(out, ref) <= tolerance(q.dtype).out
+  loss = lambda attn: lambda q, k, v: jnp.sum(jax.vmap(attn)(q, k, v) * dos)
+  grads = jax.jit(jax.grad(loss(_flash), argnums=(0, 1, 2)))(qs, ks, vs)
+  ref_grads = jax.grad(loss(_ref), argnums=(0, 1, 2))(qs, ks, vs)
+  for g, r in zip(grads, ref_grads):
+    assert relative_error(g, r) <= tolerance(q.dtype).grad
+
+
+def test_checkpoint():
+  q, k, v, do = inputs(CASE)
+  f = jax.checkpoint(_loss(_flash, do))
+  grads = jax.jit(jax.grad(f, argnums=(0, 1, 2)))(q, k, v)
+  ref = jax.grad(_loss(_ref, do), argnums=(0, 1, 2))(q, k, v)
+  for g, r in zip(grads, ref):
+    assert relative_error(g, r) <= tolerance(q.dtype).grad
+
+
+def test_value_and_grad_in_a_model():
+  """A one-layer attention model: projections, attention, readout."""
+  b, t, d, n, kh, h = 2, 33, 64, 4, 2, 32
+  keys = jax.random.split(jax.random.key(3), 6)
+  params = {
+      "wq": jax.random.normal(keys[0], (d, n * h)) / np.sqrt(d),
+      "wk": jax.random.normal(keys[1], (d, kh * h)) / np.sqrt(d),
+      "wv": jax.random.normal(keys[2], (d, kh * h)) / np.sqrt(d),
+      "wo": jax.random.normal(keys[3], (n * h, d)) / np.sqrt(n * h),
+  }
+  x = jax.random.normal(keys[4], (b, t, d))
+  y = jax.random.normal(keys[5], (b, t, d))
+
+  def loss(params, attn):
+    q = (x @ params["wq"]).reshape(b, t, n, h)
+    k = (x @ params["wk"]).reshape(b, t, kh, h)
+    v = (x @ params["wv"]).reshape(b, t, kh, h)
+    out = attn(q, k, v).reshape(b, t, n * h) @ params["wo"]
+    return jnp.mean((out - y) ** 2)
+
+  value, grads = jax.jit(jax.value_and_grad(lambda p: loss(p, _flash)))(params)
+  ref_value, ref_grads = jax.value_and_grad(lambda p: loss(p, _ref))(params)
+  assert abs(float(value) - float(ref_value)) <= 1e-5 * abs(float(ref_value))
+  for name in params:
+    assert relative_error(grads[name], ref_grads[name]) <= 1e-4, name
+
+
+def test_gradients_are_deterministic():
+  case = Case(1, 255, 255, 8, 2, 64, "bfloat16", True)
+  q, k, v, do = inputs(case)
+  f = jax.jit(jax.grad(_loss(_flash, do), argnums=(0, 1, 2)))
+  first = [np.asarray(g) for g in f(q, k, v)]
+  f = jax.jit(jax.grad(_loss(_flash, do), argnums=(0, 1, 2)))  # Recompiled.
+  jax.clear_caches()
+  second = [np.asarray(g) for g in f(q, k, v)]
+  for a, b in zip(first, second):
+    np.testing.assert_array_equal(a, b)
