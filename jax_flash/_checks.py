@@ -109,6 +109,76 @@ def check_kernel_args(problem: Problem, dtype, block_sizes, version) -> None:
     raise ValueError(f"version must be 1 or 2, got {version!r}")
 
 
+def _int_array(x, name, shape, expected):
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise ValueError(f"{name} must be an integer array of shape {expected}, "
+                     f"got {type(x).__name__}")
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise ValueError(f"{name} must have an integer dtype, got {x.dtype}")
+  if tuple(x.shape) != tuple(shape):
+    raise ValueError(f"{name} must have shape {expected} = {tuple(shape)}, "
+                     f"got {tuple(x.shape)}")
+  return x
+
+
+def check_lengths(lengths, name, p: Problem):
+  """Sequence lengths: [B] (or [] / [1] for unbatched inputs) -> [B] or None."""
+  if lengths is None:
+    return None
+  if p.unbatched and getattr(lengths, "ndim", None) == 0:
+    lengths = lengths.reshape(1)
+  return _int_array(lengths, name, (p.batch,), "[batch]")
+
+
+def check_segment_ids(segment_ids, p: Problem):
+  """[B, T] (self-attention) or ([B, T], [B, S]) -> (q_ids, kv_ids) or None."""
+  if segment_ids is None:
+    return None
+  lead = () if p.unbatched else (p.batch,)
+  b = "" if p.unbatched else "batch, "
+  if isinstance(segment_ids, (tuple, list)):
+    if len(segment_ids) != 2:
+      raise ValueError("segment_ids must be an array or a pair "
+                       "(q_segment_ids, kv_segment_ids)")
+    q_ids, kv_ids = segment_ids
+  else:
+    if p.q_len != p.kv_len:
+      raise ValueError(
+          f"segment_ids as one array needs q_len == kv_len, got {p.q_len} "
+          f"and {p.kv_len}; pass (q_segment_ids, kv_segment_ids)")
+    q_ids = kv_ids = segment_ids
+  q_ids = _int_array(q_ids, "q_segment_ids", lead + (p.q_len,), f"[{b}q_len]")
+  kv_ids = _int_array(kv_ids, "kv_segment_ids", lead + (p.kv_len,),
+                      f"[{b}kv_len]")
+  if p.unbatched:
+    q_ids, kv_ids = q_ids[None], kv_ids[None]
+  return q_ids, kv_ids
+
+
+def check_window(local_window_size):
+  """int w -> (w, w); (left, right) with None for unbounded; static ints >= 0."""
+  if local_window_size is None:
+    return None, None
+  if isinstance(local_window_size, (int, np.integer)) and not isinstance(
+      local_window_size, bool):
+    window = (local_window_size, local_window_size)
+  elif (isinstance(local_window_size, (tuple, list)) and
+        len(local_window_size) == 2):
+    window = tuple(local_window_size)
+  else:
+    raise ValueError(
+        "local_window_size must be an int or a pair (left, right), got "
+        f"{local_window_size!r}")
+  for side in window:
+    if side is not None and (
+        not isinstance(side, (int, np.integer)) or isinstance(side, bool) or
+        side < 0):
+      raise ValueError(
+          "local_window_size entries must be static ints >= 0 (or None for "
+          f"unbounded), got {local_window_size!r}")
+  return tuple(None if w is None else int(w) for w in window)
+
+
 def check_not_yet(**kwargs) -> None:
   """Arguments of jax.nn.dot_product_attention the kernels do not take yet."""
   for name, value in kwargs.items():

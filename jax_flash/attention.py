@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_flash import _checks
-from jax_flash.reference import reference_attention
+from jax_flash.reference import prepare_mask, reference_attention
 from pallas_kernels import masking
 from pallas_kernels.config import BlockSizes
 from pallas_kernels.flash_bwd import flash_backward
@@ -27,29 +27,35 @@ class _Config:
   interpret: bool
 
 
-def _forward(q, k, v, cfg: _Config):
+def _forward(q, k, v, ids, cfg: _Config):
   forward = flash_forward if cfg.version == 2 else flash_forward_v1
   return forward(q, k, v, scale=cfg.scale, mask=cfg.mask,
-                 block_sizes=cfg.block_sizes, interpret=cfg.interpret)
+                 block_sizes=cfg.block_sizes, q_ids=ids[0], kv_ids=ids[1],
+                 interpret=cfg.interpret)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _flash(q, k, v, cfg: _Config):
-  """(o [B,T,N,H], lse2 [B,N,T] base-2 logsumexp) with the kernels' backward."""
-  return _forward(q, k, v, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _flash(q, k, v, ids, cfg: _Config):
+  """(o [B,T,N,H], lse2 [B,N,T] base-2 logsumexp) with the kernels' backward.
+
+  ids: (q_ids [B, T], kv_ids [B, S]) int32, or (None, None).
+  """
+  return _forward(q, k, v, ids, cfg)
 
 
-def _flash_fwd(q, k, v, cfg: _Config):
-  o, lse2 = _forward(q, k, v, cfg)
-  return (o, lse2), (q, k, v, o, lse2)
+def _flash_fwd(q, k, v, ids, cfg: _Config):
+  o, lse2 = _forward(q, k, v, ids, cfg)
+  return (o, lse2), (q, k, v, ids, o, lse2)
 
 
 def _flash_bwd(cfg: _Config, residuals, cotangents):
-  q, k, v, o, lse2 = residuals
+  q, k, v, ids, o, lse2 = residuals
   do, dlse2 = cotangents
-  return flash_backward(q, k, v, o, lse2, do.astype(q.dtype), dlse2,
-                        scale=cfg.scale, mask=cfg.mask,
-                        block_sizes=cfg.block_sizes, interpret=cfg.interpret)
+  dq, dk, dv = flash_backward(
+      q, k, v, o, lse2, do.astype(q.dtype), dlse2, scale=cfg.scale,
+      mask=cfg.mask, block_sizes=cfg.block_sizes, q_ids=ids[0], kv_ids=ids[1],
+      interpret=cfg.interpret)
+  return dq, dk, dv, (None, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -80,8 +86,8 @@ def _resolve_implementation(implementation, query) -> str:
 def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
                     is_causal=False, query_seq_lengths=None,
                     key_value_seq_lengths=None, local_window_size=None,
-                    return_residual=False, implementation=None,
-                    block_sizes=None, version=2):
+                    segment_ids=None, return_residual=False,
+                    implementation=None, block_sizes=None, version=2):
   """Exact attention, softmax(scale * Q K^T) V, without the T x S matrix in memory.
 
   A superset of `jax.nn.dot_product_attention`: same arguments, shapes and
@@ -95,8 +101,7 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
     key: [B, S, K, H] or [S, K, H]. Query head n attends with key/value head
       n // (N // K); keys are never repeated in memory.
     value: same shape as key.
-    bias, mask, query_seq_lengths, key_value_seq_lengths, local_window_size:
-      not supported yet; must be None (NotImplementedError otherwise).
+    bias, mask: not supported yet; must be None (NotImplementedError).
     scale: multiplies the scores; default 1 / sqrt(H). A static number.
     is_causal: query i attends to keys j <= i, aligned top-left when T != S
       (as jax.nn does). For T=3, S=5 the visible pairs are::
@@ -106,6 +111,16 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
           1 1 1 0 0
 
       Key tiles entirely above the diagonal are never loaded.
+    query_seq_lengths, key_value_seq_lengths: int [B]; positions at and past
+      a length are padding (queries there output 0, keys there are unseen).
+      Key tiles past a length are skipped.
+    local_window_size: int w or (left, right), static; query i sees keys
+      i - left <= j <= i + right (None: unbounded on that side), as in jax.nn.
+      Key tiles outside the band are skipped: cost grows with T x window.
+    segment_ids: int [B, T] for self-attention, or a pair (q_segment_ids
+      [B, T], kv_segment_ids [B, S]): a query sees only keys with the same id
+      (packed documents). Pairs of tiles whose id ranges do not overlap are
+      skipped. Ids must be > -2**31 + 1 (the two lowest are padding).
     return_residual: also return the logsumexp of the scaled scores,
       [B, T, N] (or [T, N]), natural log.
     implementation: None picks "pallas" when query lives on a GPU and "xla"
@@ -120,35 +135,39 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
   Returns:
     out: like query, in query.dtype; or `(out, logsumexp)`.
 
+  A query row that sees no key at all (all masked) outputs 0, with
+  logsumexp -inf and zero gradients, never NaN. (jax.nn returns the mean of V
+  there.)
+
   The kernels take float32, bfloat16 and float16 with float32 accumulation
   (float32 inputs use full-precision float32 dots), head dims 16 to 256 (any,
   padded internally to a power of two) and any T and S. Gradients with respect
   to query, key and value are deterministic (no atomics). Errors in the
   arguments are raised at trace time as ValueError.
   """
-  _checks.check_not_yet(bias=bias, mask=mask,
-                        query_seq_lengths=query_seq_lengths,
-                        key_value_seq_lengths=key_value_seq_lengths,
-                        local_window_size=local_window_size)
+  _checks.check_not_yet(bias=bias, mask=mask)
   p = _checks.check_qkv(query, key, value)
   scale = _checks.check_scale(scale, p.head_dim)
+  mask_args = dict(is_causal=is_causal, query_seq_lengths=query_seq_lengths,
+                   key_value_seq_lengths=key_value_seq_lengths,
+                   local_window_size=local_window_size, segment_ids=segment_ids)
+  spec, q_ids, kv_ids = prepare_mask(p, **mask_args)
   implementation = _resolve_implementation(implementation, query)
   if implementation == "xla":
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
       _checks.check_kernel_args(p, query.dtype, block_sizes, version)
     return reference_attention(query, key, value, scale=scale,
-                               is_causal=is_causal,
-                               return_residual=return_residual)
+                               return_residual=return_residual, **mask_args)
   _checks.check_kernel_args(p, query.dtype, block_sizes, version)
   if block_sizes is None:
     block_sizes = BlockSizes.get_default(p.head_dim, query.dtype, is_causal)
-  cfg = _Config(scale=scale, mask=masking.Mask(is_causal=bool(is_causal)),
+  cfg = _Config(scale=scale, mask=spec,
                 block_sizes=block_sizes.clipped(p.q_len, p.kv_len),
                 version=version, interpret=implementation == "interpret")
   if p.unbatched:
     query, key, value = query[None], key[None], value[None]
   with jax.named_scope("jax_flash_attention"):
-    out, lse2 = _flash(query, key, value, cfg)
+    out, lse2 = _flash(query, key, value, (q_ids, kv_ids), cfg)
   lse = (lse2 * math.log(2.0)).transpose(0, 2, 1)
   if p.unbatched:
     out, lse = out[0], lse[0]

@@ -28,22 +28,38 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import masking, online_softmax
 from pallas_kernels.config import BlockSizes, padded_head_dim
-from pallas_kernels.tiles import dot, load_row_stat, load_tile, store_tile
+from pallas_kernels.tiles import (dot, load_ids, load_row_stat, load_table_row,
+                                  load_tile, store_tile)
 
 _INF = float("inf")
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref,
-                 dv_ref, *, scale: float, scale_log2: float,
-                 mask: masking.Mask, head_dim: int, block_q: int,
-                 block_k: int):
-  """q_ref/do_ref: [T, G, Hp]; k/v/dk/dv_ref: [S, Hp]; lse/delta_ref: [G, T]."""
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs,
+                 scale: float, scale_log2: float, mask: masking.Mask,
+                 head_dim: int, block_q: int, block_k: int):
+  """One (key tile, batch, kv head).
+
+  q_ref/do_ref: [T, G, Hp]; k/v/dk/dv_ref: [S, Hp]; lse/delta_ref: [G, T].
+  With ids, refs starts with q_ids_ref [T], kv_ids_ref [S] and table_ref
+  [num_kv_tiles, 4] (query-tile ranges per key tile).
+  """
+  if mask.has_ids:
+    q_ids_ref, kv_ids_ref, table_ref, dk_ref, dv_ref = refs
+  else:
+    dk_ref, dv_ref = refs
   q_len, group = q_ref.shape[0], q_ref.shape[1]
   kv_len = k_ref.shape[0]
   kv_start = pl.program_id(0) * block_k
-  cols = kv_start + jnp.arange(block_k)
+  cols = (kv_start + jnp.arange(block_k))[:, None]
   k = load_tile(k_ref, kv_start, block_k, row_bound=kv_len, head_dim=head_dim)
   v = load_tile(v_ref, kv_start, block_k, row_bound=kv_len, head_dim=head_dim)
+  ranges = masking.q_block_ranges(mask, kv_start, block_k, block_q, q_len)
+  kv_ids = None
+  if mask.has_ids:
+    kv_ids = load_ids(kv_ids_ref, kv_start, block_k, bound=kv_len,
+                      pad_id=masking.KV_PAD_ID)[:, None]
+    ranges = masking.intersect_ranges(
+        ranges, load_table_row(table_ref, pl.program_id(0)))
 
   def body(j, carry, *, head, masked: bool):
     dk, dv = carry
@@ -60,17 +76,20 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref,
     s_t = dot(k, q, trans_b=True) * scale_log2  # [block_k, block_q]
     p_t = jnp.exp2(s_t - lse2[None, :])
     if masked:
-      rows = q_start + jnp.arange(block_q)
-      p_t = jnp.where(mask.visible(rows[None, :], cols[:, None], kv_len),
-                      p_t, 0.0)
+      rows = (q_start + jnp.arange(block_q))[None, :]
+      q_ids = None
+      if mask.has_ids:
+        q_ids = load_ids(q_ids_ref, q_start, block_q, bound=q_len,
+                         pad_id=masking.Q_PAD_ID)[None, :]
+      p_t = jnp.where(mask.visible(rows, cols, kv_len, q_ids, kv_ids), p_t,
+                      0.0)
     dv = dv + dot(p_t.astype(do.dtype), do)
     dp_t = dot(v, do, trans_b=True)
     ds_t = p_t * (dp_t - delta[None, :])
     dk = dk + dot(ds_t.astype(q.dtype), q)
     return dk, dv
 
-  lo, full_lo, full_hi, hi = masking.q_block_ranges(
-      mask, kv_start, block_k, block_q, q_len)
+  lo, full_lo, full_hi, hi = ranges
 
   def head_body(head, carry):
     for start, stop, masked in ((lo, full_lo, True), (full_lo, full_hi, False),
@@ -86,10 +105,18 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref,
   store_tile(dv_ref, kv_start, dv, row_bound=kv_len, head_dim=head_dim)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *,
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs,
                scale: float, scale_log2: float, mask: masking.Mask,
                head_dim: int, block_q: int, block_k: int):
-  """q/do/dq_ref: [T, Hp]; k/v_ref: [S, Hp]; lse/delta_ref: [T]."""
+  """One (query tile, batch, head).
+
+  q/do/dq_ref: [T, Hp]; k/v_ref: [S, Hp]; lse/delta_ref: [T]. With ids, refs
+  starts with q_ids_ref [T], kv_ids_ref [S] and table_ref [num_q_tiles, 4].
+  """
+  if mask.has_ids:
+    q_ids_ref, kv_ids_ref, table_ref, dq_ref = refs
+  else:
+    (dq_ref,) = refs
   q_len, kv_len = q_ref.shape[0], k_ref.shape[0]
   i = pl.num_programs(0) - 1 - pl.program_id(0)  # Longest tiles first.
   q_start = i * block_q
@@ -99,6 +126,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *,
   lse2 = online_softmax.backward_lse(load_row_stat(
       lse_ref, q_start, block_q, row_bound=q_len, other=_INF))
   delta = load_row_stat(delta_ref, q_start, block_q, row_bound=q_len)
+  ranges = masking.kv_block_ranges(mask, q_start, block_q, block_k, kv_len)
+  q_ids = None
+  if mask.has_ids:
+    q_ids = load_ids(q_ids_ref, q_start, block_q, bound=q_len,
+                     pad_id=masking.Q_PAD_ID)[:, None]
+    ranges = masking.intersect_ranges(ranges, load_table_row(table_ref, i))
 
   def body(j, dq, *, masked: bool):
     k_start = j * block_k
@@ -108,14 +141,18 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *,
     s = dot(q, k, trans_b=True) * scale_log2
     p = jnp.exp2(s - lse2[:, None])
     if masked:
-      cols = k_start + jnp.arange(block_k)
-      p = jnp.where(mask.visible(rows[:, None], cols[None, :], kv_len), p, 0.0)
+      cols = (k_start + jnp.arange(block_k))[None, :]
+      kv_ids = None
+      if mask.has_ids:
+        kv_ids = load_ids(kv_ids_ref, k_start, block_k, bound=kv_len,
+                          pad_id=masking.KV_PAD_ID)[None, :]
+      p = jnp.where(mask.visible(rows[:, None], cols, kv_len, q_ids, kv_ids),
+                    p, 0.0)
     dp = dot(do, v, trans_b=True)
     ds = p * (dp - delta[:, None])
     return dq + dot(ds.astype(k.dtype), k)
 
-  lo, full_lo, full_hi, hi = masking.kv_block_ranges(
-      mask, q_start, block_q, block_k, kv_len)
+  lo, full_lo, full_hi, hi = ranges
   dq = jnp.zeros((block_q, q_ref.shape[-1]), jnp.float32)
   for start, stop, masked in ((lo, full_lo, True), (full_lo, full_hi, False),
                               (full_hi, hi, True)):
@@ -124,14 +161,15 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *,
 
 
 def flash_backward(q, k, v, o, lse2, do, dlse2, *, scale: float,
-                   mask: masking.Mask, block_sizes: BlockSizes,
-                   interpret: bool = False):
+                   mask: masking.Mask, block_sizes: BlockSizes, q_ids=None,
+                   kv_ids=None, interpret: bool = False):
   """Gradients of the forward with respect to q, k, v.
 
   Args:
     q: [B, T, N, H]; k, v: [B, S, K, H]; o, do: [B, T, N, H].
     lse2: [B, N, T] base-2 logsumexp saved by the forward.
     dlse2: [B, N, T] cotangent of lse2 (zeros unless the caller used it).
+    q_ids, kv_ids: int32 [B, T], [B, S] when `mask.has_ids`.
   Returns:
     dq [B, T, N, H] in q.dtype; dk, dv [B, S, K, H] in k.dtype, summed over
     the query heads that share each key/value head.
@@ -158,18 +196,27 @@ def flash_backward(q, k, v, o, lse2, do, dlse2, *, scale: float,
                             lambda j, b, h: (b, 0, h, 0))
   kv_spec = pl.BlockSpec((None, kv_len, None, hp), lambda j, b, h: (b, 0, h, 0))
   group_stat_spec = pl.BlockSpec((None, group, q_len), lambda j, b, h: (b, h, 0))
+  num_kv_tiles = pl.cdiv(kv_len, bk)
+  in_specs = [group_spec, kv_spec, kv_spec, group_spec, group_stat_spec,
+              group_stat_spec]
+  operands = [q, k, v, do, lse2, delta]
+  if mask.has_ids:
+    in_specs += [pl.BlockSpec((None, q_len), lambda j, b, h: (b, 0)),
+                 pl.BlockSpec((None, kv_len), lambda j, b, h: (b, 0)),
+                 pl.BlockSpec((None, num_kv_tiles, 4),
+                              lambda j, b, h: (b, 0, 0))]
+    operands += [q_ids, kv_ids, masking.id_block_table(kv_ids, q_ids, bk, bq)]
   dk, dv = pl.pallas_call(
       functools.partial(_dkdv_kernel, block_q=bq, block_k=bk, **params),
-      grid=(pl.cdiv(kv_len, bk), batch, num_kv_heads),
-      in_specs=[group_spec, kv_spec, kv_spec, group_spec, group_stat_spec,
-                group_stat_spec],
+      grid=(num_kv_tiles, batch, num_kv_heads),
+      in_specs=in_specs,
       out_specs=[kv_spec, kv_spec],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
                  jax.ShapeDtypeStruct(v.shape, v.dtype)],
       compiler_params=compiler_params,
       interpret=interpret,
       name="flash_attention_backward_dkdv",
-  )(q, k, v, do, lse2, delta)
+  )(*operands)
 
   # dQ: grid over (query tiles, batch, heads).
   bq, bk = block_sizes.block_q_dq, block_sizes.block_k_dq
@@ -177,14 +224,23 @@ def flash_backward(q, k, v, o, lse2, do, dlse2, *, scale: float,
   kv_spec = pl.BlockSpec((None, kv_len, None, hp),
                          lambda i, b, n: (b, 0, lax.div(n, group), 0))
   stat_spec = pl.BlockSpec((None, None, q_len), lambda i, b, n: (b, n, 0))
+  num_q_tiles = pl.cdiv(q_len, bq)
+  in_specs = [q_spec, kv_spec, kv_spec, q_spec, stat_spec, stat_spec]
+  operands = [q, k, v, do, lse2, delta]
+  if mask.has_ids:
+    in_specs += [pl.BlockSpec((None, q_len), lambda i, b, n: (b, 0)),
+                 pl.BlockSpec((None, kv_len), lambda i, b, n: (b, 0)),
+                 pl.BlockSpec((None, num_q_tiles, 4),
+                              lambda i, b, n: (b, 0, 0))]
+    operands += [q_ids, kv_ids, masking.id_block_table(q_ids, kv_ids, bq, bk)]
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, block_q=bq, block_k=bk, **params),
-      grid=(pl.cdiv(q_len, bq), batch, num_heads),
-      in_specs=[q_spec, kv_spec, kv_spec, q_spec, stat_spec, stat_spec],
+      grid=(num_q_tiles, batch, num_heads),
+      in_specs=in_specs,
       out_specs=q_spec,
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       compiler_params=compiler_params,
       interpret=interpret,
       name="flash_attention_backward_dq",
-  )(q, k, v, do, lse2, delta)
+  )(*operands)
   return dq, dk, dv

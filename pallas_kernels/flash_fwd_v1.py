@@ -25,13 +25,23 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import masking, online_softmax
 from pallas_kernels.config import BlockSizes, padded_head_dim
-from pallas_kernels.tiles import (dot, load_row_stat, load_tile,
-                                  store_row_stat, store_tile)
+from pallas_kernels.tiles import (dot, load_ids, load_row_stat,
+                                  load_table_row, load_tile, store_row_stat,
+                                  store_tile)
 
-def _forward_v1_kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
-                       scale_log2: float, mask: masking.Mask, head_dim: int,
-                       block_q: int, block_k: int, interpret: bool):
-  """q_ref/o_ref: [T, Hp]; k_ref/v_ref: [S, Hp]; m_ref/l_ref: [T]."""
+def _forward_v1_kernel(q_ref, k_ref, v_ref, *refs, scale_log2: float,
+                       mask: masking.Mask, head_dim: int, block_q: int,
+                       block_k: int, interpret: bool):
+  """One (batch, head).
+
+  q_ref/o_ref: [T, Hp]; k_ref/v_ref: [S, Hp]; m_ref/l_ref: [T]. With ids,
+  refs starts with q_ids_ref [T], kv_ids_ref [S] and table_ref
+  [num_kv_tiles, 4] (query-tile ranges per key tile).
+  """
+  if mask.has_ids:
+    q_ids_ref, kv_ids_ref, table_ref, o_ref, m_ref, l_ref = refs
+  else:
+    o_ref, m_ref, l_ref = refs
   q_len, kv_len = q_ref.shape[0], k_ref.shape[0]
   hp = q_ref.shape[-1]
 
@@ -48,7 +58,7 @@ def _forward_v1_kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
     store_row_stat(l_ref, q_start, l, row_bound=q_len)
     return carry
 
-  def q_step(i, carry, *, k, v, cols, masked: bool):
+  def q_step(i, carry, *, k, v, cols, kv_ids, masked: bool):
     q_start = i * block_q
     q = load_tile(q_ref, q_start, block_q, row_bound=q_len, head_dim=head_dim)
     o = load_tile(o_ref, q_start, block_q, row_bound=q_len, head_dim=head_dim)
@@ -56,8 +66,12 @@ def _forward_v1_kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
     l = load_row_stat(l_ref, q_start, block_q, row_bound=q_len)
     s = dot(q, k, trans_b=True) * scale_log2
     if masked:
-      rows = q_start + jnp.arange(block_q)
-      s = jnp.where(mask.visible(rows[:, None], cols[None, :], kv_len), s,
+      rows = (q_start + jnp.arange(block_q))[:, None]
+      q_ids = None
+      if mask.has_ids:
+        q_ids = load_ids(q_ids_ref, q_start, block_q, bound=q_len,
+                         pad_id=masking.Q_PAD_ID)[:, None]
+      s = jnp.where(mask.visible(rows, cols, kv_len, q_ids, kv_ids), s,
                     online_softmax.NEG_INF)
     m_new, l_new, a, b, p = online_softmax.update_v1(m, l, s)
     pv = dot(p.astype(v.dtype), v)
@@ -73,10 +87,15 @@ def _forward_v1_kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
     bound = kv_len if tail else None
     k = load_tile(k_ref, k_start, block_k, row_bound=bound, head_dim=head_dim)
     v = load_tile(v_ref, k_start, block_k, row_bound=bound, head_dim=head_dim)
-    step = functools.partial(q_step, k=k, v=v,
-                             cols=k_start + jnp.arange(block_k))
-    lo, full_lo, full_hi, hi = masking.q_block_ranges(
-        mask, k_start, block_k, block_q, q_len)
+    ranges = masking.q_block_ranges(mask, k_start, block_k, block_q, q_len)
+    kv_ids = None
+    if mask.has_ids:
+      kv_ids = load_ids(kv_ids_ref, k_start, block_k, bound=kv_len,
+                        pad_id=masking.KV_PAD_ID)[None, :]
+      ranges = masking.intersect_ranges(ranges, load_table_row(table_ref, j))
+    lo, full_lo, full_hi, hi = ranges
+    step = functools.partial(q_step, k=k, v=v, kv_ids=kv_ids,
+                             cols=(k_start + jnp.arange(block_k))[None, :])
     if tail:  # The last, partial key tile: every query tile takes the mask.
       lax.fori_loop(lo, hi, functools.partial(step, masked=True), None)
     else:
@@ -96,7 +115,8 @@ def _forward_v1_kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
 
 
 def flash_forward_v1(q, k, v, *, scale: float, mask: masking.Mask,
-                     block_sizes: BlockSizes, interpret: bool = False):
+                     block_sizes: BlockSizes, q_ids=None, kv_ids=None,
+                     interpret: bool = False):
   """FlashAttention-1 forward. Shapes and returns as `flash_forward`."""
   batch, q_len, num_heads, head_dim = q.shape
   kv_len, num_kv_heads = k.shape[1], k.shape[2]
@@ -111,10 +131,18 @@ def flash_forward_v1(q, k, v, *, scale: float, mask: masking.Mask,
                          lambda b, n: (b, 0, lax.div(n, group), 0))
   stat_spec = pl.BlockSpec((None, None, q_len), lambda b, n: (b, n, 0))
   stat_shape = jax.ShapeDtypeStruct((batch, num_heads, q_len), jnp.float32)
+  in_specs, operands = [q_spec, kv_spec, kv_spec], [q, k, v]
+  if mask.has_ids:
+    bq, bk = block_sizes.block_q, block_sizes.block_k
+    in_specs += [pl.BlockSpec((None, q_len), lambda b, n: (b, 0)),
+                 pl.BlockSpec((None, kv_len), lambda b, n: (b, 0)),
+                 pl.BlockSpec((None, pl.cdiv(kv_len, bk), 4),
+                              lambda b, n: (b, 0, 0))]
+    operands += [q_ids, kv_ids, masking.id_block_table(kv_ids, q_ids, bk, bq)]
   o, m, l = pl.pallas_call(
       kernel,
       grid=(batch, num_heads),
-      in_specs=[q_spec, kv_spec, kv_spec],
+      in_specs=in_specs,
       out_specs=[q_spec, stat_spec, stat_spec],
       # O is kept in float32 in HBM: it is re-read and rescaled every step.
       out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32), stat_shape,
@@ -123,5 +151,5 @@ def flash_forward_v1(q, k, v, *, scale: float, mask: masking.Mask,
           num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages),
       interpret=interpret,
       name="flash_attention_forward_v1",
-  )(q, k, v)
+  )(*operands)
   return o.astype(q.dtype), online_softmax.logsumexp2(m, l)

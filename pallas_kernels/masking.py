@@ -1,34 +1,67 @@
 """Which (query, key) pairs attend, and which tiles must evaluate that predicate.
 
-Backend-agnostic: plain `jnp`/`lax` on integer scalars and index vectors, so the
-Triton kernels, a future Mosaic GPU kernel and the reference all read the same
-description. Positions are absolute indices: query row `i` in [0, q_len), key
-column `j` in [0, kv_len). Causal masks are aligned top-left, as in
-`jax.nn.dot_product_attention`: row `i` sees columns `j <= i`, e.g. for
-q_len=3, kv_len=5::
+Backend-agnostic: plain `jnp`/`lax`, so the Triton kernels, a future Mosaic GPU
+kernel and the reference all read this one description. Positions are
+absolute: query row `i` in [0, q_len), key column `j` in [0, kv_len).
+
+A mask has a static part, a band of columns around each row,
+
+    row i sees columns j with  i - left <= j <= i + right
+
+(`is_causal` sets right = 0, aligned top-left as in jax.nn; a local window
+sets left and right; None means unbounded), and an optional dynamic part,
+per-row and per-column integer ids: row i sees column j only if
+`q_ids[i] == kv_ids[j]`. Ids carry packed-segment ids and sequence lengths
+(rows past a query length and columns past a key length get sentinel ids that
+match nothing). For q_len=3, kv_len=5, causal::
 
     1 0 0 0 0
     1 1 0 0 0
     1 1 1 0 0
+
+Tiles are classified into skipped (never loaded), fully visible (no predicate)
+and partial (predicate evaluated), from the band statically and from per-block
+id ranges dynamically.
 """
 from __future__ import annotations
 
 import dataclasses
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+
+# Ids of rows past a query length / columns past a key length: they match
+# nothing, not even each other. User ids must be larger.
+Q_PAD_ID = int(np.iinfo(np.int32).min)
+KV_PAD_ID = Q_PAD_ID + 1
 
 
 @dataclasses.dataclass(frozen=True)
 class Mask:
-  """Static description of the attention mask (hashable, a jit static)."""
+  """Static description of the attention mask (hashable: a jit static)."""
   is_causal: bool = False
+  window_left: int | None = None
+  window_right: int | None = None
+  has_ids: bool = False  # Per-row / per-column ids (segments, lengths).
 
-  def visible(self, rows, cols, kv_len: int):
-    """Boolean predicate, broadcasting `rows` [.., 1] against `cols` [1, ..]."""
-    ok = cols < kv_len
+  def band(self) -> tuple[int | None, int | None]:
+    """(left, right): row i sees columns [i - left, i + right]."""
+    right = self.window_right
     if self.is_causal:
-      ok = jnp.logical_and(ok, cols <= rows)
+      right = 0 if right is None else min(right, 0)
+    return self.window_left, right
+
+  def visible(self, rows, cols, kv_len: int, q_ids=None, kv_ids=None):
+    """Boolean predicate; rows/q_ids broadcast against cols/kv_ids."""
+    ok = cols < kv_len
+    left, right = self.band()
+    if right is not None:
+      ok = jnp.logical_and(ok, cols <= rows + right)
+    if left is not None:
+      ok = jnp.logical_and(ok, cols >= rows - left)
+    if self.has_ids:
+      ok = jnp.logical_and(ok, q_ids == kv_ids)
     return ok
 
 
@@ -37,51 +70,148 @@ def cdiv(a, b):
   return lax.div(a + (b - 1), b)
 
 
+def _i32(x):
+  return jnp.asarray(x, jnp.int32)
+
+
+def clamp_ranges(lo, full_lo, full_hi, hi):
+  """Makes lo <= full_lo <= full_hi <= hi, shrinking the full range."""
+  full_lo = jnp.minimum(jnp.maximum(full_lo, lo), hi)
+  full_hi = jnp.minimum(jnp.maximum(full_hi, full_lo), hi)
+  return lo, full_lo, full_hi, hi
+
+
+def intersect_ranges(a, b):
+  """Tiles visited by both, fully visible under both."""
+  lo, full_lo = jnp.maximum(a[0], b[0]), jnp.maximum(a[1], b[1])
+  full_hi, hi = jnp.minimum(a[2], b[2]), jnp.minimum(a[3], b[3])
+  return clamp_ranges(lo, full_lo, full_hi, jnp.maximum(hi, lo))
+
+
 def kv_block_ranges(mask: Mask, q_start, block_q: int, block_k: int,
                     kv_len: int):
-  """Key blocks a query tile [q_start, q_start + block_q) must visit.
+  """Key tiles a query tile [q_start, q_start + block_q) must visit, by the band.
 
-  Returns `(lo, full_lo, full_hi, hi)`: blocks in [lo, hi) are visited; those in
+  Returns `(lo, full_lo, full_hi, hi)`: tiles in [lo, hi) are visited; those in
   [full_lo, full_hi) are entirely visible (no predicate); those in
-  [lo, full_lo) and [full_hi, hi) evaluate `mask.visible`. Blocks outside
-  [lo, hi) are entirely masked: never loaded, never computed.
+  [lo, full_lo) and [full_hi, hi) evaluate `mask.visible`. Tiles outside
+  [lo, hi) are entirely masked: never loaded, never computed. The last tile,
+  if it reaches past kv_len, is never in the full range.
   """
-  num_kv_blocks = cdiv(kv_len, block_k)
-  num_whole_blocks = kv_len // block_k  # Blocks with no column past kv_len.
-  lo = jnp.int32(0)
-  if mask.is_causal:
-    # The last row of the tile sees columns <= q_start + block_q - 1; the
-    # first row sees columns <= q_start.
-    hi = jnp.minimum(cdiv(q_start + block_q, block_k), num_kv_blocks)
-    full_hi = jnp.minimum(lax.div(q_start + 1, block_k), num_whole_blocks)
-  else:
-    hi = jnp.int32(num_kv_blocks)
-    full_hi = jnp.int32(num_whole_blocks)
-  return lo, lo, full_hi, hi
+  num_tiles = cdiv(kv_len, block_k)
+  num_whole = kv_len // block_k
+  left, right = mask.band()
+  r0 = _i32(q_start)
+  r1 = r0 + (block_q - 1)
+  lo = _i32(0)
+  full_lo = _i32(0)
+  hi = _i32(num_tiles)
+  full_hi = _i32(num_whole)
+  if left is not None:
+    # Column c0 of tile j is visible from row r1 iff c0 >= r1 - left, ...
+    lo = lax.div(jnp.maximum(r0 - left, 0), block_k)
+    full_lo = cdiv(jnp.maximum(r1 - left, 0), block_k)
+  if right is not None:
+    hi = jnp.minimum(lax.div(r1 + right, block_k) + 1, num_tiles)
+    full_hi = jnp.minimum(lax.div(r0 + right + 1, block_k), num_whole)
+  return clamp_ranges(jnp.minimum(lo, hi), full_lo, full_hi, hi)
 
 
 def q_block_ranges(mask: Mask, kv_start, block_k: int, block_q: int,
                    q_len: int):
-  """Query blocks a key tile [kv_start, kv_start + block_k) must visit.
+  """Query tiles a key tile [kv_start, kv_start + block_k) must visit, by the band.
 
   Same contract as `kv_block_ranges`, seen from the key side (dK/dV kernel).
-  Columns past kv_len only produce rows of dK/dV that are never stored, so the
-  key bound needs no predicate here.
+  Columns past kv_len only produce rows of dK/dV that are never stored, and
+  rows past q_len load zeros that add nothing, so neither bound needs the
+  predicate here.
   """
-  num_q_blocks = cdiv(q_len, block_q)
-  hi = jnp.int32(num_q_blocks)
-  if mask.is_causal:
-    # Row i sees column kv_start only if i >= kv_start; it sees the whole key
-    # tile if i >= kv_start + block_k - 1.
-    lo = jnp.minimum(lax.div(kv_start, block_q), hi)
-    full_lo = jnp.minimum(cdiv(kv_start + block_k - 1, block_q), hi)
-  else:
-    lo = full_lo = jnp.int32(0)
-  return lo, full_lo, hi, hi
+  num_tiles = cdiv(q_len, block_q)
+  left, right = mask.band()
+  c0 = _i32(kv_start)
+  c1 = c0 + (block_k - 1)
+  lo = _i32(0)
+  full_lo = _i32(0)
+  hi = _i32(num_tiles)
+  full_hi = _i32(num_tiles)
+  if right is not None:  # Row r sees column c iff c - right <= r <= c + left.
+    lo = lax.div(jnp.maximum(c0 - right, 0), block_q)
+    full_lo = cdiv(jnp.maximum(c1 - right, 0), block_q)
+  if left is not None:
+    hi = jnp.minimum(lax.div(c1 + left, block_q) + 1, num_tiles)
+    full_hi = jnp.minimum(lax.div(c0 + left + 1, block_q), num_tiles)
+  return clamp_ranges(jnp.minimum(lo, hi), full_lo, full_hi, hi)
 
 
-def dense_mask(mask: Mask, q_len: int, kv_len: int):
-  """The full [q_len, kv_len] boolean mask (for the reference only)."""
+def _block_min_max(ids, block: int):
+  """Per-block min and max of [B, L] ids; the last block is padded by its edge."""
+  b, n = ids.shape
+  num = -(-n // block)
+  padded = jnp.pad(ids, ((0, 0), (0, num * block - n)), mode="edge")
+  padded = padded.reshape(b, num, block)
+  return padded.min(axis=-1), padded.max(axis=-1)
+
+
+def _first_last(flags):
+  """[.., n] booleans -> (index of first True, index of last True + 1); (0, 0) if none."""
+  n = flags.shape[-1]
+  idx = jnp.arange(n, dtype=jnp.int32)
+  first = jnp.min(jnp.where(flags, idx, n), axis=-1)
+  last = jnp.max(jnp.where(flags, idx + 1, 0), axis=-1)
+  none = last == 0
+  return jnp.where(none, 0, first), last
+
+
+def id_block_table(row_ids, col_ids, block_rows: int, block_cols: int):
+  """Per-(batch, row tile) ranges of column tiles, by the ids alone.
+
+  row_ids: [B, R]; col_ids: [B, C] (for the dK/dV kernel, rows are keys).
+  Returns int32 [B, num_row_tiles, 4]: (lo, full_lo, full_hi, hi) as in
+  `kv_block_ranges`. A pair of tiles is visited if their id ranges
+  [min, max] overlap (no shared id otherwise); it is fully visible if both
+  hold a single, equal id. The visited range spans every overlapping tile;
+  the full range is kept only where the fully visible tiles are contiguous.
+  """
+  r_min, r_max = _block_min_max(row_ids, block_rows)
+  c_min, c_max = _block_min_max(col_ids, block_cols)
+  r_min, r_max = r_min[:, :, None], r_max[:, :, None]
+  c_min, c_max = c_min[:, None, :], c_max[:, None, :]
+  overlap = (r_max >= c_min) & (r_min <= c_max)
+  full = (r_min == r_max) & (c_min == c_max) & (r_min == c_min)
+  lo, hi = _first_last(overlap)
+  full_lo, full_hi = _first_last(full)
+  contiguous = jnp.sum(full, axis=-1) == full_hi - full_lo
+  full_hi = jnp.where(contiguous, full_hi, full_lo)
+  lo, full_lo, full_hi, hi = clamp_ranges(lo, full_lo, full_hi, hi)
+  return jnp.stack([lo, full_lo, full_hi, hi], axis=-1).astype(jnp.int32)
+
+
+def make_ids(batch: int, q_len: int, kv_len: int, *, q_segment_ids=None,
+             kv_segment_ids=None, q_lengths=None, kv_lengths=None):
+  """Row and column ids [B, T], [B, S] for segments and lengths (None if neither)."""
+  if (q_segment_ids is None and q_lengths is None and kv_lengths is None):
+    return None, None
+  q_ids = (jnp.zeros((batch, q_len), jnp.int32) if q_segment_ids is None else
+           jnp.broadcast_to(q_segment_ids.astype(jnp.int32), (batch, q_len)))
+  kv_ids = (jnp.zeros((batch, kv_len), jnp.int32) if kv_segment_ids is None
+            else jnp.broadcast_to(kv_segment_ids.astype(jnp.int32),
+                                  (batch, kv_len)))
+  if q_lengths is not None:
+    rows = jnp.arange(q_len, dtype=jnp.int32)[None, :]
+    q_ids = jnp.where(rows < q_lengths.astype(jnp.int32)[:, None], q_ids,
+                      Q_PAD_ID)
+  if kv_lengths is not None:
+    cols = jnp.arange(kv_len, dtype=jnp.int32)[None, :]
+    kv_ids = jnp.where(cols < kv_lengths.astype(jnp.int32)[:, None], kv_ids,
+                       KV_PAD_ID)
+  return q_ids, kv_ids
+
+
+def dense_mask(mask: Mask, q_len: int, kv_len: int, q_ids=None, kv_ids=None):
+  """The full boolean mask, [q_len, kv_len] or [B, q_len, kv_len] with ids."""
   rows = jnp.arange(q_len, dtype=jnp.int32)[:, None]
   cols = jnp.arange(kv_len, dtype=jnp.int32)[None, :]
-  return mask.visible(rows, cols, kv_len)
+  if not mask.has_ids:
+    return mask.visible(rows, cols, kv_len)
+  return mask.visible(rows[None], cols[None], kv_len, q_ids[:, :, None],
+                      kv_ids[:, None, :])

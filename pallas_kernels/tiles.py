@@ -78,3 +78,13 @@ def dot(a, b, *, trans_b: bool = False):
   """
   precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
   return plgpu.dot(a, b, trans_b=trans_b, precision=precision)
+
+
+def load_ids(ref, start, size, *, bound, pad_id):
+  """A [size] slice of per-row or per-column ids ([L] ref), `pad_id` past `bound`."""
+  return load_row_stat(ref, start, size, row_bound=bound, other=pad_id)
+
+
+def load_table_row(table_ref, i):
+  """The 4 tile-range scalars (lo, full_lo, full_hi, hi) of row tile i."""
+  return tuple(table_ref[i, c] for c in range(4))
