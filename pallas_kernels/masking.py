@@ -110,6 +110,8 @@ def kv_block_ranges(mask: Mask, q_start, block_q: int, block_k: int,
   if left is not None:
     # Column c0 of tile j is visible from row r1 iff c0 >= r1 - left, ...
     lo = lax.div(jnp.maximum(r0 - left, 0), block_k)
+    # Every visible column is past kv_len: nothing to visit.
+    lo = jnp.where(r0 - left >= kv_len, num_tiles, lo)
     full_lo = cdiv(jnp.maximum(r1 - left, 0), block_k)
   if right is not None:
     hi = jnp.minimum(lax.div(r1 + right, block_k) + 1, num_tiles)

@@ -1,0 +1,243 @@
+"""Masks: the tile classification against brute force, and the kernels
+against the reference for every mask kind, their combinations, and rows that
+see no key."""
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flash
+from jax_flash.testing import relative_error, tolerance
+from pallas_kernels import masking
+from tests.cases import SMALL_BLOCKS
+from tests.conftest import KERNEL_IMPL
+
+BANDS = [masking.Mask(), masking.Mask(is_causal=True),
+         masking.Mask(window_left=5, window_right=3),
+         masking.Mask(window_left=40, window_right=None),
+         masking.Mask(window_left=None, window_right=17),
+         masking.Mask(is_causal=True, window_left=20),
+         masking.Mask(window_left=0, window_right=0)]
+
+
+def _tile_classes(dense, r0, block_rows, block_cols, num_tiles,
+                  short_tile_can_be_full=False):
+  """Brute force: for each column tile, 'skip', 'full' or 'partial'.
+
+  A last tile shorter than block_cols is 'partial' unless
+  `short_tile_can_be_full` (its missing columns are padding that adds nothing).
+  """
+  classes = []
+  rows = dense[r0:r0 + block_rows]
+  for j in range(num_tiles):
+    tile = rows[:, j * block_cols:(j + 1) * block_cols]
+    whole = short_tile_can_be_full or tile.shape[1] == block_cols
+    classes.append("skip" if not tile.any() else
+                   "full" if tile.all() and whole else "partial")
+  return classes
+
+
+def _check_ranges(ranges, classes, tight=True):
+  lo, full_lo, full_hi, hi = (int(x) for x in ranges)
+  assert 0 <= lo <= full_lo <= full_hi <= hi <= len(classes)
+  for j, c in enumerate(classes):
+    if c != "skip":  # Every tile with a visible pair is visited ...
+      assert lo <= j < hi, (j, c, ranges)
+    if full_lo <= j < full_hi:  # ... and only truly full tiles skip the mask.
+      assert c == "full", (j, c, ranges)
+  if tight:  # Band masks: nothing visited needlessly, every full tile found.
+    visited = [j for j, c in enumerate(classes) if c != "skip"]
+    full = [j for j, c in enumerate(classes) if c == "full"]
+    assert (lo, hi) == ((visited[0], visited[-1] + 1) if visited else (lo, lo))
+    if full:
+      assert (full_lo, full_hi) == (full[0], full[-1] + 1)
+
+
+@pytest.mark.parametrize("mask", BANDS, ids=str)
+@pytest.mark.parametrize("q_len, kv_len, block_q, block_k",
+                         [(100, 90, 16, 32), (64, 64, 32, 16), (37, 130, 16, 16)])
+def test_kv_block_ranges_match_brute_force(mask, q_len, kv_len, block_q,
+                                           block_k):
+  dense = np.asarray(masking.dense_mask(mask, q_len, kv_len))
+  # Pad rows past q_len like the kernels do (they are never stored).
+  dense = np.pad(dense, ((0, block_q), (0, 0)))
+  num_tiles = -(-kv_len // block_k)
+  for r0 in range(0, q_len, block_q):
+    ranges = masking.kv_block_ranges(mask, r0, block_q, block_k, kv_len)
+    rows = np.arange(r0, r0 + block_q)[:, None]
+    cols = np.arange(kv_len)[None, :]
+    tile_rows = np.asarray(mask.visible(rows, cols, kv_len))
+    classes = _tile_classes(tile_rows, 0, block_q, block_k, num_tiles)
+    _check_ranges(ranges, classes)
+
+
+@pytest.mark.parametrize("mask", BANDS, ids=str)
+@pytest.mark.parametrize("q_len, kv_len, block_q, block_k",
+                         [(100, 90, 16, 32), (64, 64, 32, 16), (130, 37, 16, 16)])
+def test_q_block_ranges_match_brute_force(mask, q_len, kv_len, block_q,
+                                          block_k):
+  num_tiles = -(-q_len // block_q)
+  for c0 in range(0, kv_len, block_k):
+    ranges = masking.q_block_ranges(mask, c0, block_k, block_q, q_len)
+    cols = np.arange(c0, c0 + block_k)[:, None]  # Key rows, query columns.
+    rows = np.arange(q_len)[None, :]
+    # Keys past kv_len and queries past q_len add nothing in the dK/dV
+    # kernel: only real pairs count.
+    vis = np.broadcast_to(mask.visible(rows, cols, np.iinfo(np.int32).max),
+                          (block_k, q_len))
+    classes = _tile_classes(vis[:max(0, min(block_k, kv_len - c0))], 0,
+                            block_k, block_q, num_tiles,
+                            short_tile_can_be_full=True)
+    _check_ranges(ranges, classes, tight=False)
+
+
+@pytest.mark.parametrize("sorted_ids", [True, False])
+def test_id_block_table_is_safe(sorted_ids):
+  rng = np.random.default_rng(0)
+  q_ids = rng.integers(0, 5, (3, 75))
+  kv_ids = rng.integers(0, 5, (3, 66))
+  if sorted_ids:
+    q_ids, kv_ids = np.sort(q_ids, 1), np.sort(kv_ids, 1)
+  q_ids[1, 40:] = masking.Q_PAD_ID  # A query length.
+  kv_ids[2, 10:] = masking.KV_PAD_ID  # A key length.
+  table = np.asarray(masking.id_block_table(jnp.asarray(q_ids),
+                                            jnp.asarray(kv_ids), 16, 8))
+  for b in range(3):
+    dense = q_ids[b][:, None] == kv_ids[b][None, :]
+    for i in range(table.shape[1]):
+      classes = _tile_classes(dense, i * 16, 16, 8, -(-66 // 8),
+                              short_tile_can_be_full=True)
+      _check_ranges(table[b, i], classes, tight=False)
+  if sorted_ids:  # Packed documents: some tiles are skipped, some are full.
+    lo, full_lo, full_hi, hi = table[0].T
+    assert (hi - lo).sum() < table.shape[1] * -(-66 // 8)
+    assert (full_hi - full_lo).sum() > 0
+
+
+def _inputs(b, t, s, n, k, h, dtype, seed=0):
+  ks = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(ks[0], (b, t, n, h)).astype(dtype)
+  kk = jax.random.normal(ks[1], (b, s, k, h)).astype(dtype)
+  v = jax.random.normal(ks[2], (b, s, k, h)).astype(dtype)
+  do = jax.random.normal(ks[3], (b, t, n, h)).astype(dtype)
+  return q, kk, v, do
+
+
+def _segments(b, n, num, seed, packed=True):
+  ids = jax.random.randint(jax.random.key(seed), (b, n), 0, num)
+  return jnp.sort(ids, axis=1) if packed else ids
+
+
+B, T, S, N, K, H = 2, 100, 90, 4, 2, 32
+Q_SEG, KV_SEG = _segments(B, T, 4, 1), _segments(B, S, 4, 2)
+MASK_KWARGS = {
+    "window": dict(local_window_size=(7, 3)),
+    "window_int_causal": dict(local_window_size=5, is_causal=True),
+    "window_left_only": dict(local_window_size=(30, None)),
+    "lengths": dict(query_seq_lengths=jnp.array([50, 100]),
+                    key_value_seq_lengths=jnp.array([90, 1])),
+    "lengths_zero": dict(query_seq_lengths=jnp.array([0, 3]),
+                         key_value_seq_lengths=jnp.array([5, 0])),
+    "segments": dict(segment_ids=(Q_SEG, KV_SEG)),
+    "segments_unsorted": dict(segment_ids=(_segments(B, T, 3, 3, False),
+                                           _segments(B, S, 3, 4, False))),
+    "segments_causal_lengths": dict(segment_ids=(Q_SEG, KV_SEG),
+                                    is_causal=True,
+                                    key_value_seq_lengths=jnp.array([33, 90])),
+    "segments_window_lengths": dict(segment_ids=(Q_SEG, KV_SEG),
+                                    local_window_size=(20, 20),
+                                    query_seq_lengths=jnp.array([70, 1])),
+}
+
+
+def _compare(kwargs, dtype=jnp.float32, version=2, shape=(B, T, S, N, K, H)):
+  q, k, v, do = _inputs(*shape, dtype)
+
+  def run(attention, up, **extra):
+    def f(q, k, v):
+      return attention(up(q), up(k), up(v), return_residual=True, **kwargs,
+                       **extra)
+    (out, lse), vjp = jax.vjp(f, q, k, v)
+    dlse = jnp.cos(jnp.arange(lse.size, dtype=jnp.float32)).reshape(lse.shape)
+    return out, lse, vjp((do.astype(out.dtype), dlse))
+
+  out, lse, grads = run(jax_flash.flash_attention, lambda x: x,
+                        implementation=KERNEL_IMPL, block_sizes=SMALL_BLOCKS,
+                        version=version)
+  ref_out, ref_lse, ref_grads = run(jax_flash.reference_attention,
+                                    lambda x: x.astype(jnp.float32))
+  tol = tolerance(dtype)
+  for x in (out, lse, *grads):
+    assert not jnp.isnan(x).any()
+  # Rows that see no key: -inf logsumexp in both, output exactly 0.
+  empty = np.isneginf(np.asarray(ref_lse))
+  np.testing.assert_array_equal(np.isneginf(np.asarray(lse)), empty)
+  assert not np.asarray(out, np.float32)[empty].any()
+  finite = lambda x: np.where(np.isfinite(x), x, 0.0)
+  assert relative_error(out, ref_out) <= tol.out
+  assert relative_error(finite(lse), finite(ref_lse)) <= tol.lse
+  for g, r in zip(grads, ref_grads):
+    assert relative_error(g, r) <= tol.grad
+  return empty
+
+
+@pytest.mark.parametrize("name", MASK_KWARGS)
+def test_mask_matches_reference(name):
+  _compare(MASK_KWARGS[name])
+
+
+@pytest.mark.parametrize("name", ["window_int_causal", "lengths_zero",
+                                  "segments_causal_lengths"])
+def test_mask_version1_matches_reference(name):
+  _compare(MASK_KWARGS[name], version=1)
+
+
+def test_mask_bfloat16_gqa_unaligned():
+  kwargs = dict(segment_ids=(_segments(1, 255, 5, 7), _segments(1, 300, 5, 8)),
+                local_window_size=(64, 16), is_causal=True)
+  _compare(kwargs, jnp.bfloat16, shape=(1, 255, 300, 8, 2, 80))
+
+
+def test_fully_masked_batch_has_zero_output_and_gradients():
+  kwargs = dict(key_value_seq_lengths=jnp.array([0, 90]))
+  empty = _compare(kwargs)
+  assert empty[0].all() and not empty[1].any()
+
+
+def test_mask_matches_jax_nn_where_rows_see_keys():
+  q, k, v, _ = _inputs(B, T, S, N, K, H, jnp.float32)
+  for kwargs in (dict(local_window_size=(7, 3)),
+                 dict(query_seq_lengths=jnp.array([50, 100]),
+                      key_value_seq_lengths=jnp.array([90, 20]))):
+    ours, lse = jax_flash.flash_attention(
+        q, k, v, implementation=KERNEL_IMPL, return_residual=True, **kwargs)
+    theirs = jax.nn.dot_product_attention(q, k, v, implementation="xla",
+                                          **kwargs)
+    # jax.nn gives rows that see no key (and padded queries) some output;
+    # ours gives 0 there. Compare where a row sees keys.
+    sees = jnp.isfinite(lse)[..., None]
+    if "query_seq_lengths" in kwargs:
+      valid = jnp.arange(T)[None, :] < kwargs["query_seq_lengths"][:, None]
+      sees = sees & valid[:, :, None, None]
+    assert sees.sum() > sees.size // 2
+    assert relative_error(jnp.where(sees, ours, 0),
+                          jnp.where(sees, theirs, 0)) <= 1e-5
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(query_seq_lengths=jnp.array([1, 2, 3])), r"query_seq_lengths must have shape \[batch\]"),
+    (dict(key_value_seq_lengths=jnp.array([1.0, 2.0])), "key_value_seq_lengths must have an integer dtype"),
+    (dict(segment_ids=jnp.zeros((B, T), jnp.int32)), "needs q_len == kv_len"),
+    (dict(segment_ids=(jnp.zeros((B, T), jnp.int32), jnp.zeros((B, T), jnp.int32))), r"kv_segment_ids must have shape \[batch, kv_len\]"),
+    (dict(segment_ids=(jnp.zeros((B, T)), jnp.zeros((B, S)))), "q_segment_ids must have an integer dtype"),
+    (dict(local_window_size=-1), "entries must be static ints >= 0"),
+    (dict(local_window_size=(3, -2)), "entries must be static ints >= 0"),
+    (dict(local_window_size=(1, 2, 3)), "local_window_size must be an int or a pair"),
+])
+def test_bad_mask_arguments(kwargs, match):
+  q, k, v, _ = _inputs(B, T, S, N, K, H, jnp.float32)
+  with pytest.raises(ValueError, match=match):
+    jax.jit(lambda q, k, v: jax_flash.flash_attention(
+        q, k, v, implementation=KERNEL_IMPL, **kwargs)).trace(q, k, v)
