@@ -179,11 +179,61 @@ def check_window(local_window_size):
   return tuple(None if w is None else int(w) for w in window)
 
 
-def check_not_yet(**kwargs) -> None:
-  """Arguments of jax.nn.dot_product_attention the kernels do not take yet."""
-  for name, value in kwargs.items():
-    if value is not None:
-      raise NotImplementedError(
-          f"{name} is not supported yet by jax_flash (it comes with the masks "
-          f"and variants work); pass {name}=None, or use "
-          "jax.nn.dot_product_attention for now")
+def check_pair_array(x, name, p: Problem, *, boolean: bool):
+  """bias / mask: broadcastable to [B, N, T, S] ([N, T, S] unbatched).
+
+  Returns it as 4-D [Bm, Nm, Tm, Sm] with each dim 1 or full, or None.
+  """
+  if x is None:
+    return None
+  full = (p.batch, p.num_heads, p.q_len, p.kv_len)
+  expected = ("[batch, num_heads, q_len, kv_len]" if not p.unbatched else
+              "[num_heads, q_len, kv_len]")
+  shape = getattr(x, "shape", None)
+  if shape is None:
+    raise ValueError(f"{name} must be an array broadcastable to {expected}, "
+                     f"got {type(x).__name__}")
+  rank = 3 if p.unbatched else 4
+  if len(shape) > rank:
+    raise ValueError(f"{name} must have at most {rank} dims (broadcastable to "
+                     f"{expected} = {full[4 - rank:]}), got shape {tuple(shape)}")
+  shape4 = (1,) * (4 - len(shape)) + tuple(shape)
+  for got, want in zip(shape4, full):
+    if got not in (1, want):
+      raise ValueError(f"{name} of shape {tuple(shape)} is not broadcastable "
+                       f"to {expected} = {full[4 - rank:]}")
+  if boolean and x.dtype != jnp.bool_:
+    raise ValueError(f"{name} must be boolean (True = attend), got {x.dtype}; "
+                     "pass an additive mask as bias")
+  if not boolean and not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"{name} must be floating point, got {x.dtype}")
+  return x.reshape(shape4)
+
+
+def check_soft_cap(cap):
+  if cap is None:
+    return None
+  try:
+    value = float(cap)
+  except Exception as e:
+    raise ValueError(f"logits_soft_cap must be a static Python number, got "
+                     f"{cap!r}") from e
+  if not (math.isfinite(value) and value > 0):
+    raise ValueError(f"logits_soft_cap must be a finite number > 0, got {cap!r}")
+  return value
+
+
+def check_alibi_slopes(slopes, p: Problem):
+  """[N] or [B, N] ([N] unbatched) -> float32 [B, N], or None."""
+  if slopes is None:
+    return None
+  shape = tuple(getattr(slopes, "shape", ()))
+  if shape not in ((p.num_heads,), (p.batch, p.num_heads)) or (
+      p.unbatched and shape != (p.num_heads,)):
+    want = "[num_heads]" + ("" if p.unbatched else " or [batch, num_heads]")
+    raise ValueError(f"alibi_slopes must have shape {want} with "
+                     f"num_heads={p.num_heads}, got {shape}")
+  if not jnp.issubdtype(slopes.dtype, jnp.floating):
+    raise ValueError(f"alibi_slopes must be floating point, got {slopes.dtype}")
+  return jnp.broadcast_to(slopes.astype(jnp.float32),
+                          (p.batch, p.num_heads))

@@ -9,9 +9,12 @@ import jax
 import jax.numpy as jnp
 
 from jax_flash import _checks
-from jax_flash.reference import prepare_mask, reference_attention
+from jax_flash._spec import prepare
+from jax_flash.reference import reference_attention
 from pallas_kernels import masking
 from pallas_kernels.config import BlockSizes
+from pallas_kernels.extras import Extras
+from pallas_kernels.scores import Scores
 from pallas_kernels.flash_bwd import flash_backward
 from pallas_kernels.flash_fwd import flash_forward
 from pallas_kernels.flash_fwd_v1 import flash_forward_v1
@@ -20,42 +23,42 @@ from pallas_kernels.flash_fwd_v1 import flash_forward_v1
 @dataclasses.dataclass(frozen=True)
 class _Config:
   """Everything static about one call: the custom_vjp's one nondiff argument."""
-  scale: float
+  scores: Scores
   mask: masking.Mask
   block_sizes: BlockSizes
   version: int
   interpret: bool
 
 
-def _forward(q, k, v, ids, cfg: _Config):
+def _forward(q, k, v, extras, cfg: _Config):
   forward = flash_forward if cfg.version == 2 else flash_forward_v1
-  return forward(q, k, v, scale=cfg.scale, mask=cfg.mask,
-                 block_sizes=cfg.block_sizes, q_ids=ids[0], kv_ids=ids[1],
-                 interpret=cfg.interpret)
+  return forward(q, k, v, extras, scores=cfg.scores, mask=cfg.mask,
+                 block_sizes=cfg.block_sizes, interpret=cfg.interpret)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _flash(q, k, v, ids, cfg: _Config):
-  """(o [B,T,N,H], lse2 [B,N,T] base-2 logsumexp) with the kernels' backward.
-
-  ids: (q_ids [B, T], kv_ids [B, S]) int32, or (None, None).
-  """
-  return _forward(q, k, v, ids, cfg)
+def _flash(q, k, v, extras: Extras, cfg: _Config):
+  """(o [B,T,N,H], lse2 [B,N,T] base-2 logsumexp) with the kernels' backward."""
+  return _forward(q, k, v, extras, cfg)
 
 
-def _flash_fwd(q, k, v, ids, cfg: _Config):
-  o, lse2 = _forward(q, k, v, ids, cfg)
-  return (o, lse2), (q, k, v, ids, o, lse2)
+def _flash_fwd(q, k, v, extras, cfg: _Config):
+  o, lse2 = _forward(q, k, v, extras, cfg)
+  return (o, lse2), (q, k, v, extras, o, lse2)
 
 
 def _flash_bwd(cfg: _Config, residuals, cotangents):
-  q, k, v, ids, o, lse2 = residuals
+  q, k, v, extras, o, lse2 = residuals
   do, dlse2 = cotangents
-  dq, dk, dv = flash_backward(
-      q, k, v, o, lse2, do.astype(q.dtype), dlse2, scale=cfg.scale,
-      mask=cfg.mask, block_sizes=cfg.block_sizes, q_ids=ids[0], kv_ids=ids[1],
-      interpret=cfg.interpret)
-  return dq, dk, dv, (None, None)
+  dq, dk, dv, dbias = flash_backward(
+      q, k, v, extras, o, lse2, do.astype(q.dtype), dlse2, scores=cfg.scores,
+      mask=cfg.mask, block_sizes=cfg.block_sizes, interpret=cfg.interpret)
+  # Ids, the dense mask and the ALiBi slopes get no gradient.
+  d_extras = jax.tree.map(jnp.zeros_like, extras)
+  if dbias is not None:
+    d_extras = dataclasses.replace(d_extras,
+                                   bias=dbias.astype(extras.bias.dtype))
+  return dq, dk, dv, d_extras
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -86,7 +89,8 @@ def _resolve_implementation(implementation, query) -> str:
 def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
                     is_causal=False, query_seq_lengths=None,
                     key_value_seq_lengths=None, local_window_size=None,
-                    segment_ids=None, return_residual=False,
+                    segment_ids=None, logits_soft_cap=None,
+                    alibi_slopes=None, return_residual=False,
                     implementation=None, block_sizes=None, version=2):
   """Exact attention, softmax(scale * Q K^T) V, without the T x S matrix in memory.
 
@@ -101,7 +105,10 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
     key: [B, S, K, H] or [S, K, H]. Query head n attends with key/value head
       n // (N // K); keys are never repeated in memory.
     value: same shape as key.
-    bias, mask: not supported yet; must be None (NotImplementedError).
+    bias: float, broadcastable to [B, N, T, S] (dims of 1 broadcast), added
+      to the logits; read tile by tile. Its gradient has the bias's shape.
+    mask: bool, broadcastable to [B, N, T, S]; True = attend. Read tile by
+      tile (never expanded in memory).
     scale: multiplies the scores; default 1 / sqrt(H). A static number.
     is_causal: query i attends to keys j <= i, aligned top-left when T != S
       (as jax.nn does). For T=3, S=5 the visible pairs are::
@@ -121,6 +128,10 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
       [B, T], kv_segment_ids [B, S]): a query sees only keys with the same id
       (packed documents). Pairs of tiles whose id ranges do not overlap are
       skipped. Ids must be > -2**31 + 1 (the two lowest are padding).
+    logits_soft_cap: float c > 0; logits become c * tanh(logits / c) (before
+      ALiBi, bias and masking), forward and backward.
+    alibi_slopes: float [N] or [B, N]; adds -slope * |i - j| to the logits,
+      computed in the kernel. Treated as constants (no gradient).
     return_residual: also return the logsumexp of the scaled scores,
       [B, T, N] (or [T, N]), natural log.
     implementation: None picks "pallas" when query lives on a GPU and "xla"
@@ -145,29 +156,29 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
   to query, key and value are deterministic (no atomics). Errors in the
   arguments are raised at trace time as ValueError.
   """
-  _checks.check_not_yet(bias=bias, mask=mask)
-  p = _checks.check_qkv(query, key, value)
-  scale = _checks.check_scale(scale, p.head_dim)
-  mask_args = dict(is_causal=is_causal, query_seq_lengths=query_seq_lengths,
-                   key_value_seq_lengths=key_value_seq_lengths,
-                   local_window_size=local_window_size, segment_ids=segment_ids)
-  spec, q_ids, kv_ids = prepare_mask(p, **mask_args)
+  args = dict(bias=bias, mask=mask, scale=scale, is_causal=is_causal,
+              query_seq_lengths=query_seq_lengths,
+              key_value_seq_lengths=key_value_seq_lengths,
+              local_window_size=local_window_size, segment_ids=segment_ids,
+              logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes)
+  spec = prepare(query, key, value, **args)
+  p = spec.problem
   implementation = _resolve_implementation(implementation, query)
   if implementation == "xla":
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
       _checks.check_kernel_args(p, query.dtype, block_sizes, version)
-    return reference_attention(query, key, value, scale=scale,
-                               return_residual=return_residual, **mask_args)
+    return reference_attention(query, key, value, return_residual=return_residual,
+                               **args)
   _checks.check_kernel_args(p, query.dtype, block_sizes, version)
   if block_sizes is None:
     block_sizes = BlockSizes.get_default(p.head_dim, query.dtype, is_causal)
-  cfg = _Config(scale=scale, mask=spec,
+  cfg = _Config(scores=spec.scores, mask=spec.mask,
                 block_sizes=block_sizes.clipped(p.q_len, p.kv_len),
                 version=version, interpret=implementation == "interpret")
   if p.unbatched:
     query, key, value = query[None], key[None], value[None]
   with jax.named_scope("jax_flash_attention"):
-    out, lse2 = _flash(query, key, value, (q_ids, kv_ids), cfg)
+    out, lse2 = _flash(query, key, value, spec.extras, cfg)
   lse = (lse2 * math.log(2.0)).transpose(0, 2, 1)
   if p.unbatched:
     out, lse = out[0], lse[0]

@@ -15,7 +15,6 @@ batch and heads. The backward is shared: L = m + log l.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -25,24 +24,24 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import masking, online_softmax
 from pallas_kernels.config import BlockSizes, padded_head_dim
-from pallas_kernels.tiles import (dot, load_ids, load_row_stat,
-                                  load_table_row, load_tile, store_row_stat,
-                                  store_tile)
+from pallas_kernels.extras import Extras
+from pallas_kernels.scores import Scores
+from pallas_kernels.tile_context import TileContext, split_refs
+from pallas_kernels.tiles import (dot, load_row_stat, load_tile,
+                                  store_row_stat, store_tile)
 
-def _forward_v1_kernel(q_ref, k_ref, v_ref, *refs, scale_log2: float,
-                       mask: masking.Mask, head_dim: int, block_q: int,
-                       block_k: int, interpret: bool):
+def _forward_v1_kernel(q_ref, k_ref, v_ref, *refs, extras: tuple[str, ...],
+                       scores: Scores, mask: masking.Mask, head_dim: int,
+                       block_q: int, block_k: int, interpret: bool):
   """One (batch, head).
 
-  q_ref/o_ref: [T, Hp]; k_ref/v_ref: [S, Hp]; m_ref/l_ref: [T]. With ids,
-  refs starts with q_ids_ref [T], kv_ids_ref [S] and table_ref
-  [num_kv_tiles, 4] (query-tile ranges per key tile).
+  q_ref/o_ref: [T, Hp]; k_ref/v_ref: [S, Hp]; m_ref/l_ref: [T]; then the
+  optional operands named in `extras` (see `tile_context`).
   """
-  if mask.has_ids:
-    q_ids_ref, kv_ids_ref, table_ref, o_ref, m_ref, l_ref = refs
-  else:
-    o_ref, m_ref, l_ref = refs
+  x, (o_ref, m_ref, l_ref) = split_refs(extras, refs)
   q_len, kv_len = q_ref.shape[0], k_ref.shape[0]
+  ctx = TileContext(mask, scores, x, q_len, kv_len, block_q, block_k)
+  slope = ctx.slope(pl.program_id(1))
   hp = q_ref.shape[-1]
 
   def sync():
@@ -58,20 +57,15 @@ def _forward_v1_kernel(q_ref, k_ref, v_ref, *refs, scale_log2: float,
     store_row_stat(l_ref, q_start, l, row_bound=q_len)
     return carry
 
-  def q_step(i, carry, *, k, v, cols, kv_ids, masked: bool):
+  def q_step(i, carry, *, k, v, k_start, kv_ids, masked: bool):
     q_start = i * block_q
     q = load_tile(q_ref, q_start, block_q, row_bound=q_len, head_dim=head_dim)
     o = load_tile(o_ref, q_start, block_q, row_bound=q_len, head_dim=head_dim)
     m = load_row_stat(m_ref, q_start, block_q, row_bound=q_len)
     l = load_row_stat(l_ref, q_start, block_q, row_bound=q_len)
-    s = dot(q, k, trans_b=True) * scale_log2
+    s, _ = ctx.logits2(dot(q, k, trans_b=True), q_start, k_start, slope=slope)
     if masked:
-      rows = (q_start + jnp.arange(block_q))[:, None]
-      q_ids = None
-      if mask.has_ids:
-        q_ids = load_ids(q_ids_ref, q_start, block_q, bound=q_len,
-                         pad_id=masking.Q_PAD_ID)[:, None]
-      s = jnp.where(mask.visible(rows, cols, kv_len, q_ids, kv_ids), s,
+      s = jnp.where(ctx.visible(q_start, k_start, kv_ids=kv_ids), s,
                     online_softmax.NEG_INF)
     m_new, l_new, a, b, p = online_softmax.update_v1(m, l, s)
     pv = dot(p.astype(v.dtype), v)
@@ -87,15 +81,9 @@ def _forward_v1_kernel(q_ref, k_ref, v_ref, *refs, scale_log2: float,
     bound = kv_len if tail else None
     k = load_tile(k_ref, k_start, block_k, row_bound=bound, head_dim=head_dim)
     v = load_tile(v_ref, k_start, block_k, row_bound=bound, head_dim=head_dim)
-    ranges = masking.q_block_ranges(mask, k_start, block_k, block_q, q_len)
-    kv_ids = None
-    if mask.has_ids:
-      kv_ids = load_ids(kv_ids_ref, k_start, block_k, bound=kv_len,
-                        pad_id=masking.KV_PAD_ID)[None, :]
-      ranges = masking.intersect_ranges(ranges, load_table_row(table_ref, j))
-    lo, full_lo, full_hi, hi = ranges
-    step = functools.partial(q_step, k=k, v=v, kv_ids=kv_ids,
-                             cols=(k_start + jnp.arange(block_k))[None, :])
+    lo, full_lo, full_hi, hi = ctx.q_ranges(j, k_start)
+    kv_ids = ctx.kv_ids(k_start) if mask.has_ids else None
+    step = functools.partial(q_step, k=k, v=v, k_start=k_start, kv_ids=kv_ids)
     if tail:  # The last, partial key tile: every query tile takes the mask.
       lax.fori_loop(lo, hi, functools.partial(step, masked=True), None)
     else:
@@ -114,35 +102,28 @@ def _forward_v1_kernel(q_ref, k_ref, v_ref, *refs, scale_log2: float,
     kv_step(kv_len // block_k, None, tail=True)
 
 
-def flash_forward_v1(q, k, v, *, scale: float, mask: masking.Mask,
-                     block_sizes: BlockSizes, q_ids=None, kv_ids=None,
+def flash_forward_v1(q, k, v, extras: Extras, *, scores: Scores,
+                     mask: masking.Mask, block_sizes: BlockSizes,
                      interpret: bool = False):
   """FlashAttention-1 forward. Shapes and returns as `flash_forward`."""
   batch, q_len, num_heads, head_dim = q.shape
   kv_len, num_kv_heads = k.shape[1], k.shape[2]
   group = num_heads // num_kv_heads
   hp = padded_head_dim(head_dim)
+  bq, bk = block_sizes.block_q, block_sizes.block_k
+  names, specs, operands = extras.for_heads(bq, bk)
   kernel = functools.partial(
-      _forward_v1_kernel, scale_log2=scale * math.log2(math.e), mask=mask,
-      head_dim=head_dim, block_q=block_sizes.block_q,
-      block_k=block_sizes.block_k, interpret=interpret)
+      _forward_v1_kernel, extras=names, scores=scores, mask=mask,
+      head_dim=head_dim, block_q=bq, block_k=bk, interpret=interpret)
   q_spec = pl.BlockSpec((None, q_len, None, hp), lambda b, n: (b, 0, n, 0))
   kv_spec = pl.BlockSpec((None, kv_len, None, hp),
                          lambda b, n: (b, 0, lax.div(n, group), 0))
   stat_spec = pl.BlockSpec((None, None, q_len), lambda b, n: (b, n, 0))
   stat_shape = jax.ShapeDtypeStruct((batch, num_heads, q_len), jnp.float32)
-  in_specs, operands = [q_spec, kv_spec, kv_spec], [q, k, v]
-  if mask.has_ids:
-    bq, bk = block_sizes.block_q, block_sizes.block_k
-    in_specs += [pl.BlockSpec((None, q_len), lambda b, n: (b, 0)),
-                 pl.BlockSpec((None, kv_len), lambda b, n: (b, 0)),
-                 pl.BlockSpec((None, pl.cdiv(kv_len, bk), 4),
-                              lambda b, n: (b, 0, 0))]
-    operands += [q_ids, kv_ids, masking.id_block_table(kv_ids, q_ids, bk, bq)]
   o, m, l = pl.pallas_call(
       kernel,
       grid=(batch, num_heads),
-      in_specs=in_specs,
+      in_specs=[q_spec, kv_spec, kv_spec, *specs],
       out_specs=[q_spec, stat_spec, stat_spec],
       # O is kept in float32 in HBM: it is re-read and rescaled every step.
       out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32), stat_shape,
@@ -151,5 +132,5 @@ def flash_forward_v1(q, k, v, *, scale: float, mask: masking.Mask,
           num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages),
       interpret=interpret,
       name="flash_attention_forward_v1",
-  )(*operands)
+  )(q, k, v, *operands)
   return o.astype(q.dtype), online_softmax.logsumexp2(m, l)

@@ -44,6 +44,9 @@ class Mask:
   window_left: int | None = None
   window_right: int | None = None
   has_ids: bool = False  # Per-row / per-column ids (segments, lengths).
+  # A dense boolean mask read tile by tile (its predicate is the caller's:
+  # `visible` covers the band and the ids).
+  has_dense: bool = False
 
   def band(self) -> tuple[int | None, int | None]:
     """(left, right): row i sees columns [i - left, i + right]."""

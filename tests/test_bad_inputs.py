@@ -68,12 +68,6 @@ def test_bad_block_sizes(kwargs, match):
     BlockSizes(**kwargs)
 
 
-@pytest.mark.parametrize("name", ["bias", "mask"])
-def test_not_yet_supported_arguments(name):
-  with pytest.raises(NotImplementedError, match=f"{name} is not supported"):
-    _trace(Q, KV, KV, **{name: 1})
-
-
 def test_pallas_without_gpu_is_a_clear_error():
   if jax.default_backend() == "gpu":
     pytest.skip("this machine has a GPU")

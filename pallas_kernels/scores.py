@@ -1,0 +1,59 @@
+"""From raw scores q.k to the logits the softmax sees, and back: backend-agnostic.
+
+    s   = scale * q.k                         (raw score, natural units)
+    s   = cap * tanh(s / cap)                 if logits_soft_cap
+    s   = s - slope[b, n] * |i - j|           if alibi_slopes (ALiBi)
+    s   = s + bias[b, n, i, j]                if bias
+    P   = softmax over visible keys of s      (the mask: `masking`)
+
+The kernels work in base 2: they keep `s * log2(e)` so every exponential is an
+`exp2`. The backward needs dL/d(q.k) = scale * dS * dtanh, with dS = dL/ds
+(the same dS is the bias gradient).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+
+LOG2E = math.log2(math.e)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scores:
+  """Static description of the score modifications (hashable: a jit static)."""
+  scale: float
+  soft_cap: float | None = None
+  alibi: bool = False
+  bias: bool = False
+
+  @property
+  def plain(self) -> bool:
+    return self.soft_cap is None and not self.alibi and not self.bias
+
+  def logits2(self, qk, rows=None, cols=None, slope=None, bias=None):
+    """Base-2 logits from the raw dot products `qk` (float32 tile).
+
+    Returns (s2, tanh) where `tanh` is the soft-cap's tanh (None without one),
+    which the backward needs for the derivative.
+    """
+    if self.plain:  # One multiply: the hot path of plain attention.
+      return qk * (self.scale * LOG2E), None
+    t = None
+    if self.soft_cap is not None:
+      t = jnp.tanh(qk * (self.scale / self.soft_cap))
+      s = t * self.soft_cap
+    else:
+      s = qk * self.scale
+    if self.alibi:
+      s = s - slope * jnp.abs(rows - cols).astype(jnp.float32)
+    if self.bias:
+      s = s + bias
+    return s * LOG2E, t
+
+  def dqk(self, ds, t):
+    """dL/d(q.k) / scale from dS = dL/ds (the caller multiplies by scale once)."""
+    if t is None:
+      return ds
+    return ds * (1.0 - t * t)

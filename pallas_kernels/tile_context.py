@@ -1,0 +1,162 @@
+"""Per-program view of the mask and score modifications, for the Triton kernels.
+
+Every kernel (forward v2 and v1, dK/dV, dQ, dBias) sees one (query tile, key
+tile) pair at a time. `TileContext` gathers the optional operands (ids, the
+tile-range table, a dense mask, a bias, ALiBi slopes) and answers the three
+questions each kernel asks: which key (or query) tiles to visit, what the
+logits of a tile are, and which of its entries are visible. The math is in the
+backend-agnostic `masking` and `scores`; this module only loads tiles.
+
+Tiles are [queries, keys] in the forward and dQ kernels and [keys, queries]
+(`transposed=True`) in the dK/dV kernel.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import masking
+from pallas_kernels.scores import Scores
+from pallas_kernels.tiles import load_ids, load_table_row
+
+# Names of the optional operands, in the order the launchers pass them.
+EXTRA_ORDER = ("q_ids", "kv_ids", "table", "dense_mask", "bias", "slopes")
+
+
+def extra_names(mask: masking.Mask, scores: Scores) -> tuple[str, ...]:
+  present = {"q_ids": mask.has_ids, "kv_ids": mask.has_ids,
+             "table": mask.has_ids, "dense_mask": mask.has_dense,
+             "bias": scores.bias, "slopes": scores.alibi}
+  return tuple(n for n in EXTRA_ORDER if present[n])
+
+
+def split_refs(names, refs):
+  """(dict of the optional input refs by name, the remaining refs)."""
+  return dict(zip(names, refs[:len(names)])), refs[len(names):]
+
+
+def _transpose(x):
+  if x.ndim < 2:
+    return x
+  if x.shape[0] == 1 or x.shape[1] == 1:
+    return x.reshape(x.shape[::-1])
+  return x.T
+
+
+def _load_pair_tile(ref, head, q_start, block_q, k_start, block_k, q_len,
+                    kv_len, other):
+  """A [block_q, block_k]-broadcastable tile of a [(G,) Tm, Sm] ref.
+
+  Tm is 1 (broadcast over queries) or q_len; Sm is 1 or kv_len.
+  """
+  lead = (head,) if ref.ndim == 3 else ()  # [G, Tm, Sm]: one head of a group.
+  tm, sm = ref.shape[-2:]
+  zero = jnp.int32(0)  # A traced index: the interpreter rejects a Python int.
+  row_idx = pl.ds(zero + q_start, block_q) if tm > 1 else zero
+  col_idx = pl.ds(zero + k_start, block_k) if sm > 1 else zero
+  mask = None
+  if tm > 1:
+    mask = (q_start + jnp.arange(block_q) < q_len)
+  if sm > 1:
+    cols_ok = k_start + jnp.arange(block_k) < kv_len
+    mask = cols_ok if mask is None else (mask[:, None] & cols_ok[None, :])
+  view = ref.at[lead + (row_idx, col_idx)]
+  if mask is None:
+    return plgpu.load(view).reshape(1, 1)
+  tile = plgpu.load(view, mask=mask, other=other)
+  if tm > 1 and sm > 1:
+    return tile
+  return tile[:, None] if tm > 1 else tile[None, :]
+
+
+@dataclasses.dataclass
+class TileContext:
+  """What one program knows about the mask and the scores (see module doc)."""
+  mask: masking.Mask
+  scores: Scores
+  extras: dict[str, Any]
+  q_len: int
+  kv_len: int
+  block_q: int
+  block_k: int
+  transposed: bool = False
+
+  def kv_ranges(self, q_tile, q_start):
+    """Key tiles of query tile `q_tile`: (lo, full_lo, full_hi, hi)."""
+    ranges = masking.kv_block_ranges(self.mask, q_start, self.block_q,
+                                     self.block_k, self.kv_len)
+    return self._refine(ranges, q_tile)
+
+  def q_ranges(self, kv_tile, kv_start):
+    """Query tiles of key tile `kv_tile` (dK/dV, FlashAttention-1)."""
+    ranges = masking.q_block_ranges(self.mask, kv_start, self.block_k,
+                                    self.block_q, self.q_len)
+    return self._refine(ranges, kv_tile)
+
+  def _refine(self, ranges, tile):
+    if self.mask.has_ids:
+      ranges = masking.intersect_ranges(
+          ranges, load_table_row(self.extras["table"], tile))
+    if self.mask.has_dense:  # Read tile by tile: no tile is known full.
+      lo, _, _, hi = ranges
+      ranges = (lo, hi, hi, hi)
+    return ranges
+
+  def slope(self, head):
+    """ALiBi slope of query head `head` (index into this program's slopes)."""
+    return self.extras["slopes"][head] if self.scores.alibi else None
+
+  def _coords(self, q_start, k_start):
+    rows = q_start + jnp.arange(self.block_q)
+    cols = k_start + jnp.arange(self.block_k)
+    if self.transposed:
+      return rows[None, :], cols[:, None]
+    return rows[:, None], cols[None, :]
+
+  def _pair_tile(self, name, head, q_start, k_start, other):
+    tile = _load_pair_tile(self.extras[name], head, q_start, self.block_q,
+                           k_start, self.block_k, self.q_len, self.kv_len,
+                           other)
+    return _transpose(tile) if self.transposed else tile
+
+  def logits2(self, qk, q_start, k_start, *, head=None, slope=None):
+    """Base-2 logits of a tile of raw scores, and the soft-cap tanh (or None).
+
+    `head` picks the query head in refs holding a whole GQA group (dK/dV).
+    """
+    if self.scores.plain:
+      return self.scores.logits2(qk)
+    rows, cols = self._coords(q_start, k_start)
+    bias = None
+    if self.scores.bias:
+      bias = self._pair_tile("bias", head, q_start, k_start, 0.0)
+      bias = bias.astype(jnp.float32)
+    return self.scores.logits2(qk, rows, cols, slope, bias)
+
+  def visible(self, q_start, k_start, *, q_ids=None, kv_ids=None, head=None):
+    """Boolean tile: which (query, key) pairs attend."""
+    rows, cols = self._coords(q_start, k_start)
+    if self.mask.has_ids:
+      if q_ids is None:
+        q_ids = self.q_ids(q_start)
+      if kv_ids is None:
+        kv_ids = self.kv_ids(k_start)
+    ok = self.mask.visible(rows, cols, self.kv_len, q_ids, kv_ids)
+    if self.mask.has_dense:
+      ok = jnp.logical_and(
+          ok, self._pair_tile("dense_mask", head, q_start, k_start, 0) != 0)
+    return ok
+
+  def q_ids(self, q_start):
+    ids = load_ids(self.extras["q_ids"], q_start, self.block_q,
+                   bound=self.q_len, pad_id=masking.Q_PAD_ID)
+    return ids[None, :] if self.transposed else ids[:, None]
+
+  def kv_ids(self, k_start):
+    ids = load_ids(self.extras["kv_ids"], k_start, self.block_k,
+                   bound=self.kv_len, pad_id=masking.KV_PAD_ID)
+    return ids[:, None] if self.transposed else ids[None, :]
