@@ -5,8 +5,12 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+import jax_flash
 from jax_flash import BlockSizes
+from jax_flash.testing import relative_error, tolerance
+from tests.conftest import KERNEL_IMPL
 
 SMALL_BLOCKS = BlockSizes(block_q=32, block_k=16, block_q_dkv=16,
                           block_k_dkv=32, block_q_dq=32, block_k_dq=16)
@@ -75,3 +79,57 @@ CASES = [
 
 # The FlashAttention-1 forward, on a spread of the same.
 V1_CASES = [CASES[i] for i in (1, 2, 4, 8, 12, 14)]
+
+
+def random_inputs(b, t, s, n, k, h, dtype, seed=0):
+  """query [b,t,n,h], key/value [b,s,k,h] and a cotangent, standard normal."""
+  ks = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(ks[0], (b, t, n, h)).astype(dtype)
+  kk = jax.random.normal(ks[1], (b, s, k, h)).astype(dtype)
+  v = jax.random.normal(ks[2], (b, s, k, h)).astype(dtype)
+  do = jax.random.normal(ks[3], (b, t, n, h)).astype(dtype)
+  return q, kk, v, do
+
+
+def compare_with_reference(kwargs, dtype=jnp.float32, version=2,
+                           shape=(2, 100, 90, 4, 2, 32), seed=0):
+  """Kernels vs reference: out, logsumexp, dq/dk/dv (and dbias if a bias).
+
+  Random cotangents for out and logsumexp. Rows that see no key must give
+  out 0 and logsumexp -inf in both, and nothing may be NaN. Returns the
+  boolean [B, T, N] of such empty rows.
+  """
+  q, k, v, do = random_inputs(*shape, dtype, seed=seed)
+  kwargs = dict(kwargs)
+  bias = kwargs.pop("bias", None)
+
+  def run(attention, up, **extra):
+    def f(q, k, v, bias):
+      return attention(up(q), up(k), up(v), bias, return_residual=True,
+                       **kwargs, **extra)
+    (out, lse), vjp = jax.vjp(f, q, k, v, bias)
+    dlse = jnp.cos(jnp.arange(lse.size, dtype=jnp.float32)).reshape(lse.shape)
+    grads = vjp((do.astype(out.dtype), dlse))
+    return out, lse, [g for g in grads if g is not None]
+
+  out, lse, grads = run(jax_flash.flash_attention, lambda x: x,
+                        implementation=KERNEL_IMPL, block_sizes=SMALL_BLOCKS,
+                        version=version)
+  ref_out, ref_lse, ref_grads = run(jax_flash.reference_attention,
+                                    lambda x: x.astype(jnp.float32))
+  tol = tolerance(dtype)
+  for x in (out, lse, *grads):
+    assert not jnp.isnan(x).any()
+  empty = np.isneginf(np.asarray(ref_lse))
+  np.testing.assert_array_equal(np.isneginf(np.asarray(lse)), empty)
+  assert not np.asarray(out, np.float32)[empty].any()
+  finite = lambda x: np.where(np.isfinite(x), x, 0.0)
+  errors = {"out": relative_error(out, ref_out),
+            "lse": relative_error(finite(lse), finite(ref_lse))}
+  bounds = {"out": tol.out, "lse": tol.lse}
+  for name, g, r in zip(("dq", "dk", "dv", "dbias"), grads, ref_grads):
+    assert g.shape == r.shape, name
+    errors[name], bounds[name] = relative_error(g, r), tol.grad
+  bad = {n: (e, bounds[n]) for n, e in errors.items() if not e <= bounds[n]}
+  assert not bad, f"(error, bound): {bad}"
+  return empty

@@ -11,7 +11,7 @@ import pytest
 import jax_flash
 from jax_flash.testing import relative_error, tolerance
 from pallas_kernels import masking
-from tests.cases import SMALL_BLOCKS
+from tests.cases import compare_with_reference, random_inputs
 from tests.conftest import KERNEL_IMPL
 
 BANDS = [masking.Mask(), masking.Mask(is_causal=True),
@@ -116,15 +116,6 @@ def test_id_block_table_is_safe(sorted_ids):
     assert (full_hi - full_lo).sum() > 0
 
 
-def _inputs(b, t, s, n, k, h, dtype, seed=0):
-  ks = jax.random.split(jax.random.key(seed), 4)
-  q = jax.random.normal(ks[0], (b, t, n, h)).astype(dtype)
-  kk = jax.random.normal(ks[1], (b, s, k, h)).astype(dtype)
-  v = jax.random.normal(ks[2], (b, s, k, h)).astype(dtype)
-  do = jax.random.normal(ks[3], (b, t, n, h)).astype(dtype)
-  return q, kk, v, do
-
-
 def _segments(b, n, num, seed, packed=True):
   ids = jax.random.randint(jax.random.key(seed), (b, n), 0, num)
   return jnp.sort(ids, axis=1) if packed else ids
@@ -153,34 +144,7 @@ MASK_KWARGS = {
 
 
 def _compare(kwargs, dtype=jnp.float32, version=2, shape=(B, T, S, N, K, H)):
-  q, k, v, do = _inputs(*shape, dtype)
-
-  def run(attention, up, **extra):
-    def f(q, k, v):
-      return attention(up(q), up(k), up(v), return_residual=True, **kwargs,
-                       **extra)
-    (out, lse), vjp = jax.vjp(f, q, k, v)
-    dlse = jnp.cos(jnp.arange(lse.size, dtype=jnp.float32)).reshape(lse.shape)
-    return out, lse, vjp((do.astype(out.dtype), dlse))
-
-  out, lse, grads = run(jax_flash.flash_attention, lambda x: x,
-                        implementation=KERNEL_IMPL, block_sizes=SMALL_BLOCKS,
-                        version=version)
-  ref_out, ref_lse, ref_grads = run(jax_flash.reference_attention,
-                                    lambda x: x.astype(jnp.float32))
-  tol = tolerance(dtype)
-  for x in (out, lse, *grads):
-    assert not jnp.isnan(x).any()
-  # Rows that see no key: -inf logsumexp in both, output exactly 0.
-  empty = np.isneginf(np.asarray(ref_lse))
-  np.testing.assert_array_equal(np.isneginf(np.asarray(lse)), empty)
-  assert not np.asarray(out, np.float32)[empty].any()
-  finite = lambda x: np.where(np.isfinite(x), x, 0.0)
-  assert relative_error(out, ref_out) <= tol.out
-  assert relative_error(finite(lse), finite(ref_lse)) <= tol.lse
-  for g, r in zip(grads, ref_grads):
-    assert relative_error(g, r) <= tol.grad
-  return empty
+  return compare_with_reference(kwargs, dtype, version, shape)
 
 
 @pytest.mark.parametrize("name", MASK_KWARGS)
@@ -207,7 +171,7 @@ def test_fully_masked_batch_has_zero_output_and_gradients():
 
 
 def test_mask_matches_jax_nn_where_rows_see_keys():
-  q, k, v, _ = _inputs(B, T, S, N, K, H, jnp.float32)
+  q, k, v, _ = random_inputs(B, T, S, N, K, H, jnp.float32)
   for kwargs in (dict(local_window_size=(7, 3)),
                  dict(query_seq_lengths=jnp.array([50, 100]),
                       key_value_seq_lengths=jnp.array([90, 20]))):
@@ -237,7 +201,7 @@ def test_mask_matches_jax_nn_where_rows_see_keys():
     (dict(local_window_size=(1, 2, 3)), "local_window_size must be an int or a pair"),
 ])
 def test_bad_mask_arguments(kwargs, match):
-  q, k, v, _ = _inputs(B, T, S, N, K, H, jnp.float32)
+  q, k, v, _ = random_inputs(B, T, S, N, K, H, jnp.float32)
   with pytest.raises(ValueError, match=match):
     jax.jit(lambda q, k, v: jax_flash.flash_attention(
         q, k, v, implementation=KERNEL_IMPL, **kwargs)).trace(q, k, v)

@@ -1,0 +1,134 @@
+"""Bias (and its gradient), dense masks, soft-cap and ALiBi: each, combined
+with each other and with the masks, against the reference."""
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jax_flash
+from jax_flash.testing import relative_error
+from tests.cases import compare_with_reference, random_inputs
+from tests.conftest import KERNEL_IMPL
+
+B, T, S, N, K, H = 2, 100, 90, 4, 2, 32
+_keys = jax.random.split(jax.random.key(42), 8)
+
+
+def _bias(shape):
+  return jax.random.normal(_keys[0], shape)
+
+
+def _mask(shape, p=0.7):
+  return jax.random.bernoulli(_keys[1], p, shape)
+
+
+def _packed(n, seed):
+  return jnp.sort(jax.random.randint(jax.random.key(seed), (B, n), 0, 3), 1)
+
+
+SEGMENTS = (_packed(T, 1), _packed(S, 2))
+SLOPES = jnp.linspace(0.05, 0.8, N)
+
+VARIANTS = {
+    # Bias: every broadcast pattern, each with its gradient.
+    "bias_BNTS": dict(bias=_bias((B, N, T, S))),
+    "bias_1NTS": dict(bias=_bias((1, N, T, S))),
+    "bias_B1TS": dict(bias=_bias((B, 1, T, S))),
+    "bias_B11S": dict(bias=_bias((B, 1, 1, S))),
+    "bias_1NT1": dict(bias=_bias((1, N, T, 1))),
+    "bias_1111": dict(bias=_bias((1, 1, 1, 1))),
+    "bias_TS_3d": dict(bias=_bias((T, S))),
+    # Dense boolean masks, read tile by tile.
+    "mask_BNTS": dict(mask=_mask((B, N, T, S))),
+    "mask_B11S": dict(mask=_mask((B, 1, 1, S), 0.5)),
+    "mask_11T1": dict(mask=_mask((1, 1, T, 1), 0.8)),
+    "soft_cap": dict(logits_soft_cap=2.5),
+    "alibi_N": dict(alibi_slopes=SLOPES),
+    "alibi_BN": dict(alibi_slopes=jax.random.uniform(_keys[2], (B, N))),
+    # Pairs.
+    "bias_causal": dict(bias=_bias((1, N, T, S)), is_causal=True),
+    "mask_window": dict(mask=_mask((B, 1, T, S)), local_window_size=(20, 5)),
+    "soft_cap_causal": dict(logits_soft_cap=1.0, is_causal=True),
+    "alibi_segments": dict(alibi_slopes=SLOPES, segment_ids=SEGMENTS),
+    "bias_mask": dict(bias=_bias((B, N, T, S)), mask=_mask((1, N, T, S))),
+    "soft_cap_bias": dict(logits_soft_cap=3.0, bias=_bias((B, 1, 1, S))),
+    # Triples and more.
+    "cap_alibi_causal": dict(logits_soft_cap=4.0, alibi_slopes=SLOPES,
+                             is_causal=True),
+    "bias_segments_lengths": dict(bias=_bias((B, N, T, S)),
+                                  segment_ids=SEGMENTS,
+                                  key_value_seq_lengths=jnp.array([70, 3])),
+    "everything": dict(bias=_bias((B, 1, T, S)), mask=_mask((1, N, T, S), 0.9),
+                       logits_soft_cap=5.0, alibi_slopes=SLOPES,
+                       local_window_size=(30, 10), segment_ids=SEGMENTS,
+                       query_seq_lengths=jnp.array([100, 60])),
+}
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_variant_matches_reference(name):
+  compare_with_reference(VARIANTS[name])
+
+
+@pytest.mark.parametrize("name", ["bias_B11S", "soft_cap_bias", "everything"])
+def test_variant_version1_matches_reference(name):
+  compare_with_reference(VARIANTS[name], version=1)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_variants_low_precision_gqa(dtype):
+  kwargs = dict(bias=jax.random.normal(_keys[3], (1, 8, 255, 300)),
+                logits_soft_cap=8.0, alibi_slopes=jnp.linspace(0.01, 0.1, 8),
+                is_causal=True)
+  compare_with_reference(kwargs, dtype, shape=(1, 255, 300, 8, 2, 96))
+
+
+def test_mask_that_hides_everything_gives_zeros():
+  empty = compare_with_reference(dict(mask=jnp.zeros((1, 1, T, S), bool)))
+  assert empty.all()
+
+
+def test_bias_gradient_is_not_computed_unless_asked():
+  q, k, v, _ = random_inputs(1, 64, 64, 2, 2, 32, jnp.float32)
+  bias = _bias((1, 2, 64, 64))
+
+  def loss(q, bias):
+    return jnp.sum(jax_flash.flash_attention(q, k, v, bias,
+                                             implementation=KERNEL_IMPL))
+
+  def hlo(argnums):
+    return jax.jit(jax.grad(loss, argnums=argnums)).lower(
+        q, bias).compile().as_text()
+
+  assert "flash_attention_backward_dbias" in hlo((0, 1))
+  assert "flash_attention_backward_dbias" not in hlo((0,))
+
+
+def test_bias_and_mask_match_jax_nn():
+  q, k, v, _ = random_inputs(B, T, S, N, K, H, jnp.float32)
+  bias, mask = _bias((B, N, T, S)), _mask((B, 1, T, S), 0.9)
+  ours, lse = jax_flash.flash_attention(q, k, v, bias, mask,
+                                        implementation=KERNEL_IMPL,
+                                        return_residual=True)
+  theirs = jax.nn.dot_product_attention(q, k, v, bias, mask,
+                                        implementation="xla")
+  sees = jnp.isfinite(lse)[..., None]
+  assert relative_error(jnp.where(sees, ours, 0),
+                        jnp.where(sees, theirs, 0)) <= 1e-5
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(bias=jnp.zeros((B, N, T, 7))), r"bias of shape \(2, 4, 100, 7\) is not broadcastable"),
+    (dict(bias=jnp.zeros((1, B, N, T, S))), "bias must have at most 4 dims"),
+    (dict(bias=jnp.zeros((B, N, T, S), jnp.int32)), "bias must be floating point"),
+    (dict(mask=jnp.zeros((B, N, T, S))), "mask must be boolean"),
+    (dict(mask=jnp.zeros((3, 1, T, S), bool)), "mask of shape .* is not broadcastable"),
+    (dict(logits_soft_cap=0.0), "logits_soft_cap must be a finite number > 0"),
+    (dict(logits_soft_cap=float("inf")), "logits_soft_cap must be a finite"),
+    (dict(alibi_slopes=jnp.zeros((N + 1,))), r"alibi_slopes must have shape \[num_heads\]"),
+    (dict(alibi_slopes=jnp.zeros((N,), jnp.int32)), "alibi_slopes must be floating"),
+])
+def test_bad_variant_arguments(kwargs, match):
+  q, k, v, _ = random_inputs(B, T, S, N, K, H, jnp.float32)
+  with pytest.raises(ValueError, match=match):
+    jax.jit(lambda q, k, v: jax_flash.flash_attention(
+        q, k, v, implementation=KERNEL_IMPL, **kwargs)).trace(q, k, v)
