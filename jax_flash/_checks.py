@@ -223,6 +223,20 @@ def check_soft_cap(cap):
   return value
 
 
+def check_dropout(rate, rng):
+  """A static rate in [0, 1); a PRNG key when the rate is > 0."""
+  try:
+    value = float(rate)
+  except Exception as e:
+    raise ValueError(f"dropout_rate must be a static Python number, got "
+                     f"{rate!r}") from e
+  if not 0.0 <= value < 1.0:
+    raise ValueError(f"dropout_rate must be in [0, 1), got {rate!r}")
+  if value > 0.0 and rng is None:
+    raise ValueError("dropout_rate > 0 needs dropout_rng (a jax.random key)")
+  return value
+
+
 def check_alibi_slopes(slopes, p: Problem):
   """[N] or [B, N] ([N] unbatched) -> float32 [B, N], or None."""
   if slopes is None:

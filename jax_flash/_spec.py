@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_flash import _checks
-from pallas_kernels import masking
+from pallas_kernels import dropout, masking
 from pallas_kernels.extras import Extras
 from pallas_kernels.scores import Scores
 
@@ -26,7 +26,8 @@ class Spec:
 
 def prepare(query, key, value, *, bias, mask, scale, is_causal,
             query_seq_lengths, key_value_seq_lengths, local_window_size,
-            segment_ids, logits_soft_cap, alibi_slopes) -> Spec:
+            segment_ids, logits_soft_cap, alibi_slopes, dropout_rate=0.0,
+            dropout_rng=None) -> Spec:
   """Validates every argument (trace time) and builds the Spec (batched)."""
   p = _checks.check_qkv(query, key, value)
   scale = _checks.check_scale(scale, p.head_dim)
@@ -39,6 +40,7 @@ def prepare(query, key, value, *, bias, mask, scale, is_causal,
   dense = _checks.check_pair_array(mask, "mask", p, boolean=True)
   cap = _checks.check_soft_cap(logits_soft_cap)
   slopes = _checks.check_alibi_slopes(alibi_slopes, p)
+  rate = _checks.check_dropout(dropout_rate, dropout_rng)
   q_ids, kv_ids = masking.make_ids(
       p.batch, p.q_len, p.kv_len,
       q_segment_ids=None if segments is None else segments[0],
@@ -48,11 +50,12 @@ def prepare(query, key, value, *, bias, mask, scale, is_causal,
                            window_right=right, has_ids=q_ids is not None,
                            has_dense=dense is not None)
   scores = Scores(scale=scale, soft_cap=cap, alibi=slopes is not None,
-                  bias=bias is not None)
+                  bias=bias is not None, dropout_rate=rate)
   extras = Extras(
       q_ids=q_ids, kv_ids=kv_ids,
       dense_mask=None if dense is None else dense.astype(jnp.int8),
       bias=bias,
       # ALiBi slopes are constants here: no gradient flows to them.
-      slopes=None if slopes is None else jax.lax.stop_gradient(slopes))
+      slopes=None if slopes is None else jax.lax.stop_gradient(slopes),
+      seed=dropout.seed_words(dropout_rng) if rate > 0 else None)
   return Spec(p, mask_spec, scores, extras)

@@ -53,7 +53,7 @@ def _flash_bwd(cfg: _Config, residuals, cotangents):
   dq, dk, dv, dbias = flash_backward(
       q, k, v, extras, o, lse2, do.astype(q.dtype), dlse2, scores=cfg.scores,
       mask=cfg.mask, block_sizes=cfg.block_sizes, interpret=cfg.interpret)
-  # Ids, the dense mask and the ALiBi slopes get no gradient.
+  # Ids, the dense mask, the ALiBi slopes and the seed get no gradient.
   d_extras = jax.tree.map(jnp.zeros_like, extras)
   if dbias is not None:
     d_extras = dataclasses.replace(d_extras,
@@ -90,8 +90,9 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
                     is_causal=False, query_seq_lengths=None,
                     key_value_seq_lengths=None, local_window_size=None,
                     segment_ids=None, logits_soft_cap=None,
-                    alibi_slopes=None, return_residual=False,
-                    implementation=None, block_sizes=None, version=2):
+                    alibi_slopes=None, dropout_rate=0.0, dropout_rng=None,
+                    return_residual=False, implementation=None,
+                    block_sizes=None, version=2):
   """Exact attention, softmax(scale * Q K^T) V, without the T x S matrix in memory.
 
   A superset of `jax.nn.dot_product_attention`: same arguments, shapes and
@@ -132,6 +133,12 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
       ALiBi, bias and masking), forward and backward.
     alibi_slopes: float [N] or [B, N]; adds -slope * |i - j| to the logits,
       computed in the kernel. Treated as constants (no gradient).
+    dropout_rate, dropout_rng: dropout on the attention probabilities with a
+      static rate in [0, 1) and a jax.random key. The keep bits come from a
+      counter-based hash of (rng, batch, head, row, column), regenerated in
+      the backward, never stored; the same rng gives the same result, and the
+      output is unbiased (kept probabilities are scaled by 1 / (1 - rate)).
+      `jax_flash.dropout_keep_mask` returns the same bits, densely.
     return_residual: also return the logsumexp of the scaled scores,
       [B, T, N] (or [T, N]), natural log.
     implementation: None picks "pallas" when query lives on a GPU and "xla"
@@ -160,7 +167,8 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
               query_seq_lengths=query_seq_lengths,
               key_value_seq_lengths=key_value_seq_lengths,
               local_window_size=local_window_size, segment_ids=segment_ids,
-              logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes)
+              logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
+              dropout_rate=dropout_rate, dropout_rng=dropout_rng)
   spec = prepare(query, key, value, **args)
   p = spec.problem
   implementation = _resolve_implementation(implementation, query)

@@ -11,14 +11,15 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_flash._spec import prepare
-from pallas_kernels import masking
+from pallas_kernels import dropout, masking
 
 
 def reference_attention(query, key, value, bias=None, mask=None, *, scale=None,
                         is_causal=False, query_seq_lengths=None,
                         key_value_seq_lengths=None, local_window_size=None,
                         segment_ids=None, logits_soft_cap=None,
-                        alibi_slopes=None, return_residual=False,
+                        alibi_slopes=None, dropout_rate=0.0, dropout_rng=None,
+                        return_residual=False,
                         implementation=None, block_sizes=None, version=2):
   """softmax(logits, masked) V, with the signature of `flash_attention`.
 
@@ -26,6 +27,8 @@ def reference_attention(query, key, value, bias=None, mask=None, *, scale=None,
       logits = cap * tanh(logits / cap)           (logits_soft_cap)
       logits = logits - slope[b, n] * |i - j|     (alibi_slopes)
       logits = logits + bias                      (bias)
+      P      = P * keep / (1 - dropout_rate)      (dropout: the keep bits of
+                                                   `jax_flash.dropout_keep_mask`)
 
   `implementation`, `block_sizes` and `version` are accepted and ignored, so a
   call can switch between the two functions unchanged. A query row that sees
@@ -39,7 +42,8 @@ def reference_attention(query, key, value, bias=None, mask=None, *, scale=None,
                  is_causal=is_causal, query_seq_lengths=query_seq_lengths,
                  key_value_seq_lengths=key_value_seq_lengths,
                  local_window_size=local_window_size, segment_ids=segment_ids,
-                 logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes)
+                 logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
+                 dropout_rate=dropout_rate, dropout_rng=dropout_rng)
   p, x, scores = spec.problem, spec.extras, spec.scores
   if p.unbatched:
     query, key, value = query[None], key[None], value[None]
@@ -74,6 +78,10 @@ def reference_attention(query, key, value, bias=None, mask=None, *, scale=None,
   l = jnp.sum(e, axis=-1, keepdims=True)
   l_safe = jnp.where(l == 0.0, 1.0, l)
   probs = e / l_safe
+  if scores.dropout:
+    keep = dropout.keep_mask(dropout_rng, scores.dropout_rate, b,
+                             p.num_heads, t, s_len)
+    probs = jnp.where(per_head(keep), probs / (1.0 - scores.dropout_rate), 0.0)
   lse = jnp.where(l == 0.0, -jnp.inf, m + jnp.log(l_safe))[..., 0]
   out = jnp.einsum("bkgts,bskh->btkgh", probs, value.astype(acc),
                    precision=lax.Precision.HIGHEST)

@@ -25,14 +25,17 @@ class Extras:
     means attend.
   bias: float [Bm, Nm, Tm, Sm], added to the logits.
   slopes: float32 [B, N], ALiBi slopes.
+  seed: uint32 [2], the dropout hash's seed.
   """
   q_ids: jax.Array | None = None
   kv_ids: jax.Array | None = None
   dense_mask: jax.Array | None = None
   bias: jax.Array | None = None
   slopes: jax.Array | None = None
+  seed: jax.Array | None = None
 
   def _build(self, table, ids_spec, pair_spec, slopes_spec):
+    seed_spec = pl.BlockSpec((2,), lambda *_: (0,))
     names, specs, operands = [], [], []
     for name in EXTRA_ORDER:
       if name == "table":
@@ -47,6 +50,8 @@ class Extras:
           spec = ids_spec(value)
         elif name == "slopes":
           spec = slopes_spec
+        elif name == "seed":
+          spec = seed_spec
         else:
           spec = pair_spec(value)
       names.append(name)

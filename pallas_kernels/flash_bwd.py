@@ -49,12 +49,13 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs,
   q_len, group = q_ref.shape[0], q_ref.shape[1]
   kv_len = k_ref.shape[0]
   ctx = TileContext(mask, scores, x, q_len, kv_len, block_q, block_k,
-                    transposed=True)
+                    batch=pl.program_id(1), transposed=True)
   kv_tile = pl.program_id(0)
   kv_start = kv_tile * block_k
   k = load_tile(k_ref, kv_start, block_k, row_bound=kv_len, head_dim=head_dim)
   v = load_tile(v_ref, kv_start, block_k, row_bound=kv_len, head_dim=head_dim)
   kv_ids = ctx.kv_ids(kv_start) if mask.has_ids else None
+  first_head = pl.program_id(2) * group  # Global index of the group's head 0.
 
   def body(j, carry, *, head, slope, masked: bool):
     dk, dv = carry
@@ -74,8 +75,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs,
     if masked:
       p_t = jnp.where(ctx.visible(q_start, kv_start, kv_ids=kv_ids,
                                   head=head), p_t, 0.0)
-    dv = dv + dot(p_t.astype(do.dtype), do)
-    dp_t = dot(v, do, trans_b=True)
+    query_head = first_head + head
+    dv = dv + dot(ctx.dropped(p_t, q_start, kv_start, query_head)
+                  .astype(do.dtype), do)
+    dp_t = ctx.dropped(dot(v, do, trans_b=True), q_start, kv_start,
+                       query_head)
     ds_t = scores.dqk(p_t * (dp_t - delta[None, :]), tanh_t)
     dk = dk + dot(ds_t.astype(q.dtype), q)
     return dk, dv
@@ -110,7 +114,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs,
   """
   x, (out_ref,) = split_refs(extras, refs)
   q_len, kv_len = q_ref.shape[0], k_ref.shape[0]
-  ctx = TileContext(mask, scores, x, q_len, kv_len, block_q, block_k)
+  ctx = TileContext(mask, scores, x, q_len, kv_len, block_q, block_k,
+                    batch=pl.program_id(1))
   i = pl.num_programs(0) - 1 - pl.program_id(0)  # Longest tiles first.
   q_start = i * block_q
   q = load_tile(q_ref, q_start, block_q, row_bound=q_len, head_dim=head_dim)
@@ -119,7 +124,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs,
       lse_ref, q_start, block_q, row_bound=q_len, other=_INF))
   delta = load_row_stat(delta_ref, q_start, block_q, row_bound=q_len)
   q_ids = ctx.q_ids(q_start) if mask.has_ids else None
-  slope = ctx.slope(pl.program_id(2))
+  head = pl.program_id(2)  # Read here: the interpreter wants it outside loops.
+  slope = ctx.slope(head)
 
   def tile_ds(j, masked):
     """dS = dL/d(logits) of key tile j, the soft-cap tanh, and K."""
@@ -132,7 +138,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs,
     p = jnp.exp2(s - lse2[:, None])
     if masked:
       p = jnp.where(ctx.visible(q_start, k_start, q_ids=q_ids), p, 0.0)
-    dp = dot(do, v, trans_b=True)
+    dp = ctx.dropped(dot(do, v, trans_b=True), q_start, k_start, head)
     return p * (dp - delta[:, None]), tanh, k
 
   lo, full_lo, full_hi, hi = ctx.kv_ranges(i, q_start)

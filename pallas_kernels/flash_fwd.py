@@ -33,13 +33,15 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, extras: tuple[str, ...],
   """
   x, (o_ref, lse_ref) = split_refs(extras, refs)
   q_len, kv_len = q_ref.shape[0], k_ref.shape[0]
-  ctx = TileContext(mask, scores, x, q_len, kv_len, block_q, block_k)
+  ctx = TileContext(mask, scores, x, q_len, kv_len, block_q, block_k,
+                    batch=pl.program_id(1))
   # Longest query tiles first: under a causal mask the last tiles do the most.
   i = pl.num_programs(0) - 1 - pl.program_id(0)
   q_start = i * block_q
   q = load_tile(q_ref, q_start, block_q, row_bound=q_len, head_dim=head_dim)
   q_ids = ctx.q_ids(q_start) if mask.has_ids else None
-  slope = ctx.slope(pl.program_id(2))
+  head = pl.program_id(2)  # Read here: the interpreter wants it outside loops.
+  slope = ctx.slope(head)
 
   def body(j, carry, *, masked: bool):
     acc, m, l = carry
@@ -53,6 +55,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, extras: tuple[str, ...],
                     online_softmax.NEG_INF)
     m, alpha, p, l = online_softmax.update(m, l, s)
     v = load_tile(v_ref, k_start, block_k, row_bound=bound, head_dim=head_dim)
+    # l sums the undropped p; only P V sees the dropout.
+    p = ctx.dropped(p, q_start, k_start, head)
     acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v)
     return acc, m, l
 

@@ -40,8 +40,10 @@ def _forward_v1_kernel(q_ref, k_ref, v_ref, *refs, extras: tuple[str, ...],
   """
   x, (o_ref, m_ref, l_ref) = split_refs(extras, refs)
   q_len, kv_len = q_ref.shape[0], k_ref.shape[0]
-  ctx = TileContext(mask, scores, x, q_len, kv_len, block_q, block_k)
-  slope = ctx.slope(pl.program_id(1))
+  ctx = TileContext(mask, scores, x, q_len, kv_len, block_q, block_k,
+                    batch=pl.program_id(0))
+  head = pl.program_id(1)  # Read here: the interpreter wants it outside loops.
+  slope = ctx.slope(head)
   hp = q_ref.shape[-1]
 
   def sync():
@@ -68,6 +70,7 @@ def _forward_v1_kernel(q_ref, k_ref, v_ref, *refs, extras: tuple[str, ...],
       s = jnp.where(ctx.visible(q_start, k_start, kv_ids=kv_ids), s,
                     online_softmax.NEG_INF)
     m_new, l_new, a, b, p = online_softmax.update_v1(m, l, s)
+    p = ctx.dropped(p, q_start, k_start, head)
     pv = dot(p.astype(v.dtype), v)
     o = ((a * l)[:, None] * o + b[:, None] * pv) / (
         online_softmax.safe_divisor(l_new)[:, None])

@@ -6,6 +6,9 @@
     s   = s + bias[b, n, i, j]                if bias
     P   = softmax over visible keys of s      (the mask: `masking`)
 
+With dropout, P is multiplied by keep / (1 - rate) after the softmax; the
+logsumexp is that of the undropped logits.
+
 The kernels work in base 2: they keep `s * log2(e)` so every exponential is an
 `exp2`. The backward needs dL/d(q.k) = scale * dS * dtanh, with dS = dL/ds
 (the same dS is the bias gradient).
@@ -27,6 +30,13 @@ class Scores:
   soft_cap: float | None = None
   alibi: bool = False
   bias: bool = False
+  # Dropout on the probabilities (keep bits from `dropout`); the forward
+  # output and the backward's dV and dP are scaled by 1 / (1 - rate).
+  dropout_rate: float = 0.0
+
+  @property
+  def dropout(self) -> bool:
+    return self.dropout_rate > 0.0
 
   @property
   def plain(self) -> bool:

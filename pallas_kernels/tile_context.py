@@ -19,18 +19,20 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import masking
+from pallas_kernels import dropout, masking
 from pallas_kernels.scores import Scores
 from pallas_kernels.tiles import load_ids, load_table_row
 
 # Names of the optional operands, in the order the launchers pass them.
-EXTRA_ORDER = ("q_ids", "kv_ids", "table", "dense_mask", "bias", "slopes")
+EXTRA_ORDER = ("q_ids", "kv_ids", "table", "dense_mask", "bias", "slopes",
+               "seed")
 
 
 def extra_names(mask: masking.Mask, scores: Scores) -> tuple[str, ...]:
   present = {"q_ids": mask.has_ids, "kv_ids": mask.has_ids,
              "table": mask.has_ids, "dense_mask": mask.has_dense,
-             "bias": scores.bias, "slopes": scores.alibi}
+             "bias": scores.bias, "slopes": scores.alibi,
+             "seed": scores.dropout}
   return tuple(n for n in EXTRA_ORDER if present[n])
 
 
@@ -83,6 +85,7 @@ class TileContext:
   kv_len: int
   block_q: int
   block_k: int
+  batch: Any = None  # This program's batch index (for the dropout hash).
   transposed: bool = False
 
   def kv_ranges(self, q_tile, q_start):
@@ -150,6 +153,21 @@ class TileContext:
       ok = jnp.logical_and(
           ok, self._pair_tile("dense_mask", head, q_start, k_start, 0) != 0)
     return ok
+
+  def keep(self, q_start, k_start, head):
+    """Dropout keep tile for query head `head` (a global head index)."""
+    seed = self.extras["seed"]
+    rows, cols = self._coords(q_start, k_start)
+    return dropout.keep(jnp.stack([seed[0], seed[1]]), self.scores.dropout_rate,
+                        jnp.asarray(self.batch, jnp.int32),
+                        jnp.asarray(head, jnp.int32), rows, cols)
+
+  def dropped(self, x, q_start, k_start, head):
+    """x * keep / (1 - rate): dropout applied to a tile of P or dP."""
+    if not self.scores.dropout:
+      return x
+    keep = self.keep(q_start, k_start, head)
+    return jnp.where(keep, x * (1.0 / (1.0 - self.scores.dropout_rate)), 0.0)
 
   def q_ids(self, q_start):
     ids = load_ids(self.extras["q_ids"], q_start, self.block_q,
