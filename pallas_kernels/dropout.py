@@ -3,32 +3,45 @@
 The keep decision for (batch b, query head n, row i, column j) is a pure
 function of the seed and those four counters, so the forward and backward
 kernels regenerate the same bits tile by tile and nothing is stored. The hash
-is the MurmurHash3 32-bit finalizer applied in a chain; the top 24 bits are
-compared with the rate (so rates are quantized to 2**-24).
+is the MurmurHash3 32-bit finalizer applied in a chain, computed in int32
+(wrapping multiplies, logical shifts: the same bits as uint32, and no
+unsigned constants for a backend to trip on); the top 24 bits are compared
+with the rate, so rates are quantized to 2**-24.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+from jax import lax
 
-_M1 = np.uint32(0x85EBCA6B)
-_M2 = np.uint32(0xC2B2AE35)
-_GOLDEN = np.uint32(0x9E3779B9)
-_HEAD = np.uint32(0x7F4A7C15)
+
+def _i32(x: int) -> int:
+  """A uint32 constant as the int32 with the same bits."""
+  return x - (1 << 32) if x >= (1 << 31) else x
+
+
+_M1 = _i32(0x85EBCA6B)
+_M2 = _i32(0xC2B2AE35)
+_GOLDEN = _i32(0x9E3779B9)
+_HEAD = _i32(0x7F4A7C15)
+
+
+def _shr(x, n: int):
+  return lax.shift_right_logical(x, jnp.int32(n))
 
 
 def _fmix(x):
-  x = x ^ (x >> 16)
+  x = x ^ _shr(x, 16)
   x = x * _M1
-  x = x ^ (x >> 13)
+  x = x ^ _shr(x, 13)
   x = x * _M2
-  return x ^ (x >> 16)
+  return x ^ _shr(x, 16)
 
 
 def seed_words(rng) -> jax.Array:
-  """Two uint32 words from a JAX PRNG key (typed or raw)."""
-  return jax.random.bits(rng, (2,), jnp.uint32)
+  """Two int32 words from a JAX PRNG key (typed or raw)."""
+  return lax.bitcast_convert_type(jax.random.bits(rng, (2,), jnp.uint32),
+                                  jnp.int32)
 
 
 def threshold(rate: float) -> int:
@@ -36,14 +49,11 @@ def threshold(rate: float) -> int:
   return int(min(round(rate * 2**24), 2**24))
 
 
-def keep(seed, rate: float, batch, head, rows, cols):
-  """Boolean keep mask; rows and cols broadcast (int32), seed uint32 [2]."""
-  base = _fmix(seed[0] ^ _fmix(
-      seed[1] + batch.astype(jnp.uint32) * _GOLDEN +
-      head.astype(jnp.uint32) * _HEAD))
-  bits = _fmix(_fmix(base ^ rows.astype(jnp.uint32)) +
-               cols.astype(jnp.uint32) * _GOLDEN)
-  return (bits >> 8).astype(jnp.int32) >= threshold(rate)
+def keep(seed0, seed1, rate: float, batch, head, rows, cols):
+  """Boolean keep mask; int32 scalars and index arrays (rows, cols broadcast)."""
+  base = _fmix(seed0 ^ _fmix(seed1 + batch * _GOLDEN + head * _HEAD))
+  bits = _fmix(_fmix(base ^ rows) + cols * _GOLDEN)
+  return _shr(bits, 8) >= threshold(rate)
 
 
 def keep_mask(rng, rate: float, batch: int, num_heads: int, q_len: int,
@@ -54,4 +64,4 @@ def keep_mask(rng, rate: float, batch: int, num_heads: int, q_len: int,
   n = jnp.arange(num_heads, dtype=jnp.int32)[None, :, None, None]
   i = jnp.arange(q_len, dtype=jnp.int32)[None, None, :, None]
   j = jnp.arange(kv_len, dtype=jnp.int32)[None, None, None, :]
-  return keep(seed, rate, b, n, i, j)
+  return keep(seed[0], seed[1], rate, b, n, i, j)

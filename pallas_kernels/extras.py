@@ -25,7 +25,7 @@ class Extras:
     means attend.
   bias: float [Bm, Nm, Tm, Sm], added to the logits.
   slopes: float32 [B, N], ALiBi slopes.
-  seed: uint32 [2], the dropout hash's seed.
+  seed: int32 [2], the dropout hash's seed.
   """
   q_ids: jax.Array | None = None
   kv_ids: jax.Array | None = None

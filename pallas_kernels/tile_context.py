@@ -158,9 +158,10 @@ class TileContext:
     """Dropout keep tile for query head `head` (a global head index)."""
     seed = self.extras["seed"]
     rows, cols = self._coords(q_start, k_start)
-    return dropout.keep(jnp.stack([seed[0], seed[1]]), self.scores.dropout_rate,
+    return dropout.keep(seed[0], seed[1], self.scores.dropout_rate,
                         jnp.asarray(self.batch, jnp.int32),
-                        jnp.asarray(head, jnp.int32), rows, cols)
+                        jnp.asarray(head, jnp.int32), rows.astype(jnp.int32),
+                        cols.astype(jnp.int32))
 
   def dropped(self, x, q_start, k_start, head):
     """x * keep / (1 - rate): dropout applied to a tile of P or dP."""
