@@ -113,6 +113,88 @@ def run(head_dims, seq_lens, causals, tokens, hidden, dtype, calls, repeats,
   return rows
 
 
+def run_sparse(scenario, head_dim, hidden, seq_len, sizes, dtype, calls,
+               repeats, log=None):
+  """Sliding windows or packed documents: time against the visible pairs.
+
+  scenario "window": causal, local_window_size=(w, 0) for w in `sizes`;
+  "documents": causal within each of d equal packed documents, d in `sizes`.
+  FLOPs count only the visible (query, key) pairs: 4*N*H per pair forward,
+  3.5x that forward+backward. The full causal problem is timed alongside, so
+  time / full-causal time can be read against visible / full-causal pairs.
+  """
+  num_heads = hidden // head_dim
+  keys = jax.random.split(jax.random.key(seq_len), 4)
+  q, k, v, do = (jax.random.normal(kk, (1, seq_len, num_heads, head_dim),
+                                   dtype) for kk in keys)
+  rows = []
+  positions = jnp.arange(seq_len)
+  for size in (None,) + tuple(sizes):
+    kwargs, visible = {"is_causal": True}, seq_len * (seq_len + 1) / 2
+    label = "full causal"
+    if size is not None and scenario == "window":
+      kwargs["local_window_size"] = (size, 0)
+      visible = sum(min(i, size) + 1 for i in range(seq_len))
+      label = f"window {size}"
+    elif size is not None:
+      doc = seq_len // size
+      ids = (positions // doc)[None]
+      kwargs["segment_ids"] = ids
+      visible = size * doc * (doc + 1) / 2
+      label = f"{size} documents"
+    impls = {"flash_v2": lambda q, k, v, kw=kwargs: jax_flash.flash_attention(
+        q, k, v, implementation="pallas", **kw)}
+    if "segment_ids" not in kwargs:
+      impls["cudnn"] = lambda q, k, v, kw=kwargs: jax.nn.dot_product_attention(
+          q, k, v, implementation="cudnn", **kw)
+    else:  # cuDNN through jax.nn takes no segment ids: XLA with a dense mask.
+      dense = (ids[:, :, None] == ids[:, None, :])[:, None]
+      impls["xla_dense_mask"] = lambda q, k, v, m=dense: (
+          jax.nn.dot_product_attention(q, k, v, mask=m, is_causal=True,
+                                       implementation="xla"))
+    for name, fn in impls.items():
+      for mode in ("fwd", "fwd+bwd"):
+        row = dict(scenario=scenario, case=label, impl=name, mode=mode,
+                   seq_len=seq_len, head_dim=head_dim, num_heads=num_heads,
+                   visible_fraction=visible / (seq_len * (seq_len + 1) / 2))
+        try:
+          if mode == "fwd":
+            f, args = jax.jit(fn), (q, k, v)
+          else:
+            f = jax.jit(lambda q, k, v, do, fn=fn: jax.vjp(fn, q, k, v)[1](do))
+            args = (q, k, v, do)
+          seconds = _time(f, args, calls, repeats)
+          flops = 4 * num_heads * head_dim * visible * (
+              1.0 if mode == "fwd" else 3.5)
+          row.update(ms=seconds * 1e3, tflops=flops / seconds / 1e12)
+        except Exception as e:
+          row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if log:
+          with open(log, "a") as f:
+            f.write(json.dumps(row) + "\n")
+  return rows
+
+
+def markdown_sparse(rows) -> str:
+  full = {(r["impl"], r["mode"]): r.get("ms") for r in rows
+          if r["case"] == "full causal"}
+  lines = ["| case | visible / causal | impl | mode | ms | time / causal "
+           "time | TFLOP/s on visible pairs |", "|---|---|---|---|---|---|---|"]
+  for r in rows:
+    base = full.get((r["impl"], r["mode"]))
+    if "ms" in r:
+      rel = f"{r['ms'] / base:.3f}" if base else "-"
+      cells = f"{r['ms']:.2f} | {rel} | {r['tflops']:.0f}"
+    else:
+      cells = "OOM | - | -" if "RESOURCE_EXHAUSTED" in r["error"] else (
+          "fails | - | -")
+    lines.append(f"| {r['case']} | {r['visible_fraction']:.3f} | {r['impl']} "
+                 f"| {r['mode']} | {cells} |")
+  return "\n".join(lines)
+
+
 def markdown(rows) -> str:
   """One line per (head dim, seq, causal): TFLOP/s and the ratio to cuDNN."""
   def key(r):
@@ -181,6 +263,14 @@ def main(argv=None):
   parser.add_argument("--calls", type=int, default=10)
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--out", default="benchmarks/results")
+  parser.add_argument("--scenario", choices=["dense", "window", "documents"],
+                      default="dense",
+                      help="window: causal sliding windows of --sizes over "
+                      "one --seq-lens[0] sequence; documents: --sizes packed "
+                      "documents (segment ids)")
+  parser.add_argument("--sizes", type=int, nargs="+",
+                      default=[1024, 2048, 4096],
+                      help="window sizes, or numbers of documents")
   args = parser.parse_args(argv)
   if args.render:
     with open(args.render) as f:
@@ -192,6 +282,17 @@ def main(argv=None):
   causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
   os.makedirs(args.out, exist_ok=True)
   open(os.path.join(args.out, "benchmark.jsonl"), "w").close()
+  if args.scenario != "dense":
+    rows = run_sparse(args.scenario, args.head_dims[0], args.hidden,
+                      args.seq_lens[0], args.sizes, jnp.dtype(args.dtype),
+                      args.calls, args.repeats,
+                      log=os.path.join(args.out, "benchmark.jsonl"))
+    table = markdown_sparse(rows)
+    with open(os.path.join(args.out, f"{args.scenario}.md"), "w") as f:
+      f.write(f"`python -m jax_flash.benchmark {' '.join(sys.argv[1:])}`\n\n"
+              + table + "\n")
+    print(table)
+    return
   rows = run(args.head_dims, args.seq_lens, causals, args.tokens, args.hidden,
              jnp.dtype(args.dtype), args.calls, args.repeats, args.impls,
              args.kv_heads, log=os.path.join(args.out, "benchmark.jsonl"))
