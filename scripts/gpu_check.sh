@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# On the lent H200 (jax 0.11.2 and pytest-xdist are there), from the repo root:
+#   bash scripts/gpu_check.sh tests   # every test with the real kernels (~10 min)
+#   bash scripts/gpu_check.sh bench   # dense, sliding-window, packed-document runs
+# Results go under $OUT (the device tool's folder) or ./gpu_out; at most 8
+# files, as the device tool brings back.
+set -uo pipefail
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 PYTHONPATH=.
+case "${1:-tests}" in
+  tests)
+    # Compilation dominates: 8 workers share the GPU, each allocating as needed.
+    timeout 570 python3 -m pytest -q -n 8 -rfE -p no:benchmark \
+      -p no:cacheprovider tests/ > "$OUT/gpu_tests.log" 2>&1
+    echo "pytest exit: $?"
+    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -40
+    ;;
+  bench)
+    timeout 300 python3 -m jax_flash.benchmark --seq-lens 1024 4096 16384 \
+      --impls flash_v2 flash_v1 cudnn xla --out "$OUT/dense" > "$OUT/bench.log" 2>&1
+    timeout 120 python3 -m jax_flash.benchmark --scenario window \
+      --seq-lens 32768 --sizes 1024 2048 4096 --head-dims 128 \
+      --out "$OUT/window" >> "$OUT/bench.log" 2>&1
+    timeout 120 python3 -m jax_flash.benchmark --scenario documents \
+      --seq-lens 16384 --sizes 16 --head-dims 128 \
+      --out "$OUT/documents" >> "$OUT/bench.log" 2>&1
+    tail -n 20 "$OUT"/dense/benchmark.md "$OUT"/window/window.md \
+      "$OUT"/documents/documents.md
+    ;;
+esac
