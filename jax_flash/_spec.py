@@ -27,7 +27,7 @@ class Spec:
 def prepare(query, key, value, *, bias, mask, scale, is_causal,
             query_seq_lengths, key_value_seq_lengths, local_window_size,
             segment_ids, logits_soft_cap, alibi_slopes, dropout_rate=0.0,
-            dropout_rng=None) -> Spec:
+            dropout_rng=None, dropout_broadcast=False) -> Spec:
   """Validates every argument (trace time) and builds the Spec (batched)."""
   p = _checks.check_qkv(query, key, value)
   scale = _checks.check_scale(scale, p.head_dim)
@@ -50,7 +50,8 @@ def prepare(query, key, value, *, bias, mask, scale, is_causal,
                            window_right=right, has_ids=q_ids is not None,
                            has_dense=dense is not None)
   scores = Scores(scale=scale, soft_cap=cap, alibi=slopes is not None,
-                  bias=bias is not None, dropout_rate=rate)
+                  bias=bias is not None, dropout_rate=rate,
+                  dropout_broadcast=bool(dropout_broadcast) and rate > 0)
   extras = Extras(
       q_ids=q_ids, kv_ids=kv_ids,
       dense_mask=None if dense is None else dense.astype(jnp.int8),

@@ -91,8 +91,8 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
                     key_value_seq_lengths=None, local_window_size=None,
                     segment_ids=None, logits_soft_cap=None,
                     alibi_slopes=None, dropout_rate=0.0, dropout_rng=None,
-                    return_residual=False, implementation=None,
-                    block_sizes=None, version=2):
+                    dropout_broadcast=False, return_residual=False,
+                    implementation=None, block_sizes=None, version=2):
   """Exact attention, softmax(scale * Q K^T) V, without the T x S matrix in memory.
 
   A superset of `jax.nn.dot_product_attention`: same arguments, shapes and
@@ -139,6 +139,8 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
       the backward, never stored; the same rng gives the same result, and the
       output is unbiased (kept probabilities are scaled by 1 / (1 - rate)).
       `jax_flash.dropout_keep_mask` returns the same bits, densely.
+    dropout_broadcast: one keep mask shared by every batch element and head
+      (flax's `broadcast_dropout`); the bits of batch 0, head 0.
     return_residual: also return the logsumexp of the scaled scores,
       [B, T, N] (or [T, N]), natural log.
     implementation: None picks "pallas" when query lives on a GPU and "xla"
@@ -168,7 +170,8 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
               key_value_seq_lengths=key_value_seq_lengths,
               local_window_size=local_window_size, segment_ids=segment_ids,
               logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
-              dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+              dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+              dropout_broadcast=dropout_broadcast)
   spec = prepare(query, key, value, **args)
   p = spec.problem
   implementation = _resolve_implementation(implementation, query)

@@ -19,7 +19,7 @@ def reference_attention(query, key, value, bias=None, mask=None, *, scale=None,
                         key_value_seq_lengths=None, local_window_size=None,
                         segment_ids=None, logits_soft_cap=None,
                         alibi_slopes=None, dropout_rate=0.0, dropout_rng=None,
-                        return_residual=False,
+                        dropout_broadcast=False, return_residual=False,
                         implementation=None, block_sizes=None, version=2):
   """softmax(logits, masked) V, with the signature of `flash_attention`.
 
@@ -43,7 +43,8 @@ def reference_attention(query, key, value, bias=None, mask=None, *, scale=None,
                  key_value_seq_lengths=key_value_seq_lengths,
                  local_window_size=local_window_size, segment_ids=segment_ids,
                  logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
-                 dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+                 dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+                 dropout_broadcast=dropout_broadcast)
   p, x, scores = spec.problem, spec.extras, spec.scores
   if p.unbatched:
     query, key, value = query[None], key[None], value[None]
@@ -79,8 +80,10 @@ def reference_attention(query, key, value, bias=None, mask=None, *, scale=None,
   l_safe = jnp.where(l == 0.0, 1.0, l)
   probs = e / l_safe
   if scores.dropout:
-    keep = dropout.keep_mask(dropout_rng, scores.dropout_rate, b,
-                             p.num_heads, t, s_len)
+    shared = scores.dropout_broadcast  # One mask: batch 0, head 0.
+    keep = dropout.keep_mask(dropout_rng, scores.dropout_rate,
+                             1 if shared else b, 1 if shared else p.num_heads,
+                             t, s_len)
     probs = jnp.where(per_head(keep), probs / (1.0 - scores.dropout_rate), 0.0)
   lse = jnp.where(l == 0.0, -jnp.inf, m + jnp.log(l_safe))[..., 0]
   out = jnp.einsum("bkgts,bskh->btkgh", probs, value.astype(acc),

@@ -33,6 +33,8 @@ class Scores:
   # Dropout on the probabilities (keep bits from `dropout`); the forward
   # output and the backward's dV and dP are scaled by 1 / (1 - rate).
   dropout_rate: float = 0.0
+  # One keep mask for every batch element and head (flax's broadcast_dropout).
+  dropout_broadcast: bool = False
 
   @property
   def dropout(self) -> bool:

@@ -158,8 +158,11 @@ class TileContext:
     """Dropout keep tile for query head `head` (a global head index)."""
     seed = self.extras["seed"]
     rows, cols = self._coords(q_start, k_start)
+    batch, head = self.batch, head
+    if self.scores.dropout_broadcast:
+      batch = head = 0
     return dropout.keep(seed[0], seed[1], self.scores.dropout_rate,
-                        jnp.asarray(self.batch, jnp.int32),
+                        jnp.asarray(batch, jnp.int32),
                         jnp.asarray(head, jnp.int32), rows.astype(jnp.int32),
                         cols.astype(jnp.int32))
 

@@ -77,3 +77,17 @@ def test_bad_dropout_arguments(kwargs, match):
   q, k, v, _ = random_inputs(1, 16, 16, 2, 2, 32, jnp.float32)
   with pytest.raises(ValueError, match=match):
     jax_flash.flash_attention(q, k, v, implementation=KERNEL_IMPL, **kwargs)
+
+
+def test_broadcast_dropout_shares_one_mask():
+  compare_with_reference(dict(dropout_rate=0.3, dropout_rng=RNG,
+                              dropout_broadcast=True))
+  t = s = h = 32
+  q = jax.random.normal(jax.random.key(1), (2, t, 3, h))
+  v = jnp.broadcast_to(jnp.eye(s)[None, :, None, :], (2, s, 3, h))
+  out = jax_flash.flash_attention(q, q * 0.1, v, dropout_rate=0.5,
+                                  dropout_rng=RNG, dropout_broadcast=True,
+                                  implementation=KERNEL_IMPL)
+  kept = np.asarray(out != 0).transpose(0, 2, 1, 3)  # [B, N, T, S]
+  expected = np.asarray(jax_flash.dropout_keep_mask(RNG, 0.5, 1, 1, t, s))
+  np.testing.assert_array_equal(kept, np.broadcast_to(expected, kept.shape))
