@@ -1,0 +1,112 @@
+"""Flash attention for `flax.nnx`: a drop-in `attention_fn` and module.
+
+    layer = nnx.MultiHeadAttention(..., attention_fn=jax_flash.nnx.dot_product_attention)
+    layer = jax_flash.nnx.FlashAttention(...)   # same arguments, same parameters
+
+Both keep the model's parameters (names, shapes) and checkpoints: only the
+attention between the projections changes.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx.nn import dtypes
+
+from jax_flash.attention import flash_attention
+
+
+def attend(query, key, value, bias, mask, *, broadcast_dropout, dropout_rng,
+           dropout_rate, deterministic, is_causal, implementation,
+           block_sizes):
+  """flax's attention_fn contract on top of `flash_attention`.
+
+  query [batch..., T, N, H]; key/value [batch..., S, K, H]; bias/mask
+  broadcastable to [batch..., N, T, S]. Any number of batch dims (flattened
+  into one for the kernels).
+  """
+  batch_dims = query.shape[:-3]
+  if len(batch_dims) != 1:
+    flat = math.prod(batch_dims)
+
+    def flatten(x, rank):
+      if x is None:
+        return None
+      x = x.reshape((1,) * (len(batch_dims) + rank - x.ndim) + x.shape)
+      lead = x.shape[:len(batch_dims)]
+      if all(d == 1 for d in lead):
+        return x.reshape((1,) + x.shape[len(batch_dims):])
+      x = jnp.broadcast_to(x, batch_dims + x.shape[len(batch_dims):])
+      return x.reshape((flat,) + x.shape[len(batch_dims):])
+
+    query, key, value = (x.reshape((flat,) + x.shape[-3:])
+                         for x in (query, key, value))
+    bias, mask = flatten(bias, 3), flatten(mask, 3)
+  if mask is not None:
+    mask = mask.astype(jnp.bool_)
+  use_dropout = dropout_rate > 0.0 and not deterministic
+  if use_dropout and dropout_rng is None:
+    raise ValueError("dropout_rate > 0 with deterministic=False needs "
+                     "dropout_rng")
+  out = flash_attention(
+      query, key, value, bias, mask, is_causal=is_causal,
+      dropout_rate=dropout_rate if use_dropout else 0.0,
+      dropout_rng=dropout_rng if use_dropout else None,
+      dropout_broadcast=broadcast_dropout, implementation=implementation,
+      block_sizes=block_sizes)
+  return out.reshape(batch_dims + out.shape[-3:])
+
+
+def dot_product_attention(query, key, value, bias=None, mask=None,
+                          broadcast_dropout: bool = True, dropout_rng=None,
+                          dropout_rate: float = 0.0,
+                          deterministic: bool = False, dtype=None,
+                          precision=None, module=None,
+                          promote_dtype=dtypes.promote_dtype,
+                          is_causal: bool = False, *, implementation=None,
+                          block_sizes=None):
+  """Drop-in for `flax.nnx.dot_product_attention`, computed by flash attention.
+
+  Takes every argument nnx passes. `is_causal` skips the masked tiles instead
+  of building a T x S mask; dense masks (`nnx.make_causal_mask`, padding
+  masks) and biases are read tile by tile; dropout (with `broadcast_dropout`
+  sharing one keep mask across batch and heads) happens inside the kernel, with
+  its own keep bits (a different random stream from flax's). `precision` is
+  not used: the kernels accumulate in float32 (float32 inputs get full float32
+  dots). With `module` set (nnx's `sow_weights=True`, which needs the T x S
+  attention weights), it falls back to flax's own implementation.
+
+  `implementation` and `block_sizes` are passed to `flash_attention`.
+  """
+  if module is not None:
+    return nnx.dot_product_attention(
+        query, key, value, bias, mask, broadcast_dropout, dropout_rng,
+        dropout_rate, deterministic, dtype, precision, module, promote_dtype,
+        is_causal)
+  query, key, value = promote_dtype((query, key, value), dtype=dtype)
+  return attend(query, key, value, bias, mask,
+                broadcast_dropout=broadcast_dropout, dropout_rng=dropout_rng,
+                dropout_rate=dropout_rate, deterministic=deterministic,
+                is_causal=is_causal, implementation=implementation,
+                block_sizes=block_sizes)
+
+
+class FlashAttention(nnx.MultiHeadAttention):
+  """`nnx.MultiHeadAttention` with flash attention inside.
+
+  Same constructor (GQA via `num_kv_heads`, dropout, `decode` with a KV cache
+  through `init_cache`), same parameters, so a model swaps it in and keeps its
+  checkpoint. Extra keyword arguments: `implementation` and `block_sizes`, for
+  `flash_attention`. Calls take `is_causal=True` without building a mask.
+  """
+
+  def __init__(self, *args, implementation=None, block_sizes=None,
+               attention_fn=None, **kwargs):
+    if attention_fn is None:
+      attention_fn = functools.partial(dot_product_attention,
+                                       implementation=implementation,
+                                       block_sizes=block_sizes)
+    super().__init__(*args, attention_fn=attention_fn, **kwargs)

@@ -1,0 +1,198 @@
+"""The Flax modules against flax's own, with the same parameters, and the
+training example."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from flax import nnx
+
+import jax_flash.linen
+import jax_flash.nnx
+from examples import train_lm
+from jax_flash.testing import relative_error
+from tests.conftest import KERNEL_IMPL
+
+B, T, D = 2, 37, 64
+X = jax.random.normal(jax.random.key(0), (B, T, D))
+LENGTHS = jnp.array([30, T])
+VALID = (jnp.arange(T)[None] < LENGTHS[:, None])  # [B, T]
+PADDING_MASK = nnx.make_attention_mask(VALID, VALID)  # [B, 1, T, T]
+TOL = 2e-5  # float32 end to end.
+
+
+def _nnx_pair(**kwargs):
+  args = dict(num_heads=4, in_features=D, qkv_features=64, decode=False,
+              **kwargs)
+  ref = nnx.MultiHeadAttention(**args, rngs=nnx.Rngs(0))
+  ours = jax_flash.nnx.FlashAttention(**args, implementation=KERNEL_IMPL,
+                                      rngs=nnx.Rngs(0))
+  return ours, ref
+
+
+def _assert_same_params(a, b):
+  a, b = nnx.state(a, nnx.Param), nnx.state(b, nnx.Param)
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(x, y)
+
+
+def _assert_close_grads(grads, ref_grads):
+  """Every parameter's gradient within TOL of the whole gradient's norm.
+
+  (Per leaf relative errors mislead for gradients that are 0 in exact
+  arithmetic, like the key projection's bias: softmax ignores a per-row
+  constant.)
+  """
+  leaves, ref_leaves = jax.tree.leaves(grads), jax.tree.leaves(ref_grads)
+  assert len(leaves) == len(ref_leaves)
+  scale = np.sqrt(sum(float(jnp.sum(r ** 2)) for r in ref_leaves))
+  for g, r in zip(leaves, ref_leaves):
+    assert g.shape == r.shape
+    assert float(jnp.linalg.norm((g - r).ravel())) <= TOL * scale
+
+
+def _valid_rows(x, mask):
+  """Rows that see no key differ by design (0 here, mean of V in flax)."""
+  return x if mask is None else jnp.where(VALID[..., None], x, 0.0)
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 2, 1])
+@pytest.mark.parametrize("setting", ["causal", "padding", "both"])
+def test_nnx_module_matches_flax(num_kv_heads, setting):
+  ours, ref = _nnx_pair(num_kv_heads=num_kv_heads)
+  _assert_same_params(ours, ref)  # A drop-in: same names, shapes, values.
+  causal = setting in ("causal", "both")
+  mask = PADDING_MASK if setting in ("padding", "both") else None
+  cot = jax.random.normal(jax.random.key(1), (B, T, D))
+
+  @nnx.jit
+  def loss_and_grads(module):
+    def loss(m):
+      out = _valid_rows(m(X, mask=mask, is_causal=causal), mask)
+      return jnp.sum(out * cot), out
+    return nnx.value_and_grad(loss, has_aux=True)(module)
+
+  (_, out), grads = loss_and_grads(ours)
+  (_, ref_out), ref_grads = loss_and_grads(ref)
+  assert relative_error(out, ref_out) <= TOL
+  _assert_close_grads(grads, ref_grads)
+
+
+def test_attention_fn_drop_in_and_extra_batch_dims():
+  x = jax.random.normal(jax.random.key(2), (2, 3, T, D))
+  ref = nnx.MultiHeadAttention(num_heads=4, in_features=D, decode=False,
+                               rngs=nnx.Rngs(0))
+  ours = nnx.MultiHeadAttention(
+      num_heads=4, in_features=D, decode=False, rngs=nnx.Rngs(0),
+      attention_fn=lambda *a, **k: jax_flash.nnx.dot_product_attention(
+          *a, implementation=KERNEL_IMPL, **k))
+  mask = nnx.make_causal_mask(jnp.ones((2, 3, T)))  # [2, 3, 1, T, T]
+  assert relative_error(ours(x, mask=mask), ref(x, mask=mask)) <= TOL
+
+
+def test_sow_weights_falls_back_to_flax():
+  ours, ref = _nnx_pair()
+  out = ours(X, sow_weights=True)
+  assert relative_error(out, ref(X)) <= TOL
+
+
+def test_nnx_decode_with_kv_cache_matches_causal_forward():
+  ours, _ = _nnx_pair(num_kv_heads=2)
+  full = ours(X, is_causal=True)
+  ours.init_cache((B, T, D))
+  steps = [ours(X[:, i:i + 1], decode=True) for i in range(T)]
+  assert relative_error(jnp.concatenate(steps, axis=1), full) <= TOL
+
+
+def test_nnx_dropout_trains_and_is_off_when_deterministic():
+  ours, _ = _nnx_pair(dropout_rate=0.3)
+  a = ours(X, deterministic=False, rngs=nnx.Rngs(dropout=1))
+  b = ours(X, deterministic=True)
+  c = ours(X, deterministic=True)
+  assert relative_error(a, b) > 0.01
+  np.testing.assert_array_equal(b, c)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_linen_module_matches_flax(causal):
+  ref = nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=64)
+  ours = jax_flash.linen.FlashAttention(num_heads=4, qkv_features=64,
+                                        is_causal=causal,
+                                        implementation=KERNEL_IMPL)
+  params = ref.init(jax.random.key(3), X)
+  assert jax.tree.structure(params) == jax.tree.structure(
+      ours.init(jax.random.key(3), X))
+  mask = nn.make_causal_mask(jnp.ones((B, T))) if causal else None
+  cot = jax.random.normal(jax.random.key(4), (B, T, D))
+
+  def loss(p, module, **kw):
+    return jnp.sum(module.apply(p, X, **kw) * cot)
+
+  grads = jax.jit(jax.grad(lambda p: loss(p, ours)))(params)
+  ref_grads = jax.jit(jax.grad(lambda p: loss(p, ref, mask=mask)))(params)
+  assert relative_error(ours.apply(params, X),
+                        ref.apply(params, X, mask=mask)) <= TOL
+  _assert_close_grads(grads, ref_grads)
+
+
+def test_linen_attention_fn_with_padding_mask():
+  ref = nn.MultiHeadDotProductAttention(num_heads=4)
+  # linen passes only the keywords the function's signature names: a partial
+  # keeps them, a lambda(*a, **k) would get none.
+  ours = nn.MultiHeadDotProductAttention(
+      num_heads=4, attention_fn=functools.partial(
+          jax_flash.linen.dot_product_attention, implementation=KERNEL_IMPL))
+  params = ref.init(jax.random.key(5), X)
+  mask = nn.make_attention_mask(VALID, VALID)
+  out = _valid_rows(ours.apply(params, X, mask=mask), mask)
+  ref_out = _valid_rows(ref.apply(params, X, mask=mask), mask)
+  assert relative_error(out, ref_out) <= TOL
+
+
+def _tiny_model(seed=0):
+  return train_lm.LanguageModel(vocab=20, max_len=32, d_model=64, layers=2,
+                                heads=4, kv_heads=2,
+                                implementation=KERNEL_IMPL,
+                                rngs=nnx.Rngs(seed))
+
+
+def test_training_step_lowers_the_loss():
+  model = _tiny_model()
+  optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+  tokens = jax.random.randint(jax.random.key(6), (4, 33), 0, 20)
+  before = float(train_lm.eval_step(model, tokens))
+  for _ in range(3):
+    train_lm.train_step(model, optimizer, tokens)
+  assert float(train_lm.eval_step(model, tokens)) < before - 0.05
+
+
+def test_checkpoint_round_trip(tmp_path):
+  model, other = _tiny_model(0), _tiny_model(1)
+  tokens = jax.random.randint(jax.random.key(7), (2, 33), 0, 20)
+  assert float(train_lm.eval_step(model, tokens)) != float(
+      train_lm.eval_step(other, tokens))
+  path = str(tmp_path / "params.msgpack")
+  train_lm.save_params(model, path)
+  train_lm.load_params(other, path)
+  _assert_same_params(other, model)
+  assert float(train_lm.eval_step(model, tokens)) == float(
+      train_lm.eval_step(other, tokens))
+
+
+def test_generation_uses_the_cache_and_matches_full_forward():
+  model = _tiny_model()
+  prompt = np.array([[1, 2, 3]], np.int32)
+  sample = train_lm.generate(model, prompt, 5, 1e-4, 0)  # ~greedy
+  assert len(sample) == 8 and sample[:3] == [1, 2, 3]
+  model = _tiny_model()  # Fresh, no cache: the full causal forward.
+  logits = model(jnp.asarray([sample[:-1]]), jnp.arange(7)[None])
+  assert list(np.asarray(jnp.argmax(logits[0, 2:], -1))) == sample[3:]
+
+
+def test_examples_swap_runs():
+  from examples import swap_into_flax_model
+  swap_into_flax_model.main()
