@@ -35,10 +35,13 @@ class Block(nnx.Module):
   def __init__(self, d_model, heads, kv_heads, dropout, implementation, *,
                rngs):
     self.ln1 = nnx.LayerNorm(d_model, rngs=rngs)
-    self.attn = flash_nnx.FlashAttention(
-        num_heads=heads, num_kv_heads=kv_heads, in_features=d_model,
-        dropout_rate=dropout, decode=False, implementation=implementation,
-        rngs=rngs)
+    args = dict(num_heads=heads, num_kv_heads=kv_heads, in_features=d_model,
+                dropout_rate=dropout, decode=False, rngs=rngs)
+    if implementation == "flax":  # flax's own attention, same parameters.
+      self.attn = nnx.MultiHeadAttention(**args)
+    else:
+      self.attn = flash_nnx.FlashAttention(**args,
+                                           implementation=implementation)
     self.ln2 = nnx.LayerNorm(d_model, rngs=rngs)
     self.up = nnx.Linear(d_model, 4 * d_model, rngs=rngs)
     self.down = nnx.Linear(4 * d_model, d_model, rngs=rngs)
@@ -159,7 +162,10 @@ def main(argv=None):
   parser.add_argument("--sample-len", type=int, default=200)
   parser.add_argument("--prompt", default="And God said")
   parser.add_argument("--implementation", default=None,
-                      choices=[None, "pallas", "interpret", "xla"])
+                      choices=[None, "pallas", "interpret", "xla", "flax"],
+                      help="flash attention's implementation (default: pallas "
+                      "on a GPU, xla otherwise), or 'flax' for flax's own "
+                      "attention on the same model, to compare")
   parser.add_argument("--out-dir", default="checkpoints")
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args(argv)
@@ -209,6 +215,9 @@ def main(argv=None):
   print(f"eval loss {first_eval:.3f} -> {final_eval:.3f} "
         f"(train loss {np.mean(losses[:10]):.3f} -> "
         f"{np.mean(losses[-10:]):.3f})")
+  stats = jax.devices()[0].memory_stats() or {}
+  if "peak_bytes_in_use" in stats:
+    print(f"peak device memory {stats['peak_bytes_in_use'] / 2**30:.2f} GiB")
 
   os.makedirs(args.out_dir, exist_ok=True)
   path = os.path.join(args.out_dir, "lm_params.msgpack")
