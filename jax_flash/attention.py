@@ -71,6 +71,14 @@ def _on_gpu(x) -> bool:
     return jax.default_backend() == "gpu"
 
 
+def _gpu_target() -> bool:
+  """A GPU to run on, or one to compile for (an abstract mesh's device)."""
+  if jax.default_backend() == "gpu":
+    return True
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  return device is not None and device.platform == "gpu"
+
+
 def _resolve_implementation(implementation, query) -> str:
   if implementation is None:
     return "pallas" if _on_gpu(query) else "xla"
@@ -78,7 +86,7 @@ def _resolve_implementation(implementation, query) -> str:
     raise ValueError(
         f"implementation must be one of {_checks.IMPLEMENTATIONS} or None, "
         f"got {implementation!r}")
-  if implementation == "pallas" and jax.default_backend() != "gpu":
+  if implementation == "pallas" and not _gpu_target():
     raise ValueError(
         "implementation='pallas' runs the Triton kernels and needs a GPU; on "
         "this machine use implementation='interpret' (same kernels, "

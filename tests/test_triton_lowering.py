@@ -1,0 +1,83 @@
+"""Every kernel variant goes through the Pallas -> Triton lowering for an H200.
+
+Runs on the CPU: `jax.jit(...).lower(lowering_platforms=("cuda",))` under an
+abstract mesh whose device is an "NVIDIA H200" builds the Triton IR of every
+kernel exactly as on the GPU machine, so an op the Triton lowering lacks, a
+wrong tile shape or a bad index fails here instead of on the H200. (Triton's own
+compilation to PTX happens when XLA compiles on a GPU; that still needs one.)
+"""
+import jax
+import jax.numpy as jnp
+import pytest
+from jax._src import mesh as mesh_lib
+
+import jax_flash
+
+H200 = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
+                               platform="gpu")
+B, T, S, N, K = 2, 300, 250, 8, 2
+
+
+def _lower(dtype, head_dim, version=2, bias_shape=None, **kwargs):
+  q = jax.ShapeDtypeStruct((B, T, N, head_dim), dtype)
+  kv = jax.ShapeDtypeStruct((B, S, K, head_dim), dtype)
+  bias = None if bias_shape is None else jax.ShapeDtypeStruct(bias_shape,
+                                                              jnp.float32)
+
+  def loss(q, k, v, bias):
+    out = jax_flash.flash_attention(q, k, v, bias, implementation="pallas",
+                                    version=version, **kwargs)
+    return jnp.sum(out.astype(jnp.float32))
+
+  argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
+  with jax.sharding.use_abstract_mesh(
+      mesh_lib.AbstractMesh((1,), ("x",), abstract_device=H200)):
+    lowered = jax.jit(jax.grad(loss, argnums=argnums)).trace(
+        q, kv, kv, bias).lower(lowering_platforms=("cuda",))
+  return lowered.as_text()
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("head_dim", [40, 64, 128, 256])
+def test_core_kernels_lower(dtype, head_dim):
+  text = _lower(dtype, head_dim, is_causal=True)
+  for name in ("flash_attention_forward", "flash_attention_backward_dkdv",
+               "flash_attention_backward_dq"):
+    assert name in text
+
+
+SEGMENTS = jax.ShapeDtypeStruct((B, T), jnp.int32)
+
+
+@pytest.mark.parametrize("name, kwargs", [
+    ("window", dict(local_window_size=(64, 16))),
+    ("lengths", dict(query_seq_lengths=jnp.array([10, T]),
+                     key_value_seq_lengths=jnp.array([S, 3]))),
+    ("segments", dict(segment_ids=(jnp.zeros((B, T), jnp.int32),
+                                   jnp.zeros((B, S), jnp.int32)))),
+    ("dense_mask", dict(mask=jnp.ones((B, 1, T, S), bool))),
+    ("mask_row", dict(mask=jnp.ones((1, 1, 1, S), bool))),
+    ("soft_cap", dict(logits_soft_cap=30.0)),
+    ("alibi", dict(alibi_slopes=jnp.ones((N,)))),
+    ("dropout", dict(dropout_rate=0.1, dropout_rng=jax.random.key(0))),
+    ("dropout_broadcast", dict(dropout_rate=0.1, dropout_rng=jax.random.key(0),
+                               dropout_broadcast=True)),
+    ("everything", dict(is_causal=True, local_window_size=(128, 0),
+                        key_value_seq_lengths=jnp.array([S, 7]),
+                        mask=jnp.ones((1, N, T, S), bool),
+                        logits_soft_cap=30.0, alibi_slopes=jnp.ones((B, N)),
+                        dropout_rate=0.1, dropout_rng=jax.random.key(0))),
+])
+@pytest.mark.parametrize("version", [2, 1])
+def test_variant_kernels_lower(name, kwargs, version):
+  text = _lower(jnp.bfloat16, 64, version, **kwargs)
+  forward = ("flash_attention_forward_v1" if version == 1 else
+             "flash_attention_forward")
+  assert forward in text and "flash_attention_backward_dq" in text
+
+
+@pytest.mark.parametrize("bias_shape", [(B, N, T, S), (B, 1, 1, S),
+                                        (1, N, T, 1), (1, 1, 1, 1), (T, S)])
+def test_bias_kernels_lower(bias_shape):
+  text = _lower(jnp.bfloat16, 128, bias_shape=bias_shape, is_causal=True)
+  assert "flash_attention_backward_dbias" in text
