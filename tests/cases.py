@@ -41,15 +41,9 @@ class Case:
 
 def inputs(case: Case, seed: int = 0):
   """query, key, value and a cotangent for out, standard normal."""
-  dtype = jnp.dtype(case.dtype)
-  kq, kk, kv, kd = jax.random.split(jax.random.key(seed), 4)
-  q = jax.random.normal(kq, (case.batch, case.q_len, case.num_heads,
-                             case.head_dim), jnp.float32)
-  k = jax.random.normal(kk, (case.batch, case.kv_len, case.num_kv_heads,
-                             case.head_dim), jnp.float32)
-  v = jax.random.normal(kv, k.shape, jnp.float32)
-  do = jax.random.normal(kd, q.shape, jnp.float32)
-  return tuple(x.astype(dtype) for x in (q, k, v, do))
+  return random_inputs(case.batch, case.q_len, case.kv_len, case.num_heads,
+                       case.num_kv_heads, case.head_dim, jnp.dtype(case.dtype),
+                       seed)
 
 
 C = Case
@@ -84,11 +78,9 @@ V1_CASES = [CASES[i] for i in (1, 2, 4, 8, 12, 14)]
 def random_inputs(b, t, s, n, k, h, dtype, seed=0):
   """query [b,t,n,h], key/value [b,s,k,h] and a cotangent, standard normal."""
   ks = jax.random.split(jax.random.key(seed), 4)
-  q = jax.random.normal(ks[0], (b, t, n, h)).astype(dtype)
-  kk = jax.random.normal(ks[1], (b, s, k, h)).astype(dtype)
-  v = jax.random.normal(ks[2], (b, s, k, h)).astype(dtype)
-  do = jax.random.normal(ks[3], (b, t, n, h)).astype(dtype)
-  return q, kk, v, do
+  shapes = ((b, t, n, h), (b, s, k, h), (b, s, k, h), (b, t, n, h))
+  return tuple(jax.random.normal(key, shape, jnp.float32).astype(dtype)
+               for key, shape in zip(ks, shapes))
 
 
 def compare_with_reference(kwargs, dtype=jnp.float32, version=2,
