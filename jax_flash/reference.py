@@ -93,3 +93,15 @@ def reference_attention(query, key, value, bias=None, mask=None, *, scale=None,
   if p.unbatched:
     out, lse = out[0], lse[0]
   return (out, lse) if return_residual else out
+
+
+def decode_mask(kv_lengths, q_len: int, kv_len: int, window_left=None):
+  """[B, 1, T, S] mask of decoding: query t of sequence b sits at position
+  kv_lengths[b] - T + t and sees the cache positions up to it (and, with a
+  window, back to it - window_left)."""
+  position = (kv_lengths[:, None] - q_len + jnp.arange(q_len)[None])[:, :, None]
+  cols = jnp.arange(kv_len)[None, None, :]
+  visible = (cols <= position) & (cols < kv_lengths[:, None, None])
+  if window_left is not None:
+    visible = visible & (cols >= position - window_left)
+  return visible[:, None]

@@ -30,20 +30,24 @@ def _rows(start, size):
   return pl.ds(jnp.asarray(start, jnp.int32), size)
 
 
-def _index(ref, start, size, head):
+def _index(ref, start, size, head, page=None):
   rows = _rows(start, size)
+  if page is not None:  # [pages, page_size, Hp]: rows of one page.
+    return ref.at[page, rows, :]
   if head is None:
     return ref.at[rows, :]
   return ref.at[rows, head, :]
 
 
-def load_tile(ref, start, size, *, row_bound=None, head_dim=None, head=None):
-  """ref[start:start+size, (head,) :], zero where masked.
+def load_tile(ref, start, size, *, row_bound=None, head_dim=None, head=None,
+              page=None):
+  """ref[start:start+size, (head,) :] (or ref[page, start:start+size, :]),
+  zero where masked.
 
   `row_bound=None` promises every row is in bounds (interior tiles).
   """
   mask = _mask(ref, start, size, row_bound, head_dim)
-  view = _index(ref, start, size, head)
+  view = _index(ref, start, size, head, page)
   if mask is None:
     return plgpu.load(view)
   return plgpu.load(view, mask=mask, other=0.0)

@@ -81,3 +81,26 @@ def test_variant_kernels_lower(name, kwargs, version):
 def test_bias_kernels_lower(bias_shape):
   text = _lower(jnp.bfloat16, 128, bias_shape=bias_shape, is_causal=True)
   assert "flash_attention_backward_dbias" in text
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_decode_kernel_lowers(paged, dtype):
+  q = jax.ShapeDtypeStruct((4, 2, 8, 128), dtype)
+  lengths = jax.ShapeDtypeStruct((4,), jnp.int32)
+  if paged:
+    pages = jax.ShapeDtypeStruct((64, 64, 2, 128), dtype)
+    table = jax.ShapeDtypeStruct((4, 16), jnp.int32)
+    f = lambda q, n, p, t: jax_flash.flash_decode(
+        q, kv_lengths=n, key_pages=p, value_pages=p, page_table=t,
+        implementation="pallas", logits_soft_cap=30.0)
+    args = (q, lengths, pages, table)
+  else:
+    cache = jax.ShapeDtypeStruct((4, 1000, 2, 128), dtype)
+    f = lambda q, n, c: jax_flash.flash_decode(
+        q, c, c, kv_lengths=n, implementation="pallas", local_window_size=256)
+    args = (q, lengths, cache)
+  with jax.sharding.use_abstract_mesh(
+      mesh_lib.AbstractMesh((1,), ("x",), abstract_device=H200)):
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "flash_attention_decode" in text

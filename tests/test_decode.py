@@ -1,0 +1,141 @@
+"""flash_decode: split-KV decoding against contiguous and paged caches."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flash
+from jax_flash.testing import relative_error, tolerance
+from tests.conftest import KERNEL_IMPL
+
+
+def _cache(b, t, s, n, k, h, dtype, seed=0):
+  ks = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(ks[0], (b, t, n, h)).astype(dtype)
+  kc = jax.random.normal(ks[1], (b, s, k, h)).astype(dtype)
+  vc = jax.random.normal(ks[2], (b, s, k, h)).astype(dtype)
+  return q, kc, vc
+
+
+def _paginate(cache, page_size, num_pages, seed, lengths):
+  """Scatters [B, S, K, H] into pages in random order: (pages, page_table).
+
+  Positions past each length and unused pages are NaN: poison the kernel
+  must never let into a result.
+  """
+  b, s = cache.shape[:2]
+  per_seq = -(-s // page_size)
+  order = jax.random.permutation(jax.random.key(seed), num_pages)
+  table = order[:b * per_seq].reshape(b, per_seq).astype(jnp.int32)
+  padded = jnp.pad(cache, ((0, 0), (0, per_seq * page_size - s), (0, 0),
+                           (0, 0)))
+  live = jnp.arange(per_seq * page_size)[None] < lengths[:, None]
+  padded = jnp.where(live[:, :, None, None], padded, jnp.nan)
+  pages = jnp.full((num_pages, page_size) + cache.shape[2:], jnp.nan,
+                   cache.dtype)  # Unused pages are poison: never read them.
+  pages = pages.at[table.reshape(-1)].set(
+      padded.reshape((b * per_seq, page_size) + cache.shape[2:]))
+  return pages, table
+
+
+def _reference(q, kc, vc, lengths, **kwargs):
+  """The dense statement: reference_attention with the decode mask."""
+  t, s = q.shape[1], kc.shape[1]
+  mask = jax_flash.reference.decode_mask(lengths, t, s,
+                                         kwargs.pop("window_left", None))
+  up = lambda x: x.astype(jnp.float32)
+  return jax_flash.reference_attention(up(q), up(kc), up(vc), mask=mask,
+                                       return_residual=True, **kwargs)
+
+
+CASES = [  # b, t, s, n, k, h, dtype, lengths
+    (3, 1, 300, 8, 2, 64, "float32", [300, 1, 130]),
+    (2, 4, 257, 4, 4, 80, "float32", [257, 4]),
+    (2, 16, 200, 8, 1, 128, "bfloat16", [200, 16]),
+    (4, 2, 1000, 16, 4, 64, "bfloat16", [1000, 2, 999, 513]),
+    (1, 3, 64, 2, 2, 256, "float16", [40]),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_decode_matches_reference(case):
+  b, t, s, n, k, h, dtype, lengths = case
+  q, kc, vc = _cache(b, t, s, n, k, h, jnp.dtype(dtype))
+  lengths = jnp.array(lengths)
+  out, lse = jax_flash.flash_decode(q, kc, vc, kv_lengths=lengths,
+                                    implementation=KERNEL_IMPL,
+                                    return_residual=True)
+  ref, ref_lse = _reference(q, kc, vc, lengths)
+  assert out.dtype == q.dtype and out.shape == q.shape
+  assert relative_error(out, ref) <= tolerance(dtype).out
+  assert relative_error(lse, ref_lse) <= tolerance(dtype).lse
+
+
+@pytest.mark.parametrize("kwargs", [dict(num_splits=1), dict(num_splits=7),
+                                    dict(local_window_size=37),
+                                    dict(logits_soft_cap=3.0),
+                                    dict(scale=0.3)], ids=str)
+def test_decode_options(kwargs):
+  q, kc, vc = _cache(3, 4, 300, 8, 2, 64, jnp.float32, seed=1)
+  lengths = jnp.array([300, 7, 150])
+  out = jax_flash.flash_decode(q, kc, vc, kv_lengths=lengths,
+                               implementation=KERNEL_IMPL, **kwargs)
+  ref_kwargs = dict(kwargs)
+  ref_kwargs.pop("num_splits", None)
+  if "local_window_size" in ref_kwargs:
+    ref_kwargs["window_left"] = ref_kwargs.pop("local_window_size")
+  ref, _ = _reference(q, kc, vc, lengths, **ref_kwargs)
+  assert relative_error(out, ref) <= tolerance(jnp.float32).out
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_paged_cache_in_random_order(page_size):
+  q, kc, vc = _cache(3, 2, 300, 8, 2, 64, jnp.float32, seed=2)
+  lengths = jnp.array([300, 1, 200])
+  kp, table = _paginate(kc, page_size, 64, 3, lengths)
+  vp, _ = _paginate(vc, page_size, 64, 3, lengths)
+  out = jax_flash.flash_decode(q, kv_lengths=lengths, key_pages=kp,
+                               value_pages=vp, page_table=table,
+                               implementation=KERNEL_IMPL)
+  ref, _ = _reference(q, kc, vc, lengths)
+  assert relative_error(out, ref) <= tolerance(jnp.float32).out
+  # The XLA path gathers the same pages.
+  xla = jax_flash.flash_decode(q, kv_lengths=lengths, key_pages=kp,
+                               value_pages=vp, page_table=table,
+                               implementation="xla")
+  assert relative_error(xla, ref) <= 1e-6
+
+
+def test_single_query_sees_the_whole_cache():
+  q, kc, vc = _cache(2, 1, 100, 4, 2, 32, jnp.float32, seed=4)
+  lengths = jnp.array([100, 37])
+  out = jax_flash.flash_decode(q, kc, vc, kv_lengths=lengths,
+                               implementation=KERNEL_IMPL)
+  for b, n in enumerate([100, 37]):
+    ref = jax_flash.reference_attention(q[b:b + 1], kc[b:b + 1, :n],
+                                        vc[b:b + 1, :n])
+    assert relative_error(out[b:b + 1], ref) <= 2e-5
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(kv_lengths=jnp.array([1.0, 2.0])), "kv_lengths must have an integer"),
+    (dict(kv_lengths=jnp.array([1, 2, 3])), r"kv_lengths must have shape \[batch\]"),
+    (dict(kv_lengths=jnp.array([1, 2]), num_splits=0), "num_splits must be"),
+    (dict(kv_lengths=jnp.array([1, 2]), key_pages=jnp.zeros((4, 16, 2, 32)),
+          value_pages=jnp.zeros((4, 16, 2, 32)),
+          page_table=jnp.zeros((2, 2), jnp.int32)), "not both"),
+])
+def test_bad_decode_arguments(kwargs, match):
+  q, kc, vc = _cache(2, 1, 64, 4, 2, 32, jnp.float32)
+  with pytest.raises(ValueError, match=match):
+    jax_flash.flash_decode(q, kc, vc, implementation=KERNEL_IMPL, **kwargs)
+
+
+def test_paged_page_size_must_be_a_power_of_two():
+  q = jnp.zeros((1, 1, 4, 32))
+  pages = jnp.zeros((4, 24, 2, 32))
+  with pytest.raises(ValueError, match="page_size=24 must be a power of two"):
+    jax_flash.flash_decode(q, kv_lengths=jnp.array([5]), key_pages=pages,
+                           value_pages=pages,
+                           page_table=jnp.zeros((1, 2), jnp.int32),
+                           implementation=KERNEL_IMPL)
