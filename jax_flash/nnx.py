@@ -17,6 +17,7 @@ from flax import nnx
 from flax.nnx.nn import dtypes
 
 from jax_flash.attention import flash_attention
+from jax_flash.decode import flash_decode
 
 
 def attend(query, key, value, bias, mask, *, broadcast_dropout, dropout_rng,
@@ -101,6 +102,10 @@ class FlashAttention(nnx.MultiHeadAttention):
   through `init_cache`), same parameters, so a model swaps it in and keeps its
   checkpoint. Extra keyword arguments: `implementation` and `block_sizes`, for
   `flash_attention`. Calls take `is_causal=True` without building a mask.
+  In decode mode (self-attention, one batch dimension, no extra mask, no
+  active dropout) the new tokens attend to the cache through `flash_decode`,
+  reading only the filled part of the cache, and several tokens may be fed at
+  once; other decode calls take flax's path.
   """
 
   def __init__(self, *args, implementation=None, block_sizes=None,
@@ -109,4 +114,40 @@ class FlashAttention(nnx.MultiHeadAttention):
       attention_fn = functools.partial(dot_product_attention,
                                        implementation=implementation,
                                        block_sizes=block_sizes)
+    self.implementation = implementation
     super().__init__(*args, attention_fn=attention_fn, **kwargs)
+
+  def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None,
+               deterministic=None, decode=None, **kwargs):
+    decode = self.decode if decode is None else decode
+    dropout = self.dropout_rate > 0.0 and not (
+        deterministic if deterministic is not None else self.deterministic)
+    if (not decode or inputs_k is not None or inputs_v is not None or
+        mask is not None or dropout or inputs_q.ndim != 3 or kwargs.get(
+            "sow_weights") or self.cached_key is None):
+      return super().__call__(inputs_q, inputs_k, inputs_v, mask=mask,
+                              deterministic=deterministic, decode=decode,
+                              **kwargs)
+    # Projections and the cache update as nnx.MultiHeadAttention does them,
+    # then flash_decode over the filled part of the cache.
+    sharding = kwargs.get("qkv_sharding")
+    query = self.query(inputs_q, out_sharding=sharding)
+    key = self.key(inputs_q, out_sharding=sharding)
+    value = self.value(inputs_q, out_sharding=sharding)
+    if self.normalize_qk:
+      query, key = self.query_ln(query), self.key_ln(key)
+    index = self.cache_index[...]
+    zero = jnp.zeros((), index.dtype)
+    at = (zero, index, zero, zero)
+    self.cached_key[...] = jax.lax.dynamic_update_slice(
+        self.cached_key[...], key.astype(self.cached_key.dtype), at)
+    self.cached_value[...] = jax.lax.dynamic_update_slice(
+        self.cached_value[...], value.astype(self.cached_value.dtype), at)
+    self.cache_index[...] = index + inputs_q.shape[1]
+    lengths = jnp.full((inputs_q.shape[0],), index + inputs_q.shape[1],
+                       jnp.int32)
+    cached_key = self.cached_key[...].astype(query.dtype)
+    cached_value = self.cached_value[...].astype(query.dtype)
+    x = flash_decode(query, cached_key, cached_value, kv_lengths=lengths,
+                     implementation=self.implementation)
+    return self.out(x, out_sharding=kwargs.get("out_sharding"))

@@ -196,3 +196,16 @@ def test_generation_uses_the_cache_and_matches_full_forward():
 def test_examples_swap_runs():
   from examples import swap_into_flax_model
   swap_into_flax_model.main()
+
+
+def test_nnx_decode_feeds_several_tokens_at_once(monkeypatch):
+  calls = []
+  real = jax_flash.nnx.flash_decode
+  monkeypatch.setattr(jax_flash.nnx, "flash_decode",
+                      lambda *a, **k: calls.append(1) or real(*a, **k))
+  ours, _ = _nnx_pair(num_kv_heads=2)
+  full = ours(X, is_causal=True)
+  ours.init_cache((B, T, D))
+  chunks = [ours(X[:, i:i + 5], decode=True) for i in range(0, T, 5)]
+  assert relative_error(jnp.concatenate(chunks, axis=1), full) <= TOL
+  assert len(calls) == len(chunks)  # The cache was read by flash_decode.
