@@ -174,6 +174,65 @@ def run_sparse(scenario, head_dim, hidden, seq_len, sizes, dtype, calls,
   return rows
 
 
+def run_decode(head_dim, hidden, kv_heads, cache_lens, batches, dtype, calls,
+               repeats, log=None):
+  """One new token per sequence against a full cache: achieved bandwidth.
+
+  Bytes counted: the K and V cache read once (2 * B * S * K * H * itemsize).
+  The same run times a device copy (read + write) as the ceiling.
+  """
+  num_heads = hidden // head_dim
+  kv_heads = kv_heads or max(1, num_heads // 4)
+  rows = []
+  big = jnp.ones((2 ** 30,), jnp.bfloat16)  # 2 GiB.
+  copy = _time(jax.jit(lambda x: x + 1), (big,), calls, repeats)
+  copy_bw = 2 * big.size * 2 / copy
+  del big
+  for batch in batches:
+    for cache_len in cache_lens:
+      keys = jax.random.split(jax.random.key(cache_len + batch), 3)
+      q = jax.random.normal(keys[0], (batch, 1, num_heads, head_dim), dtype)
+      kc = jax.random.normal(keys[1], (batch, cache_len, kv_heads, head_dim),
+                             dtype)
+      vc = jax.random.normal(keys[2], kc.shape, dtype)
+      lengths = jnp.full((batch,), cache_len, jnp.int32)
+      nbytes = 2 * kc.size * kc.dtype.itemsize
+      impls = {
+          "flash_decode": lambda q, k, v: jax_flash.flash_decode(
+              q, k, v, kv_lengths=lengths, implementation="pallas"),
+          "xla": lambda q, k, v: jax.nn.dot_product_attention(
+              q, k, v, key_value_seq_lengths=lengths, implementation="xla"),
+          "cudnn": lambda q, k, v: jax.nn.dot_product_attention(
+              q, k, v, key_value_seq_lengths=lengths,
+              implementation="cudnn"),
+      }
+      for name, fn in impls.items():
+        row = dict(scenario="decode", impl=name, batch=batch,
+                   cache_len=cache_len, num_heads=num_heads,
+                   num_kv_heads=kv_heads, head_dim=head_dim,
+                   copy_tb_s=copy_bw / 1e12)
+        try:
+          seconds = _time(jax.jit(fn), (q, kc, vc), calls, repeats)
+          row.update(us=seconds * 1e6, tb_s=nbytes / seconds / 1e12,
+                     of_copy=nbytes / seconds / copy_bw)
+        except Exception as e:
+          row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        _record(rows, row, log)
+  return rows
+
+
+def markdown_decode(rows) -> str:
+  lines = [f"Device copy (read + write): {rows[0]['copy_tb_s']:.2f} TB/s.\n",
+           "| batch | cache | impl | us | TB/s (K+V read) | of copy |",
+           "|---|---|---|---|---|---|"]
+  for r in rows:
+    cells = (f"{r['us']:.1f} | {r['tb_s']:.2f} | {r['of_copy']:.2f}"
+             if "us" in r else "fails | - | -")
+    lines.append(f"| {r['batch']} | {r['cache_len']} | {r['impl']} | "
+                 f"{cells} |")
+  return "\n".join(lines)
+
+
 def markdown_sparse(rows) -> str:
   full = {(r["impl"], r["mode"]): r.get("ms") for r in rows
           if r["case"] == "full causal"}
@@ -260,7 +319,10 @@ def main(argv=None):
   parser.add_argument("--calls", type=int, default=10)
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--out", default="benchmarks/results")
-  parser.add_argument("--scenario", choices=["dense", "window", "documents"],
+  parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64],
+                      help="decode: batch sizes")
+  parser.add_argument("--scenario",
+                      choices=["dense", "window", "documents", "decode"],
                       default="dense",
                       help="window: causal sliding windows of --sizes over "
                       "one --seq-lens[0] sequence; documents: --sizes packed "
@@ -279,6 +341,17 @@ def main(argv=None):
   causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
   os.makedirs(args.out, exist_ok=True)
   open(os.path.join(args.out, "benchmark.jsonl"), "w").close()
+  if args.scenario == "decode":
+    rows = run_decode(args.head_dims[0], args.hidden, args.kv_heads,
+                      args.seq_lens, args.batches, jnp.dtype(args.dtype),
+                      args.calls, args.repeats,
+                      log=os.path.join(args.out, "benchmark.jsonl"))
+    table = markdown_decode(rows)
+    with open(os.path.join(args.out, "decode.md"), "w") as f:
+      f.write(f"`python -m jax_flash.benchmark {' '.join(sys.argv[1:])}`\n\n"
+              + table + "\n")
+    print(table)
+    return
   if args.scenario != "dense":
     rows = run_sparse(args.scenario, args.head_dims[0], args.hidden,
                       args.seq_lens[0], args.sizes, jnp.dtype(args.dtype),

@@ -2,6 +2,7 @@
 # On the lent H200 (jax 0.11.2 and pytest-xdist are there), from the repo root:
 #   bash scripts/gpu_check.sh tests   # every test with the real kernels (~10 min)
 #   bash scripts/gpu_check.sh bench   # dense, sliding-window, packed-document runs
+#   bash scripts/gpu_check.sh decode  # flash_decode bandwidth vs cache length
 # Results go under $OUT (the device tool's folder) or ./gpu_out; at most 8
 # files, as the device tool brings back.
 set -uo pipefail
@@ -27,5 +28,11 @@ case "${1:-tests}" in
       --out "$OUT/documents" >> "$OUT/bench.log" 2>&1
     tail -n 20 "$OUT"/dense/benchmark.md "$OUT"/window/window.md \
       "$OUT"/documents/documents.md
+    ;;
+  decode)
+    timeout 300 python3 -m jax_flash.benchmark --scenario decode \
+      --head-dims 128 --seq-lens 1024 8192 32768 131072 --batches 1 8 64 \
+      --out "$OUT/decode" > "$OUT/bench.log" 2>&1
+    tail -n 40 "$OUT"/decode/decode.md
     ;;
 esac
