@@ -8,7 +8,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax_flash import _checks
+from jax_flash import _checks, _sharding
 from jax_flash._spec import prepare
 from jax_flash.reference import reference_attention
 from pallas_kernels import masking
@@ -30,7 +30,33 @@ class _Config:
   interpret: bool
 
 
+def _plain_forward(q, k, v, cfg: _Config):
+  forward = flash_forward if cfg.version == 2 else flash_forward_v1
+  return forward(q, k, v, Extras(), scores=cfg.scores, mask=cfg.mask,
+                 block_sizes=cfg.block_sizes, interpret=cfg.interpret)
+
+
+def _plain_backward(q, k, v, o, lse2, do, dlse2, cfg: _Config):
+  dq, dk, dv, _ = flash_backward(
+      q, k, v, Extras(), o, lse2, do, dlse2, scores=cfg.scores, mask=cfg.mask,
+      block_sizes=cfg.block_sizes, interpret=cfg.interpret)
+  return dq, dk, dv
+
+
+# Without optional operands (static masks and score modifications only),
+# batch- and head-sharded inputs run shard by shard: see `_sharding`.
+_sharded_forward = _sharding.sharded_forward(_plain_forward)
+_sharded_backward = _sharding.sharded_backward(_plain_backward)
+
+
+def _is_plain(extras) -> bool:
+  return all(x is None for x in jax.tree.leaves(
+      extras, is_leaf=lambda x: x is None))
+
+
 def _forward(q, k, v, extras, cfg: _Config):
+  if _is_plain(extras):
+    return _sharded_forward(q, k, v, cfg)
   forward = flash_forward if cfg.version == 2 else flash_forward_v1
   return forward(q, k, v, extras, scores=cfg.scores, mask=cfg.mask,
                  block_sizes=cfg.block_sizes, interpret=cfg.interpret)
@@ -50,6 +76,10 @@ def _flash_fwd(q, k, v, extras, cfg: _Config):
 def _flash_bwd(cfg: _Config, residuals, cotangents):
   q, k, v, extras, o, lse2 = residuals
   do, dlse2 = cotangents
+  if _is_plain(extras):
+    dq, dk, dv = _sharded_backward(q, k, v, o, lse2, do.astype(q.dtype),
+                                   dlse2, cfg)
+    return dq, dk, dv, extras
   dq, dk, dv, dbias = flash_backward(
       q, k, v, extras, o, lse2, do.astype(q.dtype), dlse2, scores=cfg.scores,
       mask=cfg.mask, block_sizes=cfg.block_sizes, interpret=cfg.interpret)

@@ -1,0 +1,54 @@
+"""Run by tests/test_sharding.py in a fresh process with 8 host devices."""
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8")
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jax_flash  # noqa: E402
+from jax_flash.testing import relative_error  # noqa: E402
+
+
+def main(num_kv_heads):
+  assert jax.device_count() == 8
+  mesh = jax.make_mesh((2, 4), ("data", "model"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  b, t, n, h = 4, 96, 8, 32
+  keys = jax.random.split(jax.random.key(0), 4)
+  q = jax.random.normal(keys[0], (b, t, n, h))
+  k = jax.random.normal(keys[1], (b, t, num_kv_heads, h))
+  v = jax.random.normal(keys[2], (b, t, num_kv_heads, h))
+  do = jax.random.normal(keys[3], (b, t, n, h))
+
+  def loss(q, k, v):
+    out = jax_flash.flash_attention(q, k, v, is_causal=True,
+                                    implementation="interpret")
+    return jnp.sum(out * do), out
+
+  grad = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+  (_, out), grads = jax.jit(grad)(q, k, v)  # One device.
+  heads = NamedSharding(mesh, P("data", None, "model", None))
+  kv_spec = heads if num_kv_heads % 4 == 0 else NamedSharding(mesh, P("data"))
+  qs = jax.device_put(q, heads)
+  ks, vs = (jax.device_put(x, kv_spec) for x in (k, v))
+  sharded = jax.jit(grad)
+  hlo = sharded.lower(qs, ks, vs).compile().as_text()
+  (_, out_s), grads_s = sharded(qs, ks, vs)
+  gathers = hlo.count("all-gather")
+  errors = [relative_error(out_s, out)] + [
+      relative_error(a, b) for a, b in zip(grads_s, grads)]
+  print(f"kv_heads={num_kv_heads} all-gathers={gathers} "
+        f"out_sharding={out_s.sharding.spec} errors={errors}")
+  assert max(errors) < 1e-6, errors
+  if num_kv_heads % 4 == 0:  # Heads shard whole GQA groups: all local.
+    assert gathers == 0, gathers
+    assert tuple(out_s.sharding.spec)[:3] == ("data", None, "model")
+
+
+if __name__ == "__main__":
+  main(int(sys.argv[1]))
