@@ -49,13 +49,18 @@ _sharded_forward = _sharding.sharded_forward(_plain_forward)
 _sharded_backward = _sharding.sharded_backward(_plain_backward)
 
 
-def _is_plain(extras) -> bool:
-  return all(x is None for x in jax.tree.leaves(
+def _partitioned(extras) -> bool:
+  """Use the batch/head-partitioned op: several devices, no optional operands.
+
+  (On one device there is nothing to partition, and the plain call also
+  lowers ahead of time for a GPU that is not present.)
+  """
+  return jax.device_count() > 1 and all(x is None for x in jax.tree.leaves(
       extras, is_leaf=lambda x: x is None))
 
 
 def _forward(q, k, v, extras, cfg: _Config):
-  if _is_plain(extras):
+  if _partitioned(extras):
     return _sharded_forward(q, k, v, cfg)
   forward = flash_forward if cfg.version == 2 else flash_forward_v1
   return forward(q, k, v, extras, scores=cfg.scores, mask=cfg.mask,
@@ -76,7 +81,7 @@ def _flash_fwd(q, k, v, extras, cfg: _Config):
 def _flash_bwd(cfg: _Config, residuals, cotangents):
   q, k, v, extras, o, lse2 = residuals
   do, dlse2 = cotangents
-  if _is_plain(extras):
+  if _partitioned(extras):
     dq, dk, dv = _sharded_backward(q, k, v, o, lse2, do.astype(q.dtype),
                                    dlse2, cfg)
     return dq, dk, dv, extras

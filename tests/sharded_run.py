@@ -45,6 +45,14 @@ def main(num_kv_heads):
   print(f"kv_heads={num_kv_heads} all-gathers={gathers} "
         f"out_sharding={out_s.sharding.spec} errors={errors}")
   assert max(errors) < 1e-6, errors
+  # vmap over a leading axis (custom_partitioning needs our vmap rule).
+  stacked = [jnp.stack([x, -x]) for x in (q, k, v)]
+  outs = jax.jit(jax.vmap(lambda q, k, v: jax_flash.flash_attention(
+      q, k, v, is_causal=True, implementation="interpret")))(*stacked)
+  minus = jax_flash.flash_attention(-q, -k, -v, is_causal=True,
+                                    implementation="interpret")
+  assert relative_error(outs[0], out) < 1e-6
+  assert relative_error(outs[1], minus) < 1e-6
   if num_kv_heads % 4 == 0:  # Heads shard whole GQA groups: all local.
     assert gathers == 0, gathers
     assert tuple(out_s.sharding.spec)[:3] == ("data", None, "model")
