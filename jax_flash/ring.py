@@ -1,0 +1,230 @@
+"""`ring_attention`: context parallelism over a sequence-sharded mesh axis.
+
+Each device holds a slice of the sequence (queries, keys, values). The key/value
+slices travel around the ring with `ppermute` while every device runs the flash
+kernels on the slice it holds, merging the partial outputs by their
+logsumexp. The backward travels the ring again: dQ accumulates where the
+queries live, and the dK/dV partials travel with their keys and values back
+to their owners. Built on `jax.shard_map` and collectives only.
+
+Causal attention uses a zigzag layout: the sequence is cut into 2P chunks and
+device d holds chunks d and 2P-1-d, so every device does the same work at
+every step (a contiguous split would leave the first devices idle).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jax_flash import _checks
+from jax_flash.attention import _resolve_implementation
+from pallas_kernels import masking
+from pallas_kernels.config import BlockSizes
+from pallas_kernels.extras import Extras
+from pallas_kernels.flash_bwd import flash_backward
+from pallas_kernels.flash_decode import merge_partials
+from pallas_kernels.flash_fwd import flash_forward
+from pallas_kernels.scores import Scores
+
+FULL, CAUSAL, SKIP = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+  axis: str
+  size: int
+  causal: bool
+  scores: Scores
+  block_sizes: BlockSizes
+  interpret: bool
+
+
+def _pair_forward(kind, q, k, v, ring: _Ring):
+  """(o, lse2) of one (query chunk, key chunk) pair: full, causal or skipped."""
+  def run(mask):
+    return lambda q, k, v: flash_forward(
+        q, k, v, Extras(), scores=ring.scores, mask=mask,
+        block_sizes=ring.block_sizes, interpret=ring.interpret)
+
+  def skip(q, k, v):
+    b, t, n, _ = q.shape
+    return (jnp.zeros(q.shape, q.dtype),
+            jnp.full((b, n, t), -jnp.inf, jnp.float32))
+
+  return lax.switch(kind, [run(masking.Mask()), run(masking.Mask(True)), skip],
+                    q, k, v)
+
+
+def _pair_backward(kind, q, k, v, o, lse2, do, ring: _Ring):
+  def run(mask):
+    def f(q, k, v, o, lse2, do):
+      dq, dk, dv, _ = flash_backward(
+          q, k, v, Extras(), o, lse2, do, jnp.zeros_like(lse2),
+          scores=ring.scores, mask=mask, block_sizes=ring.block_sizes,
+          interpret=ring.interpret)
+      return tuple(x.astype(jnp.float32) for x in (dq, dk, dv))
+    return f
+
+  def skip(q, k, v, o, lse2, do):
+    return tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
+
+  return lax.switch(kind, [run(masking.Mask()), run(masking.Mask(True)),
+                           skip], q, k, v, o, lse2, do)
+
+
+def _pairs(ring: _Ring, step):
+  """[(query half, key half, kind)] for this device at this step.
+
+  Without causality each device holds one chunk and every pair is full. With
+  the zigzag layout device d holds chunks (d, 2P-1-d) as halves (0, 1); at
+  step i it holds the keys of device s = d - i.
+  """
+  if not ring.causal:
+    return [(None, None, jnp.int32(FULL))]
+  d = lax.axis_index(ring.axis)
+  s = lax.rem(d - step + ring.size, ring.size)
+  # Chunk d vs chunk s: earlier keys are full, the same chunk is causal.
+  first = jnp.where(s < d, FULL, jnp.where(s == d, CAUSAL, SKIP))
+  last = jnp.where(s > d, FULL, jnp.where(s == d, CAUSAL, SKIP))
+  return [(0, 0, first), (1, 0, jnp.int32(FULL)), (1, 1, last)]
+  # (Half 0 never sees key half 1: chunk 2P-1-s comes after chunk d.)
+
+
+def _half(x, half):
+  if half is None:
+    return x
+  n = x.shape[1] // 2
+  return x[:, half * n:(half + 1) * n]
+
+
+def _set_half(x, half, value):
+  if half is None:
+    return value
+  n = x.shape[1] // 2
+  return lax.dynamic_update_slice_in_dim(x, value, half * n, axis=1)
+
+
+def _rotate(ring: _Ring, *xs):
+  perm = [(j, (j + 1) % ring.size) for j in range(ring.size)]
+  return tuple(lax.ppermute(x, ring.axis, perm) for x in xs)
+
+
+def _ring_forward(q, k, v, ring: _Ring):
+  halves = [None] if not ring.causal else [0, 1]
+  parts = {h: [] for h in halves}  # Partial (o, lse2) per query half.
+  for step in range(ring.size):
+    for qh, kh, kind in _pairs(ring, step):
+      parts[qh].append(_pair_forward(kind, _half(q, qh), _half(k, kh),
+                                     _half(v, kh), ring))
+    if step + 1 < ring.size:
+      k, v = _rotate(ring, k, v)
+  out, lse2 = [], []
+  for h in halves:
+    # Partials [B, T, N, H] and [B, N, T] -> [B, N, steps, T, (H)], merged.
+    o = jnp.stack([p[0].astype(jnp.float32) for p in parts[h]])
+    l = jnp.stack([p[1] for p in parts[h]])
+    merged, lse = merge_partials(o.transpose(1, 3, 0, 2, 4),
+                                 l.transpose(1, 2, 0, 3))
+    out.append(merged.transpose(0, 2, 1, 3).astype(q.dtype))
+    lse2.append(lse * jnp.log2(jnp.e))
+  return jnp.concatenate(out, axis=1), jnp.concatenate(lse2, axis=-1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _ring(q, k, v, ring: _Ring):
+  return _ring_forward(q, k, v, ring)[0]
+
+
+def _ring_fwd(q, k, v, ring):
+  out, lse2 = _ring_forward(q, k, v, ring)
+  return out, (q, k, v, out, lse2)
+
+
+def _ring_bwd(ring, residuals, do):
+  q, k, v, out, lse2 = residuals
+  do = do.astype(q.dtype)
+  dq = jnp.zeros(q.shape, jnp.float32)
+  dk = jnp.zeros(k.shape, jnp.float32)
+  dv = jnp.zeros(v.shape, jnp.float32)
+  for step in range(ring.size):
+    for qh, kh, kind in _pairs(ring, step):
+      n = None if qh is None else q.shape[1] // 2
+      lse_h = lse2 if qh is None else lse2[..., qh * n:(qh + 1) * n]
+      g_q, g_k, g_v = _pair_backward(
+          kind, _half(q, qh), _half(k, kh), _half(v, kh), _half(out, qh),
+          lse_h, _half(do, qh), ring)
+      dq = _set_half(dq, qh, _half(dq, qh) + g_q)
+      dk = _set_half(dk, kh, _half(dk, kh) + g_k)
+      dv = _set_half(dv, kh, _half(dv, kh) + g_v)
+    # dK/dV travel with their keys; after P moves they are home again.
+    k, v, dk, dv = _rotate(ring, k, v, dk, dv)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def _zigzag_order(size):
+  order = []
+  for d in range(size):
+    order += [d, 2 * size - 1 - d]
+  return order
+
+
+def ring_attention(query, key, value, *, mesh, axis_name, is_causal=False,
+                   scale=None, implementation=None, block_sizes=None):
+  """Self-attention with the sequence sharded over `axis_name` of `mesh`.
+
+  Args:
+    query: [B, T, N, H]; key, value: [B, T, K, H] (K divides N), the same
+      sequence. T must divide by P (2P when causal), P the axis size.
+    mesh, axis_name: the mesh and its axis the sequence is split over
+      (other mesh axes are left to the caller's sharding of batch/heads).
+    is_causal: causal attention, computed with the zigzag layout (the
+      sequence is reordered into it and back here).
+  Returns [B, T, N, H], sequence-sharded over `axis_name`; differentiable with
+  respect to query, key and value (the backward rings too).
+  """
+  p = _checks.check_qkv(query, key, value)
+  if p.unbatched or p.q_len != p.kv_len:
+    raise ValueError("ring_attention takes batched self-attention: query "
+                     "[B, T, N, H] and key/value [B, T, K, H]")
+  size = mesh.shape[axis_name]
+  chunks = 2 * size if is_causal else size
+  if p.q_len % chunks:
+    raise ValueError(f"sequence length {p.q_len} must divide by {chunks} "
+                     f"(the {axis_name!r} axis has {size} devices"
+                     f"{', twice that when causal' if is_causal else ''})")
+  implementation = _resolve_implementation(implementation, query)
+  if implementation == "xla":
+    implementation = "interpret" if jax.default_backend() != "gpu" else "pallas"
+  _checks.check_kernel_args(p, query.dtype, block_sizes, 2)
+  if block_sizes is None:
+    block_sizes = BlockSizes.get_default(p.head_dim, query.dtype, is_causal)
+  local = p.q_len // chunks
+  ring = _Ring(axis=axis_name, size=size, causal=bool(is_causal),
+               scores=Scores(scale=_checks.check_scale(scale, p.head_dim)),
+               block_sizes=block_sizes.clipped(local, local),
+               interpret=implementation == "interpret")
+
+  def reorder(x, order):
+    b, t = x.shape[:2]
+    x = x.reshape((b, chunks, t // chunks) + x.shape[2:])
+    return x[:, jnp.asarray(order)].reshape(x.shape[:1] + (t,) + x.shape[3:])
+
+  zigzag = _zigzag_order(size)
+  if is_causal:
+    query, key, value = (reorder(x, zigzag) for x in (query, key, value))
+  spec = P(None, axis_name)
+  out = jax.shard_map(functools.partial(_ring, ring=ring), mesh=mesh,
+                      in_specs=(spec, spec, spec), out_specs=spec,
+                      check_vma=False)(query, key, value)
+  if is_causal:
+    inverse = [zigzag.index(c) for c in range(chunks)]
+    out = reorder(out, inverse)
+  return out

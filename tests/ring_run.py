@@ -1,0 +1,46 @@
+"""Run by tests/test_ring.py in a fresh process with 8 host devices."""
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8")
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import jax_flash  # noqa: E402
+from jax_flash.testing import relative_error  # noqa: E402
+
+
+def main(causal, num_kv_heads, devices):
+  mesh = jax.make_mesh((devices,), ("seq",),
+                       axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:devices])
+  b, t, n, h = 2, 128, 4, 32
+  keys = jax.random.split(jax.random.key(1), 4)
+  q = jax.random.normal(keys[0], (b, t, n, h))
+  k = jax.random.normal(keys[1], (b, t, num_kv_heads, h))
+  v = jax.random.normal(keys[2], (b, t, num_kv_heads, h))
+  do = jax.random.normal(keys[3], (b, t, n, h))
+
+  def loss(attention):
+    def f(q, k, v):
+      out = attention(q, k, v)
+      return jnp.sum(out * do), out
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))
+
+  ring = lambda q, k, v: jax_flash.ring_attention(
+      q, k, v, mesh=mesh, axis_name="seq", is_causal=causal,
+      implementation="interpret")
+  ref = lambda q, k, v: jax_flash.reference_attention(q, k, v,
+                                                      is_causal=causal)
+  (_, out), grads = loss(ring)(q, k, v)
+  (_, ref_out), ref_grads = loss(ref)(q, k, v)
+  errors = [relative_error(out, ref_out)] + [
+      relative_error(a, r) for a, r in zip(grads, ref_grads)]
+  print(f"causal={causal} kv_heads={num_kv_heads} devices={devices} "
+        f"errors={errors}")
+  assert max(errors) < 2e-5, errors
+
+
+if __name__ == "__main__":
+  main(sys.argv[1] == "causal", int(sys.argv[2]), int(sys.argv[3]))
