@@ -44,37 +44,45 @@ class _Ring:
   interpret: bool
 
 
-def _pair_forward(kind, q, k, v, ring: _Ring):
+def _masks(ids):
+  """The full and the causal mask of a pair (with segment ids if given)."""
+  has_ids = ids[0] is not None
+  return (masking.Mask(has_ids=has_ids),
+          masking.Mask(is_causal=True, has_ids=has_ids))
+
+
+def _pair_forward(kind, q, k, v, ids, ring: _Ring):
   """(o, lse2) of one (query chunk, key chunk) pair: full, causal or skipped."""
   def run(mask):
-    return lambda q, k, v: flash_forward(
-        q, k, v, Extras(), scores=ring.scores, mask=mask,
-        block_sizes=ring.block_sizes, interpret=ring.interpret)
+    return lambda q, k, v, ids: flash_forward(
+        q, k, v, Extras(q_ids=ids[0], kv_ids=ids[1]), scores=ring.scores,
+        mask=mask, block_sizes=ring.block_sizes, interpret=ring.interpret)
 
-  def skip(q, k, v):
+  def skip(q, k, v, ids):
     b, t, n, _ = q.shape
     return (jnp.zeros(q.shape, q.dtype),
             jnp.full((b, n, t), -jnp.inf, jnp.float32))
 
-  return lax.switch(kind, [run(masking.Mask()), run(masking.Mask(True)), skip],
-                    q, k, v)
+  full, causal = _masks(ids)
+  return lax.switch(kind, [run(full), run(causal), skip], q, k, v, ids)
 
 
-def _pair_backward(kind, q, k, v, o, lse2, do, ring: _Ring):
+def _pair_backward(kind, q, k, v, ids, o, lse2, do, ring: _Ring):
   def run(mask):
-    def f(q, k, v, o, lse2, do):
+    def f(q, k, v, ids, o, lse2, do):
       dq, dk, dv, _ = flash_backward(
-          q, k, v, Extras(), o, lse2, do, jnp.zeros_like(lse2),
-          scores=ring.scores, mask=mask, block_sizes=ring.block_sizes,
-          interpret=ring.interpret)
+          q, k, v, Extras(q_ids=ids[0], kv_ids=ids[1]), o, lse2, do,
+          jnp.zeros_like(lse2), scores=ring.scores, mask=mask,
+          block_sizes=ring.block_sizes, interpret=ring.interpret)
       return tuple(x.astype(jnp.float32) for x in (dq, dk, dv))
     return f
 
-  def skip(q, k, v, o, lse2, do):
+  def skip(q, k, v, ids, o, lse2, do):
     return tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
 
-  return lax.switch(kind, [run(masking.Mask()), run(masking.Mask(True)),
-                           skip], q, k, v, o, lse2, do)
+  full, causal = _masks(ids)
+  return lax.switch(kind, [run(full), run(causal), skip], q, k, v, ids, o,
+                    lse2, do)
 
 
 def _pairs(ring: _Ring, step):
@@ -114,15 +122,24 @@ def _rotate(ring: _Ring, *xs):
   return tuple(lax.ppermute(x, ring.axis, perm) for x in xs)
 
 
-def _ring_forward(q, k, v, ring: _Ring):
+def _ids_half(q_ids, kv_ids, qh, kh):
+  if q_ids is None:
+    return (None, None)
+  return _half(q_ids, qh), _half(kv_ids, kh)
+
+
+def _ring_forward(q, k, v, q_ids, kv_ids, ring: _Ring):
   halves = [None] if not ring.causal else [0, 1]
   parts = {h: [] for h in halves}  # Partial (o, lse2) per query half.
   for step in range(ring.size):
     for qh, kh, kind in _pairs(ring, step):
-      parts[qh].append(_pair_forward(kind, _half(q, qh), _half(k, kh),
-                                     _half(v, kh), ring))
-    if step + 1 < ring.size:
+      parts[qh].append(_pair_forward(
+          kind, _half(q, qh), _half(k, kh), _half(v, kh),
+          _ids_half(q_ids, kv_ids, qh, kh), ring))
+    if step + 1 < ring.size:  # Segment ids travel with their keys.
       k, v = _rotate(ring, k, v)
+      if kv_ids is not None:
+        (kv_ids,) = _rotate(ring, kv_ids)
   out, lse2 = [], []
   for h in halves:
     # Partials [B, T, N, H] and [B, N, T] -> [B, N, steps, T, (H)], merged.
@@ -135,18 +152,20 @@ def _ring_forward(q, k, v, ring: _Ring):
   return jnp.concatenate(out, axis=1), jnp.concatenate(lse2, axis=-1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _ring(q, k, v, ring: _Ring):
-  return _ring_forward(q, k, v, ring)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _ring(q, k, v, q_ids, kv_ids, ring: _Ring):
+  return _ring_forward(q, k, v, q_ids, kv_ids, ring)[0]
 
 
-def _ring_fwd(q, k, v, ring):
-  out, lse2 = _ring_forward(q, k, v, ring)
-  return out, (q, k, v, out, lse2)
+def _ring_fwd(q, k, v, q_ids, kv_ids, ring):
+  out, lse2 = _ring_forward(q, k, v, q_ids, kv_ids, ring)
+  return out, (q, k, v, q_ids, kv_ids, out, lse2)
 
 
 def _ring_bwd(ring, residuals, do):
-  q, k, v, out, lse2 = residuals
+  q, k, v, q_ids, kv_ids, out, lse2 = residuals
+  ids_cotangents = (None if q_ids is None else jnp.zeros_like(q_ids),
+                    None if kv_ids is None else jnp.zeros_like(kv_ids))
   do = do.astype(q.dtype)
   dq = jnp.zeros(q.shape, jnp.float32)
   dk = jnp.zeros(k.shape, jnp.float32)
@@ -156,14 +175,18 @@ def _ring_bwd(ring, residuals, do):
       n = None if qh is None else q.shape[1] // 2
       lse_h = lse2 if qh is None else lse2[..., qh * n:(qh + 1) * n]
       g_q, g_k, g_v = _pair_backward(
-          kind, _half(q, qh), _half(k, kh), _half(v, kh), _half(out, qh),
-          lse_h, _half(do, qh), ring)
+          kind, _half(q, qh), _half(k, kh), _half(v, kh),
+          _ids_half(q_ids, kv_ids, qh, kh), _half(out, qh), lse_h,
+          _half(do, qh), ring)
       dq = _set_half(dq, qh, _half(dq, qh) + g_q)
       dk = _set_half(dk, kh, _half(dk, kh) + g_k)
       dv = _set_half(dv, kh, _half(dv, kh) + g_v)
     # dK/dV travel with their keys; after P moves they are home again.
     k, v, dk, dv = _rotate(ring, k, v, dk, dv)
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    if kv_ids is not None:
+      (kv_ids,) = _rotate(ring, kv_ids)
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
+          *ids_cotangents)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -177,7 +200,8 @@ def _zigzag_order(size):
 
 
 def ring_attention(query, key, value, *, mesh, axis_name, is_causal=False,
-                   scale=None, implementation=None, block_sizes=None):
+                   segment_ids=None, scale=None, implementation=None,
+                   block_sizes=None):
   """Self-attention with the sequence sharded over `axis_name` of `mesh`.
 
   Args:
@@ -187,6 +211,8 @@ def ring_attention(query, key, value, *, mesh, axis_name, is_causal=False,
       (other mesh axes are left to the caller's sharding of batch/heads).
     is_causal: causal attention, computed with the zigzag layout (the
       sequence is reordered into it and back here).
+    segment_ids: int [B, T] (packed documents: a query sees only keys with
+      its id); the key ids travel around the ring with the keys.
   Returns [B, T, N, H], sequence-sharded over `axis_name`; differentiable with
   respect to query, key and value (the backward rings too).
   """
@@ -217,13 +243,21 @@ def ring_attention(query, key, value, *, mesh, axis_name, is_causal=False,
     x = x.reshape((b, chunks, t // chunks) + x.shape[2:])
     return x[:, jnp.asarray(order)].reshape(x.shape[:1] + (t,) + x.shape[3:])
 
+  ids = None
+  if segment_ids is not None:
+    q_ids, _ = _checks.check_segment_ids(segment_ids, p)
+    ids = q_ids.astype(jnp.int32)
   zigzag = _zigzag_order(size)
   if is_causal:
     query, key, value = (reorder(x, zigzag) for x in (query, key, value))
+    if ids is not None:
+      ids = reorder(ids, zigzag)
   spec = P(None, axis_name)
-  out = jax.shard_map(functools.partial(_ring, ring=ring), mesh=mesh,
-                      in_specs=(spec, spec, spec), out_specs=spec,
-                      check_vma=False)(query, key, value)
+  ids_spec = None if ids is None else spec
+  out = jax.shard_map(
+      lambda q, k, v, ids: _ring(q, k, v, ids, ids, ring), mesh=mesh,
+      in_specs=(spec, spec, spec, ids_spec), out_specs=spec,
+      check_vma=False)(query, key, value, ids)
   if is_causal:
     inverse = [zigzag.index(c) for c in range(chunks)]
     out = reorder(out, inverse)

@@ -11,7 +11,7 @@ import jax_flash  # noqa: E402
 from jax_flash.testing import relative_error  # noqa: E402
 
 
-def main(causal, num_kv_heads, devices):
+def main(causal, num_kv_heads, devices, segments=False):
   mesh = jax.make_mesh((devices,), ("seq",),
                        axis_types=(jax.sharding.AxisType.Auto,),
                        devices=jax.devices()[:devices])
@@ -28,19 +28,24 @@ def main(causal, num_kv_heads, devices):
       return jnp.sum(out * do), out
     return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))
 
+  ids = None
+  if segments:  # Packed documents of random lengths.
+    ids = jnp.sort(jax.random.randint(keys[3], (b, t), 0, 5), axis=1)
   ring = lambda q, k, v: jax_flash.ring_attention(
-      q, k, v, mesh=mesh, axis_name="seq", is_causal=causal,
+      q, k, v, mesh=mesh, axis_name="seq", is_causal=causal, segment_ids=ids,
       implementation="interpret")
-  ref = lambda q, k, v: jax_flash.reference_attention(q, k, v,
-                                                      is_causal=causal)
+  ref = lambda q, k, v: jax_flash.reference_attention(
+      q, k, v, is_causal=causal, segment_ids=ids)
   (_, out), grads = loss(ring)(q, k, v)
   (_, ref_out), ref_grads = loss(ref)(q, k, v)
   errors = [relative_error(out, ref_out)] + [
       relative_error(a, r) for a, r in zip(grads, ref_grads)]
   print(f"causal={causal} kv_heads={num_kv_heads} devices={devices} "
+        f"segments={segments} "
         f"errors={errors}")
   assert max(errors) < 2e-5, errors
 
 
 if __name__ == "__main__":
-  main(sys.argv[1] == "causal", int(sys.argv[2]), int(sys.argv[3]))
+  main(sys.argv[1] == "causal", int(sys.argv[2]), int(sys.argv[3]),
+       len(sys.argv) > 4 and sys.argv[4] == "segments")

@@ -1,5 +1,5 @@
-"""ring_attention on 8 simulated host devices: results and gradients equal the
-single-device reference, causal (zigzag) and not, MHA/GQA/MQA."""
+"""ring_attention on simulated host devices: results and gradients equal the
+single-device reference, causal (zigzag) and not, MHA/GQA/MQA, segments."""
 import os
 import subprocess
 import sys
@@ -9,15 +9,18 @@ import pytest
 HERE = os.path.dirname(__file__)
 
 
-@pytest.mark.parametrize("causal, kv_heads, devices", [
-    ("plain", 4, 4), ("causal", 4, 4), ("causal", 2, 8), ("plain", 1, 8),
-    ("causal", 1, 2)])
-def test_ring_attention_matches_single_device(causal, kv_heads, devices):
+@pytest.mark.parametrize("causal, kv_heads, devices, segments", [
+    ("plain", 4, 4, ""), ("causal", 4, 4, ""), ("causal", 2, 8, ""),
+    ("plain", 1, 8, ""), ("causal", 1, 2, ""), ("causal", 2, 4, "segments"),
+    ("plain", 4, 2, "segments")])
+def test_ring_attention_matches_single_device(causal, kv_heads, devices,
+                                              segments):
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              PYTHONPATH=os.pathsep.join([os.path.dirname(HERE)] + sys.path))
   result = subprocess.run(
       [sys.executable, os.path.join(HERE, "ring_run.py"), causal,
-       str(kv_heads), str(devices)], capture_output=True, text=True, env=env,
+       str(kv_heads), str(devices), segments], capture_output=True, text=True,
+      env=env,
       timeout=600)
   assert result.returncode == 0, result.stdout + result.stderr[-3000:]
   assert "errors=" in result.stdout
