@@ -84,12 +84,15 @@ def random_inputs(b, t, s, n, k, h, dtype, seed=0):
 
 
 def compare_with_reference(kwargs, dtype=jnp.float32, version=2,
-                           shape=(2, 100, 90, 4, 2, 32), seed=0):
+                           shape=(2, 100, 90, 4, 2, 32), seed=0,
+                           block_sizes=SMALL_BLOCKS,
+                           implementation=KERNEL_IMPL):
   """Kernels vs reference: out, logsumexp, dq/dk/dv (and dbias if a bias).
 
-  Random cotangents for out and logsumexp. Rows that see no key must give
-  out 0 and logsumexp -inf in both, and nothing may be NaN. Returns the
-  boolean [B, T, N] of such empty rows.
+  Random cotangents for out and logsumexp. Outputs and gradients come in the
+  input dtype. Rows that see no key must give out 0 and logsumexp -inf in
+  both, and nothing may be NaN. Returns the boolean [B, T, N] of such empty
+  rows.
   """
   q, k, v, do = random_inputs(*shape, dtype, seed=seed)
   kwargs = dict(kwargs)
@@ -104,12 +107,16 @@ def compare_with_reference(kwargs, dtype=jnp.float32, version=2,
     grads = vjp((do.astype(out.dtype), dlse))
     return out, lse, [g for g in grads if g is not None]
 
-  out, lse, grads = run(jax_flash.flash_attention, lambda x: x,
-                        implementation=KERNEL_IMPL, block_sizes=SMALL_BLOCKS,
-                        version=version)
+  out, lse, grads = jax.jit(lambda: run(
+      jax_flash.flash_attention, lambda x: x, implementation=implementation,
+      block_sizes=block_sizes, version=version))()
   ref_out, ref_lse, ref_grads = run(jax_flash.reference_attention,
                                     lambda x: x.astype(jnp.float32))
   tol = tolerance(dtype)
+  assert out.dtype == jnp.dtype(dtype) and out.shape == ref_out.shape
+  assert lse.shape == ref_lse.shape == out.shape[:3]
+  for g, x in zip(grads, (q, k, v)):
+    assert g.dtype == x.dtype
   for x in (out, lse, *grads):
     assert not jnp.isnan(x).any()
   empty = np.isneginf(np.asarray(ref_lse))

@@ -5,45 +5,16 @@ import pytest
 
 import jax_flash
 from jax_flash.testing import relative_error, tolerance
-from tests.cases import CASES, V1_CASES, Case, inputs
+from tests.cases import CASES, V1_CASES, Case, compare_with_reference, inputs
 from tests.conftest import KERNEL_IMPL
 
 
-def _run(case: Case, impl: str, version: int = 2, seed: int = 0):
-  """out, lse and (dq, dk, dv) for random inputs and random cotangents."""
-  q, k, v, do = inputs(case, seed)
-  dlse = jax.random.normal(jax.random.key(seed + 1),
-                           (case.batch, case.q_len, case.num_heads))
-
-  def f(q, k, v):
-    if impl == "reference":
-      up = lambda x: x.astype(jnp.float32)
-      return jax_flash.reference_attention(
-          up(q), up(k), up(v), is_causal=case.causal, return_residual=True)
-    return jax_flash.flash_attention(
-        q, k, v, is_causal=case.causal, return_residual=True,
-        implementation=impl, block_sizes=case.block_sizes, version=version)
-
-  (out, lse), vjp = jax.vjp(f, q, k, v)
-  grads = vjp((do.astype(out.dtype), dlse))
-  return out, lse, grads
-
-
 def _check(case: Case, impl: str, version: int = 2):
-  out, lse, grads = jax.jit(lambda: _run(case, impl, version))()
-  ref_out, ref_lse, ref_grads = jax.jit(lambda: _run(case, "reference"))()
-  tol = tolerance(case.dtype)
-  assert out.dtype == jnp.dtype(case.dtype) and out.shape == ref_out.shape
-  assert lse.shape == (case.batch, case.q_len, case.num_heads)
-  errors = {"out": relative_error(out, ref_out),
-            "lse": relative_error(lse, ref_lse)}
-  for name, g, rg in zip(("dq", "dk", "dv"), grads, ref_grads):
-    assert g.dtype == jnp.dtype(case.dtype) and g.shape == rg.shape
-    errors[name] = relative_error(g, rg)
-  bounds = {"out": tol.out, "lse": tol.lse, "dq": tol.grad, "dk": tol.grad,
-            "dv": tol.grad}
-  bad = {n: (e, bounds[n]) for n, e in errors.items() if not e <= bounds[n]}
-  assert not bad, f"{case}: (error, bound) {bad}"
+  compare_with_reference(
+      dict(is_causal=case.causal), case.dtype, version,
+      shape=(case.batch, case.q_len, case.kv_len, case.num_heads,
+             case.num_kv_heads, case.head_dim),
+      block_sizes=case.block_sizes, implementation=impl)
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
