@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -36,12 +37,24 @@ def _impls(causal: bool):
     return lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, is_causal=causal, implementation=impl)
 
+  def jax_pallas(q, k, v):
+    # jax's own Pallas-Triton attention, with the backward tiles the notes
+    # measured best (its default 32x32 backward is about 2x slower).
+    import warnings
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", DeprecationWarning)
+      from jax.experimental.pallas.ops.gpu import attention as jpa
+    return jpa.mha(q, k, v, None, sm_scale=q.shape[-1] ** -0.5, causal=causal,
+                   block_sizes=jpa.BlockSizes(128, 128, 64, 64, 64, 64))
+
+  modes = ("fwd", "bwd", "fwd+bwd")
   # name -> (function, modes it is timed in)
   return {
-      "flash_v2": (ours(2), ("fwd", "fwd+bwd")),
+      "flash_v2": (ours(2), modes),
       "flash_v1": (ours(1), ("fwd",)),
-      "cudnn": (jax_nn("cudnn"), ("fwd", "fwd+bwd")),
-      "xla": (jax_nn("xla"), ("fwd", "fwd+bwd")),
+      "cudnn": (jax_nn("cudnn"), modes),
+      "xla": (jax_nn("xla"), modes),
+      "jax_pallas": (jax_pallas, modes),
   }
 
 
@@ -57,16 +70,22 @@ def _time(fn, args, calls: int, repeats: int) -> float:
   return statistics.median(per_call)
 
 
+_FLOPS = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}  # x forward FLOPs
+
+
 def _measure(fn, mode, q, k, v, do, fwd_flops, calls, repeats):
-  """{"ms", "tflops"} of `fn` forward or forward+backward, or {"error"}."""
+  """{"ms", "tflops"} of `fn` forward, backward or both, or {"error"}."""
   try:
     if mode == "fwd":
       f, args = jax.jit(fn), (q, k, v)
+    elif mode == "bwd":  # The vjp closure (residuals included) is a pytree.
+      _, vjp_fn = jax.vjp(jax.jit(fn), q, k, v)
+      f, args = jax.jit(lambda vjp_fn, do: vjp_fn(do)), (vjp_fn, do)
     else:
       f = jax.jit(lambda q, k, v, do: jax.vjp(fn, q, k, v)[1](do))
       args = (q, k, v, do)
     seconds = _time(f, args, calls, repeats)
-    flops = fwd_flops * (1.0 if mode == "fwd" else 3.5)
+    flops = fwd_flops * _FLOPS[mode]
     return dict(ms=seconds * 1e3, tflops=flops / seconds / 1e12)
   except Exception as e:  # OOM or unsupported: say so, go on.
     traceback.print_exc(limit=2)
@@ -258,9 +277,13 @@ def markdown(rows) -> str:
   groups = {}
   for r in rows:
     groups.setdefault(key(r), {})[(r["impl"], r["mode"])] = r
-  cols = [("flash_v2", "fwd"), ("flash_v1", "fwd"), ("cudnn", "fwd"),
-          ("xla", "fwd"), ("flash_v2", "fwd+bwd"), ("cudnn", "fwd+bwd"),
-          ("xla", "fwd+bwd")]
+  present = {(r["impl"], r["mode"]) for r in rows}
+  cols = [c for c in [
+      ("flash_v2", "fwd"), ("flash_v1", "fwd"), ("cudnn", "fwd"),
+      ("jax_pallas", "fwd"), ("xla", "fwd"), ("flash_v2", "bwd"),
+      ("cudnn", "bwd"), ("jax_pallas", "bwd"), ("flash_v2", "fwd+bwd"),
+      ("cudnn", "fwd+bwd"), ("jax_pallas", "fwd+bwd"), ("xla", "fwd+bwd")]
+          if c in present]
   head = ("| H | seq | causal | " +
           " | ".join(f"{i} {m}" for i, m in cols) +
           " | v2/cuDNN fwd | v2/cuDNN fwd+bwd |")
@@ -285,6 +308,73 @@ def markdown(rows) -> str:
                  " | ".join(cells) +
                  f" | {ratio(g, 'fwd')} | {ratio(g, 'fwd+bwd')} |")
   return "\n".join(lines)
+
+
+def plot(rows, out_dir):
+  """tflops.png: TFLOP/s against sequence length, per head dim and mode."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  head_dims = sorted({r["head_dim"] for r in rows})
+  modes = [m for m in _FLOPS if any(r["mode"] == m for r in rows)]
+  fig, axes = plt.subplots(len(head_dims), len(modes), squeeze=False,
+                           figsize=(5 * len(modes), 3.5 * len(head_dims)))
+  for (i, h), (j, mode) in itertools.product(enumerate(head_dims),
+                                             enumerate(modes)):
+    ax = axes[i][j]
+    for (impl, causal) in sorted({(r["impl"], r["causal"]) for r in rows}):
+      pts = sorted((r["seq_len"], r["tflops"]) for r in rows
+                   if r["impl"] == impl and r["causal"] == causal and
+                   r["mode"] == mode and r["head_dim"] == h and "tflops" in r)
+      if pts:
+        ax.plot(*zip(*pts), marker="o", linestyle="--" if causal else "-",
+                label=f"{impl}{' causal' if causal else ''}")
+    ax.set_xscale("log", base=2)
+    ax.set_title(f"head dim {h}, {mode}")
+    ax.set_xlabel("sequence length")
+    ax.set_ylabel("TFLOP/s")
+    ax.legend(fontsize=6)
+  fig.tight_layout()
+  fig.savefig(os.path.join(out_dir, "tflops.png"), dpi=90)
+  plt.close(fig)
+
+
+def memory_rows(head_dim, hidden, seq_lens, dtype, implementation):
+  """Compiled temp memory of jit(grad) of causal attention: ours vs XLA."""
+  rows = []
+  num_heads = hidden // head_dim
+  for seq in seq_lens:
+    x = jax.ShapeDtypeStruct((1, seq, num_heads, head_dim), dtype)
+    for name, fn in (
+        ("flash_v2", lambda q, k, v: jax_flash.flash_attention(
+            q, k, v, is_causal=True, implementation=implementation)),
+        ("xla", lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, implementation="xla"))):
+      loss = lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v).astype(jnp.float32))
+      compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(
+          x, x, x).compile()
+      rows.append(dict(impl=name, seq_len=seq, head_dim=head_dim,
+                       temp_bytes=compiled.memory_analysis().temp_size_in_bytes))
+  return rows
+
+
+def plot_memory(rows, out_dir):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(5, 3.5))
+  for impl in sorted({r["impl"] for r in rows}):
+    pts = sorted((r["seq_len"], r["temp_bytes"] / 2**30) for r in rows
+                 if r["impl"] == impl)
+    ax.plot(*zip(*pts), marker="o", label=impl)
+  ax.set_xscale("log", base=2)
+  ax.set_yscale("log")
+  ax.set_xlabel("sequence length")
+  ax.set_ylabel("compiled temp memory of jit(grad), GiB")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(os.path.join(out_dir, "memory.png"), dpi=90)
+  plt.close(fig)
 
 
 def render(meta, rows, note="") -> str:
@@ -315,10 +405,12 @@ def main(argv=None):
                       help="GQA: key/value heads (default: num_heads)")
   parser.add_argument("--dtype", default="bfloat16")
   parser.add_argument("--impls", nargs="+",
-                      default=["flash_v2", "flash_v1", "cudnn", "xla"])
+                      default=["flash_v2", "flash_v1", "cudnn", "jax_pallas", "xla"])
   parser.add_argument("--calls", type=int, default=10)
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--out", default="benchmarks/results")
+  parser.add_argument("--plots", action="store_true",
+                      help="also write tflops.png and memory.png")
   parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64],
                       help="decode: batch sizes")
   parser.add_argument("--scenario",
@@ -379,6 +471,10 @@ def main(argv=None):
   with open(os.path.join(args.out, "benchmark.md"), "w") as f:
     f.write(page)
   print(page)
+  if args.plots:
+    plot(rows, args.out)
+    plot_memory(memory_rows(args.head_dims[-1], args.hidden, args.seq_lens,
+                            jnp.dtype(args.dtype), "pallas"), args.out)
 
 
 if __name__ == "__main__":
