@@ -1,5 +1,5 @@
 """Quick GPU check: do the kernels compile, are they right, how fast (rough)."""
-import os, sys, time, traceback
+import time, traceback
 import jax, jax.numpy as jnp
 import jax_flash
 from jax_flash.testing import relative_error

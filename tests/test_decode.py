@@ -1,7 +1,6 @@
 """flash_decode: split-KV decoding against contiguous and paged caches."""
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import jax_flash

@@ -1,7 +1,6 @@
 """Masks: the tile classification against brute force, and the kernels
 against the reference for every mask kind, their combinations, and rows that
 see no key."""
-import itertools
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +8,7 @@ import numpy as np
 import pytest
 
 import jax_flash
-from jax_flash.testing import relative_error, tolerance
+from jax_flash.testing import relative_error
 from pallas_kernels import masking
 from tests.cases import compare_with_reference, random_inputs
 from tests.conftest import KERNEL_IMPL
