@@ -89,7 +89,17 @@ def check_scale(scale, head_dim: int) -> float:
   return value
 
 
-def check_kernel_args(problem: Problem, dtype, block_sizes, version) -> None:
+def check_options(block_sizes, version) -> None:
+  """`block_sizes` and `version`, checked for every implementation."""
+  if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+    raise ValueError(
+        f"block_sizes must be a jax_flash.BlockSizes or None, got "
+        f"{type(block_sizes).__name__}")
+  if version not in (1, 2):
+    raise ValueError(f"version must be 1 or 2, got {version!r}")
+
+
+def check_kernel_support(problem: Problem, dtype) -> None:
   """What the Pallas kernels (GPU or interpret) support beyond the math."""
   if jnp.dtype(dtype) not in [jnp.dtype(d) for d in KERNEL_DTYPES]:
     raise ValueError(
@@ -101,12 +111,6 @@ def check_kernel_args(problem: Problem, dtype, block_sizes, version) -> None:
         f"head_dim (last axis of query, key, value) must be in "
         f"[{MIN_HEAD_DIM}, {MAX_HEAD_DIM}] for the Pallas kernels, got {h}; "
         "implementation='xla' takes any head_dim")
-  if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
-    raise ValueError(
-        f"block_sizes must be a jax_flash.BlockSizes or None, got "
-        f"{type(block_sizes).__name__}")
-  if version not in (1, 2):
-    raise ValueError(f"version must be 1 or 2, got {version!r}")
 
 
 def _int_array(x, name, shape, expected):

@@ -217,13 +217,12 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
               dropout_broadcast=dropout_broadcast)
   spec = prepare(query, key, value, **args)
   p = spec.problem
+  _checks.check_options(block_sizes, version)
   implementation = _resolve_implementation(implementation, query)
   if implementation == "xla":
-    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
-      _checks.check_kernel_args(p, query.dtype, block_sizes, version)
     return reference_attention(query, key, value, return_residual=return_residual,
                                **args)
-  _checks.check_kernel_args(p, query.dtype, block_sizes, version)
+  _checks.check_kernel_support(p, query.dtype)
   if block_sizes is None:
     block_sizes = BlockSizes.get_default(p.head_dim, query.dtype, is_causal)
   cfg = _Config(scores=spec.scores, mask=spec.mask,

@@ -105,7 +105,7 @@ def flash_decode(query, key_cache=None, value_cache=None, *, kv_lengths,
         query, k, v, mask=decode_mask(kv_lengths, q_len, kv_len, left),
         scale=scale, logits_soft_cap=cap, return_residual=True)
   else:
-    _checks.check_kernel_args(p, query.dtype, None, 2)
+    _checks.check_kernel_support(p, query.dtype)
     block_k = page_size if paged else min(
         128 if padded_head_dim(head_dim) <= 128 else 64,
         max(16, 1 << (kv_len - 1).bit_length()))

@@ -229,7 +229,8 @@ def ring_attention(query, key, value, *, mesh, axis_name, is_causal=False,
   implementation = _resolve_implementation(implementation, query)
   if implementation == "xla":
     implementation = "interpret" if jax.default_backend() != "gpu" else "pallas"
-  _checks.check_kernel_args(p, query.dtype, block_sizes, 2)
+  _checks.check_options(block_sizes, 2)
+  _checks.check_kernel_support(p, query.dtype)
   if block_sizes is None:
     block_sizes = BlockSizes.get_default(p.head_dim, query.dtype, is_causal)
   local = p.q_len // chunks

@@ -81,3 +81,13 @@ def test_default_implementation_on_cpu_is_xla():
   q = jnp.ones((1, 8, 2, 16)) * jnp.arange(16) / 16
   out = jax_flash.flash_attention(q, q, q)
   assert jnp.allclose(out, jax_flash.reference_attention(q, q, q))
+
+
+def test_xla_implementation_checks_options_but_takes_any_head_dim():
+  q = jnp.ones((1, 8, 2, 320)) * jnp.linspace(-1, 1, 320)
+  out = jax_flash.flash_attention(q, q, q, implementation="xla")
+  assert out.shape == q.shape
+  with pytest.raises(ValueError, match="version must be 1 or 2"):
+    jax_flash.flash_attention(q, q, q, implementation="xla", version=3)
+  with pytest.raises(ValueError, match="block_sizes must be a"):
+    jax_flash.flash_attention(q, q, q, implementation="xla", block_sizes=64)
