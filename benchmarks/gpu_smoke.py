@@ -1,7 +1,14 @@
-"""Quick GPU check: do the kernels compile, are they right, how fast (rough)."""
+"""Quick GPU check: do the kernels compile, are they right, how fast (rough).
+
+    PYTHONPATH=. python3 benchmarks/gpu_smoke.py
+
+Produced benchmarks/results/2026-11-30-h200/first_smoke.log (one-off; the
+benchmark proper is `python -m jax_flash.benchmark`).
+"""
 import time, traceback
 import jax, jax.numpy as jnp
 import jax_flash
+from jax_flash.benchmark import _time
 from jax_flash.testing import relative_error
 from tests.cases import Case, inputs
 
@@ -24,16 +31,8 @@ for c, ver in [(Case(1, 255, 255, 2, 2, 64, "bfloat16", True), 2), (Case(1, 255,
     except Exception:
         traceback.print_exc()
 
-def bench(f, *args, n=20):
-    jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(n):
-            out = f(*args)
-        jax.block_until_ready(out)
-        ts.append((time.perf_counter() - t) / n)
-    return sorted(ts)[len(ts) // 2]
+def bench(f, *args):
+    return _time(f, args, calls=20, repeats=5)
 
 for H, causal in [(128, False), (128, True), (64, False)]:
     B, T, N = 2, 8192, 2048 // H
