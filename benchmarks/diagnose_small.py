@@ -41,9 +41,12 @@ def errors(t, s, dtype, causal, warps, stages):
 
 def main():
   print("t s dtype causal warps stages | out lse dq dk dv")
-  for (t, s), dtype, causal, warps, stages in itertools.product(
-      [(1, 1), (1, 17), (17, 1), (16, 16)], ["bfloat16", "float32"],
-      [True, False], [1, 4], [1, 3]):
+  configs = [(ts, dtype, causal, 4, 3) for ts, dtype, causal in
+             itertools.product([(1, 1), (1, 17), (17, 1), (16, 16)],
+                               ["bfloat16", "float32"], [True, False])]
+  configs += [((1, 1), "bfloat16", True, w, st)
+              for w, st in [(1, 1), (1, 3), (4, 1)]]
+  for (t, s), dtype, causal, warps, stages in configs:
     try:
       e = errors(t, s, jnp.dtype(dtype), causal, warps, stages)
       print(t, s, dtype, causal, warps, stages, "|",

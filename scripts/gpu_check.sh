@@ -12,11 +12,21 @@ mkdir -p "$OUT"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 PYTHONPATH=.
 case "${1:-tests}" in
   tests)
-    # Compilation dominates: 8 workers share the GPU, each allocating as needed.
-    timeout 570 python3 -m pytest -q -n 8 -rfE -p no:benchmark \
-      -p no:cacheprovider tests/ > "$OUT/gpu_tests.log" 2>&1
+    # Compilation dominates: 12 workers share the GPU, each allocating as
+    # needed. Left out: tests that run on the CPU wherever they are (the
+    # Triton lowering for an abstract GPU, 8 simulated host devices).
+    # Each failure is written to failures.log as it happens; the one known
+    # small-shape failure is diagnosed alongside.
+    JAX_FLASH_FAILURE_LOG="$OUT/failures.log" timeout 560 python3 -m pytest \
+      -v -n 12 -rfE -p no:cacheprovider tests/ \
+      --ignore=tests/test_triton_lowering.py --ignore=tests/test_sharding.py \
+      --ignore=tests/test_ring.py > "$OUT/gpu_tests.log" 2>&1 &
+    timeout 400 python3 benchmarks/diagnose_small.py > "$OUT/diagnose.log" 2>&1
+    wait %1
     echo "pytest exit: $?"
-    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -40
+    grep -cE " PASSED " "$OUT/gpu_tests.log"
+    grep -E " FAILED |^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -40
+    cat "$OUT/diagnose.log"
     ;;
   bench)
     # The log stays on the machine (its tail is printed on failure); the

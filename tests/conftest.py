@@ -1,6 +1,8 @@
 """Test setup: the same cases run the kernels interpreted on the CPU and for
 real (implementation="pallas") on a GPU. GPU-only tests carry `@pytest.mark.gpu`
 and are skipped where there is no GPU."""
+import os
+
 import jax
 import pytest
 
@@ -16,3 +18,13 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if "gpu" in item.keywords:
       item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+  """With JAX_FLASH_FAILURE_LOG set, append each failure's report at once, so
+  a GPU run cut short by its time limit still says why tests failed."""
+  path = os.environ.get("JAX_FLASH_FAILURE_LOG")
+  if path and report.failed:
+    with open(path, "a") as f:
+      f.write(f"=== {report.nodeid} ({report.when})\n"
+              f"{report.longreprtext[-4000:]}\n")
