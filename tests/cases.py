@@ -132,3 +132,11 @@ def compare_with_reference(kwargs, dtype=jnp.float32, version=2,
   bad = {n: (e, bounds[n]) for n, e in errors.items() if not e <= bounds[n]}
   assert not bad, f"(error, bound): {bad}"
   return empty
+
+
+def jax_nn_attention(*args, **kwargs):
+  """jax.nn.dot_product_attention (XLA) with full float32 matmuls: XLA's
+  default on a GPU is TF32 (about 5e-4 relative), our kernels are full
+  float32."""
+  with jax.default_matmul_precision("highest"):
+    return jax.nn.dot_product_attention(*args, implementation="xla", **kwargs)

@@ -1,11 +1,11 @@
 """Forward, logsumexp and gradients of the kernels against the reference."""
-import jax
 import jax.numpy as jnp
 import pytest
 
 import jax_flash
 from jax_flash.testing import relative_error, tolerance
-from tests.cases import CASES, V1_CASES, Case, compare_with_reference, inputs
+from tests.cases import (CASES, V1_CASES, Case, compare_with_reference, inputs,
+                         jax_nn_attention)
 from tests.conftest import KERNEL_IMPL
 
 
@@ -65,7 +65,7 @@ def test_matches_jax_nn_dot_product_attention():
   for causal in (False, True):
     ours = jax_flash.flash_attention(q, k, v, is_causal=causal,
                                      implementation=KERNEL_IMPL)
-    theirs = jax.nn.dot_product_attention(
+    theirs = jax_nn_attention(
         q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
         is_causal=causal)
     assert relative_error(ours, theirs) <= tolerance(q.dtype).out

@@ -24,6 +24,14 @@ PADDING_MASK = nnx.make_attention_mask(VALID, VALID)  # [B, 1, T, T]
 TOL = 2e-5  # float32 end to end.
 
 
+@pytest.fixture(autouse=True)
+def _full_float32_matmuls():
+  """flax's attention (and every Dense) at full float32: XLA's default on a
+  GPU is TF32 (about 5e-4 relative), our kernels are full float32."""
+  with jax.default_matmul_precision("highest"):
+    yield
+
+
 def _nnx_pair(**kwargs):
   args = dict(num_heads=4, in_features=D, qkv_features=64, decode=False,
               **kwargs)
