@@ -32,19 +32,19 @@ DATA = os.path.join(os.path.dirname(__file__), "data", "genesis_kjv.txt")
 
 
 class Block(nnx.Module):
-  def __init__(self, d_model, heads, kv_heads, dropout, implementation, *,
-               rngs):
-    self.ln1 = nnx.LayerNorm(d_model, rngs=rngs)
+  def __init__(self, d_model, heads, kv_heads, dropout, implementation,
+               dtype, *, rngs):
+    self.ln1 = nnx.LayerNorm(d_model, dtype=dtype, rngs=rngs)
     args = dict(num_heads=heads, num_kv_heads=kv_heads, in_features=d_model,
-                dropout_rate=dropout, decode=False, rngs=rngs)
+                dropout_rate=dropout, decode=False, dtype=dtype, rngs=rngs)
     if implementation == "flax":  # flax's own attention, same parameters.
       self.attn = nnx.MultiHeadAttention(**args)
     else:
       self.attn = flash_nnx.FlashAttention(**args,
                                            implementation=implementation)
-    self.ln2 = nnx.LayerNorm(d_model, rngs=rngs)
-    self.up = nnx.Linear(d_model, 4 * d_model, rngs=rngs)
-    self.down = nnx.Linear(4 * d_model, d_model, rngs=rngs)
+    self.ln2 = nnx.LayerNorm(d_model, dtype=dtype, rngs=rngs)
+    self.up = nnx.Linear(d_model, 4 * d_model, dtype=dtype, rngs=rngs)
+    self.down = nnx.Linear(4 * d_model, d_model, dtype=dtype, rngs=rngs)
 
   def __call__(self, x, *, decode, deterministic):
     x = x + self.attn(self.ln1(x), is_causal=not decode, decode=decode,
@@ -54,15 +54,18 @@ class Block(nnx.Module):
 
 class LanguageModel(nnx.Module):
   def __init__(self, vocab, max_len, d_model, layers, heads, kv_heads,
-               dropout=0.0, implementation=None, *, rngs):
-    self.max_len = max_len
-    self.tokens = nnx.Embed(vocab, d_model, rngs=rngs)
-    self.positions = nnx.Embed(max_len, d_model, rngs=rngs)
+               dropout=0.0, implementation=None, dtype=jnp.float32, *,
+               rngs):
+    # Parameters are float32; `dtype` is the computation's (bfloat16: mixed
+    # precision).
+    self.max_len, self.dtype = max_len, dtype
+    self.tokens = nnx.Embed(vocab, d_model, dtype=dtype, rngs=rngs)
+    self.positions = nnx.Embed(max_len, d_model, dtype=dtype, rngs=rngs)
     self.blocks = nnx.List([Block(d_model, heads, kv_heads, dropout,
-                                  implementation, rngs=rngs)
+                                  implementation, dtype, rngs=rngs)
                             for _ in range(layers)])
-    self.ln = nnx.LayerNorm(d_model, rngs=rngs)
-    self.head = nnx.Linear(d_model, vocab, rngs=rngs)
+    self.ln = nnx.LayerNorm(d_model, dtype=dtype, rngs=rngs)
+    self.head = nnx.Linear(d_model, vocab, dtype=dtype, rngs=rngs)
 
   def __call__(self, tokens, positions, *, decode=False, deterministic=True):
     x = self.tokens(tokens) + self.positions(positions)
@@ -103,7 +106,7 @@ def generate(model, prompt_ids, length, temperature, seed):
   batch = prompt_ids.shape[0]
   for block in model.blocks:
     block.attn.init_cache((batch, model.max_len, block.attn.in_features),
-                          jnp.float32)
+                          model.dtype)
   rng = jax.random.key(seed)
   out = list(prompt_ids[0])
   logits = None
@@ -157,6 +160,9 @@ def main(argv=None):
   parser.add_argument("--heads", type=int, default=4)
   parser.add_argument("--kv-heads", type=int, default=2)
   parser.add_argument("--dropout", type=float, default=0.0)
+  parser.add_argument("--dtype", default="float32",
+                      choices=["float32", "bfloat16"],
+                      help="computation dtype (parameters stay float32)")
   parser.add_argument("--lr", type=float, default=3e-3)
   parser.add_argument("--eval-batches", type=int, default=8)
   parser.add_argument("--sample-len", type=int, default=200)
@@ -179,7 +185,8 @@ def main(argv=None):
   max_len = max(args.seq_len, len(args.prompt) + args.sample_len)
   make = lambda seed: LanguageModel(
       len(chars), max_len, args.d_model, args.layers, args.heads,
-      args.kv_heads, args.dropout, args.implementation, rngs=nnx.Rngs(seed))
+      args.kv_heads, args.dropout, args.implementation,
+      jnp.dtype(args.dtype), rngs=nnx.Rngs(seed))
   model = make(args.seed)
   params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   print(f"{len(text):,} characters, vocab {len(chars)}; model {params:,} "

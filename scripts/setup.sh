@@ -15,7 +15,9 @@ find_python() {
   return 1
 }
 
-if ! .venv/bin/python -c 'import jax, jax_flash, pytest; assert jax.__version__ == "0.11.2"' 2>/dev/null; then
+# The package itself must be installed (not merely importable from here).
+if ! .venv/bin/python -c 'import importlib.metadata as m, jax, pytest
+assert jax.__version__ == "0.11.2"; m.version("jax-flash")' 2>/dev/null; then
   PY="$(find_python)"
   $PY -m venv .venv
   .venv/bin/python -m pip install -q --upgrade pip
