@@ -6,8 +6,10 @@
 #   bash scripts/gpu_check.sh bench     # dense: ours v2/v1, cuDNN, jax's Pallas, XLA
 #   bash scripts/gpu_check.sh sparse    # sliding windows and packed documents
 #   bash scripts/gpu_check.sh decode    # flash_decode bandwidth vs cache length
+#   bash scripts/gpu_check.sh long      # one 128k-token causal sequence
 #   bash scripts/gpu_check.sh train     # train_lm at GPT-2-small size, flash vs flax
-# TESTS="tests/a.py::b ..." limits `tests` to those. Results go under $OUT
+# TESTS="tests/a.py::b ..." limits `tests` to those; BENCH_ARGS replaces
+# `bench`'s shapes and implementations. Results go under $OUT
 # (the device tool's folder) or ./gpu_out; the device tool brings back at most
 # 8 files, so logs stay in /tmp unless a step fails (then their tail prints).
 set -uo pipefail
@@ -47,7 +49,8 @@ for mode in "$@"; do
       cat "$OUT/diagnose.log"
       ;;
     bench)
-      bench dense 540 --seq-lens 1024 4096 16384 --plots
+      # shellcheck disable=SC2086
+      bench dense "${BENCH_LIMIT:-540}" ${BENCH_ARGS:---seq-lens 1024 4096 16384 --plots}
       ;;
     sparse)
       bench window 150 --scenario window --seq-lens 32768 \
@@ -58,6 +61,11 @@ for mode in "$@"; do
     decode)
       bench decode 200 --scenario decode --head-dims 128 \
         --seq-lens 1024 8192 32768 131072 --batches 1 8 64
+      ;;
+    long)
+      timeout 150 python3 benchmarks/long_context.py --out "$OUT/long" \
+        > /tmp/long.log 2>&1 || tail -n 30 /tmp/long.log
+      grep '^{' /tmp/long.log
       ;;
     train)
       # GPT-2-small shape (12 layers, d_model 768, 12 heads), 2048 tokens per
