@@ -7,6 +7,8 @@
 #   bash scripts/gpu_check.sh sparse    # sliding windows and packed documents
 #   bash scripts/gpu_check.sh decode    # flash_decode bandwidth vs cache length
 #   bash scripts/gpu_check.sh long      # one 128k-token causal sequence
+#   bash scripts/gpu_check.sh ring      # ring_attention on every local GPU
+#   bash scripts/gpu_check.sh tune      # head-dim-256 block-size sweep
 #   bash scripts/gpu_check.sh train     # train_lm at GPT-2-small size, flash vs flax
 # TESTS="tests/a.py::b ..." limits `tests` to those; BENCH_ARGS replaces
 # `bench`'s shapes and implementations. Results go under $OUT
@@ -66,6 +68,19 @@ for mode in "$@"; do
       timeout 150 python3 benchmarks/long_context.py --out "$OUT/long" \
         > /tmp/long.log 2>&1 || tail -n 30 /tmp/long.log
       grep '^{' /tmp/long.log
+      ;;
+    ring)
+      # Every local GPU (run it on nvidia-h200-x2).
+      timeout 300 python3 benchmarks/ring_scaling.py --out "$OUT/ring" \
+        > /tmp/ring.log 2>&1 || tail -n 30 /tmp/ring.log
+      grep '^{' /tmp/ring.log
+      ;;
+    tune)
+      # Head dim 256 (the slowest shape), non-causal, on one GPU.
+      CUDA_VISIBLE_DEVICES=0 timeout "${TUNE_LIMIT:-200}" python3 \
+        benchmarks/tune.py --head-dim 256 --out "$OUT/tune" > /tmp/tune.log \
+        2>&1 || tail -n 30 /tmp/tune.log
+      grep '^{' /tmp/tune.log | cut -c1-400
       ;;
     train)
       # GPT-2-small shape (12 layers, d_model 768, 12 heads), 2048 tokens per
