@@ -91,7 +91,13 @@ class BlockSizes:
       if is_causal:
         return cls(128, 64, 4, 2, 64, 64, 64, 64, 4, 2)
       return cls(128, 128, 8, 3, 64, 64, 64, 64, 4, 2)
-    return cls(64, 64, 4, 2, 32, 64, 64, 32, 4, 1)
+    # Head dims 160..256 (padded to 256), measured on the H200 at 8k
+    # non-causal by benchmarks/tune.py (benchmarks/results/2026-11-30-h200-b/
+    # tune_h256.json): forward 128x64 tiles with 8 warps and 2 stages, 436
+    # TFLOP/s against 316 for 64x64/4 warps (3 stages of 128-row tiles
+    # overflow shared memory); backward 64x64 tiles everywhere with 8 warps
+    # and 1 stage, 160 TFLOP/s against 100 for the 32/64 tiles with 4 warps.
+    return cls(128, 64, 8, 2, 64, 64, 64, 64, 8, 1)
 
   def clipped(self, q_len: int, kv_len: int) -> "BlockSizes":
     """Shrinks tiles for short sequences (never below 16), keeping the rest."""
