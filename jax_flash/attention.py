@@ -191,7 +191,7 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
       "interpret": the same kernels run by the Pallas interpreter (any
       backend, slow; for tests). "xla": `reference_attention`, plain jnp.
     block_sizes: a `jax_flash.BlockSizes` for the kernels; default
-      `BlockSizes.get_default(H, dtype, is_causal)`.
+      `BlockSizes.get_default(H, dtype, is_causal, version)`.
     version: 2 runs the FlashAttention-2 forward; 1 the FlashAttention-1
       forward (for comparison). Both share the FlashAttention-2 backward.
 
@@ -224,7 +224,8 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
                                **args)
   _checks.check_kernel_support(p, query.dtype)
   if block_sizes is None:
-    block_sizes = BlockSizes.get_default(p.head_dim, query.dtype, is_causal)
+    block_sizes = BlockSizes.get_default(p.head_dim, query.dtype, is_causal,
+                                         version)
   cfg = _Config(scores=spec.scores, mask=spec.mask,
                 block_sizes=block_sizes.clipped(p.q_len, p.kv_len),
                 version=version, interpret=implementation == "interpret")
