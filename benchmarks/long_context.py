@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_flash
-from jax_flash.benchmark import _measure
+from jax_flash.benchmark import _jitted, _measure, compiled_gib
 
 
 def main():
@@ -40,11 +40,8 @@ def main():
       row = dict(impl=name, mode=mode, seq_len=t, num_heads=n, head_dim=h)
       row.update(_measure(fn, mode, q, k, v, do, fwd_flops, 3, 3))
       try:
-        f = jax.jit(lambda q, k, v, do, fn=fn, mode=mode: (
-            fn(q, k, v) if mode == "fwd" else jax.vjp(fn, q, k, v)[1](do)))
-        mem = f.lower(q, k, v, do).compile().memory_analysis()
-        row["gib"] = (mem.argument_size_in_bytes + mem.output_size_in_bytes
-                      + mem.temp_size_in_bytes) / 2**30
+        f, f_args = _jitted(fn, mode, q, k, v, do)
+        row["gib"] = compiled_gib(f, *f_args)
       except Exception as e:  # Say so and go on.
         row["memory_error"] = str(e).splitlines()[0][:200]
       print(json.dumps(row), flush=True)

@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_flash
-from jax_flash.benchmark import _measure
+from jax_flash.benchmark import _measure, compiled_gib
 from jax_flash.testing import relative_error
 
 
@@ -120,11 +120,8 @@ def main():
     row = dict(check="compiled_memory", impl=f"ring_{size}_gpus", causal=True,
                seq_len=t, devices=size)
     try:
-      mem = jax.jit(step).lower(spec, spec, spec, spec).compile(
-          ).memory_analysis()
-      row["gib_per_device"] = (mem.argument_size_in_bytes
-                               + mem.output_size_in_bytes
-                               + mem.temp_size_in_bytes) / 2**30
+      row["gib_per_device"] = compiled_gib(jax.jit(step), spec, spec, spec,
+                                           spec)
     except Exception as e:  # Say so and go on.
       row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     record(row)

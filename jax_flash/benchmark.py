@@ -73,17 +73,29 @@ def _time(fn, args, calls: int, repeats: int) -> float:
 _FLOPS = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}  # x forward FLOPs
 
 
+def _jitted(fn, mode, q, k, v, do):
+  """(jitted function, its arguments) running `fn` forward, backward or both."""
+  if mode == "fwd":
+    return jax.jit(fn), (q, k, v)
+  if mode == "bwd":  # The vjp closure (residuals included) is a pytree.
+    _, vjp_fn = jax.vjp(jax.jit(fn), q, k, v)
+    return jax.jit(lambda vjp_fn, do: vjp_fn(do)), (vjp_fn, do)
+  return (jax.jit(lambda q, k, v, do: jax.vjp(fn, q, k, v)[1](do)),
+          (q, k, v, do))
+
+
+def compiled_gib(jitted, *args) -> float:
+  """XLA's compiled memory of `jitted(*args)` (per device): arguments +
+  outputs + temporaries, GiB. Compiles, does not run."""
+  mem = jitted.lower(*args).compile().memory_analysis()
+  return (mem.argument_size_in_bytes + mem.output_size_in_bytes
+          + mem.temp_size_in_bytes) / 2**30
+
+
 def _measure(fn, mode, q, k, v, do, fwd_flops, calls, repeats):
   """{"ms", "tflops"} of `fn` forward, backward or both, or {"error"}."""
   try:
-    if mode == "fwd":
-      f, args = jax.jit(fn), (q, k, v)
-    elif mode == "bwd":  # The vjp closure (residuals included) is a pytree.
-      _, vjp_fn = jax.vjp(jax.jit(fn), q, k, v)
-      f, args = jax.jit(lambda vjp_fn, do: vjp_fn(do)), (vjp_fn, do)
-    else:
-      f = jax.jit(lambda q, k, v, do: jax.vjp(fn, q, k, v)[1](do))
-      args = (q, k, v, do)
+    f, args = _jitted(fn, mode, q, k, v, do)
     seconds = _time(f, args, calls, repeats)
     flops = fwd_flops * _FLOPS[mode]
     return dict(ms=seconds * 1e3, tflops=flops / seconds / 1e12)
