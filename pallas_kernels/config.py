@@ -94,7 +94,7 @@ class BlockSizes:
         return cls(128, 64, 4, 2, 64, 64, 64, 64, 4, 2)
       return cls(128, 128, 8, 3, 64, 64, 64, 64, 4, 2)
     # Head dims 160..256 (padded to 256), measured on the H200 at 8k
-    # non-causal by benchmarks/tune.py (benchmarks/results/2026-11-30-h200-b/
+    # non-causal by benchmarks/tune.py (benchmarks/results/2026-11-30-h200-session2/
     # tune_h256.json): forward 128x64 tiles with 8 warps and 2 stages, 436
     # TFLOP/s against 316 for 64x64/4 warps (3 stages of 128-row tiles
     # overflow shared memory); backward 64x64 tiles everywhere with 8 warps

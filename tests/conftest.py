@@ -22,9 +22,12 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_runtest_logreport(report):
   """With JAX_FLASH_FAILURE_LOG set, append each failure's report at once, so
-  a GPU run cut short by its time limit still says why tests failed."""
+  a GPU run cut short by its time limit still says why tests failed.
+
+  Under pytest-xdist the controller sees every worker's reports: only it
+  writes (a worker writing too would log each failure twice)."""
   path = os.environ.get("JAX_FLASH_FAILURE_LOG")
-  if path and report.failed:
+  if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
     with open(path, "a") as f:
       f.write(f"=== {report.nodeid} ({report.when})\n"
               f"{report.longreprtext[-4000:]}\n")
