@@ -104,10 +104,10 @@ def _define(fn, rule):
 
 
 def sharded_forward(forward):
-  """forward(q, k, v, cfg) -> (o, lse2), split over batch and heads."""
+  """forward(q, k, v, cfg) -> (o, lse), split over batch and heads."""
   return _define(forward, _FWD_RULE)
 
 
 def sharded_backward(backward):
-  """backward(q, k, v, o, lse2, do, dlse2, cfg) -> (dq, dk, dv), likewise."""
+  """backward(q, k, v, o, lse, do, dlse, cfg) -> (dq, dk, dv), likewise."""
   return _define(backward, _BWD_RULE)

@@ -3,43 +3,38 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 
-from jax_flash import _checks, _sharding
-from jax_flash._spec import prepare
-from jax_flash.reference import reference_attention
-from pallas_kernels import masking
-from pallas_kernels.config import BlockSizes
-from pallas_kernels.extras import Extras
-from pallas_kernels.scores import Scores
-from pallas_kernels.flash_bwd import flash_backward
-from pallas_kernels.flash_fwd import flash_forward
-from pallas_kernels.flash_fwd_v1 import flash_forward_v1
+from jax_flash import _dispatch, _sharding
+from jax_flash.reference import attend
+from jax_flash.spec.mask import Mask
+from jax_flash.spec.operands import Operands
+from jax_flash.spec.problem import prepare
+from jax_flash.spec.scores import Scores
 
 
 @dataclasses.dataclass(frozen=True)
 class _Config:
   """Everything static about one call: the custom_vjp's one nondiff argument."""
+  backend: object  # A kernel backend of `_dispatch` (hashable).
+  mask: Mask
   scores: Scores
-  mask: masking.Mask
-  block_sizes: BlockSizes
+  block_sizes: object  # The backend's config.
   version: int
-  interpret: bool
 
 
 def _plain_forward(q, k, v, cfg: _Config):
-  forward = flash_forward if cfg.version == 2 else flash_forward_v1
-  return forward(q, k, v, Extras(), scores=cfg.scores, mask=cfg.mask,
-                 block_sizes=cfg.block_sizes, interpret=cfg.interpret)
+  return cfg.backend.forward(q, k, v, Operands(), mask=cfg.mask,
+                             scores=cfg.scores, config=cfg.block_sizes,
+                             version=cfg.version)
 
 
-def _plain_backward(q, k, v, o, lse2, do, dlse2, cfg: _Config):
-  dq, dk, dv, _ = flash_backward(
-      q, k, v, Extras(), o, lse2, do, dlse2, scores=cfg.scores, mask=cfg.mask,
-      block_sizes=cfg.block_sizes, interpret=cfg.interpret)
+def _plain_backward(q, k, v, o, lse, do, dlse, cfg: _Config):
+  dq, dk, dv, _ = cfg.backend.backward(
+      q, k, v, Operands(), o, lse, do, dlse, mask=cfg.mask, scores=cfg.scores,
+      config=cfg.block_sizes)
   return dq, dk, dv
 
 
@@ -49,84 +44,53 @@ _sharded_forward = _sharding.sharded_forward(_plain_forward)
 _sharded_backward = _sharding.sharded_backward(_plain_backward)
 
 
-def _partitioned(extras) -> bool:
+def _partitioned(operands: Operands) -> bool:
   """Use the batch/head-partitioned op: several devices, no optional operands.
 
   (On one device there is nothing to partition, and the plain call also
   lowers ahead of time for a GPU that is not present.)
   """
-  return jax.device_count() > 1 and all(x is None for x in jax.tree.leaves(
-      extras, is_leaf=lambda x: x is None))
+  return jax.device_count() > 1 and operands.empty
 
 
-def _forward(q, k, v, extras, cfg: _Config):
-  if _partitioned(extras):
+def _forward(q, k, v, operands: Operands, cfg: _Config):
+  if _partitioned(operands):
     return _sharded_forward(q, k, v, cfg)
-  forward = flash_forward if cfg.version == 2 else flash_forward_v1
-  return forward(q, k, v, extras, scores=cfg.scores, mask=cfg.mask,
-                 block_sizes=cfg.block_sizes, interpret=cfg.interpret)
+  return cfg.backend.forward(q, k, v, operands, mask=cfg.mask,
+                             scores=cfg.scores, config=cfg.block_sizes,
+                             version=cfg.version)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _flash(q, k, v, extras: Extras, cfg: _Config):
-  """(o [B,T,N,H], lse2 [B,N,T] base-2 logsumexp) with the kernels' backward."""
-  return _forward(q, k, v, extras, cfg)
+def _flash(q, k, v, operands: Operands, cfg: _Config):
+  """(o [B,T,N,H], lse [B,N,T] natural-log logsumexp) with the kernels' backward."""
+  return _forward(q, k, v, operands, cfg)
 
 
-def _flash_fwd(q, k, v, extras, cfg: _Config):
-  o, lse2 = _forward(q, k, v, extras, cfg)
-  return (o, lse2), (q, k, v, extras, o, lse2)
+def _flash_fwd(q, k, v, operands, cfg: _Config):
+  o, lse = _forward(q, k, v, operands, cfg)
+  return (o, lse), (q, k, v, operands, o, lse)
 
 
 def _flash_bwd(cfg: _Config, residuals, cotangents):
-  q, k, v, extras, o, lse2 = residuals
-  do, dlse2 = cotangents
-  if _partitioned(extras):
-    dq, dk, dv = _sharded_backward(q, k, v, o, lse2, do.astype(q.dtype),
-                                   dlse2, cfg)
-    return dq, dk, dv, extras
-  dq, dk, dv, dbias = flash_backward(
-      q, k, v, extras, o, lse2, do.astype(q.dtype), dlse2, scores=cfg.scores,
-      mask=cfg.mask, block_sizes=cfg.block_sizes, interpret=cfg.interpret)
+  q, k, v, operands, o, lse = residuals
+  do, dlse = cotangents
+  do = do.astype(q.dtype)
+  if _partitioned(operands):
+    dq, dk, dv = _sharded_backward(q, k, v, o, lse, do, dlse, cfg)
+    return dq, dk, dv, operands
+  dq, dk, dv, dbias = cfg.backend.backward(
+      q, k, v, operands, o, lse, do, dlse, mask=cfg.mask, scores=cfg.scores,
+      config=cfg.block_sizes)
   # Ids, the dense mask, the ALiBi slopes and the seed get no gradient.
-  d_extras = jax.tree.map(jnp.zeros_like, extras)
+  d_operands = jax.tree.map(jnp.zeros_like, operands)
   if dbias is not None:
-    d_extras = dataclasses.replace(d_extras,
-                                   bias=dbias.astype(extras.bias.dtype))
-  return dq, dk, dv, d_extras
+    d_operands = dataclasses.replace(d_operands,
+                                     bias=dbias.astype(operands.bias.dtype))
+  return dq, dk, dv, d_operands
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
-
-
-def _on_gpu(x) -> bool:
-  try:
-    return any(d.platform == "gpu" for d in x.devices())
-  except Exception:  # A tracer: it lives where the computation runs.
-    return jax.default_backend() == "gpu"
-
-
-def _gpu_target() -> bool:
-  """A GPU to run on, or one to compile for (an abstract mesh's device)."""
-  if jax.default_backend() == "gpu":
-    return True
-  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-  return device is not None and device.platform == "gpu"
-
-
-def _resolve_implementation(implementation, query) -> str:
-  if implementation is None:
-    return "pallas" if _on_gpu(query) else "xla"
-  if implementation not in _checks.IMPLEMENTATIONS:
-    raise ValueError(
-        f"implementation must be one of {_checks.IMPLEMENTATIONS} or None, "
-        f"got {implementation!r}")
-  if implementation == "pallas" and not _gpu_target():
-    raise ValueError(
-        "implementation='pallas' runs the Triton kernels and needs a GPU; on "
-        "this machine use implementation='interpret' (same kernels, "
-        "interpreted) or 'xla'")
-  return implementation
 
 
 def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
@@ -186,10 +150,13 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
       (flax's `broadcast_dropout`); the bits of batch 0, head 0.
     return_residual: also return the logsumexp of the scaled scores,
       [B, T, N] (or [T, N]), natural log.
-    implementation: None picks "pallas" when query lives on a GPU and "xla"
-      otherwise. "pallas": the Triton-lowered kernels (GPU only).
-      "interpret": the same kernels run by the Pallas interpreter (any
-      backend, slow; for tests). "xla": `reference_attention`, plain jnp.
+    implementation: None picks "pallas" when query lives on a GPU and a
+      Pallas backend takes the call, "xla" otherwise. "pallas": the best
+      Pallas backend for the device (the Triton kernels today; GPU only).
+      "triton": the Triton-lowered kernels (GPU only). "interpret": the same
+      kernels run by the Pallas interpreter (any machine, slow; for tests).
+      "xla": `reference_attention`, plain jnp. A named implementation that
+      cannot take the call raises ValueError saying why.
     block_sizes: a `jax_flash.BlockSizes` for the kernels; default
       `BlockSizes.get_default(H, dtype, is_causal, version)`.
     version: 2 runs the FlashAttention-2 forward; 1 the FlashAttention-1
@@ -202,11 +169,11 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
   logsumexp -inf and zero gradients, never NaN. (jax.nn returns the mean of V
   there.)
 
-  The kernels take float32, bfloat16 and float16 with float32 accumulation
-  (float32 inputs use full-precision float32 dots), head dims 16 to 256 (any,
-  padded internally to a power of two) and any T and S. Gradients with respect
-  to query, key and value are deterministic (no atomics). Errors in the
-  arguments are raised at trace time as ValueError.
+  The Triton kernels take float32, bfloat16 and float16 with float32
+  accumulation (float32 inputs use full-precision float32 dots), head dims 16
+  to 256 (any, padded internally to a power of two) and any T and S.
+  Gradients with respect to query, key and value are deterministic (no
+  atomics). Errors in the arguments are raised at trace time as ValueError.
   """
   args = dict(bias=bias, mask=mask, scale=scale, is_causal=is_causal,
               query_seq_lengths=query_seq_lengths,
@@ -217,23 +184,24 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
               dropout_broadcast=dropout_broadcast)
   spec = prepare(query, key, value, **args)
   p = spec.problem
-  _checks.check_options(block_sizes, version)
-  implementation = _resolve_implementation(implementation, query)
-  if implementation == "xla":
-    return reference_attention(query, key, value, return_residual=return_residual,
-                               **args)
-  _checks.check_kernel_support(p, query.dtype)
-  if block_sizes is None:
-    block_sizes = BlockSizes.get_default(p.head_dim, query.dtype, is_causal,
-                                         version)
-  cfg = _Config(scores=spec.scores, mask=spec.mask,
-                block_sizes=block_sizes.clipped(p.q_len, p.kv_len),
-                version=version, interpret=implementation == "interpret")
+  _dispatch.check_options(block_sizes, version)
+  backend = _dispatch.select(implementation, query, p, query.dtype,
+                             mask=spec.mask, scores=spec.scores,
+                             version=version)
   if p.unbatched:
     query, key, value = query[None], key[None], value[None]
-  with jax.named_scope("jax_flash_attention"):
-    out, lse2 = _flash(query, key, value, spec.extras, cfg)
-  lse = (lse2 * math.log(2.0)).transpose(0, 2, 1)
+  if backend is _dispatch.XLA:  # Plain jnp: JAX differentiates it.
+    out, lse = attend(query, key, value, spec.operands, mask=spec.mask,
+                      scores=spec.scores)
+  else:
+    cfg = _Config(backend=backend, mask=spec.mask, scores=spec.scores,
+                  block_sizes=backend.config(block_sizes, p, query.dtype,
+                                             is_causal=is_causal,
+                                             version=version),
+                  version=version)
+    with jax.named_scope("jax_flash_attention"):
+      out, lse = _flash(query, key, value, spec.operands, cfg)
+  lse = lse.transpose(0, 2, 1)
   if p.unbatched:
     out, lse = out[0], lse[0]
   return (out, lse) if return_residual else out

@@ -1,17 +1,104 @@
 """The plain-`jnp` statement of the math: the one reference implementation.
 
-Used by the tests, by users' own equivalence tests, and as the
-`implementation="xla"` path. Scores and softmax are float32 (float64 inputs
-stay float64), matmuls at HIGHEST precision. The mask comes from
-`pallas_kernels.masking`, the same description the kernels use.
+Used by the tests, by users' own equivalence tests, and as the "xla"
+implementation. Scores and softmax are float32 (float64 inputs stay
+float64), matmuls at HIGHEST precision. The mask, score modifications and
+dropout bits come from `jax_flash.spec`, the description every kernel reads.
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import lax
 
-from jax_flash._spec import prepare
-from pallas_kernels import dropout, masking
+from jax_flash.spec import dropout
+from jax_flash.spec import mask as mask_lib
+from jax_flash.spec.operands import Operands
+from jax_flash.spec.problem import prepare
+from jax_flash.spec.scores import Scores
+
+
+def _per_head(a, num_kv_heads: int, group: int):
+  """[B|1, N|1, ...] -> [B|1, K|1, G|1, ...]: heads n = k * G + g."""
+  many = a.shape[1] > 1
+  return a.reshape(a.shape[0], num_kv_heads if many else 1,
+                   group if many else 1, *a.shape[2:])
+
+
+def logits(q, k, operands: Operands, *, mask: mask_lib.Mask, scores: Scores,
+           q_offsets=None, compute_dtype=None):
+  """The masked logits, float32 [B, K, G, T, S] (-inf where masked): query
+  head n = k * G + g of q [B, T, N, H] against key head k of k [B, S, K, H].
+  Arguments as `attend`."""
+  acc = jnp.promote_types(q.dtype, jnp.float32)
+  b, t, n, h = q.shape
+  s_len, kh = k.shape[1], k.shape[2]
+  g = n // kh
+  s = _matmul("btkgh,bskh->bkgts", q.reshape(b, t, kh, g, h), k, acc,
+              compute_dtype) * scores.scale
+  if scores.soft_cap is not None:
+    s = scores.soft_cap * jnp.tanh(s / scores.soft_cap)
+  if scores.alibi:
+    distance = jnp.abs(jnp.arange(t)[:, None] - jnp.arange(s_len)[None, :])
+    s = s - _per_head(operands.alibi_slopes[:, :, None, None], kh,
+                      g) * distance
+  if scores.bias:
+    s = s + _per_head(operands.bias.astype(acc), kh, g)
+  visible = mask_lib.dense_mask(mask, t, s_len, operands.q_ids,
+                                operands.kv_ids, q_offsets)[:, None, None]
+  if mask.has_dense:
+    visible = visible & _per_head(operands.dense_mask != 0, kh, g)
+  return jnp.where(visible, s, -jnp.inf)
+
+
+def dropped(probs, operands: Operands, scores: Scores):
+  """probs [B, K, G, T, S] with dropout applied: kept entries scaled by
+  1 / (1 - rate), the keep bits of `jax_flash.dropout_keep_mask`."""
+  if not scores.dropout:
+    return probs
+  b, kh, g, t, s_len = probs.shape
+  shared = scores.dropout_broadcast  # One mask: batch 0, head 0.
+  keep = dropout.keep_mask(operands.dropout_seed, scores.dropout_rate,
+                           1 if shared else b, 1 if shared else kh * g, t,
+                           s_len)
+  return jnp.where(_per_head(keep, kh, g),
+                   probs / (1.0 - scores.dropout_rate), 0.0)
+
+
+def _matmul(spec, x, y, acc, compute_dtype):
+  dtype = acc if compute_dtype is None else jnp.dtype(compute_dtype)
+  return jnp.einsum(spec, x.astype(dtype), y.astype(dtype),
+                    precision=lax.Precision.HIGHEST,
+                    preferred_element_type=acc)
+
+
+def attend(q, k, v, operands: Operands, *, mask: mask_lib.Mask,
+           scores: Scores, q_offsets=None, compute_dtype=None):
+  """The math on batched inputs and a problem description.
+
+  q [B, T, N, H]; k, v [B, S, K, H]; operands, mask, scores as built by
+  `jax_flash.spec.prepare`; q_offsets: int [B], the position of each
+  sequence's first query (None: 0). Returns (out [B, T, N, H] in q.dtype,
+  lse [B, N, T] float32, natural log; -inf for rows that see no key).
+
+  `compute_dtype` (tests only): the dtype of the two matmuls' operands, as a
+  plain low-precision implementation would run them (scores, softmax and
+  accumulation stay float32). None: float32 at HIGHEST precision.
+  """
+  acc = jnp.promote_types(q.dtype, jnp.float32)
+  b, t, n, h = q.shape
+  s = logits(q, k, operands, mask=mask, scores=scores, q_offsets=q_offsets,
+             compute_dtype=compute_dtype)
+  # Softmax that gives 0 (and zero gradients, no NaN) for rows with no key.
+  m = lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  e = jnp.exp(s - m)
+  l = jnp.sum(e, axis=-1, keepdims=True)
+  l_safe = jnp.where(l == 0.0, 1.0, l)
+  probs = dropped(e / l_safe, operands, scores)
+  lse = jnp.where(l == 0.0, -jnp.inf, m + jnp.log(l_safe))[..., 0]
+  out = _matmul("bkgts,bskh->btkgh", probs, v, acc, compute_dtype)
+  return (out.reshape(b, t, n, h).astype(q.dtype),
+          lse.reshape(b, n, t).astype(jnp.float32))
 
 
 def reference_attention(query, key, value, bias=None, mask=None, *, scale=None,
@@ -45,63 +132,12 @@ def reference_attention(query, key, value, bias=None, mask=None, *, scale=None,
                  logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
                  dropout_rate=dropout_rate, dropout_rng=dropout_rng,
                  dropout_broadcast=dropout_broadcast)
-  p, x, scores = spec.problem, spec.extras, spec.scores
-  if p.unbatched:
+  unbatched = spec.problem.unbatched
+  if unbatched:
     query, key, value = query[None], key[None], value[None]
-  acc = jnp.promote_types(query.dtype, jnp.float32)
-  b, t, s_len, kh = p.batch, p.q_len, p.kv_len, p.num_kv_heads
-  g = p.num_heads // kh
-
-  def per_head(a):  # [B|1, N|1, T|1, S|1] -> [B|1, K|1, G|1, T|1, S|1]
-    return a.reshape(a.shape[0], kh if a.shape[1] > 1 else 1,
-                     g if a.shape[1] > 1 else 1, *a.shape[2:])
-
-  q = query.astype(acc).reshape(b, t, kh, g, p.head_dim)
-  s = jnp.einsum("btkgh,bskh->bkgts", q, key.astype(acc),
-                 precision=lax.Precision.HIGHEST) * scores.scale
-  if scores.soft_cap is not None:
-    s = scores.soft_cap * jnp.tanh(s / scores.soft_cap)
-  if scores.alibi:
-    distance = jnp.abs(jnp.arange(t)[:, None] - jnp.arange(s_len)[None, :])
-    s = s - per_head(x.slopes[:, :, None, None]) * distance
-  if scores.bias:
-    s = s + per_head(x.bias.astype(acc))
-  visible = masking.dense_mask(spec.mask, t, s_len, x.q_ids, x.kv_ids)
-  if spec.mask.has_ids:  # [B, T, S] -> [B, 1, 1, T, S]
-    visible = visible[:, None, None]
-  if spec.mask.has_dense:
-    visible = visible & per_head(x.dense_mask != 0)
-  s = jnp.where(visible, s, -jnp.inf)
-  # Softmax that gives 0 (and zero gradients, no NaN) for rows with no key.
-  m = lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
-  m = jnp.where(jnp.isfinite(m), m, 0.0)
-  e = jnp.exp(s - m)
-  l = jnp.sum(e, axis=-1, keepdims=True)
-  l_safe = jnp.where(l == 0.0, 1.0, l)
-  probs = e / l_safe
-  if scores.dropout:
-    shared = scores.dropout_broadcast  # One mask: batch 0, head 0.
-    keep = dropout.keep_mask(dropout_rng, scores.dropout_rate,
-                             1 if shared else b, 1 if shared else p.num_heads,
-                             t, s_len)
-    probs = jnp.where(per_head(keep), probs / (1.0 - scores.dropout_rate), 0.0)
-  lse = jnp.where(l == 0.0, -jnp.inf, m + jnp.log(l_safe))[..., 0]
-  out = jnp.einsum("bkgts,bskh->btkgh", probs, value.astype(acc),
-                   precision=lax.Precision.HIGHEST)
-  out = out.reshape(b, t, p.num_heads, p.head_dim).astype(query.dtype)
-  lse = lse.reshape(b, p.num_heads, t).transpose(0, 2, 1)
-  if p.unbatched:
+  out, lse = attend(query, key, value, spec.operands, mask=spec.mask,
+                    scores=spec.scores)
+  lse = lse.transpose(0, 2, 1)
+  if unbatched:
     out, lse = out[0], lse[0]
   return (out, lse) if return_residual else out
-
-
-def decode_mask(kv_lengths, q_len: int, kv_len: int, window_left=None):
-  """[B, 1, T, S] mask of decoding: query t of sequence b sits at position
-  kv_lengths[b] - T + t and sees the cache positions up to it (and, with a
-  window, back to it - window_left)."""
-  position = (kv_lengths[:, None] - q_len + jnp.arange(q_len)[None])[:, :, None]
-  cols = jnp.arange(kv_len)[None, None, :]
-  visible = (cols <= position) & (cols < kv_lengths[:, None, None])
-  if window_left is not None:
-    visible = visible & (cols >= position - window_left)
-  return visible[:, None]

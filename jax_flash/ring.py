@@ -21,15 +21,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jax_flash import _checks
-from jax_flash.attention import _resolve_implementation
-from pallas_kernels import masking
-from pallas_kernels.config import BlockSizes
-from pallas_kernels.extras import Extras
-from pallas_kernels.flash_bwd import flash_backward
-from pallas_kernels.flash_decode import merge_partials
-from pallas_kernels.flash_fwd import flash_forward
-from pallas_kernels.scores import Scores
+from jax_flash import _dispatch
+from jax_flash.spec import checks, softmax
+from jax_flash.spec.mask import Mask
+from jax_flash.spec.operands import Operands
+from jax_flash.spec.scores import Scores
 
 FULL, CAUSAL, SKIP = 0, 1, 2
 
@@ -40,23 +36,22 @@ class _Ring:
   size: int
   causal: bool
   scores: Scores
-  block_sizes: BlockSizes
-  interpret: bool
+  backend: object  # A backend of `_dispatch`.
+  config: object  # Its config for one pair of chunks.
 
 
 def _masks(ids):
   """The full and the causal mask of a pair (with segment ids if given)."""
   has_ids = ids[0] is not None
-  return (masking.Mask(has_ids=has_ids),
-          masking.Mask(is_causal=True, has_ids=has_ids))
+  return Mask(has_ids=has_ids), Mask(is_causal=True, has_ids=has_ids)
 
 
 def _pair_forward(kind, q, k, v, ids, ring: _Ring):
-  """(o, lse2) of one (query chunk, key chunk) pair: full, causal or skipped."""
+  """(o, lse) of one (query chunk, key chunk) pair: full, causal or skipped."""
   def run(mask):
-    return lambda q, k, v, ids: flash_forward(
-        q, k, v, Extras(q_ids=ids[0], kv_ids=ids[1]), scores=ring.scores,
-        mask=mask, block_sizes=ring.block_sizes, interpret=ring.interpret)
+    return lambda q, k, v, ids: ring.backend.forward(
+        q, k, v, Operands(q_ids=ids[0], kv_ids=ids[1]), mask=mask,
+        scores=ring.scores, config=ring.config)
 
   def skip(q, k, v, ids):
     b, t, n, _ = q.shape
@@ -67,22 +62,22 @@ def _pair_forward(kind, q, k, v, ids, ring: _Ring):
   return lax.switch(kind, [run(full), run(causal), skip], q, k, v, ids)
 
 
-def _pair_backward(kind, q, k, v, ids, o, lse2, do, ring: _Ring):
+def _pair_backward(kind, q, k, v, ids, o, lse, do, ring: _Ring):
   def run(mask):
-    def f(q, k, v, ids, o, lse2, do):
-      dq, dk, dv, _ = flash_backward(
-          q, k, v, Extras(q_ids=ids[0], kv_ids=ids[1]), o, lse2, do,
-          jnp.zeros_like(lse2), scores=ring.scores, mask=mask,
-          block_sizes=ring.block_sizes, interpret=ring.interpret)
+    def f(q, k, v, ids, o, lse, do):
+      dq, dk, dv, _ = ring.backend.backward(
+          q, k, v, Operands(q_ids=ids[0], kv_ids=ids[1]), o, lse, do,
+          jnp.zeros_like(lse), mask=mask, scores=ring.scores,
+          config=ring.config)
       return tuple(x.astype(jnp.float32) for x in (dq, dk, dv))
     return f
 
-  def skip(q, k, v, ids, o, lse2, do):
+  def skip(q, k, v, ids, o, lse, do):
     return tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
 
   full, causal = _masks(ids)
   return lax.switch(kind, [run(full), run(causal), skip], q, k, v, ids, o,
-                    lse2, do)
+                    lse, do)
 
 
 def _pairs(ring: _Ring, step):
@@ -130,7 +125,7 @@ def _ids_half(q_ids, kv_ids, qh, kh):
 
 def _ring_forward(q, k, v, q_ids, kv_ids, ring: _Ring):
   halves = [None] if not ring.causal else [0, 1]
-  parts = {h: [] for h in halves}  # Partial (o, lse2) per query half.
+  parts = {h: [] for h in halves}  # Partial (o, lse) per query half.
   for step in range(ring.size):
     for qh, kh, kind in _pairs(ring, step):
       parts[qh].append(_pair_forward(
@@ -140,16 +135,15 @@ def _ring_forward(q, k, v, q_ids, kv_ids, ring: _Ring):
       k, v = _rotate(ring, k, v)
       if kv_ids is not None:
         (kv_ids,) = _rotate(ring, kv_ids)
-  out, lse2 = [], []
+  out, lse = [], []
   for h in halves:
-    # Partials [B, T, N, H] and [B, N, T] -> [B, N, steps, T, (H)], merged.
-    o = jnp.stack([p[0].astype(jnp.float32) for p in parts[h]])
-    l = jnp.stack([p[1] for p in parts[h]])
-    merged, lse = merge_partials(o.transpose(1, 3, 0, 2, 4),
-                                 l.transpose(1, 2, 0, 3))
+    # Partials [steps, B, T, N, H] and [steps, B, N, T], merged.
+    o = jnp.stack([p[0] for p in parts[h]]).transpose(0, 1, 3, 2, 4)
+    merged, merged_lse = softmax.merge(o, jnp.stack([p[1] for p in parts[h]]),
+                                       axis=0)
     out.append(merged.transpose(0, 2, 1, 3).astype(q.dtype))
-    lse2.append(lse * jnp.log2(jnp.e))
-  return jnp.concatenate(out, axis=1), jnp.concatenate(lse2, axis=-1)
+    lse.append(merged_lse)
+  return jnp.concatenate(out, axis=1), jnp.concatenate(lse, axis=-1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -158,12 +152,12 @@ def _ring(q, k, v, q_ids, kv_ids, ring: _Ring):
 
 
 def _ring_fwd(q, k, v, q_ids, kv_ids, ring):
-  out, lse2 = _ring_forward(q, k, v, q_ids, kv_ids, ring)
-  return out, (q, k, v, q_ids, kv_ids, out, lse2)
+  out, lse = _ring_forward(q, k, v, q_ids, kv_ids, ring)
+  return out, (q, k, v, q_ids, kv_ids, out, lse)
 
 
 def _ring_bwd(ring, residuals, do):
-  q, k, v, q_ids, kv_ids, out, lse2 = residuals
+  q, k, v, q_ids, kv_ids, out, lse = residuals
   ids_cotangents = (None if q_ids is None else jnp.zeros_like(q_ids),
                     None if kv_ids is None else jnp.zeros_like(kv_ids))
   do = do.astype(q.dtype)
@@ -173,7 +167,7 @@ def _ring_bwd(ring, residuals, do):
   for step in range(ring.size):
     for qh, kh, kind in _pairs(ring, step):
       n = None if qh is None else q.shape[1] // 2
-      lse_h = lse2 if qh is None else lse2[..., qh * n:(qh + 1) * n]
+      lse_h = lse if qh is None else lse[..., qh * n:(qh + 1) * n]
       g_q, g_k, g_v = _pair_backward(
           kind, _half(q, qh), _half(k, kh), _half(v, kh),
           _ids_half(q_ids, kv_ids, qh, kh), _half(out, qh), lse_h,
@@ -213,10 +207,13 @@ def ring_attention(query, key, value, *, mesh, axis_name, is_causal=False,
       sequence is reordered into it and back here).
     segment_ids: int [B, T] (packed documents: a query sees only keys with
       its id); the key ids travel around the ring with the keys.
+    scale, block_sizes: as in `flash_attention`.
+    implementation: as in `flash_attention`: the backend each device runs on
+      each pair of chunks ("xla": the reference, differentiated).
   Returns [B, T, N, H], sequence-sharded over `axis_name`; differentiable with
   respect to query, key and value (the backward rings too).
   """
-  p = _checks.check_qkv(query, key, value)
+  p = checks.check_qkv(query, key, value)
   if p.unbatched or p.q_len != p.kv_len:
     raise ValueError("ring_attention takes batched self-attention: query "
                      "[B, T, N, H] and key/value [B, T, K, H]")
@@ -226,18 +223,17 @@ def ring_attention(query, key, value, *, mesh, axis_name, is_causal=False,
     raise ValueError(f"sequence length {p.q_len} must divide by {chunks} "
                      f"(the {axis_name!r} axis has {size} devices"
                      f"{', twice that when causal' if is_causal else ''})")
-  implementation = _resolve_implementation(implementation, query)
-  if implementation == "xla":
-    implementation = "interpret" if jax.default_backend() != "gpu" else "pallas"
-  _checks.check_options(block_sizes, 2)
-  _checks.check_kernel_support(p, query.dtype)
-  if block_sizes is None:
-    block_sizes = BlockSizes.get_default(p.head_dim, query.dtype, is_causal)
+  _dispatch.check_options(block_sizes, 2)
   local = p.q_len // chunks
+  pair = dataclasses.replace(p, q_len=local, kv_len=local)
+  scores = Scores(scale=checks.check_scale(scale, p.head_dim))
+  mask = Mask(is_causal=bool(is_causal), has_ids=segment_ids is not None)
+  backend = _dispatch.select(implementation, query, pair, query.dtype,
+                             mask=mask, scores=scores)
   ring = _Ring(axis=axis_name, size=size, causal=bool(is_causal),
-               scores=Scores(scale=_checks.check_scale(scale, p.head_dim)),
-               block_sizes=block_sizes.clipped(local, local),
-               interpret=implementation == "interpret")
+               scores=scores, backend=backend,
+               config=backend.config(block_sizes, pair, query.dtype,
+                                     is_causal=is_causal))
 
   def reorder(x, order):
     b, t = x.shape[:2]
@@ -246,7 +242,7 @@ def ring_attention(query, key, value, *, mesh, axis_name, is_causal=False,
 
   ids = None
   if segment_ids is not None:
-    q_ids, _ = _checks.check_segment_ids(segment_ids, p)
+    q_ids, _ = checks.check_segment_ids(segment_ids, p)
     ids = q_ids.astype(jnp.int32)
   zigzag = _zigzag_order(size)
   if is_causal:

@@ -8,10 +8,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import jax_flash  # noqa: E402
-from jax_flash.testing import relative_error  # noqa: E402
+from jax_flash.testing import assert_attention_close, relative_error  # noqa: E402,E501
 
 
-def main(causal, num_kv_heads, devices, segments=False):
+def main(causal, num_kv_heads, devices, segments=False,
+         implementation="interpret"):
   mesh = jax.make_mesh((devices,), ("seq",),
                        axis_types=(jax.sharding.AxisType.Auto,),
                        devices=jax.devices()[:devices])
@@ -33,7 +34,7 @@ def main(causal, num_kv_heads, devices, segments=False):
     ids = jnp.sort(jax.random.randint(keys[3], (b, t), 0, 5), axis=1)
   ring = lambda q, k, v: jax_flash.ring_attention(
       q, k, v, mesh=mesh, axis_name="seq", is_causal=causal, segment_ids=ids,
-      implementation="interpret")
+      implementation=implementation)
   ref = lambda q, k, v: jax_flash.reference_attention(
       q, k, v, is_causal=causal, segment_ids=ids)
   (_, out), grads = loss(ring)(q, k, v)
@@ -41,11 +42,12 @@ def main(causal, num_kv_heads, devices, segments=False):
   errors = [relative_error(out, ref_out)] + [
       relative_error(a, r) for a, r in zip(grads, ref_grads)]
   print(f"causal={causal} kv_heads={num_kv_heads} devices={devices} "
-        f"segments={segments} "
+        f"segments={segments} implementation={implementation} "
         f"errors={errors}")
-  assert max(errors) < 2e-5, errors
+  assert_attention_close({"out": out, "grads": grads},
+                         {"out": ref_out, "grads": ref_grads})
 
 
 if __name__ == "__main__":
   main(sys.argv[1] == "causal", int(sys.argv[2]), int(sys.argv[3]),
-       len(sys.argv) > 4 and sys.argv[4] == "segments")
+       sys.argv[4] == "segments", sys.argv[5])

@@ -1,52 +1,181 @@
-"""Bad arguments fail at trace time with a ValueError naming the argument."""
+"""Bad arguments fail at trace time with a ValueError naming the argument: one
+table for every entry point (flash_attention, flash_decode, BlockSizes)."""
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jax_flash
 from jax_flash import BlockSizes
 from tests.conftest import KERNEL_IMPL
 
+B, T, S, N, K, H = 2, 64, 32, 4, 2, 64
+RNG = jax.random.key(7)
+
 
 def _sds(shape, dtype=jnp.float32):
   return jax.ShapeDtypeStruct(shape, dtype)
 
 
-Q = _sds((2, 64, 4, 64))
-KV = _sds((2, 32, 2, 64))
+Q, KV = _sds((B, T, N, H)), _sds((B, S, K, H))
+I32 = jnp.int32
 
 
-def _trace(q, k, v, **kwargs):
-  """Traces without running: errors must come from tracing alone."""
+def _attention(q=Q, k=KV, v=KV, **kwargs):
+  """Traces flash_attention without running it: errors come from tracing."""
   kwargs.setdefault("implementation", KERNEL_IMPL)
-  jax.jit(lambda q, k, v: jax_flash.flash_attention(q, k, v, **kwargs)).trace(
-      q, k, v)
+  return lambda: jax.jit(lambda q, k, v: jax_flash.flash_attention(
+      q, k, v, **kwargs)).trace(q, k, v)
 
 
-@pytest.mark.parametrize("q, k, v, kwargs, match", [
-    (_sds((64, 64)), KV, KV, {}, r"query must have shape \[batch, q_len"),
-    (_sds((1, 2, 64, 4, 64)), KV, KV, {}, "query must have shape"),
-    (Q, _sds((32, 2, 64)), KV, {}, r"key must have the same rank as query"),
-    (Q, KV, _sds((2, 32, 2, 32)), {}, "value must have the same shape as key"),
-    (Q, _sds((3, 32, 2, 64)), _sds((3, 32, 2, 64)), {}, "key batch size 3"),
-    (Q, _sds((2, 32, 2, 32)), _sds((2, 32, 2, 32)), {}, "key head_dim 32"),
-    (Q, _sds((2, 32, 3, 64)), _sds((2, 32, 3, 64)), {},
-     "num_kv_heads=3 must divide query num_heads=4"),
-    (Q, _sds((2, 32, 2, 64), jnp.bfloat16), KV, {}, "must share one dtype"),
-    (_sds((2, 64, 4, 64), jnp.int32), _sds((2, 32, 2, 64), jnp.int32),
-     _sds((2, 32, 2, 64), jnp.int32), {}, "query dtype must be floating"),
-    (_sds((2, 64, 4, 8)), _sds((2, 32, 2, 8)), _sds((2, 32, 2, 8)), {},
-     r"head_dim .* must be in \[16, 256\].* got 8"),
-    (_sds((2, 64, 4, 320)), _sds((2, 32, 2, 320)), _sds((2, 32, 2, 320)), {},
-     r"head_dim .* got 320"),
-    (Q, KV, KV, {"block_sizes": (128, 64)}, "block_sizes must be a"),
-    (Q, KV, KV, {"version": 3}, "version must be 1 or 2"),
-    (Q, KV, KV, {"implementation": "triton"}, "implementation must be one of"),
-    (Q, KV, KV, {"scale": float("nan")}, "scale must be finite"),
-])
-def test_bad_arguments_raise_value_error(q, k, v, kwargs, match):
+def _decode(q=_sds((B, 1, N, 32)), **kwargs):
+  cache = _sds((B, S, K, 32))
+  kwargs.setdefault("implementation", KERNEL_IMPL)
+  kwargs.setdefault("key_cache", cache)
+  kwargs.setdefault("value_cache", cache)
+  return lambda: jax.jit(lambda q: jax_flash.flash_decode(q, **kwargs)).trace(
+      q)
+
+
+BAD = {
+    # query, key, value.
+    "query_rank_2": (_attention(q=_sds((64, 64))),
+                     r"query must have shape \[batch, q_len"),
+    "query_rank_5": (_attention(q=_sds((1, 2, 64, 4, 64))),
+                     "query must have shape"),
+    "key_rank": (_attention(k=_sds((S, K, H))),
+                 "key must have the same rank as query"),
+    "value_shape": (_attention(v=_sds((B, S, K, 32))),
+                    "value must have the same shape as key"),
+    "key_batch": (_attention(k=_sds((3, S, K, H)), v=_sds((3, S, K, H))),
+                  "key batch size 3"),
+    "key_head_dim": (_attention(k=_sds((B, S, K, 32)), v=_sds((B, S, K, 32))),
+                     "key head_dim 32"),
+    "kv_heads_divide": (_attention(k=_sds((B, S, 3, H)), v=_sds((B, S, 3, H))),
+                        "num_kv_heads=3 must divide query num_heads=4"),
+    "mixed_dtypes": (_attention(k=_sds((B, S, K, H), jnp.bfloat16)),
+                     "must share one dtype"),
+    "integer_dtype": (_attention(q=_sds((B, T, N, H), I32),
+                                 k=_sds((B, S, K, H), I32),
+                                 v=_sds((B, S, K, H), I32)),
+                      "query dtype must be floating"),
+    "zero_size": (_attention(k=_sds((B, 0, K, H)), v=_sds((B, 0, K, H))),
+                  "must have no zero-sized dimension"),
+    # What the kernels take, when they are named.
+    "kernel_head_dim_8": (_attention(q=_sds((B, T, N, 8)), k=_sds((B, S, K, 8)),
+                                     v=_sds((B, S, K, 8))),
+                          r"head_dim .* must be in \[16, 256\].* got 8"),
+    "kernel_head_dim_320": (_attention(q=_sds((B, T, N, 320)),
+                                       k=_sds((B, S, K, 320)),
+                                       v=_sds((B, S, K, 320))),
+                            r"head_dim .* got 320; implementation='xla'"),
+    "kernel_float8": (_attention(q=_sds((B, T, N, H), jnp.float8_e4m3fn),
+                                 k=_sds((B, S, K, H), jnp.float8_e4m3fn),
+                                 v=_sds((B, S, K, H), jnp.float8_e4m3fn)),
+                       "query dtype must be one of float32, bfloat16"),
+    # Options.
+    "block_sizes_type": (_attention(block_sizes=(128, 64)),
+                         "block_sizes must be a"),
+    "block_sizes_type_xla": (_attention(block_sizes=64, implementation="xla"),
+                             "block_sizes must be a"),
+    "version": (_attention(version=3), "version must be 1 or 2"),
+    "version_xla": (_attention(version=3, implementation="xla"),
+                    "version must be 1 or 2"),
+    "implementation": (_attention(implementation="cuda"),
+                       "implementation must be one of"),
+    "scale_nan": (_attention(scale=float("nan")), "scale must be finite"),
+    # Masks.
+    "q_lengths_shape": (_attention(query_seq_lengths=jnp.array([1, 2, 3])),
+                        r"query_seq_lengths must have shape \[batch\]"),
+    "kv_lengths_dtype": (_attention(
+        key_value_seq_lengths=jnp.array([1.0, 2.0])),
+        "key_value_seq_lengths must have an integer dtype"),
+    "segments_one_array_cross": (_attention(
+        segment_ids=jnp.zeros((B, T), I32)), "needs q_len == kv_len"),
+    "kv_segments_shape": (_attention(
+        segment_ids=(jnp.zeros((B, T), I32), jnp.zeros((B, T), I32))),
+        r"kv_segment_ids must have shape \[batch, kv_len\]"),
+    "segments_dtype": (_attention(
+        segment_ids=(jnp.zeros((B, T)), jnp.zeros((B, S)))),
+        "q_segment_ids must have an integer dtype"),
+    "segments_triple": (_attention(segment_ids=(jnp.zeros((B, T), I32),) * 3),
+                        "segment_ids must be an array or a pair"),
+    "window_negative": (_attention(local_window_size=-1),
+                        "entries must be static ints >= 0"),
+    "window_pair_negative": (_attention(local_window_size=(3, -2)),
+                             "entries must be static ints >= 0"),
+    "window_triple": (_attention(local_window_size=(1, 2, 3)),
+                      "local_window_size must be an int or a pair"),
+    # Score modifications.
+    "bias_shape": (_attention(bias=jnp.zeros((B, N, T, 7))),
+                   r"bias of shape \(2, 4, 64, 7\) is not broadcastable"),
+    "bias_rank": (_attention(bias=jnp.zeros((1, B, N, T, S))),
+                  "bias must have at most 4 dims"),
+    "bias_dtype": (_attention(bias=jnp.zeros((B, N, T, S), I32)),
+                   "bias must be floating point"),
+    "mask_dtype": (_attention(mask=jnp.zeros((B, N, T, S))),
+                   "mask must be boolean"),
+    "mask_shape": (_attention(mask=jnp.zeros((3, 1, T, S), bool)),
+                   "mask of shape .* is not broadcastable"),
+    "soft_cap_zero": (_attention(logits_soft_cap=0.0),
+                      "logits_soft_cap must be a finite number > 0"),
+    "soft_cap_inf": (_attention(logits_soft_cap=float("inf")),
+                     "logits_soft_cap must be a finite"),
+    "alibi_shape": (_attention(alibi_slopes=jnp.zeros((N + 1,))),
+                    r"alibi_slopes must have shape \[num_heads\]"),
+    "alibi_dtype": (_attention(alibi_slopes=jnp.zeros((N,), I32)),
+                    "alibi_slopes must be floating"),
+    # Dropout.
+    "dropout_without_rng": (_attention(dropout_rate=0.5),
+                            "dropout_rate > 0 needs dropout_rng"),
+    "dropout_rate_one": (_attention(dropout_rate=1.0, dropout_rng=RNG),
+                         r"dropout_rate must be in \[0, 1\)"),
+    "dropout_rate_negative": (_attention(dropout_rate=-0.1, dropout_rng=RNG),
+                              r"dropout_rate must be in \[0, 1\)"),
+    # flash_decode.
+    "decode_lengths_dtype": (_decode(kv_lengths=jnp.array([1.0, 2.0])),
+                             "kv_lengths must have an integer"),
+    "decode_lengths_shape": (_decode(kv_lengths=jnp.array([1, 2, 3])),
+                             r"kv_lengths must have shape \[batch\]"),
+    "decode_num_splits": (_decode(kv_lengths=jnp.array([1, 2]), num_splits=0),
+                          "num_splits must be an int >= 1"),
+    "decode_num_splits_xla": (_decode(kv_lengths=jnp.array([1, 2]),
+                                      num_splits=0, implementation="xla"),
+                              "num_splits must be an int >= 1"),
+    "decode_cache_and_pages": (_decode(
+        kv_lengths=jnp.array([1, 2]), key_pages=jnp.zeros((4, 16, K, 32)),
+        value_pages=jnp.zeros((4, 16, K, 32)),
+        page_table=jnp.zeros((B, 2), I32)), "not both"),
+    "decode_page_size": (_decode(
+        kv_lengths=jnp.array([5, 5]), key_cache=None, value_cache=None,
+        key_pages=jnp.zeros((4, 24, K, 32)),
+        value_pages=jnp.zeros((4, 24, K, 32)),
+        page_table=jnp.zeros((B, 2), I32)),
+        "page_size=24 must be a power of two"),
+    "decode_too_many_queries": (_decode(q=_sds((B, 65, N, 32)),
+                                        kv_lengths=jnp.array([1, 2])),
+                                "q_len=65 is more than"),
+    # BlockSizes.
+    "block_q_48": (lambda: BlockSizes(block_q=48),
+                   r"block_sizes.block_q=48 must be a power of two >= 16"),
+    "block_k_8": (lambda: BlockSizes(block_k=8),
+                  r"block_sizes.block_k=8 must be a power of two >= 16"),
+    "block_k_dq_100": (lambda: BlockSizes(block_k_dq=100),
+                       r"block_sizes.block_k_dq=100"),
+    "num_warps_3": (lambda: BlockSizes(num_warps=3),
+                    r"block_sizes.num_warps=3 must be one of"),
+    "num_stages_0": (lambda: BlockSizes(num_stages=0),
+                     r"block_sizes.num_stages=0 must be an int in"),
+    "block_q_float": (lambda: BlockSizes(block_q=64.0),
+                      r"block_sizes.block_q=64.0 must be an int"),
+}
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_bad_argument_raises_value_error(name):
+  call, match = BAD[name]
   with pytest.raises(ValueError, match=match):
-    _trace(q, k, v, **kwargs)
+    call()
 
 
 def test_traced_scale_is_rejected():
@@ -55,39 +184,32 @@ def test_traced_scale_is_rejected():
         q, k, v, scale=s, implementation=KERNEL_IMPL)).trace(Q, KV, KV, 0.5)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"block_q": 48}, r"block_sizes.block_q=48 must be a power of two >= 16"),
-    ({"block_k": 8}, r"block_sizes.block_k=8 must be a power of two >= 16"),
-    ({"block_k_dq": 100}, r"block_sizes.block_k_dq=100"),
-    ({"num_warps": 3}, r"block_sizes.num_warps=3 must be one of"),
-    ({"num_stages": 0}, r"block_sizes.num_stages=0 must be an int in"),
-    ({"block_q": 64.0}, r"block_sizes.block_q=64.0 must be an int"),
-])
-def test_bad_block_sizes(kwargs, match):
-  with pytest.raises(ValueError, match=match):
-    BlockSizes(**kwargs)
-
-
-def test_pallas_without_gpu_is_a_clear_error():
+def test_gpu_kernels_without_gpu_are_a_clear_error():
   if jax.default_backend() == "gpu":
     pytest.skip("this machine has a GPU")
-  with pytest.raises(ValueError, match="implementation='pallas' .* needs a GPU"):
-    _trace(Q, KV, KV, implementation="pallas")
+  for name in ("pallas", "triton"):
+    with pytest.raises(ValueError, match=f"implementation='{name}' .* needs "
+                       "a GPU"):
+      _attention(implementation=name)()
 
 
 def test_default_implementation_on_cpu_is_xla():
+  """Random inputs, where the interpreted kernels and the reference differ in
+  the last bits: the default must give the reference's bits exactly."""
   if jax.default_backend() == "gpu":
     pytest.skip("this machine has a GPU")
-  q = jnp.ones((1, 8, 2, 16)) * jnp.arange(16) / 16
-  out = jax_flash.flash_attention(q, q, q)
-  assert jnp.allclose(out, jax_flash.reference_attention(q, q, q))
+  ks = jax.random.split(jax.random.key(0), 3)
+  q = jax.random.normal(ks[0], (1, 40, 2, 16))
+  k, v = (jax.random.normal(x, (1, 40, 1, 16)) for x in ks[1:])
+  default = np.asarray(jax_flash.flash_attention(q, k, v, is_causal=True))
+  ref = np.asarray(jax_flash.reference_attention(q, k, v, is_causal=True))
+  kernels = np.asarray(jax_flash.flash_attention(
+      q, k, v, is_causal=True, implementation="interpret"))
+  assert not np.array_equal(kernels, ref)  # The inputs tell them apart ...
+  np.testing.assert_array_equal(default, ref)  # ... and the default is xla.
 
 
-def test_xla_implementation_checks_options_but_takes_any_head_dim():
-  q = jnp.ones((1, 8, 2, 320)) * jnp.linspace(-1, 1, 320)
+def test_xla_implementation_takes_any_head_dim():
+  q = jax.random.normal(jax.random.key(1), (1, 8, 2, 320))
   out = jax_flash.flash_attention(q, q, q, implementation="xla")
-  assert out.shape == q.shape
-  with pytest.raises(ValueError, match="version must be 1 or 2"):
-    jax_flash.flash_attention(q, q, q, implementation="xla", version=3)
-  with pytest.raises(ValueError, match="block_sizes must be a"):
-    jax_flash.flash_attention(q, q, q, implementation="xla", block_sizes=64)
+  np.testing.assert_array_equal(out, jax_flash.reference_attention(q, q, q))

@@ -13,7 +13,7 @@ from flax import nnx
 import jax_flash.linen
 import jax_flash.nnx
 from examples import train_lm
-from jax_flash.testing import relative_error
+from jax_flash.testing import relative_error, tolerance
 from tests.conftest import KERNEL_IMPL
 
 B, T, D = 2, 37, 64
@@ -21,7 +21,7 @@ X = jax.random.normal(jax.random.key(0), (B, T, D))
 LENGTHS = jnp.array([30, T])
 VALID = (jnp.arange(T)[None] < LENGTHS[:, None])  # [B, T]
 PADDING_MASK = nnx.make_attention_mask(VALID, VALID)  # [B, 1, T, T]
-TOL = 2e-5  # float32 end to end.
+TOL = tolerance(jnp.float32)  # float32 end to end.
 
 
 @pytest.fixture(autouse=True)
@@ -49,7 +49,7 @@ def _assert_same_params(a, b):
 
 
 def _assert_close_grads(grads, ref_grads):
-  """Every parameter's gradient within TOL of the whole gradient's norm.
+  """Every parameter's gradient within TOL.grad of the whole gradient's norm.
 
   (Per leaf relative errors mislead for gradients that are 0 in exact
   arithmetic, like the key projection's bias: softmax ignores a per-row
@@ -60,7 +60,7 @@ def _assert_close_grads(grads, ref_grads):
   scale = np.sqrt(sum(float(jnp.sum(r ** 2)) for r in ref_leaves))
   for g, r in zip(leaves, ref_leaves):
     assert g.shape == r.shape
-    assert float(jnp.linalg.norm((g - r).ravel())) <= TOL * scale
+    assert float(jnp.linalg.norm((g - r).ravel())) <= TOL.grad * scale
 
 
 def _valid_rows(x, mask):
@@ -86,7 +86,7 @@ def test_nnx_module_matches_flax(num_kv_heads, setting):
 
   (_, out), grads = loss_and_grads(ours)
   (_, ref_out), ref_grads = loss_and_grads(ref)
-  assert relative_error(out, ref_out) <= TOL
+  assert relative_error(out, ref_out) <= TOL.out
   _assert_close_grads(grads, ref_grads)
 
 
@@ -99,13 +99,13 @@ def test_attention_fn_drop_in_and_extra_batch_dims():
       attention_fn=lambda *a, **k: jax_flash.nnx.dot_product_attention(
           *a, implementation=KERNEL_IMPL, **k))
   mask = nnx.make_causal_mask(jnp.ones((2, 3, T)))  # [2, 3, 1, T, T]
-  assert relative_error(ours(x, mask=mask), ref(x, mask=mask)) <= TOL
+  assert relative_error(ours(x, mask=mask), ref(x, mask=mask)) <= TOL.out
 
 
 def test_sow_weights_falls_back_to_flax():
   ours, ref = _nnx_pair()
   out = ours(X, sow_weights=True)
-  assert relative_error(out, ref(X)) <= TOL
+  assert relative_error(out, ref(X)) <= TOL.out
 
 
 def test_nnx_decode_with_kv_cache_matches_causal_forward():
@@ -113,7 +113,7 @@ def test_nnx_decode_with_kv_cache_matches_causal_forward():
   full = ours(X, is_causal=True)
   ours.init_cache((B, T, D))
   steps = [ours(X[:, i:i + 1], decode=True) for i in range(T)]
-  assert relative_error(jnp.concatenate(steps, axis=1), full) <= TOL
+  assert relative_error(jnp.concatenate(steps, axis=1), full) <= TOL.out
 
 
 def test_nnx_dropout_trains_and_is_off_when_deterministic():
@@ -143,7 +143,7 @@ def test_linen_module_matches_flax(causal):
   grads = jax.jit(jax.grad(lambda p: loss(p, ours)))(params)
   ref_grads = jax.jit(jax.grad(lambda p: loss(p, ref, mask=mask)))(params)
   assert relative_error(ours.apply(params, X),
-                        ref.apply(params, X, mask=mask)) <= TOL
+                        ref.apply(params, X, mask=mask)) <= TOL.out
   _assert_close_grads(grads, ref_grads)
 
 
@@ -158,7 +158,7 @@ def test_linen_attention_fn_with_padding_mask():
   mask = nn.make_attention_mask(VALID, VALID)
   out = _valid_rows(ours.apply(params, X, mask=mask), mask)
   ref_out = _valid_rows(ref.apply(params, X, mask=mask), mask)
-  assert relative_error(out, ref_out) <= TOL
+  assert relative_error(out, ref_out) <= TOL.out
 
 
 def _tiny_model(seed=0):
@@ -201,11 +201,6 @@ def test_generation_uses_the_cache_and_matches_full_forward():
   assert list(np.asarray(jnp.argmax(logits[0, 2:], -1))) == sample[3:]
 
 
-def test_examples_swap_runs():
-  from examples import swap_into_flax_model
-  swap_into_flax_model.main()
-
-
 def test_nnx_decode_feeds_several_tokens_at_once(monkeypatch):
   calls = []
   real = jax_flash.nnx.flash_decode
@@ -215,5 +210,5 @@ def test_nnx_decode_feeds_several_tokens_at_once(monkeypatch):
   full = ours(X, is_causal=True)
   ours.init_cache((B, T, D))
   chunks = [ours(X[:, i:i + 5], decode=True) for i in range(0, T, 5)]
-  assert relative_error(jnp.concatenate(chunks, axis=1), full) <= TOL
+  assert relative_error(jnp.concatenate(chunks, axis=1), full) <= TOL.out
   assert len(calls) == len(chunks)  # The cache was read by flash_decode.

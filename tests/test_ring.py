@@ -1,5 +1,6 @@
 """ring_attention on simulated host devices: results and gradients equal the
-single-device reference, causal (zigzag) and not, MHA/GQA/MQA, segments."""
+single-device reference, causal (zigzag) and not, MHA/GQA/MQA, segments, with
+the interpreted kernels and with the "xla" backend on each pair."""
 import os
 import subprocess
 import sys
@@ -9,17 +10,21 @@ import pytest
 HERE = os.path.dirname(__file__)
 
 
-@pytest.mark.parametrize("causal, kv_heads, devices, segments", [
-    ("plain", 4, 4, ""), ("causal", 4, 4, ""), ("causal", 2, 8, ""),
-    ("plain", 1, 8, ""), ("causal", 1, 2, ""), ("causal", 2, 4, "segments"),
-    ("plain", 4, 2, "segments")])
+@pytest.mark.parametrize("causal, kv_heads, devices, segments, impl", [
+    ("plain", 4, 4, "", "interpret"), ("causal", 4, 4, "", "interpret"),
+    ("causal", 2, 8, "", "interpret"), ("plain", 1, 8, "", "interpret"),
+    ("causal", 1, 2, "", "interpret"),
+    ("causal", 2, 4, "segments", "interpret"),
+    ("plain", 4, 2, "segments", "interpret"),
+    ("causal", 2, 4, "segments", "xla")])
 def test_ring_attention_matches_single_device(causal, kv_heads, devices,
-                                              segments):
+                                              segments, impl):
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              PYTHONPATH=os.pathsep.join([os.path.dirname(HERE)] + sys.path))
   result = subprocess.run(
       [sys.executable, os.path.join(HERE, "ring_run.py"), causal,
-       str(kv_heads), str(devices), segments], capture_output=True, text=True,
+       str(kv_heads), str(devices), segments or "-", impl],
+      capture_output=True, text=True,
       env=env,
       timeout=600)
   assert result.returncode == 0, result.stdout + result.stderr[-3000:]

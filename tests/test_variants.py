@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 import jax_flash
-from jax_flash.testing import relative_error
+from jax_flash.testing import assert_attention_close
 from tests.cases import compare_with_reference, jax_nn_attention, random_inputs
 from tests.conftest import KERNEL_IMPL
 
@@ -111,23 +111,4 @@ def test_bias_and_mask_match_jax_nn():
                                         return_residual=True)
   theirs = jax_nn_attention(q, k, v, bias, mask)
   sees = jnp.isfinite(lse)[..., None]
-  assert relative_error(jnp.where(sees, ours, 0),
-                        jnp.where(sees, theirs, 0)) <= 1e-5
-
-
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(bias=jnp.zeros((B, N, T, 7))), r"bias of shape \(2, 4, 100, 7\) is not broadcastable"),
-    (dict(bias=jnp.zeros((1, B, N, T, S))), "bias must have at most 4 dims"),
-    (dict(bias=jnp.zeros((B, N, T, S), jnp.int32)), "bias must be floating point"),
-    (dict(mask=jnp.zeros((B, N, T, S))), "mask must be boolean"),
-    (dict(mask=jnp.zeros((3, 1, T, S), bool)), "mask of shape .* is not broadcastable"),
-    (dict(logits_soft_cap=0.0), "logits_soft_cap must be a finite number > 0"),
-    (dict(logits_soft_cap=float("inf")), "logits_soft_cap must be a finite"),
-    (dict(alibi_slopes=jnp.zeros((N + 1,))), r"alibi_slopes must have shape \[num_heads\]"),
-    (dict(alibi_slopes=jnp.zeros((N,), jnp.int32)), "alibi_slopes must be floating"),
-])
-def test_bad_variant_arguments(kwargs, match):
-  q, k, v, _ = random_inputs(B, T, S, N, K, H, jnp.float32)
-  with pytest.raises(ValueError, match=match):
-    jax.jit(lambda q, k, v: jax_flash.flash_attention(
-        q, k, v, implementation=KERNEL_IMPL, **kwargs)).trace(q, k, v)
+  assert_attention_close(jnp.where(sees, ours, 0), jnp.where(sees, theirs, 0))

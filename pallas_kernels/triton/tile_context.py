@@ -1,11 +1,11 @@
 """Per-program view of the mask and score modifications, for the Triton kernels.
 
 Every kernel (forward v2 and v1, dK/dV, dQ, dBias) sees one (query tile, key
-tile) pair at a time. `TileContext` gathers the optional operands (ids, the
-tile-range table, a dense mask, a bias, ALiBi slopes) and answers the three
-questions each kernel asks: which key (or query) tiles to visit, what the
-logits of a tile are, and which of its entries are visible. The math is in the
-backend-agnostic `masking` and `scores`; this module only loads tiles.
+tile) pair at a time. `TileContext` holds the refs of the optional operands
+(an `Operands` of refs, and the id-range table) and answers the questions each
+kernel asks: which key (or query) tiles to visit, what the logits of a tile
+are, which of its entries are visible, which survive dropout. The math is in
+the backend-neutral `jax_flash.spec`; this module only loads tiles.
 
 Tiles are [queries, keys] in the forward and dQ kernels and [keys, queries]
 (`transposed=True`) in the dK/dV kernel.
@@ -13,32 +13,19 @@ Tiles are [queries, keys] in the forward and dQ kernels and [keys, queries]
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import dropout, masking
-from pallas_kernels.scores import Scores
-from pallas_kernels.tiles import load_ids, load_table_row
-
-# Names of the optional operands, in the order the launchers pass them.
-EXTRA_ORDER = ("q_ids", "kv_ids", "table", "dense_mask", "bias", "slopes",
-               "seed")
-
-
-def extra_names(mask: masking.Mask, scores: Scores) -> tuple[str, ...]:
-  present = {"q_ids": mask.has_ids, "kv_ids": mask.has_ids,
-             "table": mask.has_ids, "dense_mask": mask.has_dense,
-             "bias": scores.bias, "slopes": scores.alibi,
-             "seed": scores.dropout}
-  return tuple(n for n in EXTRA_ORDER if present[n])
-
-
-def split_refs(names, refs):
-  """(dict of the optional input refs by name, the remaining refs)."""
-  return dict(zip(names, refs[:len(names)])), refs[len(names):]
+from jax_flash.spec import dropout
+from jax_flash.spec import mask as mask_lib
+from jax_flash.spec.operands import Operands
+from jax_flash.spec.scores import Scores
+from pallas_kernels.triton.tiles import load_ids, load_table_row
 
 
 def _transpose(x):
@@ -78,9 +65,10 @@ def _load_pair_tile(ref, head, q_start, block_q, k_start, block_k, q_len,
 @dataclasses.dataclass
 class TileContext:
   """What one program knows about the mask and the scores (see module doc)."""
-  mask: masking.Mask
+  mask: mask_lib.Mask
   scores: Scores
-  extras: dict[str, Any]
+  refs: Operands  # Of refs (None where absent).
+  id_table: Any  # Ref of the id-range table, or None.
   q_len: int
   kv_len: int
   block_q: int
@@ -90,28 +78,40 @@ class TileContext:
 
   def kv_ranges(self, q_tile, q_start):
     """Key tiles of query tile `q_tile`: (lo, full_lo, full_hi, hi)."""
-    ranges = masking.kv_block_ranges(self.mask, q_start, self.block_q,
+    ranges = mask_lib.kv_block_ranges(self.mask, q_start, self.block_q,
                                      self.block_k, self.kv_len)
     return self._refine(ranges, q_tile)
 
   def q_ranges(self, kv_tile, kv_start):
     """Query tiles of key tile `kv_tile` (dK/dV, FlashAttention-1)."""
-    ranges = masking.q_block_ranges(self.mask, kv_start, self.block_k,
+    ranges = mask_lib.q_block_ranges(self.mask, kv_start, self.block_k,
                                     self.block_q, self.q_len)
     return self._refine(ranges, kv_tile)
 
   def _refine(self, ranges, tile):
     if self.mask.has_ids:
-      ranges = masking.intersect_ranges(
-          ranges, load_table_row(self.extras["table"], tile))
+      ranges = mask_lib.intersect_ranges(
+          ranges, load_table_row(self.id_table, tile))
     if self.mask.has_dense:  # Read tile by tile: no tile is known full.
       lo, _, _, hi = ranges
       ranges = (lo, hi, hi, hi)
     return ranges
 
+  @staticmethod
+  def visit(ranges, body, carry):
+    """Runs `body(j, carry, masked=...)` over the tiles j of `ranges` (lo,
+    full_lo, full_hi, hi): masked=True on the boundary tiles, which evaluate
+    the mask predicate, False on the interior ones, which skip it."""
+    lo, full_lo, full_hi, hi = ranges
+    for start, stop, masked in ((lo, full_lo, True), (full_lo, full_hi, False),
+                                (full_hi, hi, True)):
+      carry = lax.fori_loop(start, stop,
+                            functools.partial(body, masked=masked), carry)
+    return carry
+
   def slope(self, head):
     """ALiBi slope of query head `head` (index into this program's slopes)."""
-    return self.extras["slopes"][head] if self.scores.alibi else None
+    return self.refs.alibi_slopes[head] if self.scores.alibi else None
 
   def _coords(self, q_start, k_start):
     rows = q_start + jnp.arange(self.block_q)
@@ -120,8 +120,8 @@ class TileContext:
       return rows[None, :], cols[:, None]
     return rows[:, None], cols[None, :]
 
-  def _pair_tile(self, name, head, q_start, k_start, other):
-    tile = _load_pair_tile(self.extras[name], head, q_start, self.block_q,
+  def _pair_tile(self, ref, head, q_start, k_start, other):
+    tile = _load_pair_tile(ref, head, q_start, self.block_q,
                            k_start, self.block_k, self.q_len, self.kv_len,
                            other)
     return _transpose(tile) if self.transposed else tile
@@ -136,7 +136,7 @@ class TileContext:
     rows, cols = self._coords(q_start, k_start)
     bias = None
     if self.scores.bias:
-      bias = self._pair_tile("bias", head, q_start, k_start, 0.0)
+      bias = self._pair_tile(self.refs.bias, head, q_start, k_start, 0.0)
       bias = bias.astype(jnp.float32)
     return self.scores.logits2(qk, rows, cols, slope, bias)
 
@@ -151,12 +151,13 @@ class TileContext:
     ok = self.mask.visible(rows, cols, self.kv_len, q_ids, kv_ids)
     if self.mask.has_dense:
       ok = jnp.logical_and(
-          ok, self._pair_tile("dense_mask", head, q_start, k_start, 0) != 0)
+          ok, self._pair_tile(self.refs.dense_mask, head, q_start, k_start,
+                              0) != 0)
     return ok
 
   def keep(self, q_start, k_start, head):
     """Dropout keep tile for query head `head` (a global head index)."""
-    seed = self.extras["seed"]
+    seed = self.refs.dropout_seed
     rows, cols = self._coords(q_start, k_start)
     batch, head = self.batch, head
     if self.scores.dropout_broadcast:
@@ -174,11 +175,11 @@ class TileContext:
     return jnp.where(keep, x * (1.0 / (1.0 - self.scores.dropout_rate)), 0.0)
 
   def q_ids(self, q_start):
-    ids = load_ids(self.extras["q_ids"], q_start, self.block_q,
-                   bound=self.q_len, pad_id=masking.Q_PAD_ID)
+    ids = load_ids(self.refs.q_ids, q_start, self.block_q,
+                   bound=self.q_len, pad_id=mask_lib.Q_PAD_ID)
     return ids[None, :] if self.transposed else ids[:, None]
 
   def kv_ids(self, k_start):
-    ids = load_ids(self.extras["kv_ids"], k_start, self.block_k,
-                   bound=self.kv_len, pad_id=masking.KV_PAD_ID)
+    ids = load_ids(self.refs.kv_ids, k_start, self.block_k,
+                   bound=self.kv_len, pad_id=mask_lib.KV_PAD_ID)
     return ids[:, None] if self.transposed else ids[None, :]

@@ -21,22 +21,23 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import masking, online_softmax
-from pallas_kernels.config import padded_head_dim
-from pallas_kernels.scores import Scores
-from pallas_kernels.tiles import dot, load_tile, store_row_stat, store_tile
+from jax_flash.spec import softmax
+from jax_flash.spec.mask import Mask, cdiv
+from jax_flash.spec.scores import Scores
+from pallas_kernels.triton.config import padded_head_dim
+from pallas_kernels.triton.tiles import (dot, load_tile, store_row_stat,
+                                         store_tile)
 
 
 def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, *refs, scores: Scores,
-                   window_left: int | None, q_len: int, group: int,
-                   head_dim: int, block_k: int, tiles_per_split: int,
-                   paged: bool):
+                   mask: Mask, q_len: int, group: int, head_dim: int,
+                   block_k: int, tiles_per_split: int, paged: bool):
   """One (split, batch, kv head).
 
   q_ref: [R, Hp], rows r = g * T + t (padded past G*T); k_ref/v_ref:
   [S_max, Hp], or with `paged` [num_pages, page_size, Hp] and then refs
   starts with the page table row [pages_per_seq]. Outputs: o_ref [R, Hp]
-  (normalized partial output) and lse_ref [R] (base-2, -inf if empty).
+  (normalized partial output) and lse_ref [R] (-inf if empty).
   """
   if paged:
     table_ref, o_ref, lse_ref = refs
@@ -45,12 +46,11 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, *refs, scores: Scores,
   kv_len = lengths_ref[pl.program_id(1)]
   num_rows = q_ref.shape[0]
   rows = jnp.arange(num_rows)
-  # Row r is query t = r % T, at cache position kv_len - T + t.
-  position = (kv_len - q_len + lax.rem(rows, q_len))[:, None]
+  query = lax.rem(rows, q_len)[:, None]  # Row r is query t = r % T.
   valid_row = (rows < group * q_len)[:, None]
   q = load_tile(q_ref, 0, num_rows, head_dim=head_dim)
   first = pl.program_id(0) * tiles_per_split
-  last = jnp.minimum(first + tiles_per_split, masking.cdiv(kv_len, block_k))
+  last = jnp.minimum(first + tiles_per_split, cdiv(kv_len, block_k))
 
   def body(j, carry):
     acc, m, l = carry
@@ -68,38 +68,30 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, *refs, scores: Scores,
                     head_dim=head_dim)
     s, _ = scores.logits2(dot(q, k, trans_b=True))
     cols = (k_start + jnp.arange(block_k))[None, :]
-    visible = valid_row & (cols <= position) & (cols < kv_len)
-    if window_left is not None:
-      visible = visible & (cols >= position - window_left)
-    s = jnp.where(visible, s, online_softmax.NEG_INF)
-    m, alpha, p, l = online_softmax.update(m, l, s)
+    visible = valid_row & mask.visible(query, cols, kv_len,
+                                       q_offset=kv_len - q_len)
+    s = jnp.where(visible, s, softmax.NEG_INF)
+    m, alpha, p, l = softmax.update(m, l, s)
     acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v)
     return acc, m, l
 
   carry = lax.fori_loop(first, jnp.maximum(last, first), body,
-                        online_softmax.init(num_rows, q_ref.shape[-1]))
-  o, lse2 = online_softmax.finalize(*carry)
+                        softmax.init(num_rows, q_ref.shape[-1]))
+  o, lse = softmax.finalize(*carry)
   store_tile(o_ref, 0, o, row_bound=num_rows, head_dim=head_dim)
-  store_row_stat(lse_ref, 0, lse2, row_bound=num_rows)
-
-
-def merge_partials(o, lse2):
-  """Combines split partials exactly: o [.., splits, R, H], lse2 [.., splits, R]."""
-  total = jax.nn.logsumexp(lse2 * jnp.log(2.0), axis=-2, keepdims=True)
-  safe = jnp.where(jnp.isfinite(total), total, 0.0)
-  weight = jnp.exp(lse2 * jnp.log(2.0) - safe)  # 0 for empty splits.
-  return jnp.sum(weight[..., None] * o, axis=-3), total[..., 0, :]
+  store_row_stat(lse_ref, 0, lse, row_bound=num_rows)
 
 
 def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
-                 window_left: int | None, num_splits: int, block_k: int,
-                 page_table=None, interpret: bool = False):
+                 mask: Mask, num_splits: int, block_k: int, page_table=None,
+                 interpret: bool = False):
   """Decode attention of q [B, T, N, H] against a cache.
 
   Contiguous cache: k_cache, v_cache [B, S_max, K, H]. Paged (page_table
   [B, pages_per_seq] int32 given): k_cache, v_cache are pages
-  [num_pages, page_size, K, H] and block_k must equal page_size.
-  Returns (out [B, T, N, H] in q.dtype, lse [B, T, N] natural log).
+  [num_pages, page_size, K, H] and block_k must equal page_size. `mask`: the
+  band (causal, a left window) of queries at positions kv_lengths[b] - T + t.
+  Returns (out [B, T, N, H] in q.dtype, lse [B, N, T] natural log).
   """
   batch, q_len, num_heads, head_dim = q.shape
   num_kv_heads = k_cache.shape[2]
@@ -116,7 +108,7 @@ def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
                                                          block_k)
   tiles_per_split = pl.cdiv(max_tiles, num_splits)
   kernel = functools.partial(
-      _decode_kernel, scores=scores, window_left=window_left, q_len=q_len,
+      _decode_kernel, scores=scores, mask=mask, q_len=q_len,
       group=group, head_dim=head_dim, block_k=block_k,
       tiles_per_split=tiles_per_split, paged=paged)
   q_spec = pl.BlockSpec((None, None, rows, hp), lambda s, b, h: (b, h, 0, 0))
@@ -134,7 +126,7 @@ def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
     in_specs.append(pl.BlockSpec((None, page_table.shape[1]),
                                  lambda s, b, h: (b, 0)))
     operands.append(page_table.astype(jnp.int32))
-  o, lse2 = pl.pallas_call(
+  o, lse = pl.pallas_call(
       kernel,
       grid=(num_splits, batch, num_kv_heads),
       in_specs=in_specs,
@@ -153,10 +145,10 @@ def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
       interpret=interpret,
       name="flash_attention_decode",
   )(*operands)
-  out, lse = merge_partials(o, lse2)  # [B, K, rows, H], [B, K, rows]
+  out, lse = softmax.merge(o, lse, axis=2)  # [B, K, rows, H], [B, K, rows]
   out = out[:, :, :group * q_len].reshape(batch, num_kv_heads, group, q_len,
                                           head_dim)
-  lse = lse[:, :, :group * q_len].reshape(batch, num_kv_heads, group, q_len)
+  # Heads n = kv_head * G + g: [B, K, G, T] is [B, N, T].
+  lse = lse[:, :, :group * q_len].reshape(batch, num_heads, q_len)
   out = out.transpose(0, 3, 1, 2, 4).reshape(batch, q_len, num_heads, head_dim)
-  lse = lse.transpose(0, 3, 1, 2).reshape(batch, q_len, num_heads)
   return out.astype(q.dtype), lse

@@ -1,4 +1,4 @@
-"""Dropout keep bits from a counter-based hash: backend-agnostic.
+"""Dropout keep bits from a counter-based hash: backend-neutral.
 
 The keep decision for (batch b, query head n, row i, column j) is a pure
 function of the seed and those four counters, so the forward and backward
@@ -56,12 +56,18 @@ def keep(seed0, seed1, rate: float, batch, head, rows, cols):
   return _shr(bits, 8) >= threshold(rate)
 
 
-def keep_mask(rng, rate: float, batch: int, num_heads: int, q_len: int,
+def keep_mask(seed, rate: float, batch: int, num_heads: int, q_len: int,
               kv_len: int) -> jax.Array:
-  """The dense [B, N, T, S] keep mask the kernels use for `dropout_rng`."""
-  seed = seed_words(rng)
+  """The dense [B, N, T, S] keep mask of the seed words `seed` (int32 [2])."""
   b = jnp.arange(batch, dtype=jnp.int32)[:, None, None, None]
   n = jnp.arange(num_heads, dtype=jnp.int32)[None, :, None, None]
   i = jnp.arange(q_len, dtype=jnp.int32)[None, None, :, None]
   j = jnp.arange(kv_len, dtype=jnp.int32)[None, None, None, :]
   return keep(seed[0], seed[1], rate, b, n, i, j)
+
+
+def dropout_keep_mask(rng, rate: float, batch: int, num_heads: int,
+                      q_len: int, kv_len: int) -> jax.Array:
+  """The dense [B, N, T, S] keep mask every implementation uses for
+  `dropout_rng=rng` (True = kept)."""
+  return keep_mask(seed_words(rng), rate, batch, num_heads, q_len, kv_len)

@@ -1,4 +1,9 @@
-"""Trace-time validation of the public arguments, shared by every implementation."""
+"""Trace-time validation of the public arguments, shared by every implementation.
+
+Each check raises `ValueError` naming the argument and the expected shape or
+dtype. What a particular backend can run (head dims, dtypes) is that
+backend's business: see `jax_flash._dispatch`.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -6,11 +11,6 @@ import math
 
 import jax.numpy as jnp
 import numpy as np
-
-from pallas_kernels.config import MAX_HEAD_DIM, MIN_HEAD_DIM, BlockSizes
-
-IMPLEMENTATIONS = ("pallas", "interpret", "xla")
-KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,31 +89,9 @@ def check_scale(scale, head_dim: int) -> float:
   return value
 
 
-def check_options(block_sizes, version) -> None:
-  """`block_sizes` and `version`, checked for every implementation."""
-  if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
-    raise ValueError(
-        f"block_sizes must be a jax_flash.BlockSizes or None, got "
-        f"{type(block_sizes).__name__}")
-  if version not in (1, 2):
-    raise ValueError(f"version must be 1 or 2, got {version!r}")
 
 
-def check_kernel_support(problem: Problem, dtype) -> None:
-  """What the Pallas kernels (GPU or interpret) support beyond the math."""
-  if jnp.dtype(dtype) not in [jnp.dtype(d) for d in KERNEL_DTYPES]:
-    raise ValueError(
-        f"query dtype must be one of float32, bfloat16, float16 for the "
-        f"Pallas kernels, got {jnp.dtype(dtype)}")
-  h = problem.head_dim
-  if not MIN_HEAD_DIM <= h <= MAX_HEAD_DIM:
-    raise ValueError(
-        f"head_dim (last axis of query, key, value) must be in "
-        f"[{MIN_HEAD_DIM}, {MAX_HEAD_DIM}] for the Pallas kernels, got {h}; "
-        "implementation='xla' takes any head_dim")
-
-
-def _int_array(x, name, shape, expected):
+def int_array(x, name, shape, expected):
   if not hasattr(x, "shape") or not hasattr(x, "dtype"):
     raise ValueError(f"{name} must be an integer array of shape {expected}, "
                      f"got {type(x).__name__}")
@@ -131,7 +109,7 @@ def check_lengths(lengths, name, p: Problem):
     return None
   if p.unbatched and getattr(lengths, "ndim", None) == 0:
     lengths = lengths.reshape(1)
-  return _int_array(lengths, name, (p.batch,), "[batch]")
+  return int_array(lengths, name, (p.batch,), "[batch]")
 
 
 def check_segment_ids(segment_ids, p: Problem):
@@ -151,8 +129,8 @@ def check_segment_ids(segment_ids, p: Problem):
           f"segment_ids as one array needs q_len == kv_len, got {p.q_len} "
           f"and {p.kv_len}; pass (q_segment_ids, kv_segment_ids)")
     q_ids = kv_ids = segment_ids
-  q_ids = _int_array(q_ids, "q_segment_ids", lead + (p.q_len,), f"[{b}q_len]")
-  kv_ids = _int_array(kv_ids, "kv_segment_ids", lead + (p.kv_len,),
+  q_ids = int_array(q_ids, "q_segment_ids", lead + (p.q_len,), f"[{b}q_len]")
+  kv_ids = int_array(kv_ids, "kv_segment_ids", lead + (p.kv_len,),
                       f"[{b}kv_len]")
   if p.unbatched:
     q_ids, kv_ids = q_ids[None], kv_ids[None]

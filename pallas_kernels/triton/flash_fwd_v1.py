@@ -1,4 +1,4 @@
-"""FlashAttention-1 forward (seed 001, Algorithm 1), kept to show what v2 changed.
+"""FlashAttention-1 forward (Dao et al. 2022, Algorithm 1), kept to show what v2 changed.
 
 One program per (batch, head), as in the original: key/value tiles in the
 outer loop, query tiles in the inner loop. For every (query tile, key tile)
@@ -22,26 +22,29 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import masking, online_softmax
-from pallas_kernels.config import BlockSizes, padded_head_dim
-from pallas_kernels.extras import Extras
-from pallas_kernels.scores import Scores
-from pallas_kernels.tile_context import TileContext, split_refs
-from pallas_kernels.tiles import (dot, load_row_stat, load_tile,
-                                  store_row_stat, store_tile)
+from jax_flash.spec import softmax
+from jax_flash.spec.mask import Mask
+from jax_flash.spec.operands import Operands
+from jax_flash.spec.scores import Scores
+from pallas_kernels.triton import operand_specs
+from pallas_kernels.triton.config import BlockSizes, padded_head_dim
+from pallas_kernels.triton.tile_context import TileContext
+from pallas_kernels.triton.tiles import (dot, load_row_stat, load_tile,
+                                         store_row_stat, store_tile)
 
-def _forward_v1_kernel(q_ref, k_ref, v_ref, *refs, extras: tuple[str, ...],
-                       scores: Scores, mask: masking.Mask, head_dim: int,
-                       block_q: int, block_k: int, interpret: bool):
+
+def _forward_v1_kernel(q_ref, k_ref, v_ref, operand_refs: Operands,
+                       id_table_ref, o_ref, m_ref, l_ref, *, scores: Scores,
+                       mask: Mask, head_dim: int, block_q: int, block_k: int,
+                       interpret: bool):
   """One (batch, head).
 
-  q_ref/o_ref: [T, Hp]; k_ref/v_ref: [S, Hp]; m_ref/l_ref: [T]; then the
-  optional operands named in `extras` (see `tile_context`).
+  q_ref/o_ref: [T, Hp]; k_ref/v_ref: [S, Hp]; m_ref/l_ref: [T]; operand_refs:
+  the optional operands' refs (`operand_specs.for_heads`).
   """
-  x, (o_ref, m_ref, l_ref) = split_refs(extras, refs)
   q_len, kv_len = q_ref.shape[0], k_ref.shape[0]
-  ctx = TileContext(mask, scores, x, q_len, kv_len, block_q, block_k,
-                    batch=pl.program_id(0))
+  ctx = TileContext(mask, scores, operand_refs, id_table_ref, q_len, kv_len,
+                    block_q, block_k, batch=pl.program_id(0))
   head = pl.program_id(1)  # Read here: the interpreter wants it outside loops.
   slope = ctx.slope(head)
   hp = q_ref.shape[-1]
@@ -53,7 +56,7 @@ def _forward_v1_kernel(q_ref, k_ref, v_ref, *refs, extras: tuple[str, ...],
 
   def init(i, carry):
     q_start = i * block_q
-    acc, m, l = online_softmax.init(block_q, hp)
+    acc, m, l = softmax.init(block_q, hp)
     store_tile(o_ref, q_start, acc, row_bound=q_len, head_dim=head_dim)
     store_row_stat(m_ref, q_start, m, row_bound=q_len)
     store_row_stat(l_ref, q_start, l, row_bound=q_len)
@@ -68,12 +71,12 @@ def _forward_v1_kernel(q_ref, k_ref, v_ref, *refs, extras: tuple[str, ...],
     s, _ = ctx.logits2(dot(q, k, trans_b=True), q_start, k_start, slope=slope)
     if masked:
       s = jnp.where(ctx.visible(q_start, k_start, kv_ids=kv_ids), s,
-                    online_softmax.NEG_INF)
-    m_new, l_new, a, b, p = online_softmax.update_v1(m, l, s)
+                    softmax.NEG_INF)
+    m_new, l_new, a, b, p = softmax.update_v1(m, l, s)
     p = ctx.dropped(p, q_start, k_start, head)
     pv = dot(p.astype(v.dtype), v)
     o = ((a * l)[:, None] * o + b[:, None] * pv) / (
-        online_softmax.safe_divisor(l_new)[:, None])
+        softmax.safe_divisor(l_new)[:, None])
     store_tile(o_ref, q_start, o, row_bound=q_len, head_dim=head_dim)
     store_row_stat(m_ref, q_start, m_new, row_bound=q_len)
     store_row_stat(l_ref, q_start, l_new, row_bound=q_len)
@@ -105,8 +108,8 @@ def _forward_v1_kernel(q_ref, k_ref, v_ref, *refs, extras: tuple[str, ...],
     kv_step(kv_len // block_k, None, tail=True)
 
 
-def flash_forward_v1(q, k, v, extras: Extras, *, scores: Scores,
-                     mask: masking.Mask, block_sizes: BlockSizes,
+def flash_forward_v1(q, k, v, operands: Operands, *, scores: Scores,
+                     mask: Mask, block_sizes: BlockSizes,
                      interpret: bool = False):
   """FlashAttention-1 forward. Shapes and returns as `flash_forward`."""
   batch, q_len, num_heads, head_dim = q.shape
@@ -114,9 +117,9 @@ def flash_forward_v1(q, k, v, extras: Extras, *, scores: Scores,
   group = num_heads // num_kv_heads
   hp = padded_head_dim(head_dim)
   bq, bk = block_sizes.block_q, block_sizes.block_k
-  names, specs, operands = extras.for_heads(bq, bk)
+  extra = operand_specs.for_heads(operands, bq, bk)
   kernel = functools.partial(
-      _forward_v1_kernel, extras=names, scores=scores, mask=mask,
+      _forward_v1_kernel, scores=scores, mask=mask,
       head_dim=head_dim, block_q=bq, block_k=bk, interpret=interpret)
   q_spec = pl.BlockSpec((None, q_len, None, hp), lambda b, n: (b, 0, n, 0))
   kv_spec = pl.BlockSpec((None, kv_len, None, hp),
@@ -126,7 +129,7 @@ def flash_forward_v1(q, k, v, extras: Extras, *, scores: Scores,
   o, m, l = pl.pallas_call(
       kernel,
       grid=(batch, num_heads),
-      in_specs=[q_spec, kv_spec, kv_spec, *specs],
+      in_specs=[q_spec, kv_spec, kv_spec, *extra.in_specs()],
       out_specs=[q_spec, stat_spec, stat_spec],
       # O is kept in float32 in HBM: it is re-read and rescaled every step.
       out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32), stat_shape,
@@ -135,5 +138,5 @@ def flash_forward_v1(q, k, v, extras: Extras, *, scores: Scores,
           num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages),
       interpret=interpret,
       name="flash_attention_forward_v1",
-  )(q, k, v, *operands)
-  return o.astype(q.dtype), online_softmax.logsumexp2(m, l)
+  )(q, k, v, *extra.args())
+  return o.astype(q.dtype), softmax.logsumexp(m, l)

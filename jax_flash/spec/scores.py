@@ -1,10 +1,10 @@
-"""From raw scores q.k to the logits the softmax sees, and back: backend-agnostic.
+"""From raw scores q.k to the logits the softmax sees, and back: backend-neutral.
 
     s   = scale * q.k                         (raw score, natural units)
     s   = cap * tanh(s / cap)                 if logits_soft_cap
     s   = s - slope[b, n] * |i - j|           if alibi_slopes (ALiBi)
     s   = s + bias[b, n, i, j]                if bias
-    P   = softmax over visible keys of s      (the mask: `masking`)
+    P   = softmax over visible keys of s      (the mask: `mask`)
 
 With dropout, P is multiplied by keep / (1 - rate) after the softmax; the
 logsumexp is that of the undropped logits.

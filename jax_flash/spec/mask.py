@@ -1,23 +1,27 @@
 """Which (query, key) pairs attend, and which tiles must evaluate that predicate.
 
-Backend-agnostic: plain `jnp`/`lax`, so the Triton kernels, a future Mosaic GPU
-kernel and the reference all read this one description. Positions are
-absolute: query row `i` in [0, q_len), key column `j` in [0, kv_len).
+Backend-neutral: plain `jnp`/`lax`, so every kernel backend and the reference
+read this one description. Key column `j` is in [0, kv_len); query row `i`
+sits at position `i + q_offset`: 0 in training, and in decoding or a chunked
+prefill the number of cached positions before the new queries (a dynamic
+value, one per sequence, e.g. `kv_lengths[b] - q_len`). Every function that
+takes rows takes that offset.
 
-A mask has a static part, a band of columns around each row,
+A mask has a static part, a band of columns around each position p = i + q_offset,
 
-    row i sees columns j with  i - left <= j <= i + right
+    row i sees columns j with  p - left <= j <= p + right
 
-(`is_causal` sets right = 0, aligned top-left as in jax.nn; a local window
-sets left and right; None means unbounded), and an optional dynamic part,
-per-row and per-column integer ids: row i sees column j only if
+(`is_causal` sets right = 0, aligned top-left as in jax.nn when the offset is
+0; a local window sets left and right; None means unbounded), and an optional
+dynamic part, per-row and per-column integer ids: row i sees column j only if
 `q_ids[i] == kv_ids[j]`. Ids carry packed-segment ids and sequence lengths
 (rows past a query length and columns past a key length get sentinel ids that
-match nothing). For q_len=3, kv_len=5, causal::
+match nothing). For q_len=3, kv_len=5, causal, offset 0 (and offset 2, the
+last three positions of a 5-token cache)::
 
-    1 0 0 0 0
-    1 1 0 0 0
-    1 1 1 0 0
+    1 0 0 0 0          1 1 1 0 0
+    1 1 0 0 0          1 1 1 1 0
+    1 1 1 0 0          1 1 1 1 1
 
 Tiles are classified into skipped (never loaded), fully visible (no predicate)
 and partial (predicate evaluated), from the band statically and from per-block
@@ -49,20 +53,22 @@ class Mask:
   has_dense: bool = False
 
   def band(self) -> tuple[int | None, int | None]:
-    """(left, right): row i sees columns [i - left, i + right]."""
+    """(left, right): position p sees columns [p - left, p + right]."""
     right = self.window_right
     if self.is_causal:
       right = 0 if right is None else min(right, 0)
     return self.window_left, right
 
-  def visible(self, rows, cols, kv_len: int, q_ids=None, kv_ids=None):
+  def visible(self, rows, cols, kv_len, q_ids=None, kv_ids=None,
+              q_offset=0):
     """Boolean predicate; rows/q_ids broadcast against cols/kv_ids."""
     ok = cols < kv_len
     left, right = self.band()
+    positions = rows + q_offset
     if right is not None:
-      ok = jnp.logical_and(ok, cols <= rows + right)
+      ok = jnp.logical_and(ok, cols <= positions + right)
     if left is not None:
-      ok = jnp.logical_and(ok, cols >= rows - left)
+      ok = jnp.logical_and(ok, cols >= positions - left)
     if self.has_ids:
       ok = jnp.logical_and(ok, q_ids == kv_ids)
     return ok
@@ -92,7 +98,7 @@ def intersect_ranges(a, b):
 
 
 def kv_block_ranges(mask: Mask, q_start, block_q: int, block_k: int,
-                    kv_len: int):
+                    kv_len: int, q_offset=0):
   """Key tiles a query tile [q_start, q_start + block_q) must visit, by the band.
 
   Returns `(lo, full_lo, full_hi, hi)`: tiles in [lo, hi) are visited; those in
@@ -104,7 +110,7 @@ def kv_block_ranges(mask: Mask, q_start, block_q: int, block_k: int,
   num_tiles = cdiv(kv_len, block_k)
   num_whole = kv_len // block_k
   left, right = mask.band()
-  r0 = _i32(q_start)
+  r0 = _i32(q_start) + q_offset  # Positions of the tile's first and last rows.
   r1 = r0 + (block_q - 1)
   lo = _i32(0)
   full_lo = _i32(0)
@@ -123,7 +129,7 @@ def kv_block_ranges(mask: Mask, q_start, block_q: int, block_k: int,
 
 
 def q_block_ranges(mask: Mask, kv_start, block_k: int, block_q: int,
-                   q_len: int):
+                   q_len: int, q_offset=0):
   """Query tiles a key tile [kv_start, kv_start + block_k) must visit, by the band.
 
   Same contract as `kv_block_ranges`, seen from the key side (dK/dV kernel).
@@ -133,7 +139,7 @@ def q_block_ranges(mask: Mask, kv_start, block_k: int, block_q: int,
   """
   num_tiles = cdiv(q_len, block_q)
   left, right = mask.band()
-  c0 = _i32(kv_start)
+  c0 = _i32(kv_start) - q_offset  # Row r sits at position r + q_offset.
   c1 = c0 + (block_k - 1)
   lo = _i32(0)
   full_lo = _i32(0)
@@ -212,11 +218,17 @@ def make_ids(batch: int, q_len: int, kv_len: int, *, q_segment_ids=None,
   return q_ids, kv_ids
 
 
-def dense_mask(mask: Mask, q_len: int, kv_len: int, q_ids=None, kv_ids=None):
-  """The full boolean mask, [q_len, kv_len] or [B, q_len, kv_len] with ids."""
-  rows = jnp.arange(q_len, dtype=jnp.int32)[:, None]
-  cols = jnp.arange(kv_len, dtype=jnp.int32)[None, :]
-  if not mask.has_ids:
-    return mask.visible(rows, cols, kv_len)
-  return mask.visible(rows[None], cols[None], kv_len, q_ids[:, :, None],
-                      kv_ids[:, None, :])
+def dense_mask(mask: Mask, q_len: int, kv_len: int, q_ids=None, kv_ids=None,
+               q_offsets=None):
+  """The full boolean mask [B or 1, q_len, kv_len] (B with ids or offsets).
+
+  q_ids [B, T], kv_ids [B, S] when `mask.has_ids`; q_offsets int [B], the
+  position of each sequence's first query (None: 0).
+  """
+  rows = jnp.arange(q_len, dtype=jnp.int32)[None, :, None]
+  cols = jnp.arange(kv_len, dtype=jnp.int32)[None, None, :]
+  offset = 0 if q_offsets is None else q_offsets.astype(jnp.int32)[:, None,
+                                                                   None]
+  if mask.has_ids:
+    q_ids, kv_ids = q_ids[:, :, None], kv_ids[:, None, :]
+  return mask.visible(rows, cols, kv_len, q_ids, kv_ids, q_offset=offset)

@@ -1,0 +1,168 @@
+"""One dispatch: which backend runs a call, for every entry point.
+
+`flash_attention`, `flash_decode` and `ring_attention` describe their call
+(the `Problem`, dtype, `Mask`, `Scores`) and ask `select` for a backend. A
+backend is an object with:
+
+    name, needs_gpu, config_type
+    unsupported(problem, dtype, *, mask, scores, version) -> str | None
+    config(block_sizes, problem, dtype, *, is_causal, version) -> config
+    forward(q, k, v, operands, *, mask, scores, config, version)
+        -> (o [B, T, N, H], lse [B, N, T])
+    backward(q, k, v, operands, o, lse, do, dlse, *, mask, scores, config)
+        -> (dq, dk, dv, dbias or None)
+    decode(q, k, v, kv_lengths, *, mask, scores, num_splits, page_table)
+        -> (o [B, T, N, H], lse [B, N, T])
+
+with lse the natural-log logsumexp, float32, everywhere. Backends:
+"triton" (Pallas kernels lowered through Triton; a GPU), "interpret" (the
+same kernels run by the Pallas interpreter; any machine) and "xla"
+(`reference.attend`, plain jnp). "pallas" names the best Pallas backend
+for the device that takes the call (Triton today). `implementation=None`
+picks "pallas" when the query lives on a GPU and a Pallas backend takes the
+call, else "xla".
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jax_flash import reference
+from jax_flash.spec.checks import Problem
+from jax_flash.spec.mask import Mask, make_ids
+from jax_flash.spec.operands import Operands
+from jax_flash.spec.scores import Scores
+from pallas_kernels import triton
+
+IMPLEMENTATIONS = ("pallas", "triton", "interpret", "xla")
+VERSIONS = (1, 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaBackend:
+  """`reference.attend` as a backend: plain jnp, any device, any input.
+
+  Its backward differentiates the reference (which holds the T x S matrix)."""
+  name = "xla"
+  needs_gpu = False
+  config_type = type(None)
+
+  def unsupported(self, problem, dtype, *, mask, scores, version=2):
+    return None
+
+  def config(self, block_sizes, problem, dtype, *, is_causal, version=2):
+    return None
+
+  def forward(self, q, k, v, operands, *, mask, scores, config=None,
+              version=2):
+    return reference.attend(q, k, v, operands, mask=mask, scores=scores)
+
+  def backward(self, q, k, v, operands, o, lse, do, dlse, *, mask, scores,
+               config=None):
+    """FlashAttention-2's backward in plain jnp: P = exp(S - L) from the
+    given logsumexp (which may cover more keys than k, as in ring
+    attention), D = rowsum(dO * O) - dlse, dS = P * (dP - D)."""
+    b, t, n, _ = q.shape
+    kh = k.shape[2]
+    delta = jnp.einsum("btnh,btnh->bnt", o.astype(jnp.float32),
+                       do.astype(jnp.float32)) - dlse
+    lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)  # Empty rows: P = 0.
+
+    def unnormalized(q, k, v, bias):
+      """(P V, rowsum P) with P = exp(S - L): their vjp with cotangents
+      (dO, -D) is the backward, D entering through rowsum P."""
+      ops = dataclasses.replace(operands, bias=bias)
+      s = reference.logits(q, k, ops, mask=mask, scores=scores)
+      p = jnp.exp(s - lse.reshape(b, kh, n // kh, t)[..., None])
+      pv = jnp.einsum("bkgts,bskh->btkgh", reference.dropped(p, ops, scores),
+                      v.astype(p.dtype), precision=jax.lax.Precision.HIGHEST)
+      return pv.reshape(q.shape), jnp.sum(p, axis=-1)
+
+    _, vjp = jax.vjp(unnormalized, q, k, v, operands.bias)
+    return vjp((do.astype(jnp.float32),
+                -delta.reshape(b, kh, n // kh, t)))
+
+  def decode(self, q, k, v, kv_lengths, *, mask, scores, num_splits=None,
+             page_table=None):
+    del num_splits  # A kernel's launch choice.
+    batch, q_len = q.shape[:2]
+    if page_table is not None:  # Gather the pages into a contiguous cache.
+      k, v = (x[page_table].reshape((batch, -1) + x.shape[2:]) for x in (k, v))
+    kv_len = k.shape[1]
+    # Positions past a length may hold anything (NaN too): 0 * NaN is NaN.
+    live = (jnp.arange(kv_len)[None] < kv_lengths[:, None])[:, :, None, None]
+    k, v = (jnp.where(live, x, 0) for x in (k, v))
+    # The lengths as key ids (the kernels bound the keys instead).
+    q_ids, kv_ids = make_ids(batch, q_len, kv_len, kv_lengths=kv_lengths)
+    return reference.attend(
+        q, k, v, Operands(q_ids=q_ids, kv_ids=kv_ids),
+        mask=dataclasses.replace(mask, has_ids=True), scores=scores,
+        q_offsets=kv_lengths - q_len)
+
+
+XLA = XlaBackend()
+BACKENDS = {"triton": triton.TRITON, "interpret": triton.INTERPRET,
+            "xla": XLA}
+# The Pallas backends for a GPU, best first.
+PALLAS = ("triton",)
+
+
+def on_gpu(x) -> bool:
+  """Whether `x` lives on a GPU (a tracer: where the computation runs)."""
+  try:
+    return any(d.platform == "gpu" for d in x.devices())
+  except Exception:
+    return gpu_target()
+
+
+def gpu_target() -> bool:
+  """A GPU to run on, or one to compile for (an abstract mesh's device)."""
+  if jax.default_backend() == "gpu":
+    return True
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  return device is not None and device.platform == "gpu"
+
+
+def check_options(block_sizes, version) -> None:
+  """`block_sizes` and `version`, checked for every implementation."""
+  types = tuple({b.config_type for b in BACKENDS.values()} - {type(None)})
+  if block_sizes is not None and not isinstance(block_sizes, types):
+    raise ValueError(
+        f"block_sizes must be a jax_flash.BlockSizes or None, got "
+        f"{type(block_sizes).__name__}")
+  if version not in VERSIONS:
+    raise ValueError(f"version must be 1 or 2, got {version!r}")
+
+
+def select(implementation, query, problem: Problem, dtype, *, mask: Mask,
+           scores: Scores, version: int = 2):
+  """The backend that runs this call; ValueError if the one named cannot."""
+  def reason(name):
+    return BACKENDS[name].unsupported(problem, dtype, mask=mask,
+                                      scores=scores, version=version)
+
+  if implementation is None:
+    if on_gpu(query):
+      for name in PALLAS:
+        if reason(name) is None:
+          return BACKENDS[name]
+    return XLA
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or "
+                     f"None, got {implementation!r}")
+  names = PALLAS if implementation == "pallas" else (implementation,)
+  if BACKENDS[names[0]].needs_gpu and not gpu_target():
+    raise ValueError(
+        f"implementation={implementation!r} runs the GPU kernels and needs a "
+        "GPU; on this machine use implementation='interpret' (the same "
+        "kernels, interpreted) or 'xla'")
+  reasons = []
+  for name in names:
+    why = reason(name)
+    if why is None:
+      return BACKENDS[name]
+    reasons.append(why)
+  raise ValueError("; ".join(reasons) + "; implementation='xla' takes any "
+                   "input")

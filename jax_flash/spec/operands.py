@@ -1,0 +1,35 @@
+"""`Operands`: the optional arrays of one attention problem."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Operands:
+  """The arrays the mask and the score modifications need (None: absent).
+
+  A pytree: backends pass it to their kernels whole (a Pallas kernel gets an
+  `Operands` of refs, built from an `Operands` of BlockSpecs).
+
+  q_ids, kv_ids: int32 [B, T], [B, S]: segment ids and lengths as ids
+    (`mask.make_ids`).
+  dense_mask: int8 [Bm, Nm, Tm, Sm], each dim 1 (broadcast) or full; != 0
+    means attend.
+  bias: float [Bm, Nm, Tm, Sm], added to the logits; the only operand with a
+    gradient.
+  alibi_slopes: float32 [B, N].
+  dropout_seed: int32 [2], the seed words of the dropout hash.
+  """
+  q_ids: jax.Array | None = None
+  kv_ids: jax.Array | None = None
+  dense_mask: jax.Array | None = None
+  bias: jax.Array | None = None
+  alibi_slopes: jax.Array | None = None
+  dropout_seed: jax.Array | None = None
+
+  @property
+  def empty(self) -> bool:
+    return not jax.tree.leaves(self)

@@ -1,0 +1,111 @@
+"""Online-softmax statistics and the logsumexp merge: backend-neutral.
+
+FlashAttention-2 (Dao 2023, Algorithm 1) keeps, per query row, the running
+max `m` and the running sum `l` of exponentials, rescales its unnormalized
+output when the max grows, and normalizes once at the end (delayed
+normalization). FlashAttention-1 (Dao et al. 2022, Algorithm 1) merges the
+statistics of each block into normalized ones instead (`update_v1`).
+
+Inside a kernel the scores arrive multiplied by `scale * log2(e)`, so every
+exponential is an `exp2` (one `ex2.approx` on NVIDIA GPUs) and `m`, `l` are in
+base 2. Between modules the logsumexp is always the natural-log one, float32
+[B, N, T]: kernels convert when they store it (`finalize`, `logsumexp`) and
+when they read it back (`backward_lse2`).
+
+A row that has seen no visible key keeps `m = -inf`, `l = 0`; the helpers never
+form `-inf - -inf`, so such rows give an output of 0 and `lse = -inf`, not NaN.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = float("-inf")
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+def init(block_q: int, head_dim: int):
+  """(acc, m, l) before the first key block."""
+  acc = jnp.zeros((block_q, head_dim), jnp.float32)
+  m = jnp.full((block_q,), NEG_INF, jnp.float32)
+  l = jnp.zeros((block_q,), jnp.float32)
+  return acc, m, l
+
+
+def _safe(m):
+  # A row whose max is still -inf has only masked scores: shift by 0 instead.
+  return jnp.where(m == NEG_INF, 0.0, m)
+
+
+def update(m_prev, l_prev, s):
+  """One FlashAttention-2 step on a [block_q, block_k] tile of base-2 scores.
+
+  Returns `(m_new, alpha, p, l_new)`: the caller rescales its unnormalized
+  accumulator by `alpha` and adds `p @ V` (delayed normalization).
+  """
+  m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
+  m_safe = _safe(m_new)
+  alpha = jnp.exp2(m_prev - m_safe)
+  p = jnp.exp2(s - m_safe[:, None])
+  l_new = l_prev * alpha + jnp.sum(p, axis=1)
+  return m_new, alpha, p, l_new
+
+
+def safe_divisor(l):
+  """l, with the 0 of rows that saw no key replaced by 1 (their output is 0)."""
+  return jnp.where(l == 0.0, 1.0, l)
+
+
+def logsumexp(m, l):
+  """The natural-log logsumexp of base-2 statistics: (m + log2 l) ln 2; -inf
+  for rows that saw no key."""
+  return jnp.where(l == 0.0, NEG_INF, (m + jnp.log2(safe_divisor(l))) * LN2)
+
+
+def finalize(acc, m, l):
+  """Normalizes once at the end: returns (o, lse), lse in natural log."""
+  return acc / safe_divisor(l)[:, None], logsumexp(m, l)
+
+
+def update_v1(m_prev, l_prev, s):
+  """FlashAttention-1 step: block statistics, then the merge.
+
+  Returns `(m_new, l_new, a, b, p)` with `p = 2**(s - m_tilde)` for the block's
+  own max `m_tilde`; the caller forms the normalized output
+  `O_new = (a * l_prev * O_prev + b * p @ V) / l_new`.
+  """
+  m_tilde = jnp.max(s, axis=1)
+  p = jnp.exp2(s - _safe(m_tilde)[:, None])
+  l_tilde = jnp.sum(p, axis=1)
+  m_new = jnp.maximum(m_prev, m_tilde)
+  m_safe = _safe(m_new)
+  a = jnp.exp2(m_prev - m_safe)
+  b = jnp.exp2(m_tilde - m_safe)
+  l_new = a * l_prev + b * l_tilde
+  return m_new, l_new, a, b, p
+
+
+def backward_lse2(lse):
+  """The base-2 logsumexp the backward's P = 2**(s2 - lse2) needs, from the
+  natural-log one; +inf for rows that saw no key (lse = -inf), so every P of
+  such a row is 0."""
+  return jnp.where(lse == NEG_INF, float("inf"), lse * LOG2E)
+
+
+def merge(o, lse, axis: int):
+  """Combines partial results of disjoint key sets exactly, by their logsumexp.
+
+  o: partial outputs, each normalized over its own keys, with the parts along
+  `axis` (>= 0) and the head dim last; lse: their natural-log logsumexps, shaped
+  like o without its last dim. Returns (o, lse) with `axis` reduced. Parts
+  that saw no key (lse = -inf) weigh 0; if no part saw a key, o is 0 and lse
+  -inf.
+  """
+  total = jax.nn.logsumexp(lse, axis=axis, keepdims=True)
+  safe = jnp.where(jnp.isfinite(total), total, 0.0)
+  weight = jnp.exp(lse - safe)  # 0 for empty parts.
+  out = jnp.sum(weight[..., None] * o.astype(jnp.float32), axis=axis)
+  return out, jnp.squeeze(total, axis)

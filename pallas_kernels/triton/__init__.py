@@ -1,0 +1,99 @@
+"""The Triton backend: Pallas kernels lowered through Triton (any CUDA GPU),
+or run by the Pallas interpreter (`TritonBackend(interpret=True)`, any
+machine: what the CPU tests run).
+
+It takes every feature of the problem description (`jax_flash.spec`); its
+limits are the dtypes and head dims of `config`. Files: `config` (block
+sizes, limits), `tiles` (masked tile loads/stores, the dot), `tile_context`
+(a program's view of the mask and scores), `operand_specs` (BlockSpecs of the
+optional operands), one file per kernel family with its launcher:
+`flash_fwd`, `flash_fwd_v1`, `flash_bwd`, `flash_decode`.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from jax_flash.spec.checks import Problem
+from jax_flash.spec.mask import Mask
+from jax_flash.spec.operands import Operands
+from jax_flash.spec.scores import Scores
+from pallas_kernels.triton import config
+from pallas_kernels.triton.config import BlockSizes
+from pallas_kernels.triton.flash_bwd import flash_backward
+from pallas_kernels.triton.flash_decode import flash_decode
+from pallas_kernels.triton.flash_fwd import flash_forward
+from pallas_kernels.triton.flash_fwd_v1 import flash_forward_v1
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonBackend:
+  """The backend interface `jax_flash._dispatch` expects (see there)."""
+  interpret: bool = False
+  config_type = BlockSizes
+
+  @property
+  def name(self) -> str:
+    return "interpret" if self.interpret else "triton"
+
+  @property
+  def needs_gpu(self) -> bool:
+    return not self.interpret
+
+  def unsupported(self, problem: Problem, dtype, *, mask: Mask,
+                  scores: Scores, version: int = 2) -> str | None:
+    """Why this backend cannot take the call, or None."""
+    del mask, scores, version  # Every mask, score modification and version.
+    if jnp.dtype(dtype).name not in config.DTYPES:
+      return (f"query dtype must be one of {', '.join(config.DTYPES)} for the "
+              f"Triton kernels, got {jnp.dtype(dtype)}")
+    h = problem.head_dim
+    if not config.MIN_HEAD_DIM <= h <= config.MAX_HEAD_DIM:
+      return (f"head_dim (last axis of query, key, value) must be in "
+              f"[{config.MIN_HEAD_DIM}, {config.MAX_HEAD_DIM}] for the Triton "
+              f"kernels, got {h}")
+    return None
+
+  def config(self, block_sizes: BlockSizes | None, problem: Problem, dtype,
+             *, is_causal: bool, version: int = 2) -> BlockSizes:
+    if block_sizes is None:
+      block_sizes = BlockSizes.get_default(problem.head_dim, dtype, is_causal,
+                                           version)
+    return block_sizes.clipped(problem.q_len, problem.kv_len)
+
+  def forward(self, q, k, v, operands: Operands, *, mask: Mask,
+              scores: Scores, config: BlockSizes, version: int = 2):
+    """(o [B, T, N, H], lse [B, N, T] natural log)."""
+    forward = flash_forward if version == 2 else flash_forward_v1
+    return forward(q, k, v, operands, scores=scores, mask=mask,
+                   block_sizes=config, interpret=self.interpret)
+
+  def backward(self, q, k, v, operands: Operands, o, lse, do, dlse, *,
+               mask: Mask, scores: Scores, config: BlockSizes):
+    """(dq, dk, dv, dbias or None)."""
+    return flash_backward(q, k, v, operands, o, lse, do, dlse, scores=scores,
+                          mask=mask, block_sizes=config,
+                          interpret=self.interpret)
+
+  def decode(self, q, k, v, kv_lengths, *, mask: Mask, scores: Scores,
+             num_splits: int | None, page_table=None):
+    """(o [B, T, N, H], lse [B, N, T]) of queries at positions
+    kv_lengths[b] - T + t against a contiguous or paged cache."""
+    head_dim = q.shape[-1]
+    if page_table is not None:
+      block_k = k.shape[1]  # One page per key tile.
+      num_tiles = page_table.shape[1]
+    else:
+      block_k = config.decode_block_k(head_dim, k.shape[1])
+      num_tiles = -(-k.shape[1] // block_k)
+    if num_splits is None:
+      num_splits = config.decode_splits(q.shape[0], k.shape[2], num_tiles)
+    return flash_decode(q, k, v, kv_lengths, scores=scores, mask=mask,
+                        num_splits=int(min(num_splits, num_tiles)),
+                        block_k=block_k, page_table=page_table,
+                        interpret=self.interpret)
+
+
+TRITON = TritonBackend()
+INTERPRET = TritonBackend(interpret=True)

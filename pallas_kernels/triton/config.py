@@ -1,0 +1,142 @@
+"""The Triton backend's configuration and limits: tile sizes and launch knobs.
+
+Every block size and launch knob of the Triton kernels lives here, with the
+defaults per head dim, dtype and causality in `BlockSizes.get_default`, each
+next to the measurement it comes from (files under `benchmarks/results/`),
+and the split-KV policy of the decode kernel.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+MIN_HEAD_DIM = 16
+MAX_HEAD_DIM = 256
+DTYPES = ("float32", "bfloat16", "float16")
+# H100/H200 multiprocessors: decode fills them with (split, batch, head).
+NUM_SMS = 132
+
+
+def _is_pow2(x: int) -> bool:
+  return x > 0 and (x & (x - 1)) == 0
+
+
+def padded_head_dim(head_dim: int) -> int:
+  """Triton tiles need power-of-two shapes: head dims are padded (and masked)."""
+  return max(16, 1 << (int(head_dim) - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tile sizes and launch parameters of the Triton forward and backward kernels.
+
+  Forward (and the dQ/dBias kernels of the backward) tile the queries by
+  `block_q` rows and the keys by `block_k` rows. The dK/dV kernel owns
+  `block_k_dkv` keys per program and walks the queries `block_q_dkv` rows at a
+  time; the dQ kernel owns `block_q_dq` queries and walks the keys
+  `block_k_dq` at a time. All block sizes are powers of two >= 16 (a Triton
+  dot needs every dimension >= 16 and every tile power-of-two shaped).
+  Build it by keyword: `BlockSizes(block_q=128, block_k=64, num_warps=8)`.
+  """
+  block_q: int = 128
+  block_k: int = 64
+  num_warps: int = 4
+  num_stages: int = 2
+  block_q_dkv: int = 64
+  block_k_dkv: int = 64
+  block_q_dq: int = 64
+  block_k_dq: int = 64
+  num_warps_bwd: int = 4
+  num_stages_bwd: int = 2
+
+  def __post_init__(self):
+    for name in ("block_q", "block_k", "block_q_dkv", "block_k_dkv",
+                 "block_q_dq", "block_k_dq"):
+      value = getattr(self, name)
+      if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+        raise ValueError(f"block_sizes.{name}={value!r} must be an int")
+      if value < 16 or not _is_pow2(value):
+        raise ValueError(
+            f"block_sizes.{name}={value} must be a power of two >= 16")
+    for name in ("num_warps", "num_warps_bwd"):
+      value = getattr(self, name)
+      if value not in (1, 2, 4, 8, 16):
+        raise ValueError(
+            f"block_sizes.{name}={value!r} must be one of 1, 2, 4, 8, 16")
+    for name in ("num_stages", "num_stages_bwd"):
+      value = getattr(self, name)
+      if not isinstance(value, (int, np.integer)) or not 1 <= value <= 8:
+        raise ValueError(
+            f"block_sizes.{name}={value!r} must be an int in [1, 8]")
+
+  @classmethod
+  def get_default(cls, head_dim: int, dtype, is_causal: bool,
+                  version: int = 2) -> "BlockSizes":
+    """Defaults for an H100/H200-class GPU (bf16/fp16 measured on the H200)."""
+    hp = padded_head_dim(head_dim)
+    if np.dtype(dtype).itemsize >= 4:
+      # float32 runs full-precision dots on CUDA cores: small tiles that fit
+      # shared memory. Not tuned: they pass the H200 suite
+      # (results/2026-11-30-h200-session2/gpu_tests_run1.log); nobody times
+      # float32 attention against bf16.
+      if hp <= 64:
+        return cls(block_q=64, block_k=64, block_q_dkv=32, block_k_dq=32)
+      if hp <= 128:
+        return cls(block_q=64, block_k=32, block_q_dkv=32, block_k_dkv=32,
+                   block_q_dq=32, block_k_dq=32)
+      return cls(block_q=32, block_k=32, num_stages=1, block_q_dkv=16,
+                 block_k_dkv=32, block_q_dq=32, block_k_dq=16,
+                 num_stages_bwd=1)
+    # Head dims up to 128: 128-row query tiles, the backward's 64x64 tiles with
+    # 4 warps and 2 stages (the class defaults). What they reach against cuDNN
+    # at 1k-16k: results/2026-11-30-h200/sweep.md, at 8k:
+    # results/2026-11-30-h200-session2/dense_8k.md. No sweep of alternatives
+    # at these head dims is kept in this repository yet (benchmarks/tune.py
+    # takes --head-dim 64/128 for one).
+    if hp <= 64:
+      return cls(block_q=128, block_k=64, num_warps=4, num_stages=3)
+    if hp <= 128:
+      if is_causal:
+        return cls(block_q=128, block_k=64, num_warps=4, num_stages=2)
+      return cls(block_q=128, block_k=128, num_warps=8, num_stages=3)
+    # Head dims 160..256 (padded to 256), 8k non-causal
+    # (results/2026-11-30-h200-session2/tune_h256.json): forward 128x64 tiles
+    # with 8 warps and 2 stages, 436 TFLOP/s against 316 for 64x64/4 warps
+    # (3 stages of 128-row tiles overflow shared memory); backward 64x64
+    # tiles with 8 warps and 1 stage, 160 TFLOP/s against 100 for 32/64 tiles
+    # with 4 warps.
+    backward = dict(num_warps_bwd=8, num_stages_bwd=1)
+    if version == 1:
+      # The FlashAttention-1 forward keeps more tiles in shared memory: 128x64
+      # overflows it at this head dim (327680 of 232448 bytes,
+      # results/2026-11-30-h200-session2/gpu_tests_run3_h256_failure.txt).
+      return cls(block_q=64, block_k=64, num_warps=4, num_stages=2,
+                 **backward)
+    return cls(block_q=128, block_k=64, num_warps=8, num_stages=2, **backward)
+
+  def clipped(self, q_len: int, kv_len: int) -> "BlockSizes":
+    """Shrinks tiles for short sequences (never below 16), keeping the rest."""
+    def clip(b, n):
+      return max(16, min(b, 1 << max(0, (int(n) - 1).bit_length())))
+    return dataclasses.replace(
+        self,
+        block_q=clip(self.block_q, q_len), block_k=clip(self.block_k, kv_len),
+        block_q_dkv=clip(self.block_q_dkv, q_len),
+        block_k_dkv=clip(self.block_k_dkv, kv_len),
+        block_q_dq=clip(self.block_q_dq, q_len),
+        block_k_dq=clip(self.block_k_dq, kv_len))
+
+
+def decode_block_k(head_dim: int, kv_len: int) -> int:
+  """Key tile of the split-KV decode kernel over a contiguous cache (a paged
+  cache uses its page size): 128 rows up to head dim 128, 64 above, never
+  more than the cache. Measured with it: results/2026-11-30-h200-session2/decode.md."""
+  return min(128 if padded_head_dim(head_dim) <= 128 else 64,
+             max(16, 1 << (kv_len - 1).bit_length()))
+
+
+def decode_splits(batch: int, num_kv_heads: int, num_tiles: int) -> int:
+  """Chunks each sequence's cache is split into: enough (split, batch, kv
+  head) programs for two per multiprocessor, at most one per key tile."""
+  return int(max(1, min(num_tiles, -(-2 * NUM_SMS // (batch * num_kv_heads)))))

@@ -1,0 +1,307 @@
+"""FlashAttention-2 backward (Dao 2023, Algorithm 2) for the Triton lowering.
+
+`D = rowsum(dO * O)` is one XLA reduction before the kernels. Then, with no
+atomics anywhere, so gradients are bitwise deterministic:
+
+* dK/dV: one program owns a key tile of one (batch, kv head). It loops over the
+  query heads of its GQA group and over query tiles, recomputes
+  P^T = exp(S^T - L) from the forward's logsumexp (S^T = K Q^T keeps every
+  dot's M dimension at the key tile), and accumulates dV += P^T dO and
+  dK += dS^T Q with dS = P * (dP - D): dK/dV come out summed over the group.
+* dQ: one program owns a query tile of one (batch, head), loops over key tiles
+  and accumulates dQ += dS K.
+* dBias (only when a bias is given; XLA drops it when its result is unused):
+  the same loop as dQ, writing dS itself, summed over the dimensions the bias
+  broadcasts along.
+
+All visit only the tiles the mask does not hide entirely, and evaluate the
+mask predicate only on the tiles that cross its boundary.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jax_flash.spec import softmax
+from jax_flash.spec.mask import Mask
+from jax_flash.spec.operands import Operands
+from jax_flash.spec.scores import Scores
+from pallas_kernels.triton import operand_specs
+from pallas_kernels.triton.config import BlockSizes, padded_head_dim
+from pallas_kernels.triton.tile_context import TileContext
+from pallas_kernels.triton.tiles import dot, load_row_stat, load_tile, store_tile
+
+_INF = float("inf")
+
+
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+                 operand_refs: Operands, id_table_ref, dk_ref, dv_ref, *,
+                 scores: Scores, mask: Mask, head_dim: int, block_q: int,
+                 block_k: int):
+  """One (key tile, batch, kv head).
+
+  q_ref/do_ref: [T, G, Hp]; k/v/dk/dv_ref: [S, Hp]; lse/delta_ref: [G, T];
+  operand_refs: the optional operands' refs, per-head ones as [G, ...]
+  (`operand_specs.for_key_tiles`).
+  """
+  q_len, group = q_ref.shape[0], q_ref.shape[1]
+  kv_len = k_ref.shape[0]
+  ctx = TileContext(mask, scores, operand_refs, id_table_ref, q_len, kv_len,
+                    block_q, block_k, batch=pl.program_id(1), transposed=True)
+  kv_tile = pl.program_id(0)
+  kv_start = kv_tile * block_k
+  k = load_tile(k_ref, kv_start, block_k, row_bound=kv_len, head_dim=head_dim)
+  v = load_tile(v_ref, kv_start, block_k, row_bound=kv_len, head_dim=head_dim)
+  kv_ids = ctx.kv_ids(kv_start) if mask.has_ids else None
+  first_head = pl.program_id(2) * group  # Global index of the group's head 0.
+
+  def body(j, carry, *, head, slope, masked: bool):
+    dk, dv = carry
+    q_start = j * block_q
+    # Rows past q_len load Q = dO = 0 and L = +inf (P = 0): they add nothing.
+    q = load_tile(q_ref, q_start, block_q, row_bound=q_len,
+                  head_dim=head_dim, head=head)
+    do = load_tile(do_ref, q_start, block_q, row_bound=q_len,
+                   head_dim=head_dim, head=head)
+    lse2 = softmax.backward_lse2(load_row_stat(
+        lse_ref, q_start, block_q, row_bound=q_len, head=head, other=_INF))
+    delta = load_row_stat(delta_ref, q_start, block_q, row_bound=q_len,
+                          head=head)
+    s_t, tanh_t = ctx.logits2(dot(k, q, trans_b=True), q_start, kv_start,
+                              head=head, slope=slope)  # [block_k, block_q]
+    p_t = jnp.exp2(s_t - lse2[None, :])
+    if masked:
+      p_t = jnp.where(ctx.visible(q_start, kv_start, kv_ids=kv_ids,
+                                  head=head), p_t, 0.0)
+    query_head = first_head + head
+    dv = dv + dot(ctx.dropped(p_t, q_start, kv_start, query_head)
+                  .astype(do.dtype), do)
+    dp_t = ctx.dropped(dot(v, do, trans_b=True), q_start, kv_start,
+                       query_head)
+    ds_t = scores.dqk(p_t * (dp_t - delta[None, :]), tanh_t)
+    dk = dk + dot(ds_t.astype(q.dtype), q)
+    return dk, dv
+
+  ranges = ctx.q_ranges(kv_tile, kv_start)
+
+  def head_body(head, carry):
+    step = functools.partial(body, head=head, slope=ctx.slope(head))
+    return ctx.visit(ranges, step, carry)
+
+  zeros = jnp.zeros((block_k, k_ref.shape[-1]), jnp.float32)
+  dk, dv = lax.fori_loop(0, group, head_body, (zeros, zeros))
+  store_tile(dk_ref, kv_start, dk * scores.scale, row_bound=kv_len,
+             head_dim=head_dim)
+  store_tile(dv_ref, kv_start, dv, row_bound=kv_len, head_dim=head_dim)
+
+
+class _QueryTile:
+  """What the dQ and dBias kernels share: one (query tile, batch, head)
+  program's Q, dO, L and D, and dS = dL/d(logits) of any of its key tiles.
+
+  q/do_ref: [T, Hp]; k/v_ref: [S, Hp]; lse/delta_ref: [T].
+  """
+
+  def __init__(self, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+               operand_refs, id_table_ref, *, scores, mask, head_dim, block_q,
+               block_k):
+    q_len, kv_len = q_ref.shape[0], k_ref.shape[0]
+    self.ctx = TileContext(mask, scores, operand_refs, id_table_ref, q_len,
+                           kv_len, block_q, block_k, batch=pl.program_id(1))
+    self.k_ref, self.v_ref = k_ref, v_ref
+    self.head_dim, self.block_k = head_dim, block_k
+    self.tile = pl.num_programs(0) - 1 - pl.program_id(0)  # Longest first.
+    self.q_start = self.tile * block_q
+    bound = dict(row_bound=q_len, head_dim=head_dim)
+    self.q = load_tile(q_ref, self.q_start, block_q, **bound)
+    self.do = load_tile(do_ref, self.q_start, block_q, **bound)
+    self.lse2 = softmax.backward_lse2(load_row_stat(
+        lse_ref, self.q_start, block_q, row_bound=q_len, other=_INF))
+    self.delta = load_row_stat(delta_ref, self.q_start, block_q,
+                               row_bound=q_len)
+    self.q_ids = self.ctx.q_ids(self.q_start) if mask.has_ids else None
+    # Read here: the interpreter wants program ids outside loops.
+    self.head = pl.program_id(2)
+    self.slope = self.ctx.slope(self.head)
+    self.ranges = self.ctx.kv_ranges(self.tile, self.q_start)
+
+  def ds(self, j, masked: bool):
+    """(dS, the soft-cap tanh or None, K) of key tile j."""
+    ctx, k_start = self.ctx, j * self.block_k
+    bound = dict(row_bound=ctx.kv_len if masked else None,
+                 head_dim=self.head_dim)
+    k = load_tile(self.k_ref, k_start, self.block_k, **bound)
+    v = load_tile(self.v_ref, k_start, self.block_k, **bound)
+    s, tanh = ctx.logits2(dot(self.q, k, trans_b=True), self.q_start, k_start,
+                          slope=self.slope)
+    p = jnp.exp2(s - self.lse2[:, None])
+    if masked:
+      p = jnp.where(ctx.visible(self.q_start, k_start, q_ids=self.q_ids), p,
+                    0.0)
+    dp = ctx.dropped(dot(self.do, v, trans_b=True), self.q_start, k_start,
+                     self.head)
+    return p * (dp - self.delta[:, None]), tanh, k
+
+
+def _dq_kernel(*refs, scores: Scores, mask: Mask, head_dim: int, block_q: int,
+               block_k: int):
+  """One (query tile, batch, head): dQ = scale * sum_j dS_j K_j.
+
+  refs: as `_QueryTile`, then dq_ref [T, Hp].
+  """
+  *inputs, dq_ref = refs
+  prog = _QueryTile(*inputs, scores=scores, mask=mask, head_dim=head_dim,
+                    block_q=block_q, block_k=block_k)
+
+  def body(j, dq, *, masked):
+    ds, tanh, k = prog.ds(j, masked)
+    return dq + dot(scores.dqk(ds, tanh).astype(k.dtype), k)
+
+  dq = prog.ctx.visit(prog.ranges, body,
+                      jnp.zeros((block_q, dq_ref.shape[-1]), jnp.float32))
+  store_tile(dq_ref, prog.q_start, dq * scores.scale,
+             row_bound=prog.ctx.q_len, head_dim=head_dim)
+
+
+def _dbias_kernel(*refs, scores: Scores, mask: Mask, head_dim: int,
+                  block_q: int, block_k: int, sum_keys: bool,
+                  sum_queries: bool):
+  """One (query tile, batch, head): dBias = dS, summed as the bias broadcasts.
+
+  refs: as `_QueryTile`, then dbias_ref: [T, 1] row sums when the bias
+  broadcasts over keys (`sum_keys`); [num_q_tiles, S] this tile's column sums
+  when it broadcasts over queries only (`sum_queries`; XLA sums the tiles);
+  else [T, S], dS itself. Tiles the mask hides have dS = 0.
+  """
+  *inputs, dbias_ref = refs
+  prog = _QueryTile(*inputs, scores=scores, mask=mask, head_dim=head_dim,
+                    block_q=block_q, block_k=block_k)
+  ctx, q_start = prog.ctx, prog.q_start
+  rows = q_start + jnp.arange(block_q)
+
+  if sum_keys:
+    def rowsum_body(j, acc, *, masked):
+      return acc + jnp.sum(prog.ds(j, masked)[0], axis=1)
+    acc = ctx.visit(prog.ranges, rowsum_body,
+                    jnp.zeros((block_q,), jnp.float32))
+    plgpu.store(dbias_ref.at[pl.ds(q_start, block_q), jnp.int32(0)], acc,
+                mask=rows < ctx.q_len)
+    return
+
+  def store(j, ds):
+    cols = j * block_k + jnp.arange(block_k)
+    if sum_queries:
+      plgpu.store(dbias_ref.at[prog.tile, pl.ds(j * block_k, block_k)],
+                  jnp.sum(ds, axis=0), mask=cols < ctx.kv_len)
+    else:
+      plgpu.store(dbias_ref.at[pl.ds(q_start, block_q),
+                               pl.ds(j * block_k, block_k)], ds,
+                  mask=(rows < ctx.q_len)[:, None] & (cols < ctx.kv_len)[None])
+
+  def ds_body(j, carry, *, masked):
+    store(j, prog.ds(j, masked)[0])
+    return carry
+
+  def zero_body(j, carry):
+    store(j, jnp.zeros((block_q, block_k), jnp.float32))
+    return carry
+
+  lo, _, _, hi = prog.ranges
+  lax.fori_loop(0, lo, zero_body, None)
+  ctx.visit(prog.ranges, ds_body, None)
+  lax.fori_loop(hi, pl.cdiv(ctx.kv_len, block_k), zero_body, None)
+
+
+def flash_backward(q, k, v, operands: Operands, o, lse, do, dlse, *,
+                   scores: Scores, mask: Mask, block_sizes: BlockSizes,
+                   interpret: bool = False):
+  """Gradients of the forward with respect to q, k, v (and the bias).
+
+  Args:
+    q: [B, T, N, H]; k, v: [B, S, K, H]; o, do: [B, T, N, H].
+    operands: the optional arrays of the forward.
+    lse: [B, N, T] the forward's natural-log logsumexp; dlse: its cotangent
+      (zeros unless the caller used the logsumexp).
+  Returns:
+    dq [B, T, N, H] in q.dtype; dk, dv [B, S, K, H] in k.dtype, summed over
+    the query heads that share each key/value head; dbias shaped like
+    operands.bias (float32), or None without a bias.
+  """
+  batch, q_len, num_heads, head_dim = q.shape
+  kv_len, num_kv_heads = k.shape[1], k.shape[2]
+  group = num_heads // num_kv_heads
+  hp = padded_head_dim(head_dim)
+  # dS = P * (dP - D) + dlse * dlse/dS, and dlse/dS = P: the logsumexp's
+  # cotangent folds into D.
+  delta = jnp.einsum("btnh,btnh->bnt", o.astype(jnp.float32),
+                     do.astype(jnp.float32)) - dlse
+  static = dict(scores=scores, mask=mask, head_dim=head_dim)
+  compiler_params = plgpu.CompilerParams(
+      num_warps=block_sizes.num_warps_bwd,
+      num_stages=block_sizes.num_stages_bwd)
+
+  # dK/dV: grid over (key tiles, batch, kv heads); the group's query heads
+  # are one block of `group` consecutive heads.
+  bq, bk = block_sizes.block_q_dkv, block_sizes.block_k_dkv
+  group_spec = pl.BlockSpec((None, q_len, group, hp),
+                            lambda j, b, h: (b, 0, h, 0))
+  kv_spec = pl.BlockSpec((None, kv_len, None, hp), lambda j, b, h: (b, 0, h, 0))
+  group_stat_spec = pl.BlockSpec((None, group, q_len), lambda j, b, h: (b, h, 0))
+  extra = operand_specs.for_key_tiles(operands, bq, bk, group)
+  dk, dv = pl.pallas_call(
+      functools.partial(_dkdv_kernel, block_q=bq, block_k=bk, **static),
+      grid=(pl.cdiv(kv_len, bk), batch, num_kv_heads),
+      in_specs=[group_spec, kv_spec, kv_spec, group_spec, group_stat_spec,
+                group_stat_spec, *extra.in_specs()],
+      out_specs=[kv_spec, kv_spec],
+      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
+                 jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      compiler_params=compiler_params,
+      interpret=interpret,
+      name="flash_attention_backward_dkdv",
+  )(q, k, v, do, lse, delta, *extra.args())
+
+  # dQ and dBias: grid over (query tiles, batch, heads).
+  bq, bk = block_sizes.block_q_dq, block_sizes.block_k_dq
+  num_q_tiles = pl.cdiv(q_len, bq)
+  q_spec = pl.BlockSpec((None, q_len, None, hp), lambda i, b, n: (b, 0, n, 0))
+  kv_spec = pl.BlockSpec((None, kv_len, None, hp),
+                         lambda i, b, n: (b, 0, lax.div(n, group), 0))
+  stat_spec = pl.BlockSpec((None, None, q_len), lambda i, b, n: (b, n, 0))
+  extra = operand_specs.for_query_tiles(operands, bq, bk)
+
+  def query_tile_call(kernel, name, out_spec, out_shape):
+    return pl.pallas_call(
+        functools.partial(kernel, block_q=bq, block_k=bk, **static),
+        grid=(num_q_tiles, batch, num_heads),
+        in_specs=[q_spec, kv_spec, kv_spec, q_spec, stat_spec, stat_spec,
+                  *extra.in_specs()],
+        out_specs=out_spec,
+        out_shape=out_shape,
+        compiler_params=compiler_params,
+        interpret=interpret,
+        name=name,
+    )(q, k, v, do, lse, delta, *extra.args())
+
+  dq = query_tile_call(_dq_kernel, "flash_attention_backward_dq", q_spec,
+                       jax.ShapeDtypeStruct(q.shape, q.dtype))
+  dbias = None
+  if operands.bias is not None:
+    bm, nm, tm, sm = operands.bias.shape
+    sum_keys, sum_queries = sm == 1, tm == 1 and sm > 1
+    shape = (batch, num_heads, num_q_tiles if sum_queries else q_len,
+             1 if sum_keys else kv_len)
+    buf = query_tile_call(
+        functools.partial(_dbias_kernel, sum_keys=sum_keys,
+                          sum_queries=sum_queries),
+        "flash_attention_backward_dbias",
+        pl.BlockSpec((None, None) + shape[2:], lambda i, b, n: (b, n, 0, 0)),
+        jax.ShapeDtypeStruct(shape, jnp.float32))
+    axes = tuple(a for a, d in enumerate((bm, nm, tm, sm)) if d == 1)
+    dbias = jnp.sum(buf, axis=axes, keepdims=True)
+  return dq, dk, dv, dbias
