@@ -1,5 +1,5 @@
 """Block-size sweep of one (head dim, causal) shape: the data behind the
-defaults in `pallas_kernels/config.py`.
+defaults in `pallas_kernels/triton/config.py`.
 
     PYTHONPATH=. python3 benchmarks/tune.py --head-dim 256 [--causal] [--out DIR]
 

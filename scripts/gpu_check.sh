@@ -34,13 +34,13 @@ for mode in "$@"; do
   echo "=== $mode ($(date -u +%H:%M:%S))"
   case "$mode" in
     tests)
-      # Compilation dominates: 12 workers share the GPU, each allocating as
+      # Compilation dominates: 16 workers (one per core) share the GPU, each allocating as
       # needed. Left out: tests that run on the CPU wherever they are (the
       # Triton lowering for an abstract GPU, 8 simulated host devices).
       # Each failure goes to failures.log as it happens.
       # shellcheck disable=SC2086
       JAX_FLASH_FAILURE_LOG="$OUT/failures.log" timeout "${TESTS_LIMIT:-560}" \
-        python3 -m pytest -v -n 12 -rfE -p no:cacheprovider ${TESTS:-tests/} \
+        python3 -m pytest -v -n 16 -rfE -p no:cacheprovider ${TESTS:-tests/} \
         --ignore=tests/test_triton_lowering.py --ignore=tests/test_sharding.py \
         --ignore=tests/test_ring.py > "$OUT/gpu_tests.log" 2>&1
       echo "pytest exit: $?; passed: $(grep -c ' PASSED ' "$OUT/gpu_tests.log")"

@@ -16,7 +16,7 @@ find_python() {
 }
 
 # The package itself must be installed (not merely importable from here).
-if ! .venv/bin/python -c 'import importlib.metadata as m, jax, pytest
+if ! .venv/bin/python -c 'import importlib.metadata as m, jax, pytest, xdist
 assert jax.__version__ == "0.11.2"; m.version("jax-flash")' 2>/dev/null; then
   PY="$(find_python)"
   $PY -m venv .venv

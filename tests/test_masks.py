@@ -9,16 +9,16 @@ import pytest
 
 import jax_flash
 from jax_flash.testing import assert_attention_close
-from jax_flash.spec import mask as masking
+from jax_flash.spec import mask as mask_lib
 from tests.cases import compare_with_reference, jax_nn_attention, random_inputs
 from tests.conftest import KERNEL_IMPL
 
-BANDS = [masking.Mask(), masking.Mask(is_causal=True),
-         masking.Mask(window_left=5, window_right=3),
-         masking.Mask(window_left=40, window_right=None),
-         masking.Mask(window_left=None, window_right=17),
-         masking.Mask(is_causal=True, window_left=20),
-         masking.Mask(window_left=0, window_right=0)]
+BANDS = [mask_lib.Mask(), mask_lib.Mask(is_causal=True),
+         mask_lib.Mask(window_left=5, window_right=3),
+         mask_lib.Mask(window_left=40, window_right=None),
+         mask_lib.Mask(window_left=None, window_right=17),
+         mask_lib.Mask(is_causal=True, window_left=20),
+         mask_lib.Mask(window_left=0, window_right=0)]
 
 
 def _tile_classes(dense, r0, block_rows, block_cols, num_tiles,
@@ -54,20 +54,26 @@ def _check_ranges(ranges, classes, tight=True):
       assert (full_lo, full_hi) == (full[0], full[-1] + 1)
 
 
+# Query offsets: 0 (training) and queries sitting after cached keys (decode,
+# chunked prefill).
+OFFSETS = [0, 45]
+
+
 @pytest.mark.parametrize("mask", BANDS, ids=str)
 @pytest.mark.parametrize("q_len, kv_len, block_q, block_k",
                          [(100, 90, 16, 32), (64, 64, 32, 16), (37, 130, 16, 16)])
+@pytest.mark.parametrize("q_offset", OFFSETS)
 def test_kv_block_ranges_match_brute_force(mask, q_len, kv_len, block_q,
-                                           block_k):
-  dense = np.asarray(masking.dense_mask(mask, q_len, kv_len))[0]
-  # Pad rows past q_len like the kernels do (they are never stored).
-  dense = np.pad(dense, ((0, block_q), (0, 0)))
+                                           block_k, q_offset):
   num_tiles = -(-kv_len // block_k)
   for r0 in range(0, q_len, block_q):
-    ranges = masking.kv_block_ranges(mask, r0, block_q, block_k, kv_len)
+    ranges = mask_lib.kv_block_ranges(mask, r0, block_q, block_k, kv_len,
+                                      q_offset)
+    # Rows past q_len count like the kernels treat them (never stored).
     rows = np.arange(r0, r0 + block_q)[:, None]
     cols = np.arange(kv_len)[None, :]
-    tile_rows = np.asarray(mask.visible(rows, cols, kv_len))
+    tile_rows = np.asarray(mask.visible(rows, cols, kv_len,
+                                        q_offset=q_offset))
     classes = _tile_classes(tile_rows, 0, block_q, block_k, num_tiles)
     _check_ranges(ranges, classes)
 
@@ -75,17 +81,19 @@ def test_kv_block_ranges_match_brute_force(mask, q_len, kv_len, block_q,
 @pytest.mark.parametrize("mask", BANDS, ids=str)
 @pytest.mark.parametrize("q_len, kv_len, block_q, block_k",
                          [(100, 90, 16, 32), (64, 64, 32, 16), (130, 37, 16, 16)])
+@pytest.mark.parametrize("q_offset", OFFSETS)
 def test_q_block_ranges_match_brute_force(mask, q_len, kv_len, block_q,
-                                          block_k):
+                                          block_k, q_offset):
   num_tiles = -(-q_len // block_q)
   for c0 in range(0, kv_len, block_k):
-    ranges = masking.q_block_ranges(mask, c0, block_k, block_q, q_len)
+    ranges = mask_lib.q_block_ranges(mask, c0, block_k, block_q, q_len,
+                                     q_offset)
     cols = np.arange(c0, c0 + block_k)[:, None]  # Key rows, query columns.
     rows = np.arange(q_len)[None, :]
     # Keys past kv_len and queries past q_len add nothing in the dK/dV
     # kernel: only real pairs count.
-    vis = np.broadcast_to(mask.visible(rows, cols, np.iinfo(np.int32).max),
-                          (block_k, q_len))
+    vis = np.broadcast_to(mask.visible(rows, cols, np.iinfo(np.int32).max,
+                                       q_offset=q_offset), (block_k, q_len))
     classes = _tile_classes(vis[:max(0, min(block_k, kv_len - c0))], 0,
                             block_k, block_q, num_tiles,
                             short_tile_can_be_full=True)
@@ -99,9 +107,9 @@ def test_id_block_table_is_safe(sorted_ids):
   kv_ids = rng.integers(0, 5, (3, 66))
   if sorted_ids:
     q_ids, kv_ids = np.sort(q_ids, 1), np.sort(kv_ids, 1)
-  q_ids[1, 40:] = masking.Q_PAD_ID  # A query length.
-  kv_ids[2, 10:] = masking.KV_PAD_ID  # A key length.
-  table = np.asarray(masking.id_block_table(jnp.asarray(q_ids),
+  q_ids[1, 40:] = mask_lib.Q_PAD_ID  # A query length.
+  kv_ids[2, 10:] = mask_lib.KV_PAD_ID  # A key length.
+  table = np.asarray(mask_lib.id_block_table(jnp.asarray(q_ids),
                                             jnp.asarray(kv_ids), 16, 8))
   for b in range(3):
     dense = q_ids[b][:, None] == kv_ids[b][None, :]
