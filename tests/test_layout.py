@@ -1,0 +1,38 @@
+"""The architecture, checked: the problem description imports no backend, and
+a backend imports only the description (never another backend, never the
+entry points)."""
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _imports(path):
+  names = []
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      names += [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.level == 0:
+      names.append(node.module)
+  return names
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "jax_flash/spec").glob("*.py")),
+                         ids=lambda p: p.name)
+def test_spec_imports_no_backend(path):
+  ours = [n for n in _imports(path)
+          if n.split(".")[0] in ("jax_flash", "pallas_kernels")]
+  assert all(n.startswith("jax_flash.spec") for n in ours), ours
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "pallas_kernels").rglob("*.py")),
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_backend_imports_only_the_spec_and_itself(path):
+  parts = path.relative_to(ROOT / "pallas_kernels").parts
+  own = f"pallas_kernels.{parts[0]}" if len(parts) > 1 else "pallas_kernels"
+  ours = [n for n in _imports(path)
+          if n.split(".")[0] in ("jax_flash", "pallas_kernels")]
+  for name in ours:
+    assert name.startswith(("jax_flash.spec", own)), (path, name)
