@@ -13,10 +13,12 @@ from jax_flash.decode import flash_decode  # noqa: E402
 from jax_flash.reference import reference_attention  # noqa: E402
 from jax_flash.ring import ring_attention  # noqa: E402
 from jax_flash.spec.dropout import dropout_keep_mask  # noqa: E402
+from pallas_kernels.mosaic_gpu.config import \
+    BlockSizes as MosaicBlockSizes  # noqa: E402
 from pallas_kernels.triton.config import BlockSizes  # noqa: E402
 
 __all__ = ["flash_attention", "flash_decode", "reference_attention",
            "ring_attention",
-           "BlockSizes",
+           "BlockSizes", "MosaicBlockSizes",
            "dropout_keep_mask"]
 __version__ = "0.1.0"

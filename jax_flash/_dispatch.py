@@ -5,7 +5,8 @@
 backend is an object with:
 
     name, needs_gpu, config_type
-    unsupported(problem, dtype, *, mask, scores, version) -> str | None
+    unsupported(problem, dtype, *, mask, scores, version, decode)
+        -> str | None (why it cannot take the call)
     config(block_sizes, problem, dtype, *, is_causal, version) -> config
     forward(q, k, v, operands, *, mask, scores, config, version)
         -> (o [B, T, N, H], lse [B, N, T])
@@ -15,12 +16,13 @@ backend is an object with:
         -> (o [B, T, N, H], lse [B, N, T])
 
 with lse the natural-log logsumexp, float32, everywhere. Backends:
-"triton" (Pallas kernels lowered through Triton; a GPU), "interpret" (the
-same kernels run by the Pallas interpreter; any machine) and "xla"
+"mosaic" (Pallas Mosaic GPU kernels; Hopper GPUs, the Triton backward),
+"triton" (Pallas kernels lowered through Triton; any CUDA GPU), "interpret"
+(the Triton kernels run by the Pallas interpreter; any machine) and "xla"
 (`reference.attend`, plain jnp). "pallas" names the best Pallas backend
-for the device that takes the call (Triton today). `implementation=None`
-picks "pallas" when the query lives on a GPU and a Pallas backend takes the
-call, else "xla".
+for the device that takes the call (`PALLAS`, best first).
+`implementation=None` picks "pallas" when the query lives on a GPU and a
+Pallas backend takes the call, else "xla".
 """
 from __future__ import annotations
 
@@ -34,9 +36,9 @@ from jax_flash.spec.checks import Problem
 from jax_flash.spec.mask import Mask, make_ids
 from jax_flash.spec.operands import Operands
 from jax_flash.spec.scores import Scores
-from pallas_kernels import triton
+from pallas_kernels import mosaic_gpu, triton
 
-IMPLEMENTATIONS = ("pallas", "triton", "interpret", "xla")
+IMPLEMENTATIONS = ("pallas", "mosaic", "triton", "interpret", "xla")
 VERSIONS = (1, 2)
 
 
@@ -49,7 +51,8 @@ class XlaBackend:
   needs_gpu = False
   config_type = type(None)
 
-  def unsupported(self, problem, dtype, *, mask, scores, version=2):
+  def unsupported(self, problem, dtype, *, mask, scores, version=2,
+                  decode=False):
     return None
 
   def config(self, block_sizes, problem, dtype, *, is_causal, version=2):
@@ -103,10 +106,13 @@ class XlaBackend:
 
 
 XLA = XlaBackend()
-BACKENDS = {"triton": triton.TRITON, "interpret": triton.INTERPRET,
+BACKENDS = {"mosaic": mosaic_gpu.MosaicGpuBackend(triton.TRITON),
+            "triton": triton.TRITON, "interpret": triton.INTERPRET,
             "xla": XLA}
 # The Pallas backends for a GPU, best first.
 PALLAS = ("triton",)
+# Backends that need a Hopper (sm90) GPU.
+HOPPER_ONLY = ("mosaic",)
 
 
 def on_gpu(x) -> bool:
@@ -125,23 +131,37 @@ def gpu_target() -> bool:
   return device is not None and device.platform == "gpu"
 
 
+def hopper_target() -> bool:
+  """An sm90 GPU (H100/H200) to run on, or one to compile for."""
+  if jax.default_backend() == "gpu":
+    return all(getattr(d, "compute_capability", "") == "9.0"
+               for d in jax.local_devices())
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  return device is not None and device.platform == "gpu" and any(
+      name in device.device_kind for name in ("H100", "H200", "H800"))
+
+
 def check_options(block_sizes, version) -> None:
   """`block_sizes` and `version`, checked for every implementation."""
   types = tuple({b.config_type for b in BACKENDS.values()} - {type(None)})
   if block_sizes is not None and not isinstance(block_sizes, types):
     raise ValueError(
-        f"block_sizes must be a jax_flash.BlockSizes or None, got "
+        f"block_sizes must be a jax_flash.BlockSizes, a "
+        f"jax_flash.MosaicBlockSizes or None, got "
         f"{type(block_sizes).__name__}")
   if version not in VERSIONS:
     raise ValueError(f"version must be 1 or 2, got {version!r}")
 
 
 def select(implementation, query, problem: Problem, dtype, *, mask: Mask,
-           scores: Scores, version: int = 2):
+           scores: Scores, version: int = 2, decode: bool = False):
   """The backend that runs this call; ValueError if the one named cannot."""
   def reason(name):
+    if name in HOPPER_ONLY and not hopper_target():
+      return f"implementation {name!r} needs a Hopper GPU (H100/H200)"
     return BACKENDS[name].unsupported(problem, dtype, mask=mask,
-                                      scores=scores, version=version)
+                                      scores=scores, version=version,
+                                      decode=decode)
 
   if implementation is None:
     if on_gpu(query):

@@ -29,9 +29,10 @@ from jax_flash.testing import relative_error
 
 
 def _impls(causal: bool):
-  def ours(version):
+  def ours(version, implementation="triton"):
     return lambda q, k, v: jax_flash.flash_attention(
-        q, k, v, is_causal=causal, implementation="pallas", version=version)
+        q, k, v, is_causal=causal, implementation=implementation,
+        version=version)
 
   def jax_nn(impl):
     return lambda q, k, v: jax.nn.dot_product_attention(
@@ -52,6 +53,8 @@ def _impls(causal: bool):
   return {
       "flash_v2": (ours(2), modes),
       "flash_v1": (ours(1), ("fwd",)),
+      # The Mosaic GPU forward (its backward is flash_v2's).
+      "flash_mosaic": (ours(2, "mosaic"), ("fwd", "fwd+bwd")),
       "cudnn": (jax_nn("cudnn"), modes),
       "xla": (jax_nn("xla"), modes),
       "jax_pallas": (jax_pallas, modes),
@@ -291,14 +294,18 @@ def markdown(rows) -> str:
     groups.setdefault(key(r), {})[(r["impl"], r["mode"])] = r
   present = {(r["impl"], r["mode"]) for r in rows}
   cols = [c for c in [
-      ("flash_v2", "fwd"), ("flash_v1", "fwd"), ("cudnn", "fwd"),
+      ("flash_mosaic", "fwd"), ("flash_v2", "fwd"), ("flash_v1", "fwd"),
+      ("cudnn", "fwd"),
       ("jax_pallas", "fwd"), ("xla", "fwd"), ("flash_v2", "bwd"),
-      ("cudnn", "bwd"), ("jax_pallas", "bwd"), ("flash_v2", "fwd+bwd"),
+      ("cudnn", "bwd"), ("jax_pallas", "bwd"), ("flash_mosaic", "fwd+bwd"),
+      ("flash_v2", "fwd+bwd"),
       ("cudnn", "fwd+bwd"), ("jax_pallas", "fwd+bwd"), ("xla", "fwd+bwd")]
           if c in present]
+  mosaic = any(r["impl"] == "flash_mosaic" for r in rows)
   head = ("| H | seq | causal | " +
           " | ".join(f"{i} {m}" for i, m in cols) +
-          " | v2/cuDNN fwd | v2/cuDNN fwd+bwd |")
+          " | v2/cuDNN fwd | v2/cuDNN fwd+bwd |" +
+          (" mosaic/cuDNN fwd | mosaic/v2 fwd |" if mosaic else ""))
   lines = [head, "|" + "---|" * (head.count("|") - 1)]
 
   def fmt(r):
@@ -308,8 +315,8 @@ def markdown(rows) -> str:
       return f"{r['tflops']:.0f}"
     return "OOM" if "RESOURCE_EXHAUSTED" in r.get("error", "") else "fails"
 
-  def ratio(g, mode):
-    a, b = g.get(("flash_v2", mode)), g.get(("cudnn", mode))
+  def ratio(g, mode, ours="flash_v2", theirs="cudnn"):
+    a, b = g.get((ours, mode)), g.get((theirs, mode))
     if a and b and "tflops" in a and "tflops" in b:
       return f"{a['tflops'] / b['tflops']:.2f}"
     return "-"
@@ -318,7 +325,10 @@ def markdown(rows) -> str:
     cells = [fmt(g.get(col)) for col in cols]
     lines.append(f"| {h} | {s} | {'yes' if c else 'no'} | " +
                  " | ".join(cells) +
-                 f" | {ratio(g, 'fwd')} | {ratio(g, 'fwd+bwd')} |")
+                 f" | {ratio(g, 'fwd')} | {ratio(g, 'fwd+bwd')} |" +
+                 (f" {ratio(g, 'fwd', 'flash_mosaic')} | "
+                  f"{ratio(g, 'fwd', 'flash_mosaic', 'flash_v2')} |"
+                  if mosaic else ""))
   return "\n".join(lines)
 
 

@@ -92,7 +92,7 @@ def flash_decode(query, key_cache=None, value_cache=None, *, kv_lengths,
   scores = Scores(scale=checks.check_scale(scale, head_dim),
                   soft_cap=checks.check_soft_cap(logits_soft_cap))
   backend = _dispatch.select(implementation, query, p, query.dtype, mask=mask,
-                             scores=scores)
+                             scores=scores, decode=True)
   out, lse = backend.decode(query, k, v, kv_lengths, mask=mask, scores=scores,
                             num_splits=num_splits,
                             page_table=page_table if paged else None)

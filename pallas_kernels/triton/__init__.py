@@ -42,9 +42,10 @@ class TritonBackend:
     return not self.interpret
 
   def unsupported(self, problem: Problem, dtype, *, mask: Mask,
-                  scores: Scores, version: int = 2) -> str | None:
+                  scores: Scores, version: int = 2,
+                  decode: bool = False) -> str | None:
     """Why this backend cannot take the call, or None."""
-    del mask, scores, version  # Every mask, score modification and version.
+    del mask, scores, version, decode  # It takes every one.
     if jnp.dtype(dtype).name not in config.DTYPES:
       return (f"query dtype must be one of {', '.join(config.DTYPES)} for the "
               f"Triton kernels, got {jnp.dtype(dtype)}")

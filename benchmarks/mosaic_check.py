@@ -1,0 +1,101 @@
+"""The Mosaic GPU forward on the H200: correctness over a sweep, in one run.
+
+    PYTHONPATH=. python3 benchmarks/mosaic_check.py [--out DIR]
+
+For each shape: `flash_attention(implementation="mosaic")` (the Mosaic
+forward, the Triton backward) against the float32 reference, output,
+logsumexp and gradients, with `assert_attention_close` (bounds tied to plain
+attention in the same dtype), plus a bitwise repeat of the forward. Prints
+one JSON row per case and writes mosaic_check.json; exits 1 if any failed.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+import jax_flash
+from jax_flash.testing import assert_attention_close, relative_error
+from tests.cases import plain_attention, random_inputs
+
+# (batch, q_len, kv_len, heads, kv_heads, head_dim, dtype, causal)
+CASES = [
+    (2, 1024, 1024, 8, 8, 128, "bfloat16", False),
+    (2, 1024, 1024, 8, 8, 128, "bfloat16", True),
+    (2, 1024, 1024, 8, 2, 64, "bfloat16", True),
+    (1, 2048, 2048, 4, 1, 64, "float16", False),
+    (2, 512, 512, 4, 4, 256, "bfloat16", False),
+    (2, 512, 512, 4, 2, 256, "float16", True),
+    (1, 256, 1536, 8, 2, 128, "bfloat16", True),   # T < S, causal top-left.
+    (1, 1024, 264, 4, 4, 128, "bfloat16", False),  # S a multiple of 8 only.
+    (1, 4096, 4096, 16, 16, 128, "bfloat16", True),
+]
+
+
+def check(case):
+  b, t, s, n, k, h, dtype, causal = case
+  q, kk, v, do = random_inputs(b, t, s, n, k, h, jnp.dtype(dtype))
+  names = ("out", "lse", "dq", "dk", "dv")
+
+  def run(attention, up, **kw):
+    def f(q, k, v):
+      return attention(up(q), up(k), up(v), is_causal=causal,
+                       return_residual=True, **kw)
+    (out, lse), vjp = jax.vjp(f, q, kk, v)
+    dlse = jnp.cos(jnp.arange(lse.size, dtype=jnp.float32)).reshape(lse.shape)
+    return dict(zip(names, (out, lse) + vjp((do.astype(out.dtype), dlse))))
+
+  got = jax.jit(lambda: run(jax_flash.flash_attention, lambda x: x,
+                            implementation="mosaic"))()
+  ref = jax.jit(lambda: run(jax_flash.reference_attention,
+                            lambda x: x.astype(jnp.float32)))()
+  plain = jax.jit(lambda: run(plain_attention(jnp.dtype(dtype)),
+                              lambda x: x))()
+  errors = {name: relative_error(jnp.where(jnp.isfinite(ref[name]),
+                                           got[name], 0),
+                                 jnp.where(jnp.isfinite(ref[name]),
+                                           ref[name], 0)) for name in names}
+  plain_errors = {name: relative_error(plain[name], ref[name])
+                  for name in ("out", "dq", "dk", "dv")}
+  row = dict(case=case, errors=errors, plain_errors=plain_errors)
+  forward = jax.jit(lambda q, k, v: jax_flash.flash_attention(
+      q, k, v, is_causal=causal, implementation="mosaic"))
+  row["bitwise_repeat"] = bool(jnp.array_equal(forward(q, kk, v),
+                                               forward(q, kk, v)))
+  try:
+    assert_attention_close(got, ref, dtype, baseline=plain)
+    row["ok"] = row["bitwise_repeat"]
+  except AssertionError as e:
+    row["ok"], row["why"] = False, str(e)
+  return row
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", default=".")
+  args = parser.parse_args()
+  rows = []
+  for case in CASES:
+    start = time.perf_counter()
+    try:
+      row = check(case)
+    except Exception as e:  # Say what failed, go on.
+      row = dict(case=case, ok=False,
+                 why=f"{type(e).__name__}: {str(e)[:500]}")
+    row["seconds"] = round(time.perf_counter() - start, 1)
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "mosaic_check.json"), "w") as f:
+    json.dump(dict(device=jax.devices()[0].device_kind, rows=rows), f,
+              indent=1)
+  failed = [r for r in rows if not r["ok"]]
+  print(f"{len(rows) - len(failed)} of {len(rows)} cases passed")
+  sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,98 @@
+"""The Mosaic GPU backend: Pallas kernels for Hopper (sm90a) with TMA, wgmma
+and warp specialization.
+
+Today a forward kernel (`flash_fwd`), paired with the Triton backward through
+the shared logsumexp. What it takes is narrower than the Triton backend
+(`unsupported` says what, and the dispatch then runs Triton): bf16/fp16,
+head dims 64/128/256, query lengths a multiple of 2 * block_q, key lengths a
+multiple of 8, no mask beyond causal, no score modification, no dropout.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from jax_flash.spec.checks import Problem
+from jax_flash.spec.mask import Mask
+from jax_flash.spec.operands import Operands
+from jax_flash.spec.scores import Scores
+from pallas_kernels.mosaic_gpu import config
+from pallas_kernels.mosaic_gpu.config import BlockSizes
+from pallas_kernels.mosaic_gpu.flash_fwd import flash_forward
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+  """The forward's tiles, and the backward's (a backend's config)."""
+  forward: BlockSizes
+  backward: object
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicGpuBackend:
+  """The backend interface of `jax_flash._dispatch`; the backward is
+  `backward_backend`'s (the Triton kernels)."""
+  backward_backend: object
+  name = "mosaic"
+  needs_gpu = True
+  config_type = BlockSizes
+
+  def unsupported(self, problem: Problem, dtype, *, mask: Mask,
+                  scores: Scores, version: int = 2,
+                  decode: bool = False) -> str | None:
+    """Why the Mosaic GPU kernels cannot take the call, or None."""
+    if decode:
+      return "the Mosaic GPU backend has no decode kernel yet"
+    if version != 2:
+      return "the Mosaic GPU backend runs only the FlashAttention-2 forward"
+    if jnp.dtype(dtype).name not in config.DTYPES:
+      return (f"query dtype must be bfloat16 or float16 for the Mosaic GPU "
+              f"kernels, got {jnp.dtype(dtype)}")
+    if problem.head_dim not in config.HEAD_DIMS:
+      return (f"head_dim must be one of {config.HEAD_DIMS} for the Mosaic GPU "
+              f"kernels, got {problem.head_dim}")
+    rows = 2 * BlockSizes.get_default(problem.head_dim).block_q
+    if problem.q_len % rows:
+      return (f"q_len must be a multiple of {rows} for the Mosaic GPU "
+              f"kernels, got {problem.q_len}")
+    if problem.kv_len % 8:
+      return (f"kv_len must be a multiple of 8 for the Mosaic GPU kernels, "
+              f"got {problem.kv_len}")
+    if (mask.has_ids or mask.has_dense or mask.window_left is not None or
+        mask.window_right is not None):
+      return ("the Mosaic GPU kernels take only causal masks (no lengths, "
+              "segments, windows or dense masks yet)")
+    if not scores.plain or scores.dropout:
+      return ("the Mosaic GPU kernels take no bias, soft-cap, ALiBi or "
+              "dropout yet")
+    return None
+
+  def config(self, block_sizes, problem: Problem, dtype, *, is_causal: bool,
+             version: int = 2) -> MosaicConfig:
+    forward = (block_sizes if isinstance(block_sizes, BlockSizes) else
+               BlockSizes.get_default(problem.head_dim))
+    if problem.q_len % (2 * forward.block_q):
+      raise ValueError(f"block_sizes.block_q={forward.block_q}: q_len "
+                       f"{problem.q_len} must be a multiple of 2 * block_q")
+    smem = forward.smem_bytes(problem.head_dim, jnp.dtype(dtype).itemsize)
+    if smem > config.SMEM_BYTES:
+      raise ValueError(f"block_sizes {forward} need {smem} bytes of shared "
+                       f"memory at head_dim {problem.head_dim}, more than "
+                       f"the {config.SMEM_BYTES} of an H100/H200")
+    backward = self.backward_backend.config(
+        None if isinstance(block_sizes, BlockSizes) else block_sizes, problem,
+        dtype, is_causal=is_causal, version=version)
+    return MosaicConfig(forward, backward)
+
+  def forward(self, q, k, v, operands: Operands, *, mask: Mask,
+              scores: Scores, config: MosaicConfig, version: int = 2):
+    del operands, version  # None taken (see `unsupported`).
+    return flash_forward(q, k, v, mask=mask, scores=scores,
+                         block_sizes=config.forward)
+
+  def backward(self, q, k, v, operands: Operands, o, lse, do, dlse, *,
+               mask: Mask, scores: Scores, config: MosaicConfig):
+    return self.backward_backend.backward(q, k, v, operands, o, lse, do, dlse,
+                                          mask=mask, scores=scores,
+                                          config=config.backward)

@@ -1,0 +1,48 @@
+"""The Mosaic GPU backend's configuration and limits."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+DTYPES = ("bfloat16", "float16")
+HEAD_DIMS = (64, 128, 256)  # Multiples of 64 within wgmma's N <= 256.
+SMEM_BYTES = 227 * 1024  # Shared memory of one Hopper CTA.
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tiles of the Mosaic GPU forward, built by keyword.
+
+  Each of the two consumer warpgroups owns `block_q` query rows (a CTA owns
+  2 * block_q); K/V tiles of `block_kv` rows stream through `num_stages`
+  shared-memory slots.
+  """
+  block_q: int = 64
+  block_kv: int = 128
+  num_stages: int = 2
+
+  def __post_init__(self):
+    for name in ("block_q", "block_kv"):
+      value = getattr(self, name)
+      if (not isinstance(value, (int, np.integer)) or isinstance(value, bool)
+          or value < 64 or value % 64):
+        raise ValueError(
+            f"block_sizes.{name}={value!r} must be a multiple of 64")
+    if not isinstance(self.num_stages, (int, np.integer)) or not (
+        2 <= self.num_stages <= 6):
+      raise ValueError(f"block_sizes.num_stages={self.num_stages!r} must be "
+                       "an int in [2, 6]")
+
+  def smem_bytes(self, head_dim: int, itemsize: int) -> int:
+    q = 2 * self.block_q * head_dim * itemsize
+    kv = 2 * self.num_stages * self.block_kv * head_dim * itemsize
+    return q + kv + 2 * self.block_q * 4
+
+  @classmethod
+  def get_default(cls, head_dim: int) -> "BlockSizes":
+    """Not tuned yet: 64-row consumer tiles, 128-row K/V tiles in 2 stages;
+    64-row K/V tiles at head dim 256, to fit shared memory."""
+    if head_dim > 128:
+      return cls(block_q=64, block_kv=64, num_stages=2)
+    return cls(block_q=64, block_kv=128, num_stages=2)

@@ -1,0 +1,236 @@
+"""FlashAttention-2 forward (Dao 2023, Algorithm 1) for Hopper, in Pallas Mosaic GPU.
+
+One CTA owns 2 * block_q query rows of one (batch, head) and runs three
+warpgroups (warp specialization):
+
+* warpgroup 2, the producer, streams K/V tiles with TMA into a ring of
+  `num_stages` shared-memory slots. A slot is refilled once both consumers
+  have released it (a "free" barrier with two arrivals).
+* warpgroups 0 and 1, the consumers, each own block_q rows: S = Q K^T by
+  wgmma into registers, the online-softmax update (base 2, delayed
+  normalization), then O += P V by wgmma with P from registers. A two-arrival
+  "schedule" barrier staggers them (ping-pong), so one warpgroup's softmax
+  overlaps the other's matmuls.
+
+Tiles come from the shared mask description (`mask.kv_block_ranges`): the
+producer loads the key tiles either consumer needs, interior tiles skip the
+predicate, boundary tiles evaluate it; a consumer whose rows need fewer tiles
+only waits and releases the rest (every barrier completion is awaited). The
+logsumexp is stored in natural log, [B, N, T].
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jax_flash.spec import softmax
+from jax_flash.spec.mask import Mask, kv_block_ranges
+from jax_flash.spec.scores import Scores
+from pallas_kernels.mosaic_gpu.config import BlockSizes
+
+_COMPUTE_WGS = 2
+
+
+def _smem_transforms(dtype, minor_dim: int):
+  """Tiling and swizzle for a [rows, minor_dim] tile read by wgmma."""
+  swizzle = plgpu.find_swizzle(minor_dim * jnp.dtype(dtype).itemsize * 8)
+  elems = swizzle // jnp.dtype(dtype).itemsize
+  return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *,
+                    mask: Mask, scores: Scores, blocks: BlockSizes,
+                    group: int):
+  """q_ref/o_ref [B, T, N, H], k_ref/v_ref [B, S, K, H], lse_ref [B, N, T]."""
+  (q_smem2, k_smem, v_smem, lse_smem2), ready, free, schedule = scratch
+  k_ready, v_ready, q_ready = ready
+  k_free, v_free = free
+  block_q, block_kv, stages = blocks.block_q, blocks.block_kv, blocks.num_stages
+  kv_len = k_ref.shape[1]
+  dtype = q_ref.dtype
+  batch, head = lax.axis_index("batch"), lax.axis_index("heads")
+  wg = lax.axis_index("wg")
+  tile_start = lax.axis_index("q_seq") * (_COMPUTE_WGS * block_q)
+  # Key tiles [first, steps) the producer loads: what either consumer needs.
+  first, _, _, steps = kv_block_ranges(mask, tile_start, _COMPUTE_WGS * block_q,
+                                       block_kv, kv_len)
+
+  def schedule_barrier():
+    plgpu.barrier_arrive(schedule)
+    plgpu.barrier_wait(schedule)
+
+  @pl.when(wg < _COMPUTE_WGS)
+  def _consumer():
+    plgpu.set_max_registers(232, action="increase")
+    q_smem, lse_smem = q_smem2.at[wg], lse_smem2.at[wg]
+    q_start = tile_start + wg * block_q
+    lo, full_lo, full_hi, hi = kv_block_ranges(mask, q_start, block_q,
+                                               block_kv, kv_len)
+    plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, block_q), head],
+                            q_smem, q_ready.at[wg])
+    plgpu.barrier_wait(q_ready.at[wg])
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32),
+                          row_layout)
+    l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout)
+    acc = plgpu.layout_cast(jnp.zeros((block_q, q_ref.shape[-1]), jnp.float32),
+                            plgpu.Layout.WGMMA)
+    pl.when(wg == 1)(schedule_barrier)  # Warpgroup 1 runs half a step behind.
+
+    def step(j, carry, *, masked: bool):
+      acc, m, l = carry
+      slot = lax.rem(j, stages)
+      plgpu.barrier_wait(k_ready.at[slot])
+
+      def qk(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
+        schedule_barrier()
+        return acc_ref[...]
+      s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+      plgpu.barrier_arrive(k_free.at[slot])
+      s = s * (scores.scale * softmax.LOG2E)
+      if masked:
+        shape = (block_q, block_kv)
+        rows = q_start + plgpu.broadcasted_iota(jnp.int32, shape, 0,
+                                                layout=plgpu.Layout.WGMMA)
+        cols = j * block_kv + plgpu.broadcasted_iota(
+            jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+        s = jnp.where(mask.visible(rows, cols, kv_len), s, -jnp.inf)
+      m_new = jnp.maximum(m, s.max(axis=1))
+      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      alpha = jnp.exp2(m - m_safe)
+      p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+      l = l * alpha + p.sum(axis=1)
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      p16 = p.astype(dtype)
+      plgpu.barrier_arrive(schedule)  # Softmax done: the other may compute.
+      plgpu.barrier_wait(v_ready.at[slot])
+      plgpu.barrier_wait(schedule)  # The tensor cores are ours again.
+      acc = pl.run_state(
+          lambda acc_ref: plgpu.wgmma(acc_ref, p16, v_smem.at[slot]))(
+              plgpu.ACC.init(acc))
+      plgpu.barrier_arrive(v_free.at[slot])
+      return acc, m_new, l
+
+    def release(j, carry):
+      """A tile the producer loaded for the other warpgroup's rows."""
+      slot = lax.rem(j, stages)
+      plgpu.barrier_wait(k_ready.at[slot])
+      plgpu.barrier_arrive(k_free.at[slot])
+      schedule_barrier()
+      plgpu.barrier_wait(v_ready.at[slot])
+      plgpu.barrier_arrive(v_free.at[slot])
+      schedule_barrier()
+      return carry
+
+    carry = lax.fori_loop(first, lo, release, (acc, m, l))
+    for start, stop, masked in ((lo, full_lo, True), (full_lo, full_hi, False),
+                                (full_hi, hi, True)):
+      carry = lax.fori_loop(start, stop,
+                            functools.partial(step, masked=masked), carry)
+    acc, m, l = lax.fori_loop(hi, steps, release, carry)
+    pl.when(wg == 0)(schedule_barrier)
+
+    l_safe = jnp.where(l == 0.0, 1.0, l)
+    q_smem[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+                   ).astype(dtype)
+    lse_smem[...] = jnp.where(l == 0.0, -jnp.inf,
+                              (m + jnp.log2(l_safe)) * softmax.LN2)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_smem,
+                            o_ref.at[batch, pl.ds(q_start, block_q), head])
+    plgpu.copy_smem_to_gmem(lse_smem,
+                            lse_ref.at[batch, head, pl.ds(q_start, block_q)])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == _COMPUTE_WGS)
+  def _producer():
+    plgpu.set_max_registers(40, action="decrease")
+    kv_head = lax.div(head, jnp.int32(group))
+
+    def load(j, slot):
+      tile = (batch, pl.ds(j * block_kv, block_kv), kv_head)
+      plgpu.copy_gmem_to_smem(k_ref.at[tile], k_smem.at[slot],
+                              k_ready.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[tile], v_smem.at[slot],
+                              v_ready.at[slot])
+
+    for i in range(stages):
+      j = first + i
+      pl.when(j < steps)(lambda j=j: load(j, lax.rem(j, stages)))
+
+    @pl.loop(first + stages, jnp.maximum(steps, first + stages))
+    def _(j):
+      slot = lax.rem(j, stages)
+      plgpu.barrier_wait(k_free.at[slot])
+      plgpu.barrier_wait(v_free.at[slot])
+      load(j, slot)
+
+    # Await the last releases too: every completion of a barrier is waited.
+    for i in range(stages):
+      j = steps - stages + i
+
+      @pl.when(j >= first)
+      def _():
+        slot = lax.rem(j, stages)
+        plgpu.barrier_wait(k_free.at[slot])
+        plgpu.barrier_wait(v_free.at[slot])
+
+
+def flash_forward(q, k, v, *, mask: Mask, scores: Scores,
+                  block_sizes: BlockSizes):
+  """Runs the forward kernel.
+
+  q [B, T, N, H], k/v [B, S, K, H] (K divides N), bf16 or fp16, with
+  T a multiple of 2 * block_q, S a multiple of 8 and H a multiple of 64
+  (`pallas_kernels.mosaic_gpu.MosaicGpuBackend.unsupported` checks).
+  GPU only: the Pallas interpreter cannot run a wgmma whose left operand is
+  in registers (P here); tests lower it for CUDA on the CPU instead.
+  Returns (o [B, T, N, H], lse [B, N, T] float32, natural log).
+  """
+  batch, q_len, num_heads, head_dim = q.shape
+  group = num_heads // k.shape[2]
+  blocks = block_sizes
+  transforms = _smem_transforms(q.dtype, head_dim)
+  stages = blocks.num_stages
+  scratch = dict(
+      buffers=(
+          plgpu.SMEM((_COMPUTE_WGS, blocks.block_q, head_dim), q.dtype,
+                     transforms=transforms),
+          plgpu.SMEM((stages, blocks.block_kv, head_dim), k.dtype,
+                     transforms=transforms),
+          plgpu.SMEM((stages, blocks.block_kv, head_dim), v.dtype,
+                     transforms=transforms),
+          plgpu.SMEM((_COMPUTE_WGS, blocks.block_q), jnp.float32),
+      ),
+      ready=(plgpu.Barrier(num_barriers=stages),
+             plgpu.Barrier(num_barriers=stages),
+             plgpu.Barrier(num_barriers=_COMPUTE_WGS)),
+      free=(plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),) * 2,
+      schedule=plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
+  )
+
+  def body(q_ref, k_ref, v_ref, o_ref, lse_ref, *, buffers, ready, free,
+           schedule):
+    _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref,
+                    (buffers, ready, free, schedule), mask=mask,
+                    scores=scores, blocks=blocks, group=group)
+
+  num_tiles = q_len // (_COMPUTE_WGS * blocks.block_q)
+  return plgpu.kernel(
+      body,
+      out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
+                jax.ShapeDtypeStruct((batch, num_heads, q_len), jnp.float32)),
+      scratch_types=scratch,
+      grid=(num_heads, num_tiles, batch),
+      grid_names=("heads", "q_seq", "batch"),
+      num_threads=_COMPUTE_WGS + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      kernel_name="flash_attention_forward_mosaic",
+  )(q, k, v)
