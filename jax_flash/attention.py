@@ -152,7 +152,10 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
       [B, T, N] (or [T, N]), natural log.
     implementation: None picks "pallas" when query lives on a GPU and a
       Pallas backend takes the call, "xla" otherwise. "pallas": the best
-      Pallas backend for the device (the Triton kernels today; GPU only).
+      Pallas backend for the device and call (GPU only): the Mosaic GPU
+      forward on an H100/H200 where it takes the call, else the Triton
+      kernels. "mosaic": the Mosaic GPU forward with the Triton backward
+      (Hopper only; bf16/fp16, head dims 64/128/256, causal or no mask).
       "triton": the Triton-lowered kernels (GPU only). "interpret": the same
       kernels run by the Pallas interpreter (any machine, slow; for tests).
       "xla": `reference_attention`, plain jnp. A named implementation that

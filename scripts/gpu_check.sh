@@ -10,6 +10,7 @@
 #   bash scripts/gpu_check.sh ring      # ring_attention on every local GPU
 #   bash scripts/gpu_check.sh tune      # head-dim-256 block-size sweep
 #   bash scripts/gpu_check.sh train     # train_lm at GPT-2-small size, flash vs flax
+#   bash scripts/gpu_check.sh mosaic    # the Mosaic forward: correctness sweep + 8k benchmark
 # TESTS="tests/a.py::b ..." limits `tests` to those; BENCH_ARGS replaces
 # `bench`'s shapes and implementations. Results go under $OUT
 # (the device tool's folder) or ./gpu_out; the device tool brings back at most
@@ -93,6 +94,13 @@ for mode in "$@"; do
           > "$OUT/train_$impl.log" 2>&1
         echo "train $impl: exit $?"; tr '\r' '\n' < "$OUT/train_$impl.log" | tail -n 8
       done
+      ;;
+    mosaic)
+      timeout "${MOSAIC_LIMIT:-300}" python3 benchmarks/mosaic_check.py \
+        --out "$OUT" > "$OUT/mosaic_check.log" 2>&1
+      echo "mosaic_check exit: $?"; grep -E '^\{|passed' "$OUT/mosaic_check.log" | cut -c1-300
+      bench mosaic_8k 240 --seq-lens 8192 --head-dims 128 64 256 \
+        --impls flash_mosaic flash_v2 cudnn
       ;;
     *) echo "unknown mode $mode"; exit 2 ;;
   esac

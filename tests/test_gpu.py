@@ -12,7 +12,7 @@ import pytest
 
 import jax_flash
 from jax_flash.testing import assert_attention_close
-from tests.cases import Case, inputs, plain_attention
+from tests.cases import Case, compare_with_reference, inputs, plain_attention
 from tests.test_correctness import _check
 
 pytestmark = pytest.mark.gpu
@@ -42,6 +42,34 @@ def test_long_sequence_bf16(version):
   ref = jax_flash.reference_attention(*up, is_causal=True)
   plain = plain_attention(q.dtype)(q, k, v, is_causal=True)
   assert_attention_close(out, ref, q.dtype, baseline=plain)
+
+
+# The Mosaic GPU forward (with the Triton backward): what it takes, on the
+# shapes of benchmarks/mosaic_check.py.
+MOSAIC_CASES = {
+    "h128_causal_gqa": Case(2, 1024, 1024, 8, 2, 128, "bfloat16", True),
+    "h64_mqa_f16": Case(1, 2048, 512, 4, 1, 64, "float16", False),
+    "h256_causal": Case(2, 512, 512, 4, 2, 256, "bfloat16", True),
+    "t_less_than_s_causal": Case(1, 256, 1536, 8, 2, 128, "bfloat16", True),
+    "kv_len_264": Case(1, 1024, 264, 4, 4, 128, "bfloat16", False),
+}
+
+
+@pytest.mark.parametrize("name", MOSAIC_CASES)
+def test_mosaic_forward_matches_reference(name):
+  case = MOSAIC_CASES[name]
+  compare_with_reference(dict(is_causal=case.causal), case.dtype,
+                         shape=case.shape, block_sizes=None,
+                         implementation="mosaic")
+
+
+def test_default_on_h200_is_mosaic_where_it_takes_the_call():
+  if "H200" not in jax.devices()[0].device_kind:
+    pytest.skip("not an H200")
+  q, k, v, _ = inputs(MOSAIC_CASES["h128_causal_gqa"])
+  hlo = jax.jit(lambda q, k, v: jax_flash.flash_attention(
+      q, k, v, is_causal=True)).lower(q, k, v).as_text()
+  assert "mosaic_gpu" in hlo
 
 
 def test_default_implementation_on_gpu_is_pallas():

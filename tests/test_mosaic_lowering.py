@@ -1,0 +1,100 @@
+"""The Mosaic GPU forward lowers for an H200 on the CPU, and the dispatch
+picks it where it takes the call.
+
+`jax.jit(...).lower(lowering_platforms=("cuda",))` under an abstract mesh
+whose device is an "NVIDIA H200" runs the Pallas Mosaic GPU lowering here:
+layout inference, the wgmma shape rules and the shared-memory budget, so a
+bad tile or layout fails on the CPU. (ptxas runs when XLA compiles on the
+GPU; the kernel's numbers are checked there: tests/test_gpu.py.)
+"""
+import jax
+import jax.numpy as jnp
+import pytest
+from jax._src import mesh as mesh_lib
+
+import jax_flash
+
+H200 = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
+                               platform="gpu")
+MOSAIC_CALL = "mosaic_gpu"  # The custom call of a Mosaic GPU kernel.
+TRITON_FORWARD = "flash_attention_forward"
+
+
+def _lower_grad(implementation, shape=(2, 256, 512, 8, 2, 128),
+                dtype=jnp.bfloat16, **kwargs):
+  b, t, s, n, k, h = shape
+  q = jax.ShapeDtypeStruct((b, t, n, h), dtype)
+  kv = jax.ShapeDtypeStruct((b, s, k, h), dtype)
+
+  def loss(q, k, v):
+    out = jax_flash.flash_attention(q, k, v, implementation=implementation,
+                                    **kwargs)
+    return jnp.sum(out.astype(jnp.float32))
+
+  with jax.sharding.use_abstract_mesh(
+      mesh_lib.AbstractMesh((1,), ("x",), abstract_device=H200)):
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(
+        q, kv, kv).lower(lowering_platforms=("cuda",))
+  return lowered.as_text()
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_mosaic_forward_lowers_with_the_triton_backward(dtype, head_dim,
+                                                        causal):
+  text = _lower_grad("mosaic", (2, 256, 512, 8, 2, head_dim), dtype,
+                     is_causal=causal)
+  assert MOSAIC_CALL in text
+  assert "flash_attention_backward_dkdv" in text
+  assert "flash_attention_backward_dq" in text
+
+
+@pytest.mark.parametrize("name, shape, dtype, kwargs, mosaic", [
+    ("eligible", (2, 256, 512, 8, 2, 128), jnp.bfloat16,
+     dict(is_causal=True), True),
+    ("odd_q_len", (2, 300, 512, 8, 2, 128), jnp.bfloat16, {}, False),
+    ("odd_kv_len", (2, 256, 300, 8, 2, 128), jnp.bfloat16, {}, False),
+    ("head_dim_96", (2, 256, 512, 8, 2, 96), jnp.bfloat16, {}, False),
+    ("float32", (2, 256, 512, 8, 2, 128), jnp.float32, {}, False),
+    ("window", (2, 256, 512, 8, 2, 128), jnp.bfloat16,
+     dict(local_window_size=64), False),
+    ("soft_cap", (2, 256, 512, 8, 2, 128), jnp.bfloat16,
+     dict(logits_soft_cap=30.0), False),
+    ("lengths", (2, 256, 512, 8, 2, 128), jnp.bfloat16,
+     dict(key_value_seq_lengths=jnp.array([512, 3])), False),
+    ("version_1", (2, 256, 512, 8, 2, 128), jnp.bfloat16,
+     dict(version=1), False),
+])
+def test_pallas_picks_mosaic_where_it_takes_the_call(name, shape, dtype,
+                                                     kwargs, mosaic):
+  text = _lower_grad("pallas", shape, dtype, **kwargs)
+  assert (MOSAIC_CALL in text) == mosaic, name
+  if not mosaic:
+    assert TRITON_FORWARD in text
+
+
+def test_mosaic_named_for_a_call_it_cannot_take_says_why():
+  with pytest.raises(ValueError, match="head_dim must be one of .* for the "
+                     "Mosaic GPU kernels, got 96"):
+    _lower_grad("mosaic", (2, 256, 512, 8, 2, 96))
+  with pytest.raises(ValueError, match="only causal masks"):
+    _lower_grad("mosaic", local_window_size=64)
+
+
+def test_mosaic_without_a_gpu_is_a_clear_error():
+  if jax.default_backend() == "gpu":
+    pytest.skip("this machine has a GPU")
+  q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="implementation='mosaic' .* needs a "
+                     "GPU"):
+    jax_flash.flash_attention(q, q, q, implementation="mosaic")
+
+
+def test_mosaic_block_sizes_are_validated():
+  with pytest.raises(ValueError, match="block_q=48 must be a multiple of 64"):
+    jax_flash.MosaicBlockSizes(block_q=48)
+  with pytest.raises(ValueError, match="shared memory"):
+    _lower_grad("mosaic", (2, 256, 512, 8, 2, 256),
+                block_sizes=jax_flash.MosaicBlockSizes(block_kv=128,
+                                                       num_stages=4))
