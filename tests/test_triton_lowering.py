@@ -25,7 +25,7 @@ def _lower(dtype, head_dim, version=2, bias_shape=None, **kwargs):
                                                               jnp.float32)
 
   def loss(q, k, v, bias):
-    out = jax_flash.flash_attention(q, k, v, bias, implementation="pallas",
+    out = jax_flash.flash_attention(q, k, v, bias, implementation="triton",
                                     version=version, **kwargs)
     return jnp.sum(out.astype(jnp.float32))
 
@@ -93,12 +93,12 @@ def test_decode_kernel_lowers(paged, dtype):
     table = jax.ShapeDtypeStruct((4, 16), jnp.int32)
     f = lambda q, n, p, t: jax_flash.flash_decode(
         q, kv_lengths=n, key_pages=p, value_pages=p, page_table=t,
-        implementation="pallas", logits_soft_cap=30.0)
+        implementation="triton", logits_soft_cap=30.0)
     args = (q, lengths, pages, table)
   else:
     cache = jax.ShapeDtypeStruct((4, 1000, 2, 128), dtype)
     f = lambda q, n, c: jax_flash.flash_decode(
-        q, c, c, kv_lengths=n, implementation="pallas", local_window_size=256)
+        q, c, c, kv_lengths=n, implementation="triton", local_window_size=256)
     args = (q, lengths, cache)
   with jax.sharding.use_abstract_mesh(
       mesh_lib.AbstractMesh((1,), ("x",), abstract_device=H200)):
