@@ -1,4 +1,5 @@
-"""jax-flash: exact FlashAttention for JAX, with Pallas (Triton) GPU kernels."""
+"""jax-flash: exact FlashAttention for JAX: Pallas GPU kernels (Mosaic GPU,
+Triton) and a blockwise plain-JAX path for every other device."""
 import warnings as _warnings
 
 # Every kernel compiled through the Pallas Triton backend emits this
@@ -9,6 +10,7 @@ _warnings.filterwarnings(
     category=DeprecationWarning)
 
 from jax_flash.attention import flash_attention  # noqa: E402
+from jax_flash.blockwise import BlockSizes as XlaBlockSizes  # noqa: E402
 from jax_flash.decode import flash_decode  # noqa: E402
 from jax_flash.reference import reference_attention  # noqa: E402
 from jax_flash.ring import ring_attention  # noqa: E402
@@ -19,6 +21,6 @@ from pallas_kernels.triton.config import BlockSizes  # noqa: E402
 
 __all__ = ["flash_attention", "flash_decode", "reference_attention",
            "ring_attention",
-           "BlockSizes", "MosaicBlockSizes",
+           "BlockSizes", "MosaicBlockSizes", "XlaBlockSizes",
            "dropout_keep_mask"]
 __version__ = "0.1.0"

@@ -19,7 +19,7 @@ with lse the natural-log logsumexp, float32, everywhere. Backends:
 "mosaic" (Pallas Mosaic GPU kernels; Hopper GPUs, the Triton backward),
 "triton" (Pallas kernels lowered through Triton; any CUDA GPU), "interpret"
 (the Triton kernels run by the Pallas interpreter; any machine) and "xla"
-(`reference.attend`, plain jnp). "pallas" names the best Pallas backend
+(`blockwise`: FlashAttention in plain jnp; any device, any input). "pallas" names the best Pallas backend
 for the device that takes the call (`PALLAS`, best first).
 `implementation=None` picks "pallas" when the query lives on a GPU and a
 Pallas backend takes the call, else "xla".
@@ -31,7 +31,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jax_flash import reference
+from jax_flash import blockwise, reference
 from jax_flash.spec.checks import Problem
 from jax_flash.spec.mask import Mask, make_ids
 from jax_flash.spec.operands import Operands
@@ -44,48 +44,30 @@ VERSIONS = (1, 2)
 
 @dataclasses.dataclass(frozen=True)
 class XlaBackend:
-  """`reference.attend` as a backend: plain jnp, any device, any input.
-
-  Its backward differentiates the reference (which holds the T x S matrix)."""
+  """Blockwise FlashAttention in plain jnp (`blockwise`): any device, any
+  input, memory linear in the sequence length. Decoding runs
+  `reference.attend` (a few queries: T x S is small)."""
   name = "xla"
   needs_gpu = False
-  config_type = type(None)
+  config_type = blockwise.BlockSizes
 
   def unsupported(self, problem, dtype, *, mask, scores, version=2,
                   decode=False):
     return None
 
   def config(self, block_sizes, problem, dtype, *, is_causal, version=2):
-    return None
+    if isinstance(block_sizes, blockwise.BlockSizes):
+      return block_sizes
+    return blockwise.BlockSizes()
 
-  def forward(self, q, k, v, operands, *, mask, scores, config=None,
-              version=2):
-    return reference.attend(q, k, v, operands, mask=mask, scores=scores)
+  def forward(self, q, k, v, operands, *, mask, scores, config, version=2):
+    return blockwise.forward(q, k, v, operands, mask=mask, scores=scores,
+                             config=config)
 
   def backward(self, q, k, v, operands, o, lse, do, dlse, *, mask, scores,
-               config=None):
-    """FlashAttention-2's backward in plain jnp: P = exp(S - L) from the
-    given logsumexp (which may cover more keys than k, as in ring
-    attention), D = rowsum(dO * O) - dlse, dS = P * (dP - D)."""
-    b, t, n, _ = q.shape
-    kh = k.shape[2]
-    delta = jnp.einsum("btnh,btnh->bnt", o.astype(jnp.float32),
-                       do.astype(jnp.float32)) - dlse
-    lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)  # Empty rows: P = 0.
-
-    def unnormalized(q, k, v, bias):
-      """(P V, rowsum P) with P = exp(S - L): their vjp with cotangents
-      (dO, -D) is the backward, D entering through rowsum P."""
-      ops = dataclasses.replace(operands, bias=bias)
-      s = reference.logits(q, k, ops, mask=mask, scores=scores)
-      p = jnp.exp(s - lse.reshape(b, kh, n // kh, t)[..., None])
-      pv = jnp.einsum("bkgts,bskh->btkgh", reference.dropped(p, ops, scores),
-                      v.astype(p.dtype), precision=jax.lax.Precision.HIGHEST)
-      return pv.reshape(q.shape), jnp.sum(p, axis=-1)
-
-    _, vjp = jax.vjp(unnormalized, q, k, v, operands.bias)
-    return vjp((do.astype(jnp.float32),
-                -delta.reshape(b, kh, n // kh, t)))
+               config):
+    return blockwise.backward(q, k, v, operands, o, lse, do, dlse, mask=mask,
+                              scores=scores, config=config)
 
   def decode(self, q, k, v, kv_lengths, *, mask, scores, num_splits=None,
              page_table=None):
@@ -148,8 +130,8 @@ def check_options(block_sizes, version) -> None:
   types = tuple({b.config_type for b in BACKENDS.values()} - {type(None)})
   if block_sizes is not None and not isinstance(block_sizes, types):
     raise ValueError(
-        f"block_sizes must be a jax_flash.BlockSizes, a "
-        f"jax_flash.MosaicBlockSizes or None, got "
+        f"block_sizes must be a jax_flash.BlockSizes, "
+        f"jax_flash.MosaicBlockSizes, jax_flash.XlaBlockSizes or None, got "
         f"{type(block_sizes).__name__}")
   if version not in VERSIONS:
     raise ValueError(f"version must be 1 or 2, got {version!r}")

@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 
 from jax_flash import _dispatch, _sharding
-from jax_flash.reference import attend
 from jax_flash.spec.mask import Mask
 from jax_flash.spec.operands import Operands
 from jax_flash.spec.problem import prepare
@@ -18,7 +17,7 @@ from jax_flash.spec.scores import Scores
 @dataclasses.dataclass(frozen=True)
 class _Config:
   """Everything static about one call: the custom_vjp's one nondiff argument."""
-  backend: object  # A kernel backend of `_dispatch` (hashable).
+  backend: object  # A backend of `_dispatch` (hashable).
   mask: Mask
   scores: Scores
   block_sizes: object  # The backend's config.
@@ -158,10 +157,14 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
       (Hopper only; bf16/fp16, head dims 64/128/256, causal or no mask).
       "triton": the Triton-lowered kernels (GPU only). "interpret": the same
       kernels run by the Pallas interpreter (any machine, slow; for tests).
-      "xla": `reference_attention`, plain jnp. A named implementation that
-      cannot take the call raises ValueError saying why.
-    block_sizes: a `jax_flash.BlockSizes` for the kernels; default
-      `BlockSizes.get_default(H, dtype, is_causal, version)`.
+      "xla": FlashAttention in plain jnp (`jax_flash.blockwise`: loops
+      over blocks, memory linear in the sequence length; any device, any
+      head dim and floating dtype). A named implementation that cannot take
+      the call raises ValueError saying why.
+    block_sizes: a `jax_flash.BlockSizes` for the Triton kernels (default
+      `BlockSizes.get_default(H, dtype, is_causal, version)`), a
+      `jax_flash.MosaicBlockSizes` for the Mosaic GPU forward, or a
+      `jax_flash.XlaBlockSizes` for "xla"; a backend ignores the others'.
     version: 2 runs the FlashAttention-2 forward; 1 the FlashAttention-1
       forward (for comparison). Both share the FlashAttention-2 backward.
 
@@ -193,17 +196,13 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
                              version=version)
   if p.unbatched:
     query, key, value = query[None], key[None], value[None]
-  if backend is _dispatch.XLA:  # Plain jnp: JAX differentiates it.
-    out, lse = attend(query, key, value, spec.operands, mask=spec.mask,
-                      scores=spec.scores)
-  else:
-    cfg = _Config(backend=backend, mask=spec.mask, scores=spec.scores,
-                  block_sizes=backend.config(block_sizes, p, query.dtype,
-                                             is_causal=is_causal,
-                                             version=version),
-                  version=version)
-    with jax.named_scope("jax_flash_attention"):
-      out, lse = _flash(query, key, value, spec.operands, cfg)
+  cfg = _Config(backend=backend, mask=spec.mask, scores=spec.scores,
+                block_sizes=backend.config(block_sizes, p, query.dtype,
+                                           is_causal=is_causal,
+                                           version=version),
+                version=version)
+  with jax.named_scope("jax_flash_attention"):
+    out, lse = _flash(query, key, value, spec.operands, cfg)
   lse = lse.transpose(0, 2, 1)
   if p.unbatched:
     out, lse = out[0], lse[0]

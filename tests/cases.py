@@ -17,6 +17,7 @@ from tests.conftest import KERNEL_IMPL
 
 SMALL_BLOCKS = BlockSizes(block_q=32, block_k=16, block_q_dkv=16,
                           block_k_dkv=32, block_q_dq=32, block_k_dq=16)
+XLA_SMALL_BLOCKS = jax_flash.XlaBlockSizes(block_q=32, block_k=16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +109,7 @@ def plain_attention(compute_dtype):
 
 def compare_with_reference(kwargs, dtype=jnp.float32, version=2,
                            shape=(2, 100, 90, 4, 2, 32), seed=0,
-                           block_sizes=SMALL_BLOCKS,
+                           block_sizes="small",
                            implementation=KERNEL_IMPL):
   """An implementation vs the reference: out, logsumexp, dq/dk/dv (and dbias
   if a bias), with `assert_attention_close` (low precision: against plain
@@ -117,7 +118,10 @@ def compare_with_reference(kwargs, dtype=jnp.float32, version=2,
   Random cotangents for out and logsumexp. Outputs and gradients come in the
   input dtype. Rows that see no key must give out 0 and logsumexp -inf, and
   nothing may be NaN. Returns the boolean [B, T, N] of such empty rows.
+  block_sizes "small": small tiles of the implementation (many per case).
   """
+  if isinstance(block_sizes, str):
+    block_sizes = XLA_SMALL_BLOCKS if implementation == "xla" else SMALL_BLOCKS
   q, k, v, do = random_inputs(*shape, dtype, seed=seed)
   kwargs = dict(kwargs)
   bias = kwargs.pop("bias", None)

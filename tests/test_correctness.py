@@ -8,7 +8,7 @@ import pytest
 
 import jax_flash
 from jax_flash.testing import assert_attention_close, relative_error
-from tests.cases import (CASES, SMALL_BLOCKS, V1_CASES, Case,
+from tests.cases import (CASES, SMALL_BLOCKS, V1_CASES, XLA_SMALL_BLOCKS, Case,
                          compare_with_reference, inputs, jax_nn_attention)
 from tests.conftest import KERNEL_IMPL
 
@@ -29,11 +29,14 @@ def test_version1_matches_reference(name):
   _check(CASES[name], KERNEL_IMPL, version=1)
 
 
-def test_xla_implementation_is_the_reference():
-  q, k, v, _ = inputs(CASES["bf16_gqa_causal_small_tiles"])
-  out = jax_flash.flash_attention(q, k, v, is_causal=True, implementation="xla")
-  ref = jax_flash.reference_attention(q, k, v, is_causal=True)
-  chex.assert_trees_all_equal(out, ref)
+@pytest.mark.parametrize("name", CASES)
+def test_xla_matches_reference(name):
+  """The "xla" backend (blockwise, plain jnp) on the same cases, with small
+  blocks so every case has several."""
+  case = CASES[name]
+  compare_with_reference(dict(is_causal=case.causal), case.dtype,
+                         shape=case.shape, block_sizes=XLA_SMALL_BLOCKS,
+                         implementation="xla")
 
 
 def test_unbatched_inputs():
@@ -96,8 +99,9 @@ class WithAndWithoutJit(chex.TestCase):
 
 
 def test_xla_backend_backward_is_flash_attention_2s():
-  """The "xla" backend's backward (what ring_attention runs on each pair)
-  recomputes P from the logsumexp: it must give autodiff's gradients."""
+  """The "xla" backend's backward recomputes P from the logsumexp it is
+  given (in ring_attention, that of more keys than the pair's): from the
+  reference's forward it must give autodiff's gradients, bias included."""
   from jax_flash import _dispatch
   from jax_flash.spec import prepare
   q, k, v, do = inputs(CASES["f32_mha_causal"])
@@ -107,13 +111,14 @@ def test_xla_backend_backward_is_flash_attention_2s():
   dlse = jax.random.normal(jax.random.key(7), (2, 4, 128))
 
   def forward(q, k, v, bias):
-    return _dispatch.XLA.forward(
+    return jax_flash.reference.attend(
         q, k, v, dataclasses.replace(spec.operands, bias=bias),
         mask=spec.mask, scores=spec.scores)
 
   (o, lse), vjp = jax.vjp(forward, q, k, v, bias)
   expected = vjp((do, dlse))
   got = _dispatch.XLA.backward(q, k, v, spec.operands, o, lse, do, dlse,
-                               mask=spec.mask, scores=spec.scores)
+                               mask=spec.mask, scores=spec.scores,
+                               config=XLA_SMALL_BLOCKS)
   names = ("dq", "dk", "dv", "dbias")
   assert_attention_close(dict(zip(names, got)), dict(zip(names, expected)))

@@ -20,9 +20,12 @@ RNG = jax.random.key(7)
     dict(dropout_rate=0.1, local_window_size=(16, 16),
          key_value_seq_lengths=jnp.array([90, 0])),
 ], ids=["plain", "causal_bias_cap", "window_lengths"])
-@pytest.mark.parametrize("version", [2, 1])
-def test_dropout_matches_reference_with_same_bits(kwargs, version):
-  compare_with_reference(dict(kwargs, dropout_rng=RNG), version=version)
+@pytest.mark.parametrize("version, implementation",
+                         [(2, KERNEL_IMPL), (1, KERNEL_IMPL), (2, "xla")])
+def test_dropout_matches_reference_with_same_bits(kwargs, version,
+                                                  implementation):
+  compare_with_reference(dict(kwargs, dropout_rng=RNG), version=version,
+                         implementation=implementation)
 
 
 def test_dropout_bfloat16_gqa():

@@ -212,3 +212,32 @@ def test_nnx_decode_feeds_several_tokens_at_once(monkeypatch):
   chunks = [ours(X[:, i:i + 5], decode=True) for i in range(0, T, 5)]
   assert relative_error(jnp.concatenate(chunks, axis=1), full) <= TOL.out
   assert len(calls) == len(chunks)  # The cache was read by flash_decode.
+
+
+def test_linen_swap_keeps_flax_parameter_names_and_checkpoint(tmp_path):
+  """A compact linen model written with flax's attention saves a checkpoint;
+  the same model with FlashAttention swapped in (automatic naming, no
+  `name=`) loads it and computes the same function."""
+  from flax import serialization
+
+  def model(attention_cls):
+    class Model(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        x = attention_cls(num_heads=4, qkv_features=64)(x)
+        return attention_cls(num_heads=4, qkv_features=64)(x)
+    return Model()
+
+  flax_model = model(nn.MultiHeadDotProductAttention)
+  ours = model(functools.partial(jax_flash.linen.FlashAttention,
+                                 implementation=KERNEL_IMPL))
+  params = flax_model.init(jax.random.key(8), X)
+  path = tmp_path / "params.msgpack"
+  path.write_bytes(serialization.to_bytes(params))
+  template = ours.init(jax.random.key(9), X)
+  assert jax.tree.structure(template) == jax.tree.structure(params)
+  assert set(params["params"]) == {"MultiHeadDotProductAttention_0",
+                                   "MultiHeadDotProductAttention_1"}
+  loaded = serialization.from_bytes(template, path.read_bytes())
+  assert relative_error(ours.apply(loaded, X),
+                        flax_model.apply(params, X)) <= TOL.out

@@ -154,9 +154,10 @@ def _compare(kwargs, dtype=jnp.float32, version=2, shape=(B, T, S, N, K, H)):
   return compare_with_reference(kwargs, dtype, version, shape)
 
 
+@pytest.mark.parametrize("implementation", [KERNEL_IMPL, "xla"])
 @pytest.mark.parametrize("name", MASK_KWARGS)
-def test_mask_matches_reference(name):
-  _compare(MASK_KWARGS[name])
+def test_mask_matches_reference(name, implementation):
+  compare_with_reference(MASK_KWARGS[name], implementation=implementation)
 
 
 @pytest.mark.parametrize("name", ["window_int_causal", "lengths_zero",

@@ -1,6 +1,7 @@
 """FlashAttention's point: compiled memory grows linearly in sequence length."""
 import jax
 import jax.numpy as jnp
+import pytest
 
 import jax_flash
 from tests.conftest import KERNEL_IMPL
@@ -17,11 +18,12 @@ def _grad_temp_bytes(attention, seq_len, **kwargs):
   return compiled.memory_analysis().temp_size_in_bytes
 
 
-def test_flash_memory_grows_linearly():
+@pytest.mark.parametrize("implementation", [KERNEL_IMPL, "xla", None])
+def test_flash_memory_grows_linearly(implementation):
   small = _grad_temp_bytes(jax_flash.flash_attention, 1024,
-                           implementation=KERNEL_IMPL)
+                           implementation=implementation)
   large = _grad_temp_bytes(jax_flash.flash_attention, 4096,
-                           implementation=KERNEL_IMPL)
+                           implementation=implementation)
   assert large / small < 5, (small, large)
 
 

@@ -64,9 +64,10 @@ VARIANTS = {
 }
 
 
+@pytest.mark.parametrize("implementation", [KERNEL_IMPL, "xla"])
 @pytest.mark.parametrize("name", VARIANTS)
-def test_variant_matches_reference(name):
-  compare_with_reference(VARIANTS[name])
+def test_variant_matches_reference(name, implementation):
+  compare_with_reference(VARIANTS[name], implementation=implementation)
 
 
 @pytest.mark.parametrize("name", ["bias_B11S", "soft_cap_bias", "everything"])

@@ -1,0 +1,296 @@
+"""FlashAttention in plain JAX: the "xla" backend, for any device.
+
+FlashAttention-2 (Dao 2023, Algorithms 1 and 2) written with XLA loops
+instead of a kernel. The forward maps over query blocks; each walks the key
+blocks that `mask.kv_block_ranges` (and, with ids, `mask.id_block_table`)
+says are not entirely masked, keeping the online-softmax statistics of
+`spec.softmax`, and stores O and the logsumexp. The backward recomputes
+P = exp(S - L) block by block: dQ per query block, dK, dV (and dBias)
+accumulated across them. Nothing of size T x S is ever held (except a bias
+gradient for a full T x S bias), so memory grows linearly in the sequence
+length; causal and windowed masks skip their hidden blocks.
+
+The logits, masks and dropout bits are those of the kernels: `spec.scores`,
+`spec.mask`, `spec.dropout`.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_flash.spec import dropout, softmax
+from jax_flash.spec import mask as mask_lib
+from jax_flash.spec.mask import Mask
+from jax_flash.spec.operands import Operands
+from jax_flash.spec.scores import Scores
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Query and key block lengths of the blockwise loops (clipped to the
+  sequence lengths), built by keyword.
+
+  Default 128 x 128: on the 2-core CPU, causal GQA forward+backward at 1k
+  took 39 ms (float32) and 30 ms (bf16) against 43/35 at 64, 43/36 at 256,
+  69/43 at 512; at 8k 4.1 s (float32) and 4.8 s (bf16) against 4.8 and 4.6
+  at 256 (benchmarks/results/2026-11-30-cpu/block_sweep_*.md).
+  """
+  block_q: int = 128
+  block_k: int = 128
+
+  def __post_init__(self):
+    for name in ("block_q", "block_k"):
+      value = getattr(self, name)
+      if (not isinstance(value, (int, np.integer)) or isinstance(value, bool)
+          or value < 1):
+        raise ValueError(f"block_sizes.{name}={value!r} must be an int >= 1")
+
+
+def _per_head(x, num_kv_heads: int):
+  """[B|1, N|1, ...] -> [B|1, K|1, G|1, ...] (heads n = k * G + g)."""
+  if x.shape[1] == 1:
+    return x[:, :, None]
+  return x.reshape((x.shape[0], num_kv_heads, -1) + x.shape[2:])
+
+
+def _pad(x, axis: int, size: int, value=0):
+  if x is None or x.shape[axis] == size or x.shape[axis] == 1:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def _slice(x, axis: int, start, size: int):
+  """x[start:start+size] along `axis`, or x itself where it broadcasts."""
+  if x.shape[axis] == 1:
+    return x
+  return lax.dynamic_slice_in_dim(x, start, size, axis)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Problem:
+  """One call's static layout: padded lengths, blocks, and the description."""
+  mask: Mask
+  scores: Scores
+  q_len: int
+  kv_len: int
+  block_q: int
+  block_k: int
+  num_kv_heads: int
+  dtype: jnp.dtype
+
+  @property
+  def num_q_blocks(self):
+    return -(-self.q_len // self.block_q)
+
+  @property
+  def num_k_blocks(self):
+    return -(-self.kv_len // self.block_k)
+
+  def dot(self, spec, a, b):
+    """A block matmul accumulated in float32 (full float32 for float32)."""
+    precision = (lax.Precision.HIGHEST if self.dtype == jnp.float32 else
+                 None)
+    return jnp.einsum(spec, a, b, precision=precision,
+                      preferred_element_type=jnp.float32)
+
+
+def _setup(q, k, operands: Operands, mask: Mask, scores: Scores,
+           config: BlockSizes):
+  b, t, n, _ = q.shape
+  s, kh = k.shape[1], k.shape[2]
+  bq, bk = min(config.block_q, t), min(config.block_k, s)
+  p = _Problem(mask, scores, t, s, bq, bk, kh, jnp.dtype(q.dtype))
+  tp, sp = p.num_q_blocks * bq, p.num_k_blocks * bk
+  ops = dataclasses.replace(
+      operands,
+      q_ids=_pad(operands.q_ids, 1, tp, mask_lib.Q_PAD_ID),
+      kv_ids=_pad(operands.kv_ids, 1, sp, mask_lib.KV_PAD_ID),
+      dense_mask=_pad(_pad(operands.dense_mask, 2, tp), 3, sp),
+      bias=_pad(_pad(operands.bias, 2, tp), 3, sp))
+  return p, tp, sp, ops
+
+
+def _kv_ranges(p: _Problem, ops: Operands):
+  """(lo, hi) [num_q_blocks] int32: the key blocks each query block visits,
+  by the band and, with ids, by the id ranges of any batch element."""
+  starts = jnp.arange(p.num_q_blocks, dtype=jnp.int32) * p.block_q
+  lo, _, _, hi = jax.vmap(lambda s: mask_lib.kv_block_ranges(
+      p.mask, s, p.block_q, p.block_k, p.kv_len))(starts)
+  if p.mask.has_ids:
+    table = mask_lib.id_block_table(ops.q_ids, ops.kv_ids, p.block_q,
+                                    p.block_k)  # [B, nq, 4]
+    lo = jnp.maximum(lo, jnp.min(table[..., 0], axis=0))
+    hi = jnp.minimum(hi, jnp.max(table[..., 3], axis=0))
+  return lo, jnp.maximum(hi, lo)
+
+
+def _logits2(p: _Problem, ops: Operands, qk, q0, k0):
+  """Base-2 logits of a block, -inf where masked, and the soft-cap tanh.
+
+  qk: float32 [B, K, G, bq, bk] raw scores of rows q0.. and columns k0..
+  """
+  rows = q0 + jnp.arange(p.block_q, dtype=jnp.int32)[:, None]
+  cols = k0 + jnp.arange(p.block_k, dtype=jnp.int32)[None, :]
+  slope = bias = None
+  if p.scores.alibi:
+    slope = _per_head(ops.alibi_slopes, p.num_kv_heads)[..., None, None]
+  if p.scores.bias:
+    tile = _slice(_slice(ops.bias, 2, q0, p.block_q), 3, k0, p.block_k)
+    bias = _per_head(tile.astype(jnp.float32), p.num_kv_heads)
+  s2, tanh = p.scores.logits2(qk, rows, cols, slope, bias)
+  q_ids = kv_ids = None
+  if p.mask.has_ids:
+    q_ids = lax.dynamic_slice_in_dim(ops.q_ids, q0, p.block_q, 1)
+    kv_ids = lax.dynamic_slice_in_dim(ops.kv_ids, k0, p.block_k, 1)
+    q_ids, kv_ids = q_ids[:, None, None, :, None], kv_ids[:, None, None, None]
+  visible = p.mask.visible(rows, cols, p.kv_len, q_ids, kv_ids)
+  if p.mask.has_dense:
+    tile = _slice(_slice(ops.dense_mask, 2, q0, p.block_q), 3, k0, p.block_k)
+    visible = visible & (_per_head(tile, p.num_kv_heads) != 0)
+  return jnp.where(visible, s2, -jnp.inf), tanh
+
+
+def _dropped(p: _Problem, ops: Operands, x, q0, k0):
+  """x * keep / (1 - rate) for a [B, K, G, bq, bk] block: the kernels' bits."""
+  if not p.scores.dropout:
+    return x
+  b, kh, g = x.shape[:3]
+  batch = jnp.arange(b, dtype=jnp.int32)[:, None, None, None, None]
+  head = (jnp.arange(kh, dtype=jnp.int32)[:, None] * g +
+          jnp.arange(g, dtype=jnp.int32)[None, :])[None, :, :, None, None]
+  if p.scores.dropout_broadcast:
+    batch, head = jnp.int32(0), jnp.int32(0)
+  rows = q0 + jnp.arange(p.block_q, dtype=jnp.int32)[:, None]
+  cols = k0 + jnp.arange(p.block_k, dtype=jnp.int32)[None, :]
+  seed = ops.dropout_seed
+  keep = dropout.keep(seed[0], seed[1], p.scores.dropout_rate, batch, head,
+                      rows, cols)
+  return jnp.where(keep, x * (1.0 / (1.0 - p.scores.dropout_rate)), 0.0)
+
+
+def _blocks(x, num: int, size: int, kh: int):
+  """[B, L, N, H] -> [num, B, size, K, G, H] (L = num * size)."""
+  b, _, n, h = x.shape
+  return x.reshape(b, num, size, kh, n // kh, h).transpose(1, 0, 2, 3, 4, 5)
+
+
+def forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
+            config: BlockSizes):
+  """(o [B, T, N, H] in q.dtype, lse [B, N, T] float32, natural log)."""
+  p, tp, sp, ops = _setup(q, k, operands, mask, scores, config)
+  b, t, n, h = q.shape
+  kh, g = p.num_kv_heads, n // p.num_kv_heads
+  k, v = _pad(k, 1, sp), _pad(v, 1, sp)
+  lo, hi = _kv_ranges(p, ops)
+  rows = b * kh * g * p.block_q
+
+  def q_block(args):
+    i, qb = args  # qb [B, bq, K, G, H]
+    q0 = i * p.block_q
+
+    def body(j, carry):
+      acc, m, l = carry
+      k0 = j * p.block_k
+      kb = lax.dynamic_slice_in_dim(k, k0, p.block_k, 1)
+      vb = lax.dynamic_slice_in_dim(v, k0, p.block_k, 1)
+      s2, _ = _logits2(p, ops, p.dot("bqkgh,bskh->bkgqs", qb, kb), q0, k0)
+      m, alpha, prob, l = softmax.update(m, l, s2.reshape(rows, p.block_k))
+      prob = _dropped(p, ops, prob.reshape(s2.shape), q0, k0)
+      pv = p.dot("bkgqs,bskh->bkgqh", prob.astype(v.dtype), vb)
+      return acc * alpha[:, None] + pv.reshape(rows, h), m, l
+
+    carry = lax.fori_loop(lo[i], hi[i], body, softmax.init(rows, h))
+    o, lse = softmax.finalize(*carry)
+    return (o.reshape(b, kh, g, p.block_q, h).astype(q.dtype),
+            lse.reshape(b, kh, g, p.block_q))
+
+  qs = _blocks(_pad(q, 1, tp), p.num_q_blocks, p.block_q, kh)
+  o, lse = lax.map(q_block, (jnp.arange(p.num_q_blocks), qs))
+  # [nq, B, K, G, bq, (H)] -> [B, T, N, H] and [B, N, T].
+  o = o.transpose(1, 0, 4, 2, 3, 5).reshape(b, tp, n, h)[:, :t]
+  lse = lse.transpose(1, 2, 3, 0, 4).reshape(b, n, tp)[..., :t]
+  return o, lse
+
+
+def backward(q, k, v, operands: Operands, o, lse, do, dlse, *, mask: Mask,
+             scores: Scores, config: BlockSizes):
+  """(dq, dk, dv, dbias or None) from the forward's o and logsumexp."""
+  p, tp, sp, ops = _setup(q, k, operands, mask, scores, config)
+  b, t, n, h = q.shape
+  kh, g = p.num_kv_heads, n // p.num_kv_heads
+  k, v = _pad(k, 1, sp), _pad(v, 1, sp)
+  lo, hi = _kv_ranges(p, ops)
+  # dS = P (dP - D) + dlse P: the logsumexp's cotangent folds into D.
+  delta = jnp.einsum("btnh,btnh->bnt", o.astype(jnp.float32),
+                     do.astype(jnp.float32)) - dlse
+  lse2 = softmax.backward_lse2(_pad(lse, 2, tp, -jnp.inf))
+
+  def stats(x):  # [B, N, Tp] -> [nq, B, K, G, bq]
+    return x.reshape(b, kh, g, p.num_q_blocks, p.block_q).transpose(
+        3, 0, 1, 2, 4)
+
+  bias_shape = None if ops.bias is None else ops.bias.shape
+
+  def q_block(carry, args):
+    i, qb, dob, lse2_b, delta_b = args
+    q0 = i * p.block_q
+
+    def body(j, inner):
+      dq, dk, dv, dbias = inner
+      k0 = j * p.block_k
+      kb = lax.dynamic_slice_in_dim(k, k0, p.block_k, 1)
+      vb = lax.dynamic_slice_in_dim(v, k0, p.block_k, 1)
+      s2, tanh = _logits2(p, ops, p.dot("bqkgh,bskh->bkgqs", qb, kb), q0, k0)
+      prob = jnp.exp2(s2 - lse2_b[..., None])
+      dp = _dropped(p, ops, p.dot("bqkgh,bskh->bkgqs", dob, vb), q0, k0)
+      dv_b = p.dot("bkgqs,bqkgh->bskh",
+                   _dropped(p, ops, prob, q0, k0).astype(do.dtype), dob)
+      ds = prob * (dp - delta_b[..., None])
+      if dbias is not None:
+        dbias = _add_dbias(dbias, ds, q0, k0, p)
+      dqk = p.scores.dqk(ds, tanh).astype(q.dtype)
+      dq = dq + p.dot("bkgqs,bskh->bqkgh", dqk, kb)
+      dk_b = p.dot("bkgqs,bqkgh->bskh", dqk, qb)
+      dk = lax.dynamic_update_slice_in_dim(
+          dk, lax.dynamic_slice_in_dim(dk, k0, p.block_k, 1) + dk_b, k0, 1)
+      dv = lax.dynamic_update_slice_in_dim(
+          dv, lax.dynamic_slice_in_dim(dv, k0, p.block_k, 1) + dv_b, k0, 1)
+      return dq, dk, dv, dbias
+
+    dk, dv, dbias = carry
+    dq = jnp.zeros(qb.shape, jnp.float32)
+    dq, dk, dv, dbias = lax.fori_loop(lo[i], hi[i], body, (dq, dk, dv, dbias))
+    return (dk, dv, dbias), (dq * p.scores.scale).astype(q.dtype)
+
+  blocks = lambda x: _blocks(_pad(x, 1, tp), p.num_q_blocks, p.block_q, kh)
+  zeros = jnp.zeros((b, sp, kh, h), jnp.float32)
+  dbias0 = None if bias_shape is None else jnp.zeros(bias_shape, jnp.float32)
+  (dk, dv, dbias), dq = lax.scan(
+      q_block, (zeros, zeros, dbias0),
+      (jnp.arange(p.num_q_blocks), blocks(q), blocks(do), stats(lse2),
+       stats(_pad(delta, 2, tp))))
+  dq = dq.transpose(1, 0, 2, 3, 4, 5).reshape(b, tp, n, h)[:, :t]
+  dk = (dk[:, :p.kv_len] * p.scores.scale).astype(k.dtype)
+  dv = dv[:, :p.kv_len].astype(v.dtype)
+  if dbias is not None:
+    dbias = dbias[:, :, :operands.bias.shape[2], :operands.bias.shape[3]]
+  return dq, dk, dv, dbias
+
+
+def _add_dbias(dbias, ds, q0, k0, p: _Problem):
+  """Adds a block's dS [B, K, G, bq, bk], summed over the dimensions the bias
+  broadcasts along, into dbias [Bm, Nm, Tpm, Spm]."""
+  b, kh, g, bq, bk = ds.shape
+  ds = ds.reshape(b, kh * g, bq, bk)
+  bm, nm, tm, sm = dbias.shape
+  axes = tuple(a for a, d in enumerate((bm, nm, tm, sm)) if d == 1)
+  ds = jnp.sum(ds, axis=axes, keepdims=True)
+  start = (0, 0, q0 if tm > 1 else 0, k0 if sm > 1 else 0)
+  old = lax.dynamic_slice(dbias, start, ds.shape)
+  return lax.dynamic_update_slice(dbias, old + ds, start)
