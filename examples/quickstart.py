@@ -1,19 +1,19 @@
 """Flash attention forward and backward on random data, checked against the reference.
 
     python examples/quickstart.py            # CPU: the kernels in interpret mode
-    python examples/quickstart.py --seq 4096 # on a GPU: the Triton kernels
+    python examples/quickstart.py --seq 4096 # on a GPU: the GPU kernels
 
 Prints the relative error of the output and of dQ, dK, dV against
-`jax_flash.reference_attention` (float32) and the time of one jitted
-forward+backward.
+`jax_flash.reference_attention` (float32) and the steady-state time of a
+jitted forward+backward (after a warm-up; the median of back-to-back calls).
 """
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
 
 import jax_flash
+from jax_flash.benchmark import _time
 from jax_flash.testing import relative_error, tolerance
 
 
@@ -29,7 +29,7 @@ def main():
   parser.add_argument("--causal", action=argparse.BooleanOptionalAction,
                       default=True)
   args = parser.parse_args()
-  # The Triton kernels on a GPU; on a CPU the very same kernels, interpreted.
+  # The GPU kernels on a GPU; on a CPU the Triton kernels, interpreted.
   implementation = "pallas" if on_gpu else "interpret"
   dtype = jnp.dtype(args.dtype)
 
@@ -50,10 +50,8 @@ def main():
 
   flash = forward_backward(jax_flash.flash_attention,
                            implementation=implementation)
-  jax.block_until_ready(flash(q, k, v))  # Compile.
-  start = time.perf_counter()
-  out, (dq, dk, dv) = jax.block_until_ready(flash(q, k, v))
-  seconds = time.perf_counter() - start
+  out, (dq, dk, dv) = flash(q, k, v)
+  seconds = _time(flash, (q, k, v), calls=3, repeats=3)  # Warm, then timed.
 
   up = lambda x: x.astype(jnp.float32)
   ref_out, ref_grads = forward_backward(jax_flash.reference_attention)(
@@ -68,7 +66,8 @@ def main():
   for name, err in errors.items():
     bound = tol.out if name == "out" else tol.grad
     print(f"  {name:>3}: relative error {err:.2e} (bound {bound:.1e})")
-  print(f"  forward+backward: {seconds * 1e3:.1f} ms")
+  print(f"  forward+backward: {seconds * 1e3:.1f} ms (steady state, median "
+        "of back-to-back calls)")
   ok = errors["out"] <= tol.out and all(
       errors[n] <= tol.grad for n in ("dq", "dk", "dv"))
   print("OK" if ok else "MISMATCH")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 
 import jax
@@ -168,11 +169,14 @@ def main(argv=None):
   parser.add_argument("--sample-len", type=int, default=200)
   parser.add_argument("--prompt", default="And God said")
   parser.add_argument("--implementation", default=None,
-                      choices=[None, "pallas", "interpret", "xla", "flax"],
+                      choices=[None, "pallas", "mosaic", "triton",
+                               "interpret", "xla", "flax"],
                       help="flash attention's implementation (default: pallas "
                       "on a GPU, xla otherwise), or 'flax' for flax's own "
                       "attention on the same model, to compare")
-  parser.add_argument("--out-dir", default="checkpoints")
+  parser.add_argument("--out-dir", default=None,
+                      help="where the checkpoint is written (default: a new "
+                      "temporary directory)")
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args(argv)
 
@@ -226,8 +230,9 @@ def main(argv=None):
   if "peak_bytes_in_use" in stats:
     print(f"peak device memory {stats['peak_bytes_in_use'] / 2**30:.2f} GiB")
 
-  os.makedirs(args.out_dir, exist_ok=True)
-  path = os.path.join(args.out_dir, "lm_params.msgpack")
+  out_dir = args.out_dir or tempfile.mkdtemp(prefix="jax_flash_train_lm_")
+  os.makedirs(out_dir, exist_ok=True)
+  path = os.path.join(out_dir, "lm_params.msgpack")
   save_params(model, path)
   restored = make(args.seed + 1)  # Different initial parameters ...
   load_params(restored, path)  # ... replaced by the checkpoint's.

@@ -414,10 +414,14 @@ def main(argv=None):
   parser.add_argument("--render", metavar="JSON",
                       help="print the Markdown page of a saved run and exit "
                       "(no GPU needed)")
-  parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+  parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128],
+                      help="head dims H to time (num_heads = hidden / H)")
   parser.add_argument("--seq-lens", type=int, nargs="+",
+                      help="sequence lengths (query = key); decode: cache "
+                      "lengths; window/documents: the one sequence length",
                       default=[1024, 2048, 4096, 8192, 16384])
   parser.add_argument("--causal", choices=["both", "yes", "no"],
+                      help="causal masks, non-causal, or both (dense)",
                       default="both")
   parser.add_argument("--tokens", type=int, default=16384,
                       help="batch = tokens // seq_len")
@@ -425,12 +429,22 @@ def main(argv=None):
                       help="num_heads = hidden // head_dim")
   parser.add_argument("--kv-heads", type=int, default=None,
                       help="GQA: key/value heads (default: num_heads)")
-  parser.add_argument("--dtype", default="bfloat16")
+  parser.add_argument("--dtype", default="bfloat16",
+                      help="input dtype (bfloat16, float16, float32)")
   parser.add_argument("--impls", nargs="+",
-                      default=["flash_v2", "flash_v1", "cudnn", "jax_pallas", "xla"])
-  parser.add_argument("--calls", type=int, default=10)
-  parser.add_argument("--repeats", type=int, default=3)
-  parser.add_argument("--out", default="benchmarks/results")
+                      help="implementations, side by side: flash_mosaic "
+                      "(Mosaic GPU forward), flash_v2 and flash_v1 (Triton), "
+                      "cudnn and xla (jax.nn), jax_pallas (jax's own Pallas "
+                      "attention)",
+                      default=["flash_mosaic", "flash_v2", "flash_v1", "cudnn",
+                               "jax_pallas", "xla"])
+  parser.add_argument("--calls", type=int, default=10,
+                      help="back-to-back calls per timed batch")
+  parser.add_argument("--repeats", type=int, default=3,
+                      help="timed batches; the median is reported")
+  parser.add_argument("--out", default="benchmarks/results",
+                      help="directory for benchmark.json/.md (and .jsonl, "
+                      "each row as measured)")
   parser.add_argument("--plots", action="store_true",
                       help="also write tflops.png and memory.png")
   parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64],
