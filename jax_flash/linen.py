@@ -10,7 +10,6 @@ from typing import Any
 
 from flax import linen as nn
 from flax.linen import dtypes
-from flax.linen import module as linen_module
 
 from jax_flash.nnx import attend
 
@@ -62,25 +61,15 @@ class FlashAttention(nn.MultiHeadDotProductAttention):
   block_sizes: Any = None
 
   def __post_init__(self):
-    self._take_flax_name()
     if self.attention_fn is nn.dot_product_attention:
       object.__setattr__(self, "attention_fn", functools.partial(
           dot_product_attention, is_causal=self.is_causal,
           implementation=self.implementation, block_sizes=self.block_sizes))
     super().__post_init__()
 
-  def _take_flax_name(self):
-    """Automatic naming as `nn.MultiHeadDotProductAttention` gets it: flax
-    names an unnamed submodule after its class, with the parent's counter
-    for that name (flax's own logic, in linen's Module.__post_init__)."""
-    if self.name is not None:
-      return
-    parent = self.parent
-    if parent is linen_module._unspecified_parent:  # Flax resolves it so.
-      parent = linen_module._context.module_stack[-1]
-    if not isinstance(parent, nn.Module) or parent._state.in_setup:
-      return  # Top level, or named by its attribute in setup().
-    prefix = nn.MultiHeadDotProductAttention.__name__
-    cursor = parent._state.autoname_cursor.get(prefix, 0)
-    object.__setattr__(self, "name", f"{prefix}_{cursor}")
-    parent._state.autoname_cursor[prefix] = cursor + 1
+
+# Flax names an unnamed submodule after its class (`type(m).__name__` and the
+# parent's counter for that name): reporting flax's class name gives a model
+# that swaps this in the parameter paths it had, and shares flax's counter
+# with any nn.MultiHeadDotProductAttention beside it.
+FlashAttention.__name__ = nn.MultiHeadDotProductAttention.__name__
