@@ -27,6 +27,7 @@ Pallas backend takes the call, else "xla".
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +37,6 @@ from jax_flash.spec.checks import Problem
 from jax_flash.spec.mask import Mask, make_ids
 from jax_flash.spec.operands import Operands
 from jax_flash.spec.scores import Scores
-from pallas_kernels import mosaic_gpu, triton
 
 IMPLEMENTATIONS = ("pallas", "mosaic", "triton", "interpret", "xla")
 VERSIONS = (1, 2)
@@ -88,9 +88,17 @@ class XlaBackend:
 
 
 XLA = XlaBackend()
-BACKENDS = {"mosaic": mosaic_gpu.MosaicGpuBackend(triton.TRITON),
-            "triton": triton.TRITON, "interpret": triton.INTERPRET,
-            "xla": XLA}
+
+
+@functools.cache
+def backends() -> dict:
+  """The backends by implementation name. (Imported on first use: the
+  kernel packages import `jax_flash.spec`, so importing one of them first
+  must not need this module.)"""
+  from pallas_kernels import mosaic_gpu, triton
+  return {"mosaic": mosaic_gpu.MosaicGpuBackend(triton.TRITON),
+          "triton": triton.TRITON, "interpret": triton.INTERPRET, "xla": XLA}
+
 # The Pallas backends for a GPU, best first: on an H100/H200 the Mosaic GPU
 # forward measured 1.15-1.52x the Triton one at 8k (every head dim, causal
 # and not; benchmarks/results/2026-11-30-h200-session3/mosaic_8k.md).
@@ -127,7 +135,7 @@ def hopper_target() -> bool:
 
 def check_options(block_sizes, version) -> None:
   """`block_sizes` and `version`, checked for every implementation."""
-  types = tuple({b.config_type for b in BACKENDS.values()} - {type(None)})
+  types = tuple({b.config_type for b in backends().values()} - {type(None)})
   if block_sizes is not None and not isinstance(block_sizes, types):
     raise ValueError(
         f"block_sizes must be a jax_flash.BlockSizes, "
@@ -143,7 +151,7 @@ def select(implementation, query, problem: Problem, dtype, *, mask: Mask,
   def reason(name):
     if name in HOPPER_ONLY and not hopper_target():
       return f"implementation {name!r} needs a Hopper GPU (H100/H200)"
-    return BACKENDS[name].unsupported(problem, dtype, mask=mask,
+    return backends()[name].unsupported(problem, dtype, mask=mask,
                                       scores=scores, version=version,
                                       decode=decode)
 
@@ -151,13 +159,13 @@ def select(implementation, query, problem: Problem, dtype, *, mask: Mask,
     if on_gpu(query):
       for name in PALLAS:
         if reason(name) is None:
-          return BACKENDS[name]
+          return backends()[name]
     return XLA
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or "
                      f"None, got {implementation!r}")
   names = PALLAS if implementation == "pallas" else (implementation,)
-  if BACKENDS[names[-1]].needs_gpu and not gpu_target():
+  if backends()[names[-1]].needs_gpu and not gpu_target():
     raise ValueError(
         f"implementation={implementation!r} runs the GPU kernels and needs a "
         "GPU; on this machine use implementation='interpret' (the same "
@@ -166,7 +174,7 @@ def select(implementation, query, problem: Problem, dtype, *, mask: Mask,
   for name in names:
     why = reason(name)
     if why is None:
-      return BACKENDS[name]
+      return backends()[name]
     reasons.append(why)
   raise ValueError("; ".join(reasons) + "; implementation='xla' takes any "
                    "input")

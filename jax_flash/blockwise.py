@@ -116,6 +116,21 @@ def _setup(q, k, operands: Operands, mask: Mask, scores: Scores,
   return p, tp, sp, ops
 
 
+def _without_padding(x, ids, pad_id):
+  """x [B, L, heads, H] with positions at or past a length (ids == pad_id)
+  zeroed: padding may hold anything (NaN, inf), and 0 * NaN would reach a
+  result. Without lengths (ids None) x itself."""
+  if ids is None:
+    return x
+  return jnp.where((ids != pad_id)[:, :, None, None], x, jnp.zeros((), x.dtype))
+
+
+def _unpadded(q, k, v, operands: Operands):
+  return (_without_padding(q, operands.q_ids, mask_lib.Q_PAD_ID),
+          _without_padding(k, operands.kv_ids, mask_lib.KV_PAD_ID),
+          _without_padding(v, operands.kv_ids, mask_lib.KV_PAD_ID))
+
+
 def _kv_ranges(p: _Problem, ops: Operands):
   """(lo, hi) [num_q_blocks] int32: the key blocks each query block visits,
   by the band and, with ids, by the id ranges of any batch element."""
@@ -186,6 +201,7 @@ def forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
   p, tp, sp, ops = _setup(q, k, operands, mask, scores, config)
   b, t, n, h = q.shape
   kh, g = p.num_kv_heads, n // p.num_kv_heads
+  q, k, v = _unpadded(q, k, v, operands)
   k, v = _pad(k, 1, sp), _pad(v, 1, sp)
   lo, hi = _kv_ranges(p, ops)
   rows = b * kh * g * p.block_q
@@ -224,6 +240,8 @@ def backward(q, k, v, operands: Operands, o, lse, do, dlse, *, mask: Mask,
   p, tp, sp, ops = _setup(q, k, operands, mask, scores, config)
   b, t, n, h = q.shape
   kh, g = p.num_kv_heads, n // p.num_kv_heads
+  q, k, v = _unpadded(q, k, v, operands)
+  do = _without_padding(do, operands.q_ids, mask_lib.Q_PAD_ID)
   k, v = _pad(k, 1, sp), _pad(v, 1, sp)
   lo, hi = _kv_ranges(p, ops)
   # dS = P (dP - D) + dlse P: the logsumexp's cotangent folds into D.

@@ -110,10 +110,14 @@ def plain_attention(compute_dtype):
 def compare_with_reference(kwargs, dtype=jnp.float32, version=2,
                            shape=(2, 100, 90, 4, 2, 32), seed=0,
                            block_sizes="small",
-                           implementation=KERNEL_IMPL):
+                           implementation=KERNEL_IMPL, garbage=False):
   """An implementation vs the reference: out, logsumexp, dq/dk/dv (and dbias
   if a bias), with `assert_attention_close` (low precision: against plain
   attention's own error in that dtype).
+
+  garbage: queries and keys/values at or past `query_seq_lengths` /
+  `key_value_seq_lengths` hold NaN for the implementation (zeros for the
+  reference, which computes 0 * NaN): none may reach a result.
 
   Random cotangents for out and logsumexp. Outputs and gradients come in the
   input dtype. Rows that see no key must give out 0 and logsumexp -inf, and
@@ -127,18 +131,35 @@ def compare_with_reference(kwargs, dtype=jnp.float32, version=2,
   bias = kwargs.pop("bias", None)
   names = ("out", "lse", "dq", "dk", "dv", "dbias")
 
-  def run(attention, up, **extra):
+  def padded(lengths, size):  # [B, size, 1, 1]: positions past a length.
+    if lengths is None:
+      return jnp.zeros((1, size, 1, 1), bool)
+    return (jnp.arange(size)[None] >= lengths[:, None])[:, :, None, None]
+
+  q_pad = padded(kwargs.get("query_seq_lengths"), q.shape[1])
+  kv_pad = padded(kwargs.get("key_value_seq_lengths"), k.shape[1])
+
+  def fill(value):
+    return (jnp.where(q_pad, value, q).astype(q.dtype),
+            jnp.where(kv_pad, value, k).astype(k.dtype),
+            jnp.where(kv_pad, value, v).astype(v.dtype))
+
+  clean = fill(0.0)
+  poisoned = fill(jnp.nan) if garbage else clean
+
+  def run(attention, up, inputs=clean, **extra):
     def f(q, k, v, bias):
       return attention(up(q), up(k), up(v), bias, return_residual=True,
                        **kwargs, **extra)
-    (out, lse), vjp = jax.vjp(f, q, k, v, bias)
+    (out, lse), vjp = jax.vjp(f, *inputs, bias)
     dlse = jnp.cos(jnp.arange(lse.size, dtype=jnp.float32)).reshape(lse.shape)
     results = (out, lse) + vjp((do.astype(out.dtype), dlse))
     return {n: x for n, x in zip(names, results) if x is not None}
 
   got = jax.jit(lambda: run(
-      jax_flash.flash_attention, lambda x: x, implementation=implementation,
-      block_sizes=block_sizes, version=version))()
+      jax_flash.flash_attention, lambda x: x, poisoned,
+      implementation=implementation, block_sizes=block_sizes,
+      version=version))()
   ref = run(jax_flash.reference_attention, lambda x: x.astype(jnp.float32))
   baseline = None
   if jnp.dtype(dtype) != jnp.float32:

@@ -36,3 +36,15 @@ def test_backend_imports_only_the_spec_and_itself(path):
           if n.split(".")[0] in ("jax_flash", "pallas_kernels")]
   for name in ours:
     assert name.startswith(("jax_flash.spec", own)), (path, name)
+
+
+def test_a_backend_package_imports_first():
+  """`import pallas_kernels.triton` before jax_flash (the backends import
+  the spec; the dispatch imports them only when first used)."""
+  import subprocess
+  import sys
+  for package in ("pallas_kernels.triton", "pallas_kernels.mosaic_gpu"):
+    result = subprocess.run(
+        [sys.executable, "-c", f"import {package}, jax_flash"],
+        capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -172,6 +172,16 @@ def test_mask_bfloat16_gqa_unaligned():
   _compare(kwargs, jnp.bfloat16, shape=(1, 255, 300, 8, 2, 80))
 
 
+@pytest.mark.parametrize("implementation", [KERNEL_IMPL, "xla"])
+@pytest.mark.parametrize("name", ["lengths", "lengths_zero",
+                                  "segments_causal_lengths"])
+def test_garbage_past_lengths_never_reaches_a_result(name, implementation):
+  """Queries and keys/values past their lengths hold NaN: outputs and
+  gradients equal the reference's on zero padding."""
+  compare_with_reference(MASK_KWARGS[name], implementation=implementation,
+                         garbage=True)
+
+
 def test_fully_masked_batch_has_zero_output_and_gradients():
   kwargs = dict(key_value_seq_lengths=jnp.array([0, 90]))
   empty = _compare(kwargs)

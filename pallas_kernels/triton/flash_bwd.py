@@ -55,8 +55,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
                     block_q, block_k, batch=pl.program_id(1), transposed=True)
   kv_tile = pl.program_id(0)
   kv_start = kv_tile * block_k
-  k = load_tile(k_ref, kv_start, block_k, row_bound=kv_len, head_dim=head_dim)
-  v = load_tile(v_ref, kv_start, block_k, row_bound=kv_len, head_dim=head_dim)
+  # Keys past a length may hold garbage: zeroed (dK/dV there come out 0).
+  k = ctx.without_padding(load_tile(k_ref, kv_start, block_k, row_bound=kv_len,
+                                    head_dim=head_dim), kv_start, keys=True)
+  v = ctx.without_padding(load_tile(v_ref, kv_start, block_k, row_bound=kv_len,
+                                    head_dim=head_dim), kv_start, keys=True)
   kv_ids = ctx.kv_ids(kv_start) if mask.has_ids else None
   first_head = pl.program_id(2) * group  # Global index of the group's head 0.
 
@@ -68,6 +71,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
                   head_dim=head_dim, head=head)
     do = load_tile(do_ref, q_start, block_q, row_bound=q_len,
                    head_dim=head_dim, head=head)
+    if masked:  # Queries past a length may hold garbage.
+      q = ctx.without_padding(q, q_start, keys=False)
+      do = ctx.without_padding(do, q_start, keys=False)
     lse2 = softmax.backward_lse2(load_row_stat(
         lse_ref, q_start, block_q, row_bound=q_len, head=head, other=_INF))
     delta = load_row_stat(delta_ref, q_start, block_q, row_bound=q_len,
@@ -118,8 +124,13 @@ class _QueryTile:
     self.tile = pl.num_programs(0) - 1 - pl.program_id(0)  # Longest first.
     self.q_start = self.tile * block_q
     bound = dict(row_bound=q_len, head_dim=head_dim)
-    self.q = load_tile(q_ref, self.q_start, block_q, **bound)
-    self.do = load_tile(do_ref, self.q_start, block_q, **bound)
+    # Queries past a length may hold garbage: zeroed.
+    self.q = self.ctx.without_padding(
+        load_tile(q_ref, self.q_start, block_q, **bound), self.q_start,
+        keys=False)
+    self.do = self.ctx.without_padding(
+        load_tile(do_ref, self.q_start, block_q, **bound), self.q_start,
+        keys=False)
     self.lse2 = softmax.backward_lse2(load_row_stat(
         lse_ref, self.q_start, block_q, row_bound=q_len, other=_INF))
     self.delta = load_row_stat(delta_ref, self.q_start, block_q,
@@ -137,6 +148,9 @@ class _QueryTile:
                  head_dim=self.head_dim)
     k = load_tile(self.k_ref, k_start, self.block_k, **bound)
     v = load_tile(self.v_ref, k_start, self.block_k, **bound)
+    if masked:  # Only boundary tiles can hold keys past a length.
+      k = ctx.without_padding(k, k_start, keys=True)
+      v = ctx.without_padding(v, k_start, keys=True)
     s, tanh = ctx.logits2(dot(self.q, k, trans_b=True), self.q_start, k_start,
                           slope=self.slope)
     p = jnp.exp2(s - self.lse2[:, None])

@@ -57,6 +57,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, operand_refs: Operands, id_table_ref,
                     softmax.NEG_INF)
     m, alpha, p, l = softmax.update(m, l, s)
     v = load_tile(v_ref, k_start, block_k, row_bound=bound, head_dim=head_dim)
+    if masked:  # Only boundary tiles can hold keys past a length.
+      v = ctx.without_padding(v, k_start, keys=True)
     # l sums the undropped p; only P V sees the dropout.
     p = ctx.dropped(p, q_start, k_start, head)
     acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v)

@@ -87,6 +87,7 @@ def _forward_v1_kernel(q_ref, k_ref, v_ref, operand_refs: Operands,
     bound = kv_len if tail else None
     k = load_tile(k_ref, k_start, block_k, row_bound=bound, head_dim=head_dim)
     v = load_tile(v_ref, k_start, block_k, row_bound=bound, head_dim=head_dim)
+    v = ctx.without_padding(v, k_start, keys=True)
     lo, full_lo, full_hi, hi = ctx.q_ranges(j, k_start)
     kv_ids = ctx.kv_ids(k_start) if mask.has_ids else None
     step = functools.partial(q_step, k=k, v=v, k_start=k_start, kv_ids=kv_ids)

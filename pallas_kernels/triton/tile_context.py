@@ -183,3 +183,18 @@ class TileContext:
     ids = load_ids(self.refs.kv_ids, k_start, self.block_k,
                    bound=self.kv_len, pad_id=mask_lib.KV_PAD_ID)
     return ids[:, None] if self.transposed else ids[None, :]
+
+  def without_padding(self, tile, start, *, keys: bool):
+    """tile ([rows, Hp], rows from `start`) with the rows at or past their
+    sequence's length zeroed: padding may hold anything (NaN, inf), and
+    0 * NaN would reach a result. Without lengths (no ids) nothing runs."""
+    if not self.mask.has_ids:
+      return tile
+    if keys:
+      ref, size, bound, pad = (self.refs.kv_ids, self.block_k, self.kv_len,
+                               mask_lib.KV_PAD_ID)
+    else:
+      ref, size, bound, pad = (self.refs.q_ids, self.block_q, self.q_len,
+                               mask_lib.Q_PAD_ID)
+    ids = load_ids(ref, start, size, bound=bound, pad_id=pad)
+    return jnp.where((ids != pad)[:, None], tile, jnp.zeros_like(tile))
