@@ -12,6 +12,8 @@ _warnings.filterwarnings(
 from jax_flash.attention import flash_attention  # noqa: E402
 from jax_flash.blockwise import BlockSizes as XlaBlockSizes  # noqa: E402
 from jax_flash.decode import flash_decode  # noqa: E402
+from jax_flash.flex import (and_masks, create_block_mask,  # noqa: E402
+                            flex_attention, or_masks)
 from jax_flash.reference import reference_attention  # noqa: E402
 from jax_flash.ring import ring_attention  # noqa: E402
 from jax_flash.spec.dropout import dropout_keep_mask  # noqa: E402
@@ -20,6 +22,7 @@ from pallas_kernels.mosaic_gpu.config import \
 from pallas_kernels.triton.config import BlockSizes  # noqa: E402
 
 __all__ = ["flash_attention", "flash_decode", "reference_attention",
+           "flex_attention", "create_block_mask", "and_masks", "or_masks",
            "ring_attention",
            "BlockSizes", "MosaicBlockSizes", "XlaBlockSizes",
            "dropout_keep_mask"]

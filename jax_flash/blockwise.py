@@ -57,7 +57,9 @@ def _per_head(x, num_kv_heads: int):
   return x.reshape((x.shape[0], num_kv_heads, -1) + x.shape[2:])
 
 
-def _pad(x, axis: int, size: int, value=0):
+def pad_to(x, axis: int, size: int, value=0):
+  """x padded with `value` to `size` along `axis` (None, or a broadcast
+  dimension of 1, unchanged)."""
   if x is None or x.shape[axis] == size or x.shape[axis] == 1:
     return x
   widths = [(0, 0)] * x.ndim
@@ -109,10 +111,10 @@ def _setup(q, k, operands: Operands, mask: Mask, scores: Scores,
   tp, sp = p.num_q_blocks * bq, p.num_k_blocks * bk
   ops = dataclasses.replace(
       operands,
-      q_ids=_pad(operands.q_ids, 1, tp, mask_lib.Q_PAD_ID),
-      kv_ids=_pad(operands.kv_ids, 1, sp, mask_lib.KV_PAD_ID),
-      dense_mask=_pad(_pad(operands.dense_mask, 2, tp), 3, sp),
-      bias=_pad(_pad(operands.bias, 2, tp), 3, sp))
+      q_ids=pad_to(operands.q_ids, 1, tp, mask_lib.Q_PAD_ID),
+      kv_ids=pad_to(operands.kv_ids, 1, sp, mask_lib.KV_PAD_ID),
+      dense_mask=pad_to(pad_to(operands.dense_mask, 2, tp), 3, sp),
+      bias=pad_to(pad_to(operands.bias, 2, tp), 3, sp))
   return p, tp, sp, ops
 
 
@@ -189,7 +191,7 @@ def _dropped(p: _Problem, ops: Operands, x, q0, k0):
   return jnp.where(keep, x * (1.0 / (1.0 - p.scores.dropout_rate)), 0.0)
 
 
-def _blocks(x, num: int, size: int, kh: int):
+def blocks(x, num: int, size: int, kh: int):
   """[B, L, N, H] -> [num, B, size, K, G, H] (L = num * size)."""
   b, _, n, h = x.shape
   return x.reshape(b, num, size, kh, n // kh, h).transpose(1, 0, 2, 3, 4, 5)
@@ -202,7 +204,7 @@ def forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
   b, t, n, h = q.shape
   kh, g = p.num_kv_heads, n // p.num_kv_heads
   q, k, v = _unpadded(q, k, v, operands)
-  k, v = _pad(k, 1, sp), _pad(v, 1, sp)
+  k, v = pad_to(k, 1, sp), pad_to(v, 1, sp)
   lo, hi = _kv_ranges(p, ops)
   rows = b * kh * g * p.block_q
 
@@ -226,7 +228,7 @@ def forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
     return (o.reshape(b, kh, g, p.block_q, h).astype(q.dtype),
             lse.reshape(b, kh, g, p.block_q))
 
-  qs = _blocks(_pad(q, 1, tp), p.num_q_blocks, p.block_q, kh)
+  qs = blocks(pad_to(q, 1, tp), p.num_q_blocks, p.block_q, kh)
   o, lse = lax.map(q_block, (jnp.arange(p.num_q_blocks), qs))
   # [nq, B, K, G, bq, (H)] -> [B, T, N, H] and [B, N, T].
   o = o.transpose(1, 0, 4, 2, 3, 5).reshape(b, tp, n, h)[:, :t]
@@ -242,12 +244,12 @@ def backward(q, k, v, operands: Operands, o, lse, do, dlse, *, mask: Mask,
   kh, g = p.num_kv_heads, n // p.num_kv_heads
   q, k, v = _unpadded(q, k, v, operands)
   do = _without_padding(do, operands.q_ids, mask_lib.Q_PAD_ID)
-  k, v = _pad(k, 1, sp), _pad(v, 1, sp)
+  k, v = pad_to(k, 1, sp), pad_to(v, 1, sp)
   lo, hi = _kv_ranges(p, ops)
   # dS = P (dP - D) + dlse P: the logsumexp's cotangent folds into D.
   delta = jnp.einsum("btnh,btnh->bnt", o.astype(jnp.float32),
                      do.astype(jnp.float32)) - dlse
-  lse2 = softmax.backward_lse2(_pad(lse, 2, tp, -jnp.inf))
+  lse2 = softmax.backward_lse2(pad_to(lse, 2, tp, -jnp.inf))
 
   def stats(x):  # [B, N, Tp] -> [nq, B, K, G, bq]
     return x.reshape(b, kh, g, p.num_q_blocks, p.block_q).transpose(
@@ -286,13 +288,13 @@ def backward(q, k, v, operands: Operands, o, lse, do, dlse, *, mask: Mask,
     dq, dk, dv, dbias = lax.fori_loop(lo[i], hi[i], body, (dq, dk, dv, dbias))
     return (dk, dv, dbias), (dq * p.scores.scale).astype(q.dtype)
 
-  blocks = lambda x: _blocks(_pad(x, 1, tp), p.num_q_blocks, p.block_q, kh)
+  blocks = lambda x: blocks(pad_to(x, 1, tp), p.num_q_blocks, p.block_q, kh)
   zeros = jnp.zeros((b, sp, kh, h), jnp.float32)
   dbias0 = None if bias_shape is None else jnp.zeros(bias_shape, jnp.float32)
   (dk, dv, dbias), dq = lax.scan(
       q_block, (zeros, zeros, dbias0),
       (jnp.arange(p.num_q_blocks), blocks(q), blocks(do), stats(lse2),
-       stats(_pad(delta, 2, tp))))
+       stats(pad_to(delta, 2, tp))))
   dq = dq.transpose(1, 0, 2, 3, 4, 5).reshape(b, tp, n, h)[:, :t]
   dk = (dk[:, :p.kv_len] * p.scores.scale).astype(k.dtype)
   dv = dv[:, :p.kv_len].astype(v.dtype)

@@ -1,0 +1,190 @@
+"""flex_attention: user-written mask_mod / score_mod against dense
+references, gradients to closed-over arrays, and the block classification."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flash
+from jax_flash.testing import assert_attention_close
+from tests.cases import plain_attention, random_inputs
+
+B, T, S, N, K, H = 2, 100, 90, 4, 2, 32
+BLOCK = (32, 16)  # Several tiles of each kind at these lengths.
+IDS = jnp.sort(jax.random.randint(jax.random.key(11), (B, T), 0, 4), axis=1)
+WINDOWS = jnp.array([4, 8, 16, 1000])  # Per-head left windows.
+SLOPES = jnp.linspace(0.1, 0.8, N)
+TABLE = jax.random.normal(jax.random.key(12), (T + S + 1,))  # Relative bias.
+
+
+def causal(b, h, q, k):
+  return q >= k
+
+
+def prefix_lm(b, h, q, k):  # The first 20 positions see each other.
+  return (k < 20) | (q >= k)
+
+
+def document(b, h, q, k):  # Closes over an id array (self-attention).
+  return IDS[b, q] == IDS[b, jnp.minimum(k, T - 1)]
+
+
+def sliding(b, h, q, k):  # Per-head windows, causal.
+  return (q >= k) & (q - k <= WINDOWS[h])
+
+
+def alibi(s, b, h, q, k):
+  return s - SLOPES[h] * jnp.abs(q - k)
+
+
+def soft_cap(s, b, h, q, k):
+  return 20.0 * jnp.tanh(s / 20.0)
+
+
+def dense(fn, b=B, n=N, t=T, s=S):
+  """fn on the whole [B, N, T, S] index grid."""
+  idx = [jnp.arange(x)[tuple(slice(None) if a == i else None
+                             for a in range(4))] for i, x in enumerate(
+                                 (b, n, t, s))]
+  return jnp.broadcast_to(fn(*idx), (b, n, t, s))
+
+
+# name: (mask_mod or None, score_mod or None, reference kwargs, q/k lengths)
+EXAMPLES = {
+    "causal": (causal, None, dict(is_causal=True), S),
+    "prefix_lm": (prefix_lm, None, dict(mask=dense(prefix_lm)), S),
+    "document_causal": (jax_flash.and_masks(causal, document), None,
+                        dict(is_causal=True, segment_ids=IDS), T),
+    "per_head_sliding_window": (sliding, None, dict(mask=dense(sliding)), S),
+    "alibi": (causal, alibi, dict(is_causal=True, alibi_slopes=SLOPES), S),
+    "soft_cap": (None, soft_cap, dict(logits_soft_cap=20.0), S),
+    "or_masks": (jax_flash.or_masks(causal, lambda b, h, q, k: k >= S - 5),
+                 None, dict(mask=dense(lambda b, h, q, k: (q >= k) |
+                                       (k >= S - 5))), S),
+}
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_example_matches_dense_reference(name):
+  mask_mod, score_mod, ref_kwargs, s_len = EXAMPLES[name]
+  q, k, v, do = random_inputs(B, T, s_len, N, K, H, jnp.float32)
+  block_mask = None
+  if mask_mod is not None:
+    block_mask = jax_flash.create_block_mask(mask_mod, B, N, T, s_len,
+                                             block_size=BLOCK)
+
+  def run(attention):
+    (out, lse), vjp = jax.vjp(lambda q, k, v: attention(q, k, v), q, k, v)
+    dlse = jnp.cos(jnp.arange(lse.size, dtype=jnp.float32)).reshape(lse.shape)
+    return dict(zip(("out", "lse", "dq", "dk", "dv"),
+                    (out, lse) + vjp((do, dlse))))
+
+  got = jax.jit(lambda q, k, v: run(lambda q, k, v: jax_flash.flex_attention(
+      q, k, v, score_mod, block_mask, return_residual=True)))(q, k, v)
+  ref = run(lambda q, k, v: jax_flash.reference_attention(
+      q, k, v, return_residual=True, **ref_kwargs))
+  assert_attention_close(got, ref)
+
+
+def test_learned_relative_bias_gets_its_gradient():
+  """T5-style: a bias table indexed by q - k, closed over by score_mod."""
+  q, k, v, do = random_inputs(B, T, S, N, K, H, jnp.float32)
+  block_mask = jax_flash.create_block_mask(causal, None, None, T, S,
+                                           block_size=BLOCK)
+
+  def loss(q, k, v, table):
+    out = jax_flash.flex_attention(
+        q, k, v, lambda s, b, h, qi, ki: s + table[qi - ki + S], block_mask)
+    return jnp.sum(out * do)
+
+  def ref_loss(q, k, v, table):
+    bias = table[jnp.arange(T)[:, None] - jnp.arange(S)[None] + S]
+    return jnp.sum(jax_flash.reference_attention(
+        q, k, v, bias, is_causal=True) * do)
+
+  names = ("dq", "dk", "dv", "dtable")
+  got = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, TABLE)
+  ref = jax.grad(ref_loss, argnums=(0, 1, 2, 3))(q, k, v, TABLE)
+  assert np.abs(np.asarray(got[3])).sum() > 0
+  assert_attention_close(dict(zip(names, got)), dict(zip(names, ref)))
+
+
+def test_bfloat16_within_plain_attentions_error():
+  q, k, v, do = random_inputs(1, 255, 255, 8, 2, 64, jnp.bfloat16)
+  block_mask = jax_flash.create_block_mask(causal, None, None, 255, 255)
+  out = jax_flash.flex_attention(q, k, v, block_mask=block_mask)
+  up = [x.astype(jnp.float32) for x in (q, k, v)]
+  ref = jax_flash.reference_attention(*up, is_causal=True)
+  plain = plain_attention(jnp.bfloat16)(q, k, v, is_causal=True)
+  assert_attention_close(out, ref, jnp.bfloat16, baseline=plain)
+
+
+def test_block_kinds_match_brute_force():
+  block_mask = jax_flash.create_block_mask(sliding, None, N, T, S,
+                                           block_size=BLOCK)
+  kinds = np.asarray(block_mask.kinds)
+  vis = np.asarray(dense(sliding, 1, N))
+  bq, bk = BLOCK
+  for n in range(N):
+    for i in range(kinds.shape[2]):
+      for j in range(kinds.shape[3]):
+        tile = vis[0, n, i * bq:(i + 1) * bq, j * bk:(j + 1) * bk]
+        expect = (jax_flash.flex.FULL if tile.all() else
+                  jax_flash.flex.PARTIAL if tile.any() else
+                  jax_flash.flex.EMPTY)
+        assert kinds[0, n, i, j] == expect, (n, i, j)
+  # A window of 4 on head 0 leaves most of its tiles empty (never visited).
+  assert (kinds[0, 0] == jax_flash.flex.EMPTY).mean() > 0.5
+
+
+def test_row_that_sees_no_key_gives_zero_and_zero_gradients():
+  q, k, v, do = random_inputs(B, T, S, N, K, H, jnp.float32)
+  block_mask = jax_flash.create_block_mask(
+      lambda b, h, qi, ki: (qi >= 50) & (qi >= ki), None, None, T, S,
+      block_size=BLOCK)
+  out, lse = jax_flash.flex_attention(q, k, v, block_mask=block_mask,
+                                      return_residual=True)
+  assert not np.asarray(out[:, :50]).any()
+  assert np.isneginf(np.asarray(lse[:, :50])).all()
+  dq = jax.grad(lambda q: jnp.sum(jax_flash.flex_attention(
+      q, k, v, block_mask=block_mask) * do))(q)
+  assert np.isfinite(np.asarray(dq)).all() and not np.asarray(dq[:, :50]).any()
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda q, k, v, bm: jax_flash.flex_attention(q, k, v, block_mask=bm,
+                                                  implementation="triton"),
+     "flex_attention runs on implementation 'xla'"),
+    (lambda q, k, v, bm: jax_flash.flex_attention(q[:, :64], k, v,
+                                                  block_mask=bm),
+     r"block_mask was made for \(T, S\) = \(100, 90\)"),
+    (lambda q, k, v, bm: jax_flash.flex_attention(q, k, v,
+                                                  block_mask=jnp.ones(3)),
+     "block_mask must come from jax_flash.create_block_mask"),
+    (lambda q, k, v, bm: jax_flash.create_block_mask(causal, 0, None, 4, 4),
+     "B must be None or an int >= 1"),
+])
+def test_bad_flex_arguments(call, match):
+  q, k, v, _ = random_inputs(B, T, S, N, K, H, jnp.float32)
+  bm = jax_flash.create_block_mask(causal, None, None, T, S)
+  with pytest.raises(ValueError, match=match):
+    call(q, k, v, bm)
+
+
+def test_ids_traced_under_jit_with_gradients():
+  """The block mask built inside jit from a traced id array; gradients."""
+  q, k, v, do = random_inputs(B, T, T, N, K, H, jnp.float32)
+
+  @jax.jit
+  def grads(q, k, v, ids):
+    mask_mod = jax_flash.and_masks(
+        causal, lambda b, h, qi, ki: ids[b, qi] == ids[b, ki])
+    block_mask = jax_flash.create_block_mask(mask_mod, B, None, T, T,
+                                             block_size=BLOCK)
+    return jax.grad(lambda q, k, v: jnp.sum(jax_flash.flex_attention(
+        q, k, v, block_mask=block_mask) * do), argnums=(0, 1, 2))(q, k, v)
+
+  ref = jax.grad(lambda q, k, v: jnp.sum(jax_flash.reference_attention(
+      q, k, v, is_causal=True, segment_ids=IDS) * do), argnums=(0, 1, 2))(
+          q, k, v)
+  assert_attention_close(grads(q, k, v, IDS), ref)
