@@ -207,6 +207,11 @@ def forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
   k, v = pad_to(k, 1, sp), pad_to(v, 1, sp)
   lo, hi = _kv_ranges(p, ops)
   rows = b * kh * g * p.block_q
+  sink2 = None
+  if scores.sinks:  # Each row's head's sink, base 2.
+    sink2 = jnp.broadcast_to(
+        (operands.sinks * softmax.LOG2E).reshape(1, kh, g, 1),
+        (b, kh, g, p.block_q)).reshape(rows)
 
   def q_block(args):
     i, qb = args  # qb [B, bq, K, G, H]
@@ -224,7 +229,7 @@ def forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
       return acc * alpha[:, None] + pv.reshape(rows, h), m, l
 
     carry = lax.fori_loop(lo[i], hi[i], body, softmax.init(rows, h))
-    o, lse = softmax.finalize(*carry)
+    o, lse = softmax.finalize(*carry, sink2=sink2)
     return (o.reshape(b, kh, g, p.block_q, h).astype(q.dtype),
             lse.reshape(b, kh, g, p.block_q))
 
@@ -288,12 +293,12 @@ def backward(q, k, v, operands: Operands, o, lse, do, dlse, *, mask: Mask,
     dq, dk, dv, dbias = lax.fori_loop(lo[i], hi[i], body, (dq, dk, dv, dbias))
     return (dk, dv, dbias), (dq * p.scores.scale).astype(q.dtype)
 
-  blocks = lambda x: blocks(pad_to(x, 1, tp), p.num_q_blocks, p.block_q, kh)
+  split = lambda x: blocks(pad_to(x, 1, tp), p.num_q_blocks, p.block_q, kh)
   zeros = jnp.zeros((b, sp, kh, h), jnp.float32)
   dbias0 = None if bias_shape is None else jnp.zeros(bias_shape, jnp.float32)
   (dk, dv, dbias), dq = lax.scan(
       q_block, (zeros, zeros, dbias0),
-      (jnp.arange(p.num_q_blocks), blocks(q), blocks(do), stats(lse2),
+      (jnp.arange(p.num_q_blocks), split(q), split(do), stats(lse2),
        stats(pad_to(delta, 2, tp))))
   dq = dq.transpose(1, 0, 2, 3, 4, 5).reshape(b, tp, n, h)[:, :t]
   dk = (dk[:, :p.kv_len] * p.scores.scale).astype(k.dtype)
