@@ -12,8 +12,8 @@ backend is an object with:
         -> (o [B, T, N, H], lse [B, N, T])
     backward(q, k, v, operands, o, lse, do, dlse, *, mask, scores, config)
         -> (dq, dk, dv, dbias or None)
-    decode(q, k, v, kv_lengths, *, mask, scores, num_splits, page_table)
-        -> (o [B, T, N, H], lse [B, N, T])
+    decode(q, k, v, kv_lengths, *, mask, scores, num_splits, page_table,
+           sinks) -> (o [B, T, N, H], lse [B, N, T])
 
 with lse the natural-log logsumexp, float32, everywhere. Backends:
 "mosaic" (Pallas Mosaic GPU kernels; Hopper GPUs, the Triton backward),
@@ -70,7 +70,7 @@ class XlaBackend:
                               scores=scores, config=config)
 
   def decode(self, q, k, v, kv_lengths, *, mask, scores, num_splits=None,
-             page_table=None):
+             page_table=None, sinks=None):
     del num_splits  # A kernel's launch choice.
     batch, q_len = q.shape[:2]
     if page_table is not None:  # Gather the pages into a contiguous cache.
@@ -82,7 +82,7 @@ class XlaBackend:
     # The lengths as key ids (the kernels bound the keys instead).
     q_ids, kv_ids = make_ids(batch, q_len, kv_len, kv_lengths=kv_lengths)
     return reference.attend(
-        q, k, v, Operands(q_ids=q_ids, kv_ids=kv_ids),
+        q, k, v, Operands(q_ids=q_ids, kv_ids=kv_ids, sinks=sinks),
         mask=dataclasses.replace(mask, has_ids=True), scores=scores,
         q_offsets=kv_lengths - q_len)
 

@@ -86,7 +86,20 @@ def _flash_bwd(cfg: _Config, residuals, cotangents):
   if dbias is not None:
     d_operands = dataclasses.replace(d_operands,
                                      bias=dbias.astype(operands.bias.dtype))
+  if operands.sinks is not None:
+    d_operands = dataclasses.replace(
+        d_operands, sinks=_sink_gradient(operands.sinks, o, lse, do, dlse))
   return dq, dk, dv, d_operands
+
+
+def _sink_gradient(sinks, o, lse, do, dlse):
+  """dL/dsinks [N]. The sink's probability in row i is p_i = exp(sink - L_i),
+  and dL/dsink = -sum_i p_i (rowsum(dO_i * O_i) - dlse_i): the same D as the
+  backward's dS = P (dP - D), since dL/dL_i enters through it."""
+  delta = jnp.einsum("btnh,btnh->bnt", o.astype(jnp.float32),
+                     do.astype(jnp.float32)) - dlse
+  p_sink = jnp.exp(sinks[None, :, None] - lse)
+  return -jnp.sum(p_sink * delta, axis=(0, 2))
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -97,7 +110,7 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
                     key_value_seq_lengths=None, local_window_size=None,
                     segment_ids=None, logits_soft_cap=None,
                     alibi_slopes=None, dropout_rate=0.0, dropout_rng=None,
-                    dropout_broadcast=False, return_residual=False,
+                    dropout_broadcast=False, sinks=None, return_residual=False,
                     implementation=None, block_sizes=None, version=2):
   """Exact attention, softmax(scale * Q K^T) V, without the T x S matrix in memory.
 
@@ -147,6 +160,10 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
       `jax_flash.dropout_keep_mask` returns the same bits, densely.
     dropout_broadcast: one keep mask shared by every batch element and head
       (flax's `broadcast_dropout`); the bits of batch 0, head 0.
+    sinks: float [N], a learned sink logit per query head (as in gpt-oss):
+      one more term exp(sinks[n]) in the softmax's denominator, of a key
+      whose value is 0; it gets a gradient. A row that sees no key then has
+      logsumexp sinks[n] (and output 0).
     return_residual: also return the logsumexp of the scaled scores,
       [B, T, N] (or [T, N]), natural log.
     implementation: None picks "pallas" when query lives on a GPU and a
@@ -187,7 +204,7 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
               local_window_size=local_window_size, segment_ids=segment_ids,
               logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
               dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-              dropout_broadcast=dropout_broadcast)
+              dropout_broadcast=dropout_broadcast, sinks=sinks)
   spec = prepare(query, key, value, **args)
   p = spec.problem
   _dispatch.check_options(block_sizes, version)

@@ -15,7 +15,8 @@ MAX_DECODE_QUERIES = 64
 def flash_decode(query, key_cache=None, value_cache=None, *, kv_lengths,
                  scale=None, logits_soft_cap=None, local_window_size=None,
                  num_splits=None, implementation=None, key_pages=None,
-                 value_pages=None, page_table=None, return_residual=False):
+                 value_pages=None, page_table=None, sinks=None,
+                 return_residual=False):
   """Attention of the newest T tokens of each sequence against its KV cache.
 
   Args:
@@ -37,6 +38,7 @@ def flash_decode(query, key_cache=None, value_cache=None, *, kv_lengths,
       [num_pages, page_size, K, H] and int32 page_table [B, pages_per_seq];
       page j of sequence b holds its positions j*page_size ... (j+1)*page_size-1.
       page_size is a power of two >= 16.
+    sinks: float [N] per-head sink logits, as in `flash_attention`.
     implementation: as in `flash_attention`.
   Returns:
     out [B, T, N, H] in query.dtype, or (out, logsumexp [B, T, N]).
@@ -89,11 +91,14 @@ def flash_decode(query, key_cache=None, value_cache=None, *, kv_lengths,
     raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
   left, _ = checks.check_window(local_window_size)
   mask = Mask(is_causal=True, window_left=left)
+  sinks = checks.check_sinks(sinks, p)
   scores = Scores(scale=checks.check_scale(scale, head_dim),
-                  soft_cap=checks.check_soft_cap(logits_soft_cap))
+                  soft_cap=checks.check_soft_cap(logits_soft_cap),
+                  sinks=sinks is not None)
   backend = _dispatch.select(implementation, query, p, query.dtype, mask=mask,
                              scores=scores, decode=True)
   out, lse = backend.decode(query, k, v, kv_lengths, mask=mask, scores=scores,
                             num_splits=num_splits,
-                            page_table=page_table if paged else None)
+                            page_table=page_table if paged else None,
+                            sinks=sinks)
   return (out, lse.transpose(0, 2, 1)) if return_residual else out

@@ -17,9 +17,10 @@ from jax_flash.spec.problem import prepare
 from jax_flash.spec.scores import Scores
 
 
-def _per_head(a, num_kv_heads: int, group: int):
+def _per_head(a, num_kv_heads: int, group: int = None):
   """[B|1, N|1, ...] -> [B|1, K|1, G|1, ...]: heads n = k * G + g."""
   many = a.shape[1] > 1
+  group = a.shape[1] // num_kv_heads if group is None else group
   return a.reshape(a.shape[0], num_kv_heads if many else 1,
                    group if many else 1, *a.shape[2:])
 
@@ -89,10 +90,15 @@ def attend(q, k, v, operands: Operands, *, mask: mask_lib.Mask,
   s = logits(q, k, operands, mask=mask, scores=scores, q_offsets=q_offsets,
              compute_dtype=compute_dtype)
   # Softmax that gives 0 (and zero gradients, no NaN) for rows with no key.
-  m = lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
-  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  m = jnp.max(s, axis=-1, keepdims=True)
+  if scores.sinks:  # One more logit per head, of a key whose value is 0.
+    sink = _per_head(operands.sinks[None, :, None, None], k.shape[2])
+    m = jnp.maximum(m, sink)
+  m = lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
   e = jnp.exp(s - m)
   l = jnp.sum(e, axis=-1, keepdims=True)
+  if scores.sinks:
+    l = l + jnp.exp(sink - m)
   l_safe = jnp.where(l == 0.0, 1.0, l)
   probs = dropped(e / l_safe, operands, scores)
   lse = jnp.where(l == 0.0, -jnp.inf, m + jnp.log(l_safe))[..., 0]
@@ -106,14 +112,16 @@ def reference_attention(query, key, value, bias=None, mask=None, *, scale=None,
                         key_value_seq_lengths=None, local_window_size=None,
                         segment_ids=None, logits_soft_cap=None,
                         alibi_slopes=None, dropout_rate=0.0, dropout_rng=None,
-                        dropout_broadcast=False, return_residual=False,
-                        implementation=None, block_sizes=None, version=2):
+                        dropout_broadcast=False, sinks=None,
+                        return_residual=False, implementation=None,
+                        block_sizes=None, version=2):
   """softmax(logits, masked) V, with the signature of `flash_attention`.
 
       logits = scale * Q K^T
       logits = cap * tanh(logits / cap)           (logits_soft_cap)
       logits = logits - slope[b, n] * |i - j|     (alibi_slopes)
       logits = logits + bias                      (bias)
+      P      = exp(logits) / (sum_j exp(logits_j) + exp(sinks[n]))
       P      = P * keep / (1 - dropout_rate)      (dropout: the keep bits of
                                                    `jax_flash.dropout_keep_mask`)
 
@@ -131,7 +139,7 @@ def reference_attention(query, key, value, bias=None, mask=None, *, scale=None,
                  local_window_size=local_window_size, segment_ids=segment_ids,
                  logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
                  dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-                 dropout_broadcast=dropout_broadcast)
+                 dropout_broadcast=dropout_broadcast, sinks=sinks)
   unbatched = spec.problem.unbatched
   if unbatched:
     query, key, value = query[None], key[None], value[None]

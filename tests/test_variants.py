@@ -2,6 +2,7 @@
 with each other and with the masks, against the reference."""
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jax_flash
@@ -113,3 +114,32 @@ def test_bias_and_mask_match_jax_nn():
   theirs = jax_nn_attention(q, k, v, bias, mask)
   sees = jnp.isfinite(lse)[..., None]
   assert_attention_close(jnp.where(sees, ours, 0), jnp.where(sees, theirs, 0))
+
+
+SINKS = jnp.array([-1.0, 0.5, 2.0, 6.0])
+
+
+@pytest.mark.parametrize("implementation", [KERNEL_IMPL, "xla"])
+@pytest.mark.parametrize("kwargs", [
+    dict(), dict(is_causal=True),
+    dict(key_value_seq_lengths=jnp.array([90, 0]), logits_soft_cap=3.0),
+], ids=["plain", "causal", "lengths_cap"])
+def test_sinks_and_their_gradient(implementation, kwargs):
+  """Per-head sink logits in the denominator: outputs, logsumexp (finite
+  even for rows that see no key) and gradients, the sinks' included."""
+  q, k, v, do = random_inputs(B, T, S, N, K, H, jnp.float32)
+  names = ("out", "lse", "dq", "dk", "dv", "dsinks")
+
+  def run(attention, **extra):
+    def f(q, k, v, sinks):
+      return attention(q, k, v, sinks=sinks, return_residual=True, **kwargs,
+                       **extra)
+    (out, lse), vjp = jax.vjp(f, q, k, v, SINKS)
+    dlse = jnp.cos(jnp.arange(lse.size, dtype=jnp.float32)).reshape(lse.shape)
+    return dict(zip(names, (out, lse) + vjp((do, dlse))))
+
+  got = jax.jit(lambda: run(jax_flash.flash_attention,
+                            implementation=implementation))()
+  ref = run(jax_flash.reference_attention)
+  assert np.isfinite(np.asarray(got["lse"])).all()
+  assert_attention_close(got, ref)

@@ -233,3 +233,16 @@ def check_alibi_slopes(slopes, p: Problem):
     raise ValueError(f"alibi_slopes must be floating point, got {slopes.dtype}")
   return jnp.broadcast_to(slopes.astype(jnp.float32),
                           (p.batch, p.num_heads))
+
+
+def check_sinks(sinks, p: Problem):
+  """Per-head sink logits [N] -> float32 [N], or None."""
+  if sinks is None:
+    return None
+  shape = tuple(getattr(sinks, "shape", ()))
+  if shape != (p.num_heads,):
+    raise ValueError(f"sinks must have shape [num_heads] = ({p.num_heads},), "
+                     f"got {shape}")
+  if not jnp.issubdtype(sinks.dtype, jnp.floating):
+    raise ValueError(f"sinks must be floating point, got {sinks.dtype}")
+  return sinks.astype(jnp.float32)

@@ -18,10 +18,10 @@ class Operands:
     (`mask.make_ids`).
   dense_mask: int8 [Bm, Nm, Tm, Sm], each dim 1 (broadcast) or full; != 0
     means attend.
-  bias: float [Bm, Nm, Tm, Sm], added to the logits; the only operand with a
-    gradient.
+  bias: float [Bm, Nm, Tm, Sm], added to the logits; differentiable.
   alibi_slopes: float32 [B, N].
   dropout_seed: int32 [2], the seed words of the dropout hash.
+  sinks: float32 [N], a sink logit per query head; differentiable.
   """
   q_ids: jax.Array | None = None
   kv_ids: jax.Array | None = None
@@ -29,6 +29,7 @@ class Operands:
   bias: jax.Array | None = None
   alibi_slopes: jax.Array | None = None
   dropout_seed: jax.Array | None = None
+  sinks: jax.Array | None = None
 
   @property
   def empty(self) -> bool:

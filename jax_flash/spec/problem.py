@@ -32,7 +32,7 @@ def prepare(query, key, value, *, bias=None, mask=None, scale=None,
             key_value_seq_lengths=None, local_window_size=None,
             segment_ids=None, logits_soft_cap=None, alibi_slopes=None,
             dropout_rate=0.0, dropout_rng=None,
-            dropout_broadcast=False) -> Spec:
+            dropout_broadcast=False, sinks=None) -> Spec:
   """Validates the arguments of `flash_attention` and builds the Spec
   (operands batched: [B, ...] even for unbatched inputs)."""
   p = checks.check_qkv(query, key, value)
@@ -47,6 +47,7 @@ def prepare(query, key, value, *, bias=None, mask=None, scale=None,
   cap = checks.check_soft_cap(logits_soft_cap)
   slopes = checks.check_alibi_slopes(alibi_slopes, p)
   rate = checks.check_dropout(dropout_rate, dropout_rng)
+  sinks = checks.check_sinks(sinks, p)
   q_ids, kv_ids = make_ids(
       p.batch, p.q_len, p.kv_len,
       q_segment_ids=None if segments is None else segments[0],
@@ -57,12 +58,14 @@ def prepare(query, key, value, *, bias=None, mask=None, scale=None,
                    has_dense=dense is not None)
   scores = Scores(scale=scale, soft_cap=cap, alibi=slopes is not None,
                   bias=bias is not None, dropout_rate=rate,
-                  dropout_broadcast=bool(dropout_broadcast) and rate > 0)
+                  dropout_broadcast=bool(dropout_broadcast) and rate > 0,
+                  sinks=sinks is not None)
   operands = Operands(
       q_ids=q_ids, kv_ids=kv_ids,
       dense_mask=None if dense is None else dense.astype(jnp.int8),
       bias=bias,
       # ALiBi slopes are constants here: no gradient flows to them.
       alibi_slopes=None if slopes is None else jax.lax.stop_gradient(slopes),
-      dropout_seed=dropout.seed_words(dropout_rng) if rate > 0 else None)
+      dropout_seed=dropout.seed_words(dropout_rng) if rate > 0 else None,
+      sinks=sinks)
   return Spec(p, mask_spec, scores, operands)

@@ -7,7 +7,9 @@
     P   = softmax over visible keys of s      (the mask: `mask`)
 
 With dropout, P is multiplied by keep / (1 - rate) after the softmax; the
-logsumexp is that of the undropped logits.
+logsumexp is that of the undropped logits. With sinks, each head n has one
+more logit, sinks[n], in the softmax's denominator (a key whose value is 0):
+the logsumexp includes it, and a row that sees no key gets lse = sinks[n].
 
 The kernels work in base 2: they keep `s * log2(e)` so every exponential is an
 `exp2`. The backward needs dL/d(q.k) = scale * dS * dtanh, with dS = dL/ds
@@ -35,6 +37,8 @@ class Scores:
   dropout_rate: float = 0.0
   # One keep mask for every batch element and head (flax's broadcast_dropout).
   dropout_broadcast: bool = False
+  # A sink logit per head in the softmax's denominator (`Operands.sinks`).
+  sinks: bool = False
 
   @property
   def dropout(self) -> bool:

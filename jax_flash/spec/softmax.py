@@ -65,9 +65,27 @@ def logsumexp(m, l):
   return jnp.where(l == 0.0, NEG_INF, (m + jnp.log2(safe_divisor(l))) * LN2)
 
 
-def finalize(acc, m, l):
-  """Normalizes once at the end: returns (o, lse), lse in natural log."""
+def finalize(acc, m, l, sink2=None):
+  """Normalizes once at the end: returns (o, lse), lse in natural log.
+
+  sink2: the rows' base-2 sink logits (broadcasting against m), which join
+  the denominator as one more key of value 0.
+  """
+  if sink2 is not None:
+    m_new = jnp.maximum(m, sink2)
+    alpha = jnp.exp2(m - m_new)  # 0 for rows that saw no key (m = -inf).
+    acc = acc * alpha[:, None]
+    l = l * alpha + jnp.exp2(sink2 - m_new)
+    m = m_new
   return acc / safe_divisor(l)[:, None], logsumexp(m, l)
+
+
+def with_sink(o, lse, sink):
+  """Merged partial results (natural log) with a sink logit joining the
+  denominator: o [..., H] scaled by exp(lse - lse_new), lse_new =
+  logaddexp(lse, sink); sink broadcasts against lse."""
+  lse_new = jnp.logaddexp(lse, sink)
+  return o * jnp.exp(lse - lse_new)[..., None], lse_new
 
 
 def update_v1(m_prev, l_prev, s):

@@ -63,9 +63,9 @@ class MosaicGpuBackend:
         mask.window_right is not None):
       return ("the Mosaic GPU kernels take only causal masks (no lengths, "
               "segments, windows or dense masks yet)")
-    if not scores.plain or scores.dropout:
-      return ("the Mosaic GPU kernels take no bias, soft-cap, ALiBi or "
-              "dropout yet")
+    if not scores.plain or scores.dropout or scores.sinks:
+      return ("the Mosaic GPU kernels take no bias, soft-cap, ALiBi, "
+              "dropout or sinks yet")
     return None
 
   def config(self, block_sizes, problem: Problem, dtype, *, is_causal: bool,

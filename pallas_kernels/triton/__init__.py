@@ -45,7 +45,9 @@ class TritonBackend:
                   scores: Scores, version: int = 2,
                   decode: bool = False) -> str | None:
     """Why this backend cannot take the call, or None."""
-    del mask, scores, version, decode  # It takes every one.
+    del mask, decode  # It takes every one.
+    if version == 1 and scores.sinks:
+      return "the FlashAttention-1 forward takes no sinks"
     if jnp.dtype(dtype).name not in config.DTYPES:
       return (f"query dtype must be one of {', '.join(config.DTYPES)} for the "
               f"Triton kernels, got {jnp.dtype(dtype)}")
@@ -78,7 +80,7 @@ class TritonBackend:
                           interpret=self.interpret)
 
   def decode(self, q, k, v, kv_lengths, *, mask: Mask, scores: Scores,
-             num_splits: int | None, page_table=None):
+             num_splits: int | None, page_table=None, sinks=None):
     """(o [B, T, N, H], lse [B, N, T]) of queries at positions
     kv_lengths[b] - T + t against a contiguous or paged cache."""
     head_dim = q.shape[-1]
@@ -92,7 +94,7 @@ class TritonBackend:
       num_splits = config.decode_splits(q.shape[0], k.shape[2], num_tiles)
     return flash_decode(q, k, v, kv_lengths, scores=scores, mask=mask,
                         num_splits=int(min(num_splits, num_tiles)),
-                        block_k=block_k, page_table=page_table,
+                        block_k=block_k, page_table=page_table, sinks=sinks,
                         interpret=self.interpret)
 
 

@@ -84,13 +84,14 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, *refs, scores: Scores,
 
 def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
                  mask: Mask, num_splits: int, block_k: int, page_table=None,
-                 interpret: bool = False):
+                 sinks=None, interpret: bool = False):
   """Decode attention of q [B, T, N, H] against a cache.
 
   Contiguous cache: k_cache, v_cache [B, S_max, K, H]. Paged (page_table
   [B, pages_per_seq] int32 given): k_cache, v_cache are pages
   [num_pages, page_size, K, H] and block_k must equal page_size. `mask`: the
   band (causal, a left window) of queries at positions kv_lengths[b] - T + t.
+  sinks: float32 [N] sink logits joining each head's denominator, or None.
   Returns (out [B, T, N, H] in q.dtype, lse [B, N, T] natural log).
   """
   batch, q_len, num_heads, head_dim = q.shape
@@ -146,6 +147,10 @@ def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
       name="flash_attention_decode",
   )(*operands)
   out, lse = softmax.merge(o, lse, axis=2)  # [B, K, rows, H], [B, K, rows]
+  if sinks is not None:  # Row g * T + t is query head k * G + g.
+    per_row = jnp.repeat(sinks.reshape(num_kv_heads, group), q_len, axis=1)
+    per_row = jnp.pad(per_row, ((0, 0), (0, rows - group * q_len)))
+    out, lse = softmax.with_sink(out, lse, per_row[None])
   out = out[:, :, :group * q_len].reshape(batch, num_kv_heads, group, q_len,
                                           head_dim)
   # Heads n = kv_head * G + g: [B, K, G, T] is [B, N, T].

@@ -66,7 +66,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, operand_refs: Operands, id_table_ref,
 
   carry = ctx.visit(ctx.kv_ranges(i, q_start), body,
                     softmax.init(block_q, q_ref.shape[-1]))
-  o, lse = softmax.finalize(*carry)
+  sink2 = None
+  if scores.sinks:  # The head's sink logit joins the denominator.
+    sink2 = operand_refs.sinks[head] * softmax.LOG2E
+  o, lse = softmax.finalize(*carry, sink2=sink2)
   store_tile(o_ref, q_start, o, row_bound=q_len, head_dim=head_dim)
   store_row_stat(lse_ref, q_start, lse, row_bound=q_len)
 
