@@ -122,3 +122,16 @@ def test_single_query_sees_the_whole_cache():
     ref = jax_flash.reference_attention(q[b:b + 1], kc[b:b + 1, :n],
                                         vc[b:b + 1, :n])
     assert_attention_close(out[b:b + 1], ref)
+
+
+@pytest.mark.parametrize("implementation", [KERNEL_IMPL, "xla"])
+def test_decode_with_sinks(implementation):
+  q, kc, vc = _cache(3, 2, 300, 8, 2, 64, jnp.float32, seed=5)
+  lengths = jnp.array([300, 1, 150])
+  sinks = jnp.linspace(-2.0, 3.0, 8)
+  out, lse = jax_flash.flash_decode(q, kc, vc, kv_lengths=lengths,
+                                    sinks=sinks, implementation=implementation,
+                                    return_residual=True)
+  ref, ref_lse = _reference(q, kc, vc, lengths, sinks=sinks)
+  assert_attention_close({"out": out, "lse": lse},
+                         {"out": ref, "lse": ref_lse})

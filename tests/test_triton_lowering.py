@@ -104,3 +104,8 @@ def test_decode_kernel_lowers(paged, dtype):
       mesh_lib.AbstractMesh((1,), ("x",), abstract_device=H200)):
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "flash_attention_decode" in text
+
+
+def test_sinks_lower():
+  text = _lower(jnp.bfloat16, 128, is_causal=True, sinks=jnp.zeros((N,)))
+  assert "flash_attention_forward" in text
