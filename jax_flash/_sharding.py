@@ -18,11 +18,12 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-# Shardy rules: b batch, t/s query/key length, n/k query/kv heads, h head dim.
-_FWD_RULE = "b t n h, b s k h, b s k h -> b t n h, b n t"
-_BWD_RULE = ("b t n h, b s k h, b s k h, b t n h, b n t, b t n h, b n t "
-             "-> b t n h, b s k h, b s k h")
-_WHOLE = ("t", "s", "h")  # Never split inside one call.
+# Shardy rules: b batch, t/s query/key length, n/k query/kv heads, h head
+# dim of query/key, v head dim of value/output.
+_FWD_RULE = "b t n h, b s k h, b s k v -> b t n v, b n t"
+_BWD_RULE = ("b t n h, b s k h, b s k v, b t n v, b n t, b t n v, b n t "
+             "-> b t n h, b s k h, b s k v")
+_WHOLE = ("t", "s", "h", "v")  # Never split inside one call.
 
 
 def _plan(mesh, q_sharding, num_kv_heads):

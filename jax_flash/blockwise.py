@@ -199,9 +199,11 @@ def blocks(x, num: int, size: int, kh: int):
 
 def forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
             config: BlockSizes):
-  """(o [B, T, N, H] in q.dtype, lse [B, N, T] float32, natural log)."""
+  """q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv] -> (o [B, T, N, Hv] in
+  q.dtype, lse [B, N, T] float32, natural log)."""
   p, tp, sp, ops = _setup(q, k, operands, mask, scores, config)
   b, t, n, h = q.shape
+  hv = v.shape[-1]
   kh, g = p.num_kv_heads, n // p.num_kv_heads
   q, k, v = _unpadded(q, k, v, operands)
   k, v = pad_to(k, 1, sp), pad_to(v, 1, sp)
@@ -226,17 +228,17 @@ def forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
       m, alpha, prob, l = softmax.update(m, l, s2.reshape(rows, p.block_k))
       prob = _dropped(p, ops, prob.reshape(s2.shape), q0, k0)
       pv = p.dot("bkgqs,bskh->bkgqh", prob.astype(v.dtype), vb)
-      return acc * alpha[:, None] + pv.reshape(rows, h), m, l
+      return acc * alpha[:, None] + pv.reshape(rows, hv), m, l
 
-    carry = lax.fori_loop(lo[i], hi[i], body, softmax.init(rows, h))
+    carry = lax.fori_loop(lo[i], hi[i], body, softmax.init(rows, hv))
     o, lse = softmax.finalize(*carry, sink2=sink2)
-    return (o.reshape(b, kh, g, p.block_q, h).astype(q.dtype),
+    return (o.reshape(b, kh, g, p.block_q, hv).astype(q.dtype),
             lse.reshape(b, kh, g, p.block_q))
 
   qs = blocks(pad_to(q, 1, tp), p.num_q_blocks, p.block_q, kh)
   o, lse = lax.map(q_block, (jnp.arange(p.num_q_blocks), qs))
   # [nq, B, K, G, bq, (H)] -> [B, T, N, H] and [B, N, T].
-  o = o.transpose(1, 0, 4, 2, 3, 5).reshape(b, tp, n, h)[:, :t]
+  o = o.transpose(1, 0, 4, 2, 3, 5).reshape(b, tp, n, hv)[:, :t]
   lse = lse.transpose(1, 2, 3, 0, 4).reshape(b, n, tp)[..., :t]
   return o, lse
 
@@ -294,10 +296,11 @@ def backward(q, k, v, operands: Operands, o, lse, do, dlse, *, mask: Mask,
     return (dk, dv, dbias), (dq * p.scores.scale).astype(q.dtype)
 
   split = lambda x: blocks(pad_to(x, 1, tp), p.num_q_blocks, p.block_q, kh)
-  zeros = jnp.zeros((b, sp, kh, h), jnp.float32)
+  dk0 = jnp.zeros((b, sp, kh, h), jnp.float32)
+  dv0 = jnp.zeros((b, sp, kh, v.shape[-1]), jnp.float32)
   dbias0 = None if bias_shape is None else jnp.zeros(bias_shape, jnp.float32)
   (dk, dv, dbias), dq = lax.scan(
-      q_block, (zeros, zeros, dbias0),
+      q_block, (dk0, dv0, dbias0),
       (jnp.arange(p.num_q_blocks), split(q), split(do), stats(lse2),
        stats(pad_to(delta, 2, tp))))
   dq = dq.transpose(1, 0, 2, 3, 4, 5).reshape(b, tp, n, h)[:, :t]

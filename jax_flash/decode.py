@@ -23,8 +23,9 @@ def flash_decode(query, key_cache=None, value_cache=None, *, kv_lengths,
     query: [B, T, N, H], T small (1 to 64): the last T positions of each
       sequence. Query t of sequence b sees cache positions
       < kv_lengths[b] - T + t + 1 (so T = 1 sees the whole cache).
-    key_cache, value_cache: [B, S_max, K, H], K dividing N (GQA: the group's
-      query heads share one read of K/V). None when paged.
+    key_cache, value_cache: [B, S_max, K, H] and [B, S_max, K, Hv] (value's
+      head dim may differ), K dividing N (GQA: the group's query heads share
+      one read of K/V). None when paged.
     kv_lengths: int [B], the cache length of each sequence, new tokens
       included. Tiles past a length are never read; positions past it may
       hold anything, NaN included.
@@ -41,7 +42,7 @@ def flash_decode(query, key_cache=None, value_cache=None, *, kv_lengths,
     sinks: float [N] per-head sink logits, as in `flash_attention`.
     implementation: as in `flash_attention`.
   Returns:
-    out [B, T, N, H] in query.dtype, or (out, logsumexp [B, T, N]).
+    out [B, T, N, Hv] in query.dtype, or (out, logsumexp [B, T, N]).
   Inference only: no gradient.
 
   It is the same mask description as `flash_attention`'s (`jax_flash.spec`),
@@ -76,9 +77,9 @@ def flash_decode(query, key_cache=None, value_cache=None, *, kv_lengths,
     if page_size < 16 or page_size & (page_size - 1):
       raise ValueError(f"key_pages page_size={page_size} must be a power of "
                        "two >= 16")
-    if k.shape != v.shape:
+    if k.shape[:-1] != v.shape[:-1]:
       raise ValueError(f"value_pages must have the shape of key_pages "
-                       f"{k.shape}, got {v.shape}")
+                       f"{k.shape} but for its last dim, got {v.shape}")
     # Validate shapes like a contiguous cache of the same length.
     kv_len = page_table.shape[1] * page_size
     p = checks.check_qkv(query, *(jax.ShapeDtypeStruct(

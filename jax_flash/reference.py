@@ -76,9 +76,9 @@ def attend(q, k, v, operands: Operands, *, mask: mask_lib.Mask,
            scores: Scores, q_offsets=None, compute_dtype=None):
   """The math on batched inputs and a problem description.
 
-  q [B, T, N, H]; k, v [B, S, K, H]; operands, mask, scores as built by
+  q [B, T, N, H]; k [B, S, K, H]; v [B, S, K, Hv]; operands, mask, scores as built by
   `jax_flash.spec.prepare`; q_offsets: int [B], the position of each
-  sequence's first query (None: 0). Returns (out [B, T, N, H] in q.dtype,
+  sequence's first query (None: 0). Returns (out [B, T, N, Hv] in q.dtype,
   lse [B, N, T] float32, natural log; -inf for rows that see no key).
 
   `compute_dtype` (tests only): the dtype of the two matmuls' operands, as a
@@ -103,7 +103,7 @@ def attend(q, k, v, operands: Operands, *, mask: mask_lib.Mask,
   probs = dropped(e / l_safe, operands, scores)
   lse = jnp.where(l == 0.0, -jnp.inf, m + jnp.log(l_safe))[..., 0]
   out = _matmul("bkgts,bskh->btkgh", probs, v, acc, compute_dtype)
-  return (out.reshape(b, t, n, h).astype(q.dtype),
+  return (out.reshape(b, t, n, v.shape[-1]).astype(q.dtype),
           lse.reshape(b, n, t).astype(jnp.float32))
 
 

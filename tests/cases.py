@@ -86,10 +86,12 @@ V1_CASES = ["f32_mha_causal", "f32_odd_small_tiles", "f32_mqa_short_keys",
             "f16_h96_causal_small_tiles"]
 
 
-def random_inputs(b, t, s, n, k, h, dtype, seed=0):
-  """query [b,t,n,h], key/value [b,s,k,h] and a cotangent, standard normal."""
+def random_inputs(b, t, s, n, k, h, dtype, seed=0, value_head_dim=None):
+  """query [b,t,n,h], key [b,s,k,h], value [b,s,k,hv] and a cotangent
+  [b,t,n,hv] (hv = value_head_dim or h), standard normal."""
+  hv = value_head_dim or h
   ks = jax.random.split(jax.random.key(seed), 4)
-  shapes = ((b, t, n, h), (b, s, k, h), (b, s, k, h), (b, t, n, h))
+  shapes = ((b, t, n, h), (b, s, k, h), (b, s, k, hv), (b, t, n, hv))
   return tuple(jax.random.normal(key, shape, jnp.float32).astype(dtype)
                for key, shape in zip(ks, shapes))
 
@@ -110,11 +112,13 @@ def plain_attention(compute_dtype):
 def compare_with_reference(kwargs, dtype=jnp.float32, version=2,
                            shape=(2, 100, 90, 4, 2, 32), seed=0,
                            block_sizes="small",
-                           implementation=KERNEL_IMPL, garbage=False):
+                           implementation=KERNEL_IMPL, garbage=False,
+                           value_head_dim=None):
   """An implementation vs the reference: out, logsumexp, dq/dk/dv (and dbias
   if a bias), with `assert_attention_close` (low precision: against plain
   attention's own error in that dtype).
 
+  value_head_dim: value's own head dim (default: the query's).
   garbage: queries and keys/values at or past `query_seq_lengths` /
   `key_value_seq_lengths` hold NaN for the implementation (zeros for the
   reference, which computes 0 * NaN): none may reach a result.
@@ -126,7 +130,8 @@ def compare_with_reference(kwargs, dtype=jnp.float32, version=2,
   """
   if isinstance(block_sizes, str):
     block_sizes = XLA_SMALL_BLOCKS if implementation == "xla" else SMALL_BLOCKS
-  q, k, v, do = random_inputs(*shape, dtype, seed=seed)
+  q, k, v, do = random_inputs(*shape, dtype, seed=seed,
+                              value_head_dim=value_head_dim)
   kwargs = dict(kwargs)
   bias = kwargs.pop("bias", None)
   names = ("out", "lse", "dq", "dk", "dv", "dbias")

@@ -135,3 +135,21 @@ def test_decode_with_sinks(implementation):
   ref, ref_lse = _reference(q, kc, vc, lengths, sinks=sinks)
   assert_attention_close({"out": out, "lse": lse},
                          {"out": ref, "lse": ref_lse})
+
+
+@pytest.mark.parametrize("implementation", [KERNEL_IMPL, "xla"])
+@pytest.mark.parametrize("paged", [False, True])
+def test_decode_with_a_value_head_dim_of_its_own(implementation, paged):
+  q, kc, _ = _cache(2, 3, 200, 8, 2, 64, jnp.float32, seed=6)
+  vc = jax.random.normal(jax.random.key(13), (2, 200, 2, 40))
+  lengths = jnp.array([200, 77])
+  kwargs = dict(key_cache=kc, value_cache=vc)
+  if paged:
+    kp, table = _paginate(kc, 16, 40, 3, lengths)
+    vp, _ = _paginate(vc, 16, 40, 3, lengths)
+    kwargs = dict(key_pages=kp, value_pages=vp, page_table=table)
+  out = jax_flash.flash_decode(q, kv_lengths=lengths,
+                               implementation=implementation, **kwargs)
+  ref, _ = _reference(q, kc, vc, lengths)
+  chex.assert_shape(out, (2, 3, 8, 40))
+  assert_attention_close(out, ref)

@@ -109,3 +109,16 @@ def test_decode_kernel_lowers(paged, dtype):
 def test_sinks_lower():
   text = _lower(jnp.bfloat16, 128, is_causal=True, sinks=jnp.zeros((N,)))
   assert "flash_attention_forward" in text
+
+
+def test_value_head_dim_of_its_own_lowers():
+  q = jax.ShapeDtypeStruct((B, T, N, 192), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((B, S, K, 192), jnp.bfloat16)
+  v = jax.ShapeDtypeStruct((B, S, K, 128), jnp.bfloat16)
+  loss = lambda q, k, v: jnp.sum(jax_flash.flash_attention(
+      q, k, v, is_causal=True, implementation="triton").astype(jnp.float32))
+  with jax.sharding.use_abstract_mesh(
+      mesh_lib.AbstractMesh((1,), ("x",), abstract_device=H200)):
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower(
+        lowering_platforms=("cuda",)).as_text()
+  assert "flash_attention_backward_dkdv" in text

@@ -143,3 +143,20 @@ def test_sinks_and_their_gradient(implementation, kwargs):
   ref = run(jax_flash.reference_attention)
   assert np.isfinite(np.asarray(got["lse"])).all()
   assert_attention_close(got, ref)
+
+
+@pytest.mark.parametrize("implementation", [KERNEL_IMPL, "xla"])
+@pytest.mark.parametrize("head_dim, value_head_dim, dtype, kwargs", [
+    (48, 24, "float32", dict(is_causal=True)),
+    (32, 80, "float32", dict(bias=jnp.ones((1, N, T, S)) * 0.3,
+                             key_value_seq_lengths=jnp.array([90, 31]))),
+    (64, 128, "bfloat16", dict(local_window_size=(20, 0))),
+], ids=["smaller", "larger_bias_lengths", "bf16_window"])
+def test_value_head_dim_of_its_own(implementation, head_dim, value_head_dim,
+                                   dtype, kwargs):
+  """Value [B, S, K, Hv] with Hv != H (multi-head latent attention): the
+  output has Hv; forward and gradients against the reference."""
+  compare_with_reference(kwargs, jnp.dtype(dtype),
+                         shape=(B, T, S, N, K, head_dim),
+                         implementation=implementation,
+                         value_head_dim=value_head_dim)

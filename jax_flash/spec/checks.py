@@ -15,7 +15,8 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-  """Shapes of one call after validation (always batched: [B, T, N, H])."""
+  """Shapes of one call after validation (always batched): query
+  [B, T, N, H], key [B, S, K, H], value [B, S, K, Hv], output [B, T, N, Hv]."""
   batch: int
   q_len: int
   kv_len: int
@@ -23,6 +24,11 @@ class Problem:
   num_kv_heads: int
   head_dim: int
   unbatched: bool
+  value_head_dim: int | None = None  # None: head_dim.
+
+  def __post_init__(self):
+    if self.value_head_dim is None:
+      object.__setattr__(self, "value_head_dim", self.head_dim)
 
 
 def _shape(x, name):
@@ -33,7 +39,8 @@ def _shape(x, name):
 
 
 def check_qkv(query, key, value) -> Problem:
-  """Checks ranks, shapes and dtypes of query [B,T,N,H]|[T,N,H], key/value [B,S,K,H]|[S,K,H]."""
+  """Checks ranks, shapes and dtypes of query [B,T,N,H]|[T,N,H], key
+  [B,S,K,H]|[S,K,H] and value [B,S,K,Hv]|[S,K,Hv] (Hv may differ from H)."""
   qs, ks, vs = _shape(query, "query"), _shape(key, "key"), _shape(value, "value")
   if len(qs) not in (3, 4):
     raise ValueError(
@@ -46,8 +53,9 @@ def check_qkv(query, key, value) -> Problem:
       raise ValueError(
           f"{name} must have the same rank as query ({len(qs)}): expected "
           f"{expected}, got shape {s}")
-  if ks != vs:
-    raise ValueError(f"value must have the same shape as key {ks}, got {vs}")
+  if ks[:-1] != vs[:-1]:
+    raise ValueError(f"value must have the shape of key {ks} but for its last "
+                     f"dim (its own head dim), got {vs}")
   unbatched = len(qs) == 3
   if unbatched:
     qs, ks = (1,) + qs, (1,) + ks
@@ -59,7 +67,8 @@ def check_qkv(query, key, value) -> Problem:
   if kh != h:
     raise ValueError(f"key head_dim {kh} must equal query head_dim {h} "
                      f"(query {tuple(query.shape)}, key {tuple(key.shape)})")
-  if min(t, s, n, k, h) < 1:
+  hv = vs[-1]
+  if min(t, s, n, k, h, hv) < 1:
     raise ValueError(f"query {tuple(query.shape)} and key {tuple(key.shape)} "
                      "must have no zero-sized dimension")
   if n % k:
@@ -73,7 +82,7 @@ def check_qkv(query, key, value) -> Problem:
         f"query {query.dtype}, key {key.dtype}, value {value.dtype}")
   if not jnp.issubdtype(query.dtype, jnp.floating):
     raise ValueError(f"query dtype must be floating point, got {query.dtype}")
-  return Problem(b, t, s, n, k, h, unbatched)
+  return Problem(b, t, s, n, k, h, unbatched, hv)
 
 
 def check_scale(scale, head_dim: int) -> float:

@@ -49,6 +49,8 @@ class MosaicGpuBackend:
     if jnp.dtype(dtype).name not in config.DTYPES:
       return (f"query dtype must be bfloat16 or float16 for the Mosaic GPU "
               f"kernels, got {jnp.dtype(dtype)}")
+    if problem.value_head_dim != problem.head_dim:
+      return "the Mosaic GPU kernels need value's head dim equal to the query's"
     if problem.head_dim not in config.HEAD_DIMS:
       return (f"head_dim must be one of {config.HEAD_DIMS} for the Mosaic GPU "
               f"kernels, got {problem.head_dim}")

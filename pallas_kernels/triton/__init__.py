@@ -48,14 +48,18 @@ class TritonBackend:
     del mask, decode  # It takes every one.
     if version == 1 and scores.sinks:
       return "the FlashAttention-1 forward takes no sinks"
+    if version == 1 and problem.value_head_dim != problem.head_dim:
+      return ("the FlashAttention-1 forward needs value's head dim equal to "
+              "the query's")
     if jnp.dtype(dtype).name not in config.DTYPES:
       return (f"query dtype must be one of {', '.join(config.DTYPES)} for the "
               f"Triton kernels, got {jnp.dtype(dtype)}")
-    h = problem.head_dim
-    if not config.MIN_HEAD_DIM <= h <= config.MAX_HEAD_DIM:
-      return (f"head_dim (last axis of query, key, value) must be in "
-              f"[{config.MIN_HEAD_DIM}, {config.MAX_HEAD_DIM}] for the Triton "
-              f"kernels, got {h}")
+    for name, h in (("head_dim (last axis of query, key)", problem.head_dim),
+                    ("value head_dim (last axis of value)",
+                     problem.value_head_dim)):
+      if not config.MIN_HEAD_DIM <= h <= config.MAX_HEAD_DIM:
+        return (f"{name} must be in [{config.MIN_HEAD_DIM}, "
+                f"{config.MAX_HEAD_DIM}] for the Triton kernels, got {h}")
     return None
 
   def config(self, block_sizes: BlockSizes | None, problem: Problem, dtype,

@@ -41,11 +41,12 @@ _INF = float("inf")
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
                  operand_refs: Operands, id_table_ref, dk_ref, dv_ref, *,
-                 scores: Scores, mask: Mask, head_dim: int, block_q: int,
-                 block_k: int):
+                 scores: Scores, mask: Mask, head_dim: int,
+                 value_head_dim: int, block_q: int, block_k: int):
   """One (key tile, batch, kv head).
 
-  q_ref/do_ref: [T, G, Hp]; k/v/dk/dv_ref: [S, Hp]; lse/delta_ref: [G, T];
+  q_ref: [T, G, Hp]; do_ref: [T, G, Hvp]; k/dk_ref: [S, Hp]; v/dv_ref:
+  [S, Hvp]; lse/delta_ref: [G, T];
   operand_refs: the optional operands' refs, per-head ones as [G, ...]
   (`operand_specs.for_key_tiles`).
   """
@@ -59,7 +60,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
   k = ctx.without_padding(load_tile(k_ref, kv_start, block_k, row_bound=kv_len,
                                     head_dim=head_dim), kv_start, keys=True)
   v = ctx.without_padding(load_tile(v_ref, kv_start, block_k, row_bound=kv_len,
-                                    head_dim=head_dim), kv_start, keys=True)
+                                    head_dim=value_head_dim), kv_start,
+                          keys=True)
   kv_ids = ctx.kv_ids(kv_start) if mask.has_ids else None
   first_head = pl.program_id(2) * group  # Global index of the group's head 0.
 
@@ -70,7 +72,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
     q = load_tile(q_ref, q_start, block_q, row_bound=q_len,
                   head_dim=head_dim, head=head)
     do = load_tile(do_ref, q_start, block_q, row_bound=q_len,
-                   head_dim=head_dim, head=head)
+                   head_dim=value_head_dim, head=head)
     if masked:  # Queries past a length may hold garbage.
       q = ctx.without_padding(q, q_start, keys=False)
       do = ctx.without_padding(do, q_start, keys=False)
@@ -99,28 +101,31 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
     step = functools.partial(body, head=head, slope=ctx.slope(head))
     return ctx.visit(ranges, step, carry)
 
-  zeros = jnp.zeros((block_k, k_ref.shape[-1]), jnp.float32)
-  dk, dv = lax.fori_loop(0, group, head_body, (zeros, zeros))
+  dk, dv = lax.fori_loop(0, group, head_body, (
+      jnp.zeros((block_k, k_ref.shape[-1]), jnp.float32),
+      jnp.zeros((block_k, v_ref.shape[-1]), jnp.float32)))
   store_tile(dk_ref, kv_start, dk * scores.scale, row_bound=kv_len,
              head_dim=head_dim)
-  store_tile(dv_ref, kv_start, dv, row_bound=kv_len, head_dim=head_dim)
+  store_tile(dv_ref, kv_start, dv, row_bound=kv_len, head_dim=value_head_dim)
 
 
 class _QueryTile:
   """What the dQ and dBias kernels share: one (query tile, batch, head)
   program's Q, dO, L and D, and dS = dL/d(logits) of any of its key tiles.
 
-  q/do_ref: [T, Hp]; k/v_ref: [S, Hp]; lse/delta_ref: [T].
+  q_ref: [T, Hp]; do_ref: [T, Hvp]; k_ref: [S, Hp]; v_ref: [S, Hvp];
+  lse/delta_ref: [T].
   """
 
   def __init__(self, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-               operand_refs, id_table_ref, *, scores, mask, head_dim, block_q,
-               block_k):
+               operand_refs, id_table_ref, *, scores, mask, head_dim,
+               value_head_dim, block_q, block_k):
     q_len, kv_len = q_ref.shape[0], k_ref.shape[0]
     self.ctx = TileContext(mask, scores, operand_refs, id_table_ref, q_len,
                            kv_len, block_q, block_k, batch=pl.program_id(1))
     self.k_ref, self.v_ref = k_ref, v_ref
     self.head_dim, self.block_k = head_dim, block_k
+    self.value_head_dim = value_head_dim
     self.tile = pl.num_programs(0) - 1 - pl.program_id(0)  # Longest first.
     self.q_start = self.tile * block_q
     bound = dict(row_bound=q_len, head_dim=head_dim)
@@ -129,8 +134,8 @@ class _QueryTile:
         load_tile(q_ref, self.q_start, block_q, **bound), self.q_start,
         keys=False)
     self.do = self.ctx.without_padding(
-        load_tile(do_ref, self.q_start, block_q, **bound), self.q_start,
-        keys=False)
+        load_tile(do_ref, self.q_start, block_q, row_bound=q_len,
+                  head_dim=value_head_dim), self.q_start, keys=False)
     self.lse2 = softmax.backward_lse2(load_row_stat(
         lse_ref, self.q_start, block_q, row_bound=q_len, other=_INF))
     self.delta = load_row_stat(delta_ref, self.q_start, block_q,
@@ -144,10 +149,11 @@ class _QueryTile:
   def ds(self, j, masked: bool):
     """(dS, the soft-cap tanh or None, K) of key tile j."""
     ctx, k_start = self.ctx, j * self.block_k
-    bound = dict(row_bound=ctx.kv_len if masked else None,
-                 head_dim=self.head_dim)
-    k = load_tile(self.k_ref, k_start, self.block_k, **bound)
-    v = load_tile(self.v_ref, k_start, self.block_k, **bound)
+    bound = ctx.kv_len if masked else None
+    k = load_tile(self.k_ref, k_start, self.block_k, row_bound=bound,
+                  head_dim=self.head_dim)
+    v = load_tile(self.v_ref, k_start, self.block_k, row_bound=bound,
+                  head_dim=self.value_head_dim)
     if masked:  # Only boundary tiles can hold keys past a length.
       k = ctx.without_padding(k, k_start, keys=True)
       v = ctx.without_padding(v, k_start, keys=True)
@@ -162,15 +168,16 @@ class _QueryTile:
     return p * (dp - self.delta[:, None]), tanh, k
 
 
-def _dq_kernel(*refs, scores: Scores, mask: Mask, head_dim: int, block_q: int,
-               block_k: int):
+def _dq_kernel(*refs, scores: Scores, mask: Mask, head_dim: int,
+               value_head_dim: int, block_q: int, block_k: int):
   """One (query tile, batch, head): dQ = scale * sum_j dS_j K_j.
 
   refs: as `_QueryTile`, then dq_ref [T, Hp].
   """
   *inputs, dq_ref = refs
   prog = _QueryTile(*inputs, scores=scores, mask=mask, head_dim=head_dim,
-                    block_q=block_q, block_k=block_k)
+                    value_head_dim=value_head_dim, block_q=block_q,
+                    block_k=block_k)
 
   def body(j, dq, *, masked):
     ds, tanh, k = prog.ds(j, masked)
@@ -183,8 +190,8 @@ def _dq_kernel(*refs, scores: Scores, mask: Mask, head_dim: int, block_q: int,
 
 
 def _dbias_kernel(*refs, scores: Scores, mask: Mask, head_dim: int,
-                  block_q: int, block_k: int, sum_keys: bool,
-                  sum_queries: bool):
+                  value_head_dim: int, block_q: int, block_k: int,
+                  sum_keys: bool, sum_queries: bool):
   """One (query tile, batch, head): dBias = dS, summed as the bias broadcasts.
 
   refs: as `_QueryTile`, then dbias_ref: [T, 1] row sums when the bias
@@ -194,7 +201,8 @@ def _dbias_kernel(*refs, scores: Scores, mask: Mask, head_dim: int,
   """
   *inputs, dbias_ref = refs
   prog = _QueryTile(*inputs, scores=scores, mask=mask, head_dim=head_dim,
-                    block_q=block_q, block_k=block_k)
+                    value_head_dim=value_head_dim, block_q=block_q,
+                    block_k=block_k)
   ctx, q_start = prog.ctx, prog.q_start
   rows = q_start + jnp.arange(block_q)
 
@@ -237,24 +245,26 @@ def flash_backward(q, k, v, operands: Operands, o, lse, do, dlse, *,
   """Gradients of the forward with respect to q, k, v (and the bias).
 
   Args:
-    q: [B, T, N, H]; k, v: [B, S, K, H]; o, do: [B, T, N, H].
+    q: [B, T, N, H]; k: [B, S, K, H]; v: [B, S, K, Hv]; o, do: [B, T, N, Hv].
     operands: the optional arrays of the forward.
     lse: [B, N, T] the forward's natural-log logsumexp; dlse: its cotangent
       (zeros unless the caller used the logsumexp).
   Returns:
-    dq [B, T, N, H] in q.dtype; dk, dv [B, S, K, H] in k.dtype, summed over
+    dq [B, T, N, H] in q.dtype; dk, dv shaped and typed like k, v, summed over
     the query heads that share each key/value head; dbias shaped like
     operands.bias (float32), or None without a bias.
   """
   batch, q_len, num_heads, head_dim = q.shape
   kv_len, num_kv_heads = k.shape[1], k.shape[2]
   group = num_heads // num_kv_heads
-  hp = padded_head_dim(head_dim)
+  value_head_dim = v.shape[-1]
+  hp, hvp = padded_head_dim(head_dim), padded_head_dim(value_head_dim)
   # dS = P * (dP - D) + dlse * dlse/dS, and dlse/dS = P: the logsumexp's
   # cotangent folds into D.
   delta = jnp.einsum("btnh,btnh->bnt", o.astype(jnp.float32),
                      do.astype(jnp.float32)) - dlse
-  static = dict(scores=scores, mask=mask, head_dim=head_dim)
+  static = dict(scores=scores, mask=mask, head_dim=head_dim,
+                value_head_dim=value_head_dim)
   compiler_params = plgpu.CompilerParams(
       num_warps=block_sizes.num_warps_bwd,
       num_stages=block_sizes.num_stages_bwd)
@@ -262,17 +272,21 @@ def flash_backward(q, k, v, operands: Operands, o, lse, do, dlse, *,
   # dK/dV: grid over (key tiles, batch, kv heads); the group's query heads
   # are one block of `group` consecutive heads.
   bq, bk = block_sizes.block_q_dkv, block_sizes.block_k_dkv
-  group_spec = pl.BlockSpec((None, q_len, group, hp),
-                            lambda j, b, h: (b, 0, h, 0))
-  kv_spec = pl.BlockSpec((None, kv_len, None, hp), lambda j, b, h: (b, 0, h, 0))
+  def group_spec(width):
+    return pl.BlockSpec((None, q_len, group, width),
+                        lambda j, b, h: (b, 0, h, 0))
+
+  def kv_spec(width):
+    return pl.BlockSpec((None, kv_len, None, width),
+                        lambda j, b, h: (b, 0, h, 0))
   group_stat_spec = pl.BlockSpec((None, group, q_len), lambda j, b, h: (b, h, 0))
   extra = operand_specs.for_key_tiles(operands, bq, bk, group)
   dk, dv = pl.pallas_call(
       functools.partial(_dkdv_kernel, block_q=bq, block_k=bk, **static),
       grid=(pl.cdiv(kv_len, bk), batch, num_kv_heads),
-      in_specs=[group_spec, kv_spec, kv_spec, group_spec, group_stat_spec,
-                group_stat_spec, *extra.in_specs()],
-      out_specs=[kv_spec, kv_spec],
+      in_specs=[group_spec(hp), kv_spec(hp), kv_spec(hvp), group_spec(hvp),
+                group_stat_spec, group_stat_spec, *extra.in_specs()],
+      out_specs=[kv_spec(hp), kv_spec(hvp)],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
                  jax.ShapeDtypeStruct(v.shape, v.dtype)],
       compiler_params=compiler_params,
@@ -283,9 +297,13 @@ def flash_backward(q, k, v, operands: Operands, o, lse, do, dlse, *,
   # dQ and dBias: grid over (query tiles, batch, heads).
   bq, bk = block_sizes.block_q_dq, block_sizes.block_k_dq
   num_q_tiles = pl.cdiv(q_len, bq)
-  q_spec = pl.BlockSpec((None, q_len, None, hp), lambda i, b, n: (b, 0, n, 0))
-  kv_spec = pl.BlockSpec((None, kv_len, None, hp),
-                         lambda i, b, n: (b, 0, lax.div(n, group), 0))
+  def q_spec(width):
+    return pl.BlockSpec((None, q_len, None, width),
+                        lambda i, b, n: (b, 0, n, 0))
+
+  def kv_spec(width):
+    return pl.BlockSpec((None, kv_len, None, width),
+                        lambda i, b, n: (b, 0, lax.div(n, group), 0))
   stat_spec = pl.BlockSpec((None, None, q_len), lambda i, b, n: (b, n, 0))
   extra = operand_specs.for_query_tiles(operands, bq, bk)
 
@@ -293,8 +311,8 @@ def flash_backward(q, k, v, operands: Operands, o, lse, do, dlse, *,
     return pl.pallas_call(
         functools.partial(kernel, block_q=bq, block_k=bk, **static),
         grid=(num_q_tiles, batch, num_heads),
-        in_specs=[q_spec, kv_spec, kv_spec, q_spec, stat_spec, stat_spec,
-                  *extra.in_specs()],
+        in_specs=[q_spec(hp), kv_spec(hp), kv_spec(hvp), q_spec(hvp),
+                  stat_spec, stat_spec, *extra.in_specs()],
         out_specs=out_spec,
         out_shape=out_shape,
         compiler_params=compiler_params,
@@ -302,7 +320,7 @@ def flash_backward(q, k, v, operands: Operands, o, lse, do, dlse, *,
         name=name,
     )(q, k, v, do, lse, delta, *extra.args())
 
-  dq = query_tile_call(_dq_kernel, "flash_attention_backward_dq", q_spec,
+  dq = query_tile_call(_dq_kernel, "flash_attention_backward_dq", q_spec(hp),
                        jax.ShapeDtypeStruct(q.shape, q.dtype))
   dbias = None
   if operands.bias is not None:

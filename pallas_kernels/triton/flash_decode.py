@@ -31,13 +31,14 @@ from pallas_kernels.triton.tiles import (dot, load_tile, store_row_stat,
 
 def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, *refs, scores: Scores,
                    mask: Mask, q_len: int, group: int, head_dim: int,
-                   block_k: int, tiles_per_split: int, paged: bool):
+                   value_head_dim: int, block_k: int, tiles_per_split: int,
+                   paged: bool):
   """One (split, batch, kv head).
 
-  q_ref: [R, Hp], rows r = g * T + t (padded past G*T); k_ref/v_ref:
-  [S_max, Hp], or with `paged` [num_pages, page_size, Hp] and then refs
-  starts with the page table row [pages_per_seq]. Outputs: o_ref [R, Hp]
-  (normalized partial output) and lse_ref [R] (-inf if empty).
+  q_ref: [R, Hp], rows r = g * T + t (padded past G*T); k_ref: [S_max, Hp]
+  and v_ref [S_max, Hvp], or with `paged` [num_pages, page_size, Hp|Hvp] and
+  then refs starts with the page table row [pages_per_seq]. Outputs: o_ref
+  [R, Hvp] (normalized partial output) and lse_ref [R] (-inf if empty).
   """
   if paged:
     table_ref, o_ref, lse_ref = refs
@@ -60,12 +61,12 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, *refs, scores: Scores,
       k = load_tile(k_ref, 0, block_k, row_bound=kv_len - k_start,
                     head_dim=head_dim, page=page)
       v = load_tile(v_ref, 0, block_k, row_bound=kv_len - k_start,
-                    head_dim=head_dim, page=page)
+                    head_dim=value_head_dim, page=page)
     else:
       k = load_tile(k_ref, k_start, block_k, row_bound=kv_len,
                     head_dim=head_dim)
       v = load_tile(v_ref, k_start, block_k, row_bound=kv_len,
-                    head_dim=head_dim)
+                    head_dim=value_head_dim)
     s, _ = scores.logits2(dot(q, k, trans_b=True))
     cols = (k_start + jnp.arange(block_k))[None, :]
     visible = valid_row & mask.visible(query, cols, kv_len,
@@ -76,9 +77,9 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, *refs, scores: Scores,
     return acc, m, l
 
   carry = lax.fori_loop(first, jnp.maximum(last, first), body,
-                        softmax.init(num_rows, q_ref.shape[-1]))
+                        softmax.init(num_rows, v_ref.shape[-1]))
   o, lse = softmax.finalize(*carry)
-  store_tile(o_ref, 0, o, row_bound=num_rows, head_dim=head_dim)
+  store_tile(o_ref, 0, o, row_bound=num_rows, head_dim=value_head_dim)
   store_row_stat(lse_ref, 0, lse, row_bound=num_rows)
 
 
@@ -92,12 +93,14 @@ def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
   [num_pages, page_size, K, H] and block_k must equal page_size. `mask`: the
   band (causal, a left window) of queries at positions kv_lengths[b] - T + t.
   sinks: float32 [N] sink logits joining each head's denominator, or None.
-  Returns (out [B, T, N, H] in q.dtype, lse [B, N, T] natural log).
+  Value may have a head dim Hv of its own. Returns (out [B, T, N, Hv] in
+  q.dtype, lse [B, N, T] natural log).
   """
   batch, q_len, num_heads, head_dim = q.shape
   num_kv_heads = k_cache.shape[2]
   group = num_heads // num_kv_heads
-  hp = padded_head_dim(head_dim)
+  value_head_dim = v_cache.shape[-1]
+  hp, hvp = padded_head_dim(head_dim), padded_head_dim(value_head_dim)
   rows = max(16, pl.next_power_of_2(group * q_len))
   # [B, T, K, G, H] -> [B, K, G*T, H] (rows g*T + t), padded to `rows`.
   qr = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
@@ -110,17 +113,17 @@ def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
   tiles_per_split = pl.cdiv(max_tiles, num_splits)
   kernel = functools.partial(
       _decode_kernel, scores=scores, mask=mask, q_len=q_len,
-      group=group, head_dim=head_dim, block_k=block_k,
+      group=group, head_dim=head_dim, value_head_dim=value_head_dim,
+      block_k=block_k,
       tiles_per_split=tiles_per_split, paged=paged)
   q_spec = pl.BlockSpec((None, None, rows, hp), lambda s, b, h: (b, h, 0, 0))
-  if paged:
-    num_pages, page_size = k_cache.shape[:2]
-    kv_spec = pl.BlockSpec((num_pages, page_size, None, hp),
-                           lambda s, b, h: (0, 0, h, 0))
-  else:
-    kv_spec = pl.BlockSpec((None, k_cache.shape[1], None, hp),
-                           lambda s, b, h: (b, 0, h, 0))
-  in_specs = [q_spec, kv_spec, kv_spec,
+  def kv_spec(width):
+    if paged:
+      return pl.BlockSpec((k_cache.shape[0], k_cache.shape[1], None, width),
+                          lambda s, b, h: (0, 0, h, 0))
+    return pl.BlockSpec((None, k_cache.shape[1], None, width),
+                        lambda s, b, h: (b, 0, h, 0))
+  in_specs = [q_spec, kv_spec(hp), kv_spec(hvp),
               pl.BlockSpec((batch,), lambda s, b, h: (0,))]
   operands = [qr, k_cache, v_cache, kv_lengths.astype(jnp.int32)]
   if paged:
@@ -132,13 +135,13 @@ def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
       grid=(num_splits, batch, num_kv_heads),
       in_specs=in_specs,
       out_specs=[
-          pl.BlockSpec((None, None, None, rows, hp),
+          pl.BlockSpec((None, None, None, rows, hvp),
                        lambda s, b, h: (b, h, s, 0, 0)),
           pl.BlockSpec((None, None, None, rows), lambda s, b, h: (b, h, s, 0)),
       ],
       out_shape=[
           jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, rows,
-                                head_dim), jnp.float32),
+                                value_head_dim), jnp.float32),
           jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, rows),
                                jnp.float32),
       ],
@@ -152,8 +155,9 @@ def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
     per_row = jnp.pad(per_row, ((0, 0), (0, rows - group * q_len)))
     out, lse = softmax.with_sink(out, lse, per_row[None])
   out = out[:, :, :group * q_len].reshape(batch, num_kv_heads, group, q_len,
-                                          head_dim)
+                                          value_head_dim)
   # Heads n = kv_head * G + g: [B, K, G, T] is [B, N, T].
   lse = lse[:, :, :group * q_len].reshape(batch, num_heads, q_len)
-  out = out.transpose(0, 3, 1, 2, 4).reshape(batch, q_len, num_heads, head_dim)
+  out = out.transpose(0, 3, 1, 2, 4).reshape(batch, q_len, num_heads,
+                                             value_head_dim)
   return out.astype(q.dtype), lse
