@@ -67,6 +67,14 @@ def pad_to(x, axis: int, size: int, value=0):
   return jnp.pad(x, widths, constant_values=value)
 
 
+def block_dot(spec, a, b, dtype):
+  """A block einsum accumulated in float32 (full float32 for float32 inputs,
+  not TF32)."""
+  precision = lax.Precision.HIGHEST if dtype == jnp.float32 else None
+  return jnp.einsum(spec, a, b, precision=precision,
+                    preferred_element_type=jnp.float32)
+
+
 def _slice(x, axis: int, start, size: int):
   """x[start:start+size] along `axis`, or x itself where it broadcasts."""
   if x.shape[axis] == 1:
@@ -95,11 +103,7 @@ class _Problem:
     return -(-self.kv_len // self.block_k)
 
   def dot(self, spec, a, b):
-    """A block matmul accumulated in float32 (full float32 for float32)."""
-    precision = (lax.Precision.HIGHEST if self.dtype == jnp.float32 else
-                 None)
-    return jnp.einsum(spec, a, b, precision=precision,
-                      preferred_element_type=jnp.float32)
+    return block_dot(spec, a, b, self.dtype)
 
 
 def _setup(q, k, operands: Operands, mask: Mask, scores: Scores,

@@ -232,10 +232,7 @@ class _Tiles:
     self.all_full = jnp.all(kinds == FULL, axis=(0, 1))  # [nq, nk]
 
   def dot(self, spec, a, b):
-    precision = (lax.Precision.HIGHEST if self.dtype == jnp.float32 else
-                 None)
-    return jnp.einsum(spec, a, b, precision=precision,
-                      preferred_element_type=jnp.float32)
+    return blockwise.block_dot(spec, a, b, self.dtype)
 
   def coords(self, i, j):
     rows = i * self.st.block_q + jnp.arange(self.st.block_q,
