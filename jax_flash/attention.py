@@ -60,6 +60,25 @@ def _forward(q, k, v, operands: Operands, cfg: _Config):
                              version=cfg.version)
 
 
+SECOND_ORDER = (
+    "flash_attention's backward cannot itself be differentiated (grad of "
+    "grad, or jvp of grad): its kernels and blockwise loops have no "
+    "derivative of their own. For second-order derivatives use "
+    "jax_flash.reference_attention (the same arguments; dense, T x S memory)")
+
+
+@jax.custom_jvp
+def _first_order_only(x):
+  """The identity, whose derivative is a clear error: what flows through it
+  (the backward's inputs) may not be differentiated again."""
+  return x
+
+
+@_first_order_only.defjvp
+def _first_order_only_jvp(primals, tangents):
+  raise NotImplementedError(SECOND_ORDER)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _flash(q, k, v, operands: Operands, cfg: _Config):
   """(o [B,T,N,H], lse [B,N,T] natural-log logsumexp) with the kernels' backward."""
@@ -67,13 +86,15 @@ def _flash(q, k, v, operands: Operands, cfg: _Config):
 
 
 def _flash_fwd(q, k, v, operands, cfg: _Config):
+  # Under grad of grad, the outer derivative reaches the forward's kernels.
+  q, k, v, operands = _first_order_only((q, k, v, operands))
   o, lse = _forward(q, k, v, operands, cfg)
   return (o, lse), (q, k, v, operands, o, lse)
 
 
 def _flash_bwd(cfg: _Config, residuals, cotangents):
-  q, k, v, operands, o, lse = residuals
-  do, dlse = cotangents
+  q, k, v, operands, o, lse = _first_order_only(residuals)
+  do, dlse = _first_order_only(cotangents)
   do = do.astype(q.dtype)
   if _partitioned(operands):
     dq, dk, dv = _sharded_backward(q, k, v, o, lse, do, dlse, cfg)

@@ -3,6 +3,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jax_flash
 from jax_flash.testing import assert_attention_close
@@ -88,3 +89,20 @@ def test_gradients_are_deterministic():
   f = jax.jit(jax.grad(_loss(_flash, do), argnums=(0, 1, 2)))  # Recompiled.
   jax.clear_caches()
   chex.assert_trees_all_equal(first, f(q, k, v))
+
+
+@pytest.mark.parametrize("implementation", [KERNEL_IMPL, "xla"])
+def test_second_order_is_a_clear_error_and_the_reference_gives_it(
+    implementation):
+  q, k, v, _ = inputs(CASE)
+
+  def grad_norm(attention, **kwargs):
+    f = lambda q: jnp.sum(attention(q, k, v, is_causal=True, **kwargs) ** 2)
+    return lambda q: jnp.sum(jax.grad(f)(q) ** 2)
+
+  with pytest.raises(NotImplementedError, match="cannot itself be "
+                     "differentiated .* use jax_flash.reference_attention"):
+    jax.grad(grad_norm(jax_flash.flash_attention,
+                       implementation=implementation))(q)
+  hessian_vector = jax.grad(grad_norm(jax_flash.reference_attention))(q)
+  assert np.isfinite(np.asarray(hessian_vector)).all()
