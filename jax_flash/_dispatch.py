@@ -30,12 +30,11 @@ import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
 
-from jax_flash import blockwise, reference
+from jax_flash import blockwise
 from jax_flash.spec.checks import Problem
-from jax_flash.spec.mask import Mask, make_ids
-from jax_flash.spec.operands import Operands
+from jax_flash.spec.mask import Mask
+from jax_flash.spec.problem import gather_pages, prepare_decode
 from jax_flash.spec.scores import Scores
 
 IMPLEMENTATIONS = ("pallas", "mosaic", "triton", "interpret", "xla")
@@ -45,8 +44,8 @@ VERSIONS = (1, 2)
 @dataclasses.dataclass(frozen=True)
 class XlaBackend:
   """Blockwise FlashAttention in plain jnp (`blockwise`): any device, any
-  input, memory linear in the sequence length. Decoding runs
-  `reference.attend` (a few queries: T x S is small)."""
+  input, memory linear in the sequence length (decoding too: queries offset
+  to the end of each cache)."""
   name = "xla"
   needs_gpu = False
   config_type = blockwise.BlockSizes
@@ -72,19 +71,13 @@ class XlaBackend:
   def decode(self, q, k, v, kv_lengths, *, mask, scores, num_splits=None,
              page_table=None, sinks=None):
     del num_splits  # A kernel's launch choice.
-    batch, q_len = q.shape[:2]
     if page_table is not None:  # Gather the pages into a contiguous cache.
-      k, v = (x[page_table].reshape((batch, -1) + x.shape[2:]) for x in (k, v))
-    kv_len = k.shape[1]
-    # Positions past a length may hold anything (NaN too): 0 * NaN is NaN.
-    live = (jnp.arange(kv_len)[None] < kv_lengths[:, None])[:, :, None, None]
-    k, v = (jnp.where(live, x, 0) for x in (k, v))
-    # The lengths as key ids (the kernels bound the keys instead).
-    q_ids, kv_ids = make_ids(batch, q_len, kv_len, kv_lengths=kv_lengths)
-    return reference.attend(
-        q, k, v, Operands(q_ids=q_ids, kv_ids=kv_ids, sinks=sinks),
-        mask=dataclasses.replace(mask, has_ids=True), scores=scores,
-        q_offsets=kv_lengths - q_len)
+      k, v = gather_pages(k, page_table), gather_pages(v, page_table)
+    # Keys past a length may hold anything: blockwise zeroes them.
+    mask, operands = prepare_decode(mask, q.shape[1], k.shape[1], kv_lengths,
+                                    sinks)
+    return blockwise.forward(q, k, v, operands, mask=mask, scores=scores,
+                             config=blockwise.BlockSizes())
 
 
 XLA = XlaBackend()

@@ -141,8 +141,15 @@ def _kv_ranges(p: _Problem, ops: Operands):
   """(lo, hi) [num_q_blocks] int32: the key blocks each query block visits,
   by the band and, with ids, by the id ranges of any batch element."""
   starts = jnp.arange(p.num_q_blocks, dtype=jnp.int32) * p.block_q
-  lo, _, _, hi = jax.vmap(lambda s: mask_lib.kv_block_ranges(
-      p.mask, s, p.block_q, p.block_k, p.kv_len))(starts)
+  if p.mask.has_q_offsets:  # The union over the sequences' offsets.
+    lo, _, _, hi = jax.vmap(jax.vmap(
+        lambda s, o: mask_lib.kv_block_ranges(p.mask, s, p.block_q, p.block_k,
+                                              p.kv_len, o),
+        in_axes=(None, 0)), in_axes=(0, None))(starts, ops.q_offsets)
+    lo, hi = jnp.min(lo, axis=1), jnp.max(hi, axis=1)
+  else:
+    lo, _, _, hi = jax.vmap(lambda s: mask_lib.kv_block_ranges(
+        p.mask, s, p.block_q, p.block_k, p.kv_len))(starts)
   if p.mask.has_ids:
     table = mask_lib.id_block_table(ops.q_ids, ops.kv_ids, p.block_q,
                                     p.block_k)  # [B, nq, 4]
@@ -170,7 +177,10 @@ def _logits2(p: _Problem, ops: Operands, qk, q0, k0):
     q_ids = lax.dynamic_slice_in_dim(ops.q_ids, q0, p.block_q, 1)
     kv_ids = lax.dynamic_slice_in_dim(ops.kv_ids, k0, p.block_k, 1)
     q_ids, kv_ids = q_ids[:, None, None, :, None], kv_ids[:, None, None, None]
-  visible = p.mask.visible(rows, cols, p.kv_len, q_ids, kv_ids)
+  offset = 0
+  if p.mask.has_q_offsets:
+    offset = ops.q_offsets[:, None, None, None, None]
+  visible = p.mask.visible(rows, cols, p.kv_len, q_ids, kv_ids, offset)
   if p.mask.has_dense:
     tile = _slice(_slice(ops.dense_mask, 2, q0, p.block_q), 3, k0, p.block_k)
     visible = visible & (_per_head(tile, p.num_kv_heads) != 0)

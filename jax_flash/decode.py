@@ -9,8 +9,6 @@ from jax_flash.spec import checks
 from jax_flash.spec.mask import Mask
 from jax_flash.spec.scores import Scores
 
-MAX_DECODE_QUERIES = 64
-
 
 def flash_decode(query, key_cache=None, value_cache=None, *, kv_lengths,
                  scale=None, logits_soft_cap=None, local_window_size=None,
@@ -20,9 +18,10 @@ def flash_decode(query, key_cache=None, value_cache=None, *, kv_lengths,
   """Attention of the newest T tokens of each sequence against its KV cache.
 
   Args:
-    query: [B, T, N, H], T small (1 to 64): the last T positions of each
-      sequence. Query t of sequence b sees cache positions
-      < kv_lengths[b] - T + t + 1 (so T = 1 sees the whole cache).
+    query: [B, T, N, H]: the last T positions of each sequence, any T (one
+      new token, or a prompt chunk). Query t of sequence b sees cache
+      positions < kv_lengths[b] - T + t + 1 (so T = 1 sees the whole cache).
+      Short chunks run a split-KV kernel, long ones the training kernel.
     key_cache, value_cache: [B, S_max, K, H] and [B, S_max, K, Hv] (value's
       head dim may differ), K dividing N (GQA: the group's query heads share
       one read of K/V). None when paged.
@@ -66,9 +65,6 @@ def flash_decode(query, key_cache=None, value_cache=None, *, kv_lengths,
     raise ValueError(f"query must have shape [batch, q_len, num_heads, "
                      f"head_dim], got {getattr(query, 'shape', None)}")
   batch, q_len, _, head_dim = query.shape
-  if q_len > MAX_DECODE_QUERIES:
-    raise ValueError(f"query q_len={q_len} is more than flash_decode's "
-                     f"{MAX_DECODE_QUERIES}; use flash_attention")
   if paged:
     page_table = checks.int_array(
         page_table, "page_table", (batch, page_table.shape[-1]),

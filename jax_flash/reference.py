@@ -26,7 +26,7 @@ def _per_head(a, num_kv_heads: int, group: int = None):
 
 
 def logits(q, k, operands: Operands, *, mask: mask_lib.Mask, scores: Scores,
-           q_offsets=None, compute_dtype=None):
+           compute_dtype=None):
   """The masked logits, float32 [B, K, G, T, S] (-inf where masked): query
   head n = k * G + g of q [B, T, N, H] against key head k of k [B, S, K, H].
   Arguments as `attend`."""
@@ -44,8 +44,9 @@ def logits(q, k, operands: Operands, *, mask: mask_lib.Mask, scores: Scores,
                       g) * distance
   if scores.bias:
     s = s + _per_head(operands.bias.astype(acc), kh, g)
+  offsets = operands.q_offsets if mask.has_q_offsets else None
   visible = mask_lib.dense_mask(mask, t, s_len, operands.q_ids,
-                                operands.kv_ids, q_offsets)[:, None, None]
+                                operands.kv_ids, offsets)[:, None, None]
   if mask.has_dense:
     visible = visible & _per_head(operands.dense_mask != 0, kh, g)
   return jnp.where(visible, s, -jnp.inf)
@@ -73,13 +74,14 @@ def _matmul(spec, x, y, acc, compute_dtype):
 
 
 def attend(q, k, v, operands: Operands, *, mask: mask_lib.Mask,
-           scores: Scores, q_offsets=None, compute_dtype=None):
+           scores: Scores, compute_dtype=None):
   """The math on batched inputs and a problem description.
 
-  q [B, T, N, H]; k [B, S, K, H]; v [B, S, K, Hv]; operands, mask, scores as built by
-  `jax_flash.spec.prepare`; q_offsets: int [B], the position of each
-  sequence's first query (None: 0). Returns (out [B, T, N, Hv] in q.dtype,
-  lse [B, N, T] float32, natural log; -inf for rows that see no key).
+  q [B, T, N, H]; k [B, S, K, H]; v [B, S, K, Hv]; operands, mask, scores
+  as built by `jax_flash.spec.prepare` (with `mask.has_q_offsets`, each
+  sequence's queries start at position `operands.q_offsets[b]`). Returns
+  (out [B, T, N, Hv] in q.dtype, lse [B, N, T] float32, natural log; -inf
+  for rows that see no key).
 
   `compute_dtype` (tests only): the dtype of the two matmuls' operands, as a
   plain low-precision implementation would run them (scores, softmax and
@@ -87,7 +89,7 @@ def attend(q, k, v, operands: Operands, *, mask: mask_lib.Mask,
   """
   acc = jnp.promote_types(q.dtype, jnp.float32)
   b, t, n, h = q.shape
-  s = logits(q, k, operands, mask=mask, scores=scores, q_offsets=q_offsets,
+  s = logits(q, k, operands, mask=mask, scores=scores,
              compute_dtype=compute_dtype)
   # Softmax that gives 0 (and zero gradients, no NaN) for rows with no key.
   m = jnp.max(s, axis=-1, keepdims=True)

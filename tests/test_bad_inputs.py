@@ -153,9 +153,6 @@ BAD = {
         value_pages=jnp.zeros((4, 24, K, 32)),
         page_table=jnp.zeros((B, 2), I32)),
         "page_size=24 must be a power of two"),
-    "decode_too_many_queries": (_decode(q=_sds((B, 65, N, 32)),
-                                        kv_lengths=jnp.array([1, 2])),
-                                "q_len=65 is more than"),
     # BlockSizes.
     "block_q_48": (lambda: BlockSizes(block_q=48),
                    r"block_sizes.block_q=48 must be a power of two >= 16"),

@@ -153,3 +153,30 @@ def test_decode_with_a_value_head_dim_of_its_own(implementation, paged):
   ref, _ = _reference(q, kc, vc, lengths)
   chex.assert_shape(out, (2, 3, 8, 40))
   assert_attention_close(out, ref)
+
+
+@pytest.mark.parametrize("implementation", [KERNEL_IMPL, "xla"])
+@pytest.mark.parametrize("q_len", [1, 7, 64, 65, 300])
+@pytest.mark.parametrize("paged", [False, True])
+def test_any_number_of_new_tokens(implementation, q_len, paged):
+  """One token to a prompt chunk (split-KV kernel up to 64, the training
+  kernel with query offsets past it), contiguous or paged (pages in random
+  order, NaN in every unused slot), ragged lengths, GQA, sinks, a window."""
+  s = 400
+  q, kc, vc = _cache(2, q_len, s, 8, 2, 32, jnp.float32, seed=q_len)
+  lengths = jnp.array([s, q_len + 37])
+  kwargs = dict(key_cache=kc, value_cache=vc)
+  if paged:
+    kp, table = _paginate(kc, 16, 64, 4, lengths)
+    vp, _ = _paginate(vc, 16, 64, 4, lengths)
+    kwargs = dict(key_pages=kp, value_pages=vp, page_table=table)
+  else:  # Positions past a length are garbage here too.
+    live = (jnp.arange(s)[None] < lengths[:, None])[:, :, None, None]
+    kwargs = {n: jnp.where(live, x, jnp.nan) for n, x in kwargs.items()}
+  sinks = jnp.linspace(-1.0, 1.0, 8)
+  out, lse = jax_flash.flash_decode(
+      q, kv_lengths=lengths, implementation=implementation, sinks=sinks,
+      local_window_size=150, return_residual=True, **kwargs)
+  ref, ref_lse = _reference(q, kc, vc, lengths, sinks=sinks, window_left=150)
+  assert_attention_close({"out": out, "lse": lse},
+                         {"out": ref, "lse": ref_lse})

@@ -122,3 +122,17 @@ def test_value_head_dim_of_its_own_lowers():
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower(
         lowering_platforms=("cuda",)).as_text()
   assert "flash_attention_backward_dkdv" in text
+
+
+def test_decode_of_a_prompt_chunk_lowers():
+  """More than 64 new tokens: the training kernel with query offsets."""
+  q = jax.ShapeDtypeStruct((2, 256, 8, 128), jnp.bfloat16)
+  cache = jax.ShapeDtypeStruct((2, 2048, 2, 128), jnp.bfloat16)
+  lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+  f = lambda q, c, n: jax_flash.flash_decode(q, c, c, kv_lengths=n,
+                                             implementation="triton")
+  with jax.sharding.use_abstract_mesh(
+      mesh_lib.AbstractMesh((1,), ("x",), abstract_device=H200)):
+    text = jax.jit(f).trace(q, cache, lengths).lower(
+        lowering_platforms=("cuda",)).as_text()
+  assert "flash_attention_forward" in text

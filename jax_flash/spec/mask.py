@@ -48,6 +48,9 @@ class Mask:
   window_left: int | None = None
   window_right: int | None = None
   has_ids: bool = False  # Per-row / per-column ids (segments, lengths).
+  # Per-sequence query offsets (`Operands.q_offsets`): decode, chunked
+  # prefill. Without them every offset is 0.
+  has_q_offsets: bool = False
   # A dense boolean mask read tile by tile (its predicate is the caller's:
   # `visible` covers the band and the ids).
   has_dense: bool = False

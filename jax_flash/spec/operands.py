@@ -22,6 +22,8 @@ class Operands:
   alibi_slopes: float32 [B, N].
   dropout_seed: int32 [2], the seed words of the dropout hash.
   sinks: float32 [N], a sink logit per query head; differentiable.
+  q_offsets: int32 [B], the position of each sequence's first query
+    (`Mask.has_q_offsets`; decode and chunked prefill).
   """
   q_ids: jax.Array | None = None
   kv_ids: jax.Array | None = None
@@ -30,6 +32,7 @@ class Operands:
   alibi_slopes: jax.Array | None = None
   dropout_seed: jax.Array | None = None
   sinks: jax.Array | None = None
+  q_offsets: jax.Array | None = None
 
   @property
   def empty(self) -> bool:

@@ -69,3 +69,24 @@ def prepare(query, key, value, *, bias=None, mask=None, scale=None,
       dropout_seed=dropout.seed_words(dropout_rng) if rate > 0 else None,
       sinks=sinks)
   return Spec(p, mask_spec, scores, operands)
+
+
+def prepare_decode(mask: Mask, q_len: int, kv_len: int, kv_lengths,
+                   sinks=None) -> tuple[Mask, Operands]:
+  """The decode problem as the training one: queries at positions
+  kv_lengths[b] - T + t (query offsets), keys past kv_lengths[b] hidden (key
+  ids). Returns the mask with ids and offsets, and its operands."""
+  batch = kv_lengths.shape[0]
+  q_ids, kv_ids = make_ids(batch, q_len, kv_len, kv_lengths=kv_lengths)
+  mask = dataclasses.replace(mask, has_ids=True, has_q_offsets=True)
+  offsets = (kv_lengths - q_len).astype(jnp.int32)
+  return mask, Operands(q_ids=q_ids, kv_ids=kv_ids, q_offsets=offsets,
+                        sinks=sinks)
+
+
+def gather_pages(pages, page_table):
+  """A paged cache [num_pages, page_size, K, H] and its page table
+  [B, pages_per_seq] as a contiguous cache [B, pages_per_seq * page_size,
+  K, H] (one gather: a copy of the cache)."""
+  batch = page_table.shape[0]
+  return pages[page_table].reshape((batch, -1) + pages.shape[2:])

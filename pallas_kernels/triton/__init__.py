@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax_flash.spec.checks import Problem
 from jax_flash.spec.mask import Mask
 from jax_flash.spec.operands import Operands
+from jax_flash.spec.problem import gather_pages, prepare_decode
 from jax_flash.spec.scores import Scores
 from pallas_kernels.triton import config
 from pallas_kernels.triton.config import BlockSizes
@@ -85,8 +86,24 @@ class TritonBackend:
 
   def decode(self, q, k, v, kv_lengths, *, mask: Mask, scores: Scores,
              num_splits: int | None, page_table=None, sinks=None):
-    """(o [B, T, N, H], lse [B, N, T]) of queries at positions
-    kv_lengths[b] - T + t against a contiguous or paged cache."""
+    """(o [B, T, N, Hv], lse [B, N, T]) of queries at positions
+    kv_lengths[b] - T + t against a contiguous or paged cache.
+
+    Up to `config.SPLIT_KV_MAX_QUERIES` new tokens: the split-KV kernel
+    (parallel over chunks of the cache). More (a prompt chunk): the training
+    forward kernel on the same mask with per-sequence query offsets; a paged
+    cache is gathered first (a copy; not yet read through the page table).
+    """
+    if q.shape[1] > config.SPLIT_KV_MAX_QUERIES:
+      if page_table is not None:
+        k, v = gather_pages(k, page_table), gather_pages(v, page_table)
+      mask, operands = prepare_decode(mask, q.shape[1], k.shape[1],
+                                      kv_lengths, sinks)
+      problem = Problem(q.shape[0], q.shape[1], k.shape[1], q.shape[2],
+                        k.shape[2], q.shape[3], False, v.shape[3])
+      return self.forward(q, k, v, operands, mask=mask, scores=scores,
+                          config=self.config(None, problem, q.dtype,
+                                             is_causal=True))
     head_dim = q.shape[-1]
     if page_table is not None:
       block_k = k.shape[1]  # One page per key tile.

@@ -16,6 +16,9 @@ MAX_HEAD_DIM = 256
 DTYPES = ("float32", "bfloat16", "float16")
 # H100/H200 multiprocessors: decode fills them with (split, batch, head).
 NUM_SMS = 132
+# New tokens per sequence up to which decode runs the split-KV kernel (one
+# tile of G*T rows); more run the training forward kernel.
+SPLIT_KV_MAX_QUERIES = 64
 
 
 def _is_pow2(x: int) -> bool:

@@ -57,11 +57,12 @@ def _build(operands: Operands, batch_head, group: int | None, table):
       return pl.BlockSpec((None, group), lambda *g: batch_head(*g))
     return pl.BlockSpec((None, x.shape[1]), lambda *g: (batch_head(*g)[0], 0))
 
-  def whole(x):  # Small 1-D operands: the seed, the sinks.
+  def whole(x):  # Small 1-D operands: the seed, the sinks, the offsets.
     return pl.BlockSpec(x.shape, lambda *g: (0,))
 
   make = dict(q_ids=ids, kv_ids=ids, dense_mask=pair, bias=pair,
-              alibi_slopes=slopes, dropout_seed=whole, sinks=whole)
+              alibi_slopes=slopes, dropout_seed=whole, sinks=whole,
+              q_offsets=whole)
   specs = Operands(**{
       f.name: None if getattr(operands, f.name) is None else
       make[f.name](getattr(operands, f.name))

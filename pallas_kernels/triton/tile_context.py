@@ -73,19 +73,26 @@ class TileContext:
   kv_len: int
   block_q: int
   block_k: int
-  batch: Any = None  # This program's batch index (for the dropout hash).
+  batch: Any = None  # This program's batch index (dropout, offsets).
   transposed: bool = False
+
+  def __post_init__(self):
+    # The position of this sequence's first query (read once, outside the
+    # loops, as the interpreter wants).
+    self.q_offset = 0
+    if self.mask.has_q_offsets:
+      self.q_offset = self.refs.q_offsets[self.batch]
 
   def kv_ranges(self, q_tile, q_start):
     """Key tiles of query tile `q_tile`: (lo, full_lo, full_hi, hi)."""
     ranges = mask_lib.kv_block_ranges(self.mask, q_start, self.block_q,
-                                     self.block_k, self.kv_len)
+                                      self.block_k, self.kv_len, self.q_offset)
     return self._refine(ranges, q_tile)
 
   def q_ranges(self, kv_tile, kv_start):
     """Query tiles of key tile `kv_tile` (dK/dV, FlashAttention-1)."""
     ranges = mask_lib.q_block_ranges(self.mask, kv_start, self.block_k,
-                                    self.block_q, self.q_len)
+                                     self.block_q, self.q_len, self.q_offset)
     return self._refine(ranges, kv_tile)
 
   def _refine(self, ranges, tile):
@@ -148,7 +155,8 @@ class TileContext:
         q_ids = self.q_ids(q_start)
       if kv_ids is None:
         kv_ids = self.kv_ids(k_start)
-    ok = self.mask.visible(rows, cols, self.kv_len, q_ids, kv_ids)
+    ok = self.mask.visible(rows, cols, self.kv_len, q_ids, kv_ids,
+                           self.q_offset)
     if self.mask.has_dense:
       ok = jnp.logical_and(
           ok, self._pair_tile(self.refs.dense_mask, head, q_start, k_start,
