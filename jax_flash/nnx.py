@@ -22,7 +22,7 @@ from jax_flash.decode import flash_decode
 
 def attend(query, key, value, bias, mask, *, broadcast_dropout, dropout_rng,
            dropout_rate, deterministic, is_causal, implementation,
-           block_sizes):
+           block_sizes, sinks=None):
   """flax's attention_fn contract on top of `flash_attention`.
 
   query [batch..., T, N, H]; key/value [batch..., S, K, H]; bias/mask
@@ -56,8 +56,8 @@ def attend(query, key, value, bias, mask, *, broadcast_dropout, dropout_rng,
       query, key, value, bias, mask, is_causal=is_causal,
       dropout_rate=dropout_rate if use_dropout else 0.0,
       dropout_rng=dropout_rng if use_dropout else None,
-      dropout_broadcast=broadcast_dropout, implementation=implementation,
-      block_sizes=block_sizes)
+      dropout_broadcast=broadcast_dropout, sinks=sinks,
+      implementation=implementation, block_sizes=block_sizes)
   return out.reshape(batch_dims + out.shape[-3:])
 
 
@@ -68,7 +68,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None,
                           precision=None, module=None,
                           promote_dtype=dtypes.promote_dtype,
                           is_causal: bool = False, *, implementation=None,
-                          block_sizes=None):
+                          block_sizes=None, sinks=None):
   """Drop-in for `flax.nnx.dot_product_attention`, computed by flash attention.
 
   Takes every argument nnx passes. `is_causal` skips the masked tiles instead
@@ -80,8 +80,12 @@ def dot_product_attention(query, key, value, bias=None, mask=None,
   dots). With `module` set (nnx's `sow_weights=True`, which needs the T x S
   attention weights), it falls back to flax's own implementation.
 
-  `implementation` and `block_sizes` are passed to `flash_attention`.
+  `implementation`, `block_sizes` and `sinks` are passed to
+  `flash_attention`.
   """
+  if module is not None and sinks is not None:
+    raise ValueError("sow_weights=True runs flax's own attention, which has "
+                     "no sinks")
   if module is not None:
     return nnx.dot_product_attention(
         query, key, value, bias, mask, broadcast_dropout, dropout_rng,
@@ -92,7 +96,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None,
                 broadcast_dropout=broadcast_dropout, dropout_rng=dropout_rng,
                 dropout_rate=dropout_rate, deterministic=deterministic,
                 is_causal=is_causal, implementation=implementation,
-                block_sizes=block_sizes)
+                block_sizes=block_sizes, sinks=sinks)
 
 
 class FlashAttention(nnx.MultiHeadAttention):
@@ -101,7 +105,9 @@ class FlashAttention(nnx.MultiHeadAttention):
   Same constructor (GQA via `num_kv_heads`, dropout, `decode` with a KV cache
   through `init_cache`), same parameters, so a model swaps it in and keeps its
   checkpoint. Extra keyword arguments: `implementation` and `block_sizes`, for
-  `flash_attention`. Calls take `is_causal=True` without building a mask.
+  `flash_attention`, and `sinks=True`, which adds a parameter `sinks`
+  [num_heads] (zeros at first): learned attention sinks (see
+  `flash_attention`). Calls take `is_causal=True` without building a mask.
   In decode mode (self-attention, one batch dimension, no extra mask, no
   active dropout) the new tokens attend to the cache through `flash_decode`,
   reading only the filled part of the cache, and several tokens may be fed at
@@ -109,13 +115,15 @@ class FlashAttention(nnx.MultiHeadAttention):
   """
 
   def __init__(self, *args, implementation=None, block_sizes=None,
-               attention_fn=None, **kwargs):
+               sinks: bool = False, attention_fn=None, **kwargs):
     if attention_fn is None:
       attention_fn = functools.partial(dot_product_attention,
                                        implementation=implementation,
                                        block_sizes=block_sizes)
     self.implementation = implementation
     super().__init__(*args, attention_fn=attention_fn, **kwargs)
+    self.sinks = (nnx.Param(jnp.zeros((self.num_heads,), jnp.float32))
+                  if sinks else None)
 
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None,
                deterministic=None, decode=None, **kwargs):
@@ -125,9 +133,9 @@ class FlashAttention(nnx.MultiHeadAttention):
     if (not decode or inputs_k is not None or inputs_v is not None or
         mask is not None or dropout or inputs_q.ndim != 3 or kwargs.get(
             "sow_weights") or self.cached_key is None):
-      return super().__call__(inputs_q, inputs_k, inputs_v, mask=mask,
-                              deterministic=deterministic, decode=decode,
-                              **kwargs)
+      return self._with_sinks(super().__call__, inputs_q, inputs_k, inputs_v,
+                              mask=mask, deterministic=deterministic,
+                              decode=decode, **kwargs)
     # Projections and the cache update as nnx.MultiHeadAttention does them,
     # then flash_decode over the filled part of the cache.
     sharding = kwargs.get("qkv_sharding")
@@ -149,5 +157,19 @@ class FlashAttention(nnx.MultiHeadAttention):
     cached_key = self.cached_key[...].astype(query.dtype)
     cached_value = self.cached_value[...].astype(query.dtype)
     x = flash_decode(query, cached_key, cached_value, kv_lengths=lengths,
-                     implementation=self.implementation)
+                     implementation=self.implementation,
+                     sinks=None if self.sinks is None else self.sinks[...])
     return self.out(x, out_sharding=kwargs.get("out_sharding"))
+
+  def _with_sinks(self, call, *args, **kwargs):
+    """call(*args, **kwargs) with the sinks' current value bound into the
+    attention function (flax calls it with a fixed set of arguments)."""
+    if self.sinks is None:
+      return call(*args, **kwargs)
+    fn = self.attention_fn
+    object.__setattr__(self, "attention_fn",
+                       functools.partial(fn, sinks=self.sinks[...]))
+    try:
+      return call(*args, **kwargs)
+    finally:
+      object.__setattr__(self, "attention_fn", fn)

@@ -241,3 +241,34 @@ def test_linen_swap_keeps_flax_parameter_names_and_checkpoint(tmp_path):
   loaded = serialization.from_bytes(template, path.read_bytes())
   assert relative_error(ours.apply(loaded, X),
                         flax_model.apply(params, X)) <= TOL.out
+
+
+def test_nnx_sinks_parameter_trains_and_matches_the_reference():
+  ours = jax_flash.nnx.FlashAttention(num_heads=4, in_features=D,
+                                      qkv_features=64, num_kv_heads=2,
+                                      decode=False, sinks=True,
+                                      implementation=KERNEL_IMPL,
+                                      rngs=nnx.Rngs(0))
+  ours.sinks[...] = jnp.array([-1.0, 0.0, 1.0, 3.0])
+  cot = jax.random.normal(jax.random.key(14), (B, T, D))
+
+  def manual(m, sinks):  # The projections, then the reference with sinks.
+    q = m.query(X)
+    k, v = m.key(X), m.value(X)
+    out = jax_flash.reference_attention(q, k, v, is_causal=True, sinks=sinks)
+    return jnp.sum(m.out(out) * cot)
+
+  @nnx.jit
+  def loss_and_grads(m):
+    return nnx.value_and_grad(lambda m: jnp.sum(m(X, is_causal=True) * cot))(m)
+
+  value, grads = loss_and_grads(ours)
+  ref_value, ref_dsinks = jax.value_and_grad(manual, argnums=1)(
+      ours, ours.sinks[...])
+  assert abs(float(value) - float(ref_value)) <= TOL.out * abs(float(ref_value))
+  assert relative_error(grads["sinks"][...], ref_dsinks) <= TOL.grad
+  # Decoding with the cache uses the same sinks.
+  full = ours(X, is_causal=True)
+  ours.init_cache((B, T, D))
+  steps = [ours(X[:, i:i + 9], decode=True) for i in range(0, T, 9)]
+  assert relative_error(jnp.concatenate(steps, axis=1), full) <= TOL.out
