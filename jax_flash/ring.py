@@ -123,7 +123,7 @@ def _ids_half(q_ids, kv_ids, qh, kh):
   return _half(q_ids, qh), _half(kv_ids, kh)
 
 
-def _ring_forward(q, k, v, q_ids, kv_ids, ring: _Ring):
+def _ring_forward(q, k, v, q_ids, kv_ids, sinks, ring: _Ring):
   halves = [None] if not ring.causal else [0, 1]
   parts = {h: [] for h in halves}  # Partial (o, lse) per query half.
   for step in range(ring.size):
@@ -141,23 +141,26 @@ def _ring_forward(q, k, v, q_ids, kv_ids, ring: _Ring):
     o = jnp.stack([p[0] for p in parts[h]]).transpose(0, 1, 3, 2, 4)
     merged, merged_lse = softmax.merge(o, jnp.stack([p[1] for p in parts[h]]),
                                        axis=0)
+    if sinks is not None:  # Each head's sink joins the merged denominator.
+      merged, merged_lse = softmax.with_sink(merged, merged_lse,
+                                             sinks[None, :, None])
     out.append(merged.transpose(0, 2, 1, 3).astype(q.dtype))
     lse.append(merged_lse)
   return jnp.concatenate(out, axis=1), jnp.concatenate(lse, axis=-1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _ring(q, k, v, q_ids, kv_ids, ring: _Ring):
-  return _ring_forward(q, k, v, q_ids, kv_ids, ring)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _ring(q, k, v, q_ids, kv_ids, sinks, ring: _Ring):
+  return _ring_forward(q, k, v, q_ids, kv_ids, sinks, ring)[0]
 
 
-def _ring_fwd(q, k, v, q_ids, kv_ids, ring):
-  out, lse = _ring_forward(q, k, v, q_ids, kv_ids, ring)
-  return out, (q, k, v, q_ids, kv_ids, out, lse)
+def _ring_fwd(q, k, v, q_ids, kv_ids, sinks, ring):
+  out, lse = _ring_forward(q, k, v, q_ids, kv_ids, sinks, ring)
+  return out, (q, k, v, q_ids, kv_ids, sinks, out, lse)
 
 
 def _ring_bwd(ring, residuals, do):
-  q, k, v, q_ids, kv_ids, out, lse = residuals
+  q, k, v, q_ids, kv_ids, sinks, out, lse = residuals
   ids_cotangents = (None if q_ids is None else jnp.zeros_like(q_ids),
                     None if kv_ids is None else jnp.zeros_like(kv_ids))
   do = do.astype(q.dtype)
@@ -179,8 +182,14 @@ def _ring_bwd(ring, residuals, do):
     k, v, dk, dv = _rotate(ring, k, v, dk, dv)
     if kv_ids is not None:
       (kv_ids,) = _rotate(ring, kv_ids)
+  dsinks = None
+  if sinks is not None:  # The sink's gradient from this device's queries.
+    delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32),
+                       do.astype(jnp.float32))
+    dsinks = -jnp.sum(jnp.exp(sinks[None, :, None] - lse) * delta,
+                      axis=(0, 2))
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
-          *ids_cotangents)
+          *ids_cotangents, dsinks)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -194,8 +203,8 @@ def _zigzag_order(size):
 
 
 def ring_attention(query, key, value, *, mesh, axis_name, is_causal=False,
-                   segment_ids=None, scale=None, implementation=None,
-                   block_sizes=None):
+                   segment_ids=None, scale=None, sinks=None,
+                   implementation=None, block_sizes=None):
   """Self-attention with the sequence sharded over `axis_name` of `mesh`.
 
   Args:
@@ -207,7 +216,7 @@ def ring_attention(query, key, value, *, mesh, axis_name, is_causal=False,
       sequence is reordered into it and back here).
     segment_ids: int [B, T] (packed documents: a query sees only keys with
       its id); the key ids travel around the ring with the keys.
-    scale, block_sizes: as in `flash_attention`.
+    scale, sinks, block_sizes: as in `flash_attention`.
     implementation: as in `flash_attention`: the backend each device runs on
       each pair of chunks ("xla": the reference, differentiated).
   Returns [B, T, N, H], sequence-sharded over `axis_name`; differentiable with
@@ -226,6 +235,8 @@ def ring_attention(query, key, value, *, mesh, axis_name, is_causal=False,
   _dispatch.check_options(block_sizes, 2)
   local = p.q_len // chunks
   pair = dataclasses.replace(p, q_len=local, kv_len=local)
+  sinks = checks.check_sinks(sinks, p)
+  # Sinks join the merge of the pairs' partials, not a pair's kernel.
   scores = Scores(scale=checks.check_scale(scale, p.head_dim))
   mask = Mask(is_causal=bool(is_causal), has_ids=segment_ids is not None)
   backend = _dispatch.select(implementation, query, pair, query.dtype,
@@ -252,9 +263,9 @@ def ring_attention(query, key, value, *, mesh, axis_name, is_causal=False,
   spec = P(None, axis_name)
   ids_spec = None if ids is None else spec
   out = jax.shard_map(
-      lambda q, k, v, ids: _ring(q, k, v, ids, ids, ring), mesh=mesh,
-      in_specs=(spec, spec, spec, ids_spec), out_specs=spec,
-      check_vma=False)(query, key, value, ids)
+      lambda q, k, v, ids, sinks: _ring(q, k, v, ids, ids, sinks, ring),
+      mesh=mesh, in_specs=(spec, spec, spec, ids_spec, P()), out_specs=spec,
+      check_vma=False)(query, key, value, ids, sinks)
   if is_causal:
     inverse = [zigzag.index(c) for c in range(chunks)]
     out = reorder(out, inverse)

@@ -12,7 +12,7 @@ from jax_flash.testing import assert_attention_close, relative_error  # noqa: E4
 
 
 def main(causal, num_kv_heads, devices, segments=False,
-         implementation="interpret"):
+         implementation="interpret", sinks=False):
   mesh = jax.make_mesh((devices,), ("seq",),
                        axis_types=(jax.sharding.AxisType.Auto,),
                        devices=jax.devices()[:devices])
@@ -23,26 +23,30 @@ def main(causal, num_kv_heads, devices, segments=False,
   v = jax.random.normal(keys[2], (b, t, num_kv_heads, h))
   do = jax.random.normal(keys[3], (b, t, n, h))
 
+  sink_values = jnp.linspace(-1.0, 2.0, n) if sinks else None
+
   def loss(attention):
-    def f(q, k, v):
-      out = attention(q, k, v)
+    def f(q, k, v, s):
+      out = attention(q, k, v, s)
       return jnp.sum(out * do), out
-    return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))
+    argnums = (0, 1, 2, 3) if sinks else (0, 1, 2)
+    return jax.jit(jax.value_and_grad(f, argnums=argnums, has_aux=True))
 
   ids = None
   if segments:  # Packed documents of random lengths.
     ids = jnp.sort(jax.random.randint(keys[3], (b, t), 0, 5), axis=1)
-  ring = lambda q, k, v: jax_flash.ring_attention(
+  ring = lambda q, k, v, s: jax_flash.ring_attention(
       q, k, v, mesh=mesh, axis_name="seq", is_causal=causal, segment_ids=ids,
-      implementation=implementation)
-  ref = lambda q, k, v: jax_flash.reference_attention(
-      q, k, v, is_causal=causal, segment_ids=ids)
-  (_, out), grads = loss(ring)(q, k, v)
-  (_, ref_out), ref_grads = loss(ref)(q, k, v)
+      sinks=s, implementation=implementation)
+  ref = lambda q, k, v, s: jax_flash.reference_attention(
+      q, k, v, is_causal=causal, segment_ids=ids, sinks=s)
+  (_, out), grads = loss(ring)(q, k, v, sink_values)
+  (_, ref_out), ref_grads = loss(ref)(q, k, v, sink_values)
   errors = [relative_error(out, ref_out)] + [
       relative_error(a, r) for a, r in zip(grads, ref_grads)]
   print(f"causal={causal} kv_heads={num_kv_heads} devices={devices} "
         f"segments={segments} implementation={implementation} "
+        f"sinks={sinks} "
         f"errors={errors}")
   assert_attention_close({"out": out, "grads": grads},
                          {"out": ref_out, "grads": ref_grads})
@@ -50,4 +54,5 @@ def main(causal, num_kv_heads, devices, segments=False,
 
 if __name__ == "__main__":
   main(sys.argv[1] == "causal", int(sys.argv[2]), int(sys.argv[3]),
-       sys.argv[4] == "segments", sys.argv[5])
+       sys.argv[4] == "segments", sys.argv[5],
+       len(sys.argv) > 6 and sys.argv[6] == "sinks")

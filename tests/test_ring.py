@@ -1,6 +1,7 @@
 """ring_attention on simulated host devices: results and gradients equal the
 single-device reference, causal (zigzag) and not, MHA/GQA/MQA, segments, with
-the interpreted kernels and with the "xla" backend on each pair."""
+the interpreted kernels and with the "xla" backend on each pair, with sinks
+(their gradient summed over the devices)."""
 import os
 import subprocess
 import sys
@@ -10,20 +11,22 @@ import pytest
 HERE = os.path.dirname(__file__)
 
 
-@pytest.mark.parametrize("causal, kv_heads, devices, segments, impl", [
-    ("plain", 4, 4, "", "interpret"), ("causal", 4, 4, "", "interpret"),
-    ("causal", 2, 8, "", "interpret"), ("plain", 1, 8, "", "interpret"),
-    ("causal", 1, 2, "", "interpret"),
-    ("causal", 2, 4, "segments", "interpret"),
-    ("plain", 4, 2, "segments", "interpret"),
-    ("causal", 2, 4, "segments", "xla")])
+@pytest.mark.parametrize("causal, kv_heads, devices, segments, impl, sinks", [
+    ("plain", 4, 4, "", "interpret", ""), ("causal", 4, 4, "", "interpret", ""),
+    ("causal", 2, 8, "", "interpret", ""), ("plain", 1, 8, "", "interpret", ""),
+    ("causal", 1, 2, "", "interpret", ""),
+    ("causal", 2, 4, "segments", "interpret", ""),
+    ("plain", 4, 2, "segments", "interpret", ""),
+    ("causal", 2, 4, "segments", "xla", ""),
+    ("causal", 2, 4, "", "interpret", "sinks"),
+    ("plain", 4, 2, "segments", "xla", "sinks")])
 def test_ring_attention_matches_single_device(causal, kv_heads, devices,
-                                              segments, impl):
+                                              segments, impl, sinks):
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              PYTHONPATH=os.pathsep.join([os.path.dirname(HERE)] + sys.path))
   result = subprocess.run(
       [sys.executable, os.path.join(HERE, "ring_run.py"), causal,
-       str(kv_heads), str(devices), segments or "-", impl],
+       str(kv_heads), str(devices), segments or "-", impl, sinks or "-"],
       capture_output=True, text=True,
       env=env,
       timeout=600)
