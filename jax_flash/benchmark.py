@@ -48,6 +48,13 @@ def _impls(causal: bool):
     return jpa.mha(q, k, v, None, sm_scale=q.shape[-1] ** -0.5, causal=causal,
                    block_sizes=jpa.BlockSizes(128, 128, 64, 64, 64, 64))
 
+  def tokamax_mosaic(q, k, v):
+    # Google's Pallas kernel library, its Mosaic GPU attention (on the GPU
+    # machine from wheels: scripts/tokamax_wheels.sh).
+    import tokamax
+    return tokamax.dot_product_attention(q, k, v, is_causal=causal,
+                                         implementation="mosaic")
+
   modes = ("fwd", "bwd", "fwd+bwd")
   # name -> (function, modes it is timed in)
   return {
@@ -58,6 +65,7 @@ def _impls(causal: bool):
       "cudnn": (jax_nn("cudnn"), modes),
       "xla": (jax_nn("xla"), modes),
       "jax_pallas": (jax_pallas, modes),
+      "tokamax": (tokamax_mosaic, modes),
   }
 
 
@@ -295,10 +303,11 @@ def markdown(rows) -> str:
   present = {(r["impl"], r["mode"]) for r in rows}
   cols = [c for c in [
       ("flash_mosaic", "fwd"), ("flash_v2", "fwd"), ("flash_v1", "fwd"),
-      ("cudnn", "fwd"),
+      ("cudnn", "fwd"), ("tokamax", "fwd"),
       ("jax_pallas", "fwd"), ("xla", "fwd"), ("flash_v2", "bwd"),
-      ("cudnn", "bwd"), ("jax_pallas", "bwd"), ("flash_mosaic", "fwd+bwd"),
-      ("flash_v2", "fwd+bwd"),
+      ("cudnn", "bwd"), ("tokamax", "bwd"), ("jax_pallas", "bwd"),
+      ("flash_mosaic", "fwd+bwd"), ("flash_v2", "fwd+bwd"),
+      ("tokamax", "fwd+bwd"),
       ("cudnn", "fwd+bwd"), ("jax_pallas", "fwd+bwd"), ("xla", "fwd+bwd")]
           if c in present]
   mosaic = any(r["impl"] == "flash_mosaic" for r in rows)
@@ -435,7 +444,8 @@ def main(argv=None):
                       help="implementations, side by side: flash_mosaic "
                       "(Mosaic GPU forward), flash_v2 and flash_v1 (Triton), "
                       "cudnn and xla (jax.nn), jax_pallas (jax's own Pallas "
-                      "attention)",
+                      "attention), tokamax (its Mosaic GPU attention; needs "
+                      "its wheels: scripts/tokamax_wheels.sh)",
                       default=["flash_mosaic", "flash_v2", "flash_v1", "cudnn",
                                "jax_pallas", "xla"])
   parser.add_argument("--calls", type=int, default=10,

@@ -11,6 +11,7 @@
 #   bash scripts/gpu_check.sh tune      # head-dim-256 block-size sweep
 #   bash scripts/gpu_check.sh train     # train_lm at GPT-2-small size, flash vs flax
 #   bash scripts/gpu_check.sh mosaic    # the Mosaic forward: correctness sweep + 8k benchmark
+#                                       # (with tokamax if .whl/ is carried: scripts/tokamax_wheels.sh)
 # TESTS="tests/a.py::b ..." limits `tests` to those; BENCH_ARGS replaces
 # `bench`'s shapes and implementations. Results go under $OUT
 # (the device tool's folder) or ./gpu_out; the device tool brings back at most
@@ -19,6 +20,11 @@ set -uo pipefail
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 PYTHONPATH=.
+if [ -d .whl ]; then  # tokamax for the benchmark (scripts/tokamax_wheels.sh).
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target /tmp/site .whl/*.whl && \
+    export PYTHONPATH=.:/tmp/site:.whl/stub
+fi
 
 bench() {  # bench NAME TIMEOUT ARGS...: one benchmark run into $OUT/NAME.
   local name=$1 limit=$2; shift 2
@@ -99,8 +105,11 @@ for mode in "$@"; do
       timeout "${MOSAIC_LIMIT:-300}" python3 benchmarks/mosaic_check.py \
         --out "$OUT" > "$OUT/mosaic_check.log" 2>&1
       echo "mosaic_check exit: $?"; grep -E '^\{|passed' "$OUT/mosaic_check.log" | cut -c1-300
+      impls="flash_mosaic flash_v2 cudnn"
+      [ -d .whl ] && impls="$impls tokamax"
+      # shellcheck disable=SC2086
       bench mosaic_8k 240 --seq-lens 8192 --head-dims 128 64 256 \
-        --impls flash_mosaic flash_v2 cudnn
+        --impls $impls
       ;;
     *) echo "unknown mode $mode"; exit 2 ;;
   esac
