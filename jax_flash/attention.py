@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_flash import _dispatch, _sharding
+from jax_flash.spec import softmax
 from jax_flash.spec.mask import Mask
 from jax_flash.spec.operands import Operands
 from jax_flash.spec.problem import prepare
@@ -117,8 +118,7 @@ def _sink_gradient(sinks, o, lse, do, dlse):
   """dL/dsinks [N]. The sink's probability in row i is p_i = exp(sink - L_i),
   and dL/dsink = -sum_i p_i (rowsum(dO_i * O_i) - dlse_i): the same D as the
   backward's dS = P (dP - D), since dL/dL_i enters through it."""
-  delta = jnp.einsum("btnh,btnh->bnt", o.astype(jnp.float32),
-                     do.astype(jnp.float32)) - dlse
+  delta = softmax.backward_delta(o, do, dlse)
   p_sink = jnp.exp(sinks[None, :, None] - lse)
   return -jnp.sum(p_sink * delta, axis=(0, 2))
 

@@ -267,9 +267,7 @@ def backward(q, k, v, operands: Operands, o, lse, do, dlse, *, mask: Mask,
   do = _without_padding(do, operands.q_ids, mask_lib.Q_PAD_ID)
   k, v = pad_to(k, 1, sp), pad_to(v, 1, sp)
   lo, hi = _kv_ranges(p, ops)
-  # dS = P (dP - D) + dlse P: the logsumexp's cotangent folds into D.
-  delta = jnp.einsum("btnh,btnh->bnt", o.astype(jnp.float32),
-                     do.astype(jnp.float32)) - dlse
+  delta = softmax.backward_delta(o, do, dlse)
   lse2 = softmax.backward_lse2(pad_to(lse, 2, tp, -jnp.inf))
 
   def stats(x):  # [B, N, Tp] -> [nq, B, K, G, bq]

@@ -320,8 +320,7 @@ def _flex_bwd(st: _Static, residuals, cotangents):
   bq, bk = st.block_q, st.block_k
   tp, sp = tiles.num_q * bq, tiles.num_k * bk
   k, v = blockwise.pad_to(k, 1, sp), blockwise.pad_to(v, 1, sp)
-  delta = jnp.einsum("btnh,btnh->bnt", o.astype(jnp.float32),
-                     do.astype(jnp.float32)) - dlse
+  delta = softmax.backward_delta(o, do, dlse)
   lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)  # Empty rows: P = 0.
 
   def stats(x):  # [B, N, T] -> [nq, B, K, G, bq]

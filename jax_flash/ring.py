@@ -184,8 +184,7 @@ def _ring_bwd(ring, residuals, do):
       (kv_ids,) = _rotate(ring, kv_ids)
   dsinks = None
   if sinks is not None:  # The sink's gradient from this device's queries.
-    delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32),
-                       do.astype(jnp.float32))
+    delta = softmax.backward_delta(out, do)
     dsinks = -jnp.sum(jnp.exp(sinks[None, :, None] - lse) * delta,
                       axis=(0, 2))
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),

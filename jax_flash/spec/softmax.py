@@ -113,6 +113,15 @@ def backward_lse2(lse):
   return jnp.where(lse == NEG_INF, float("inf"), lse * LOG2E)
 
 
+def backward_delta(o, do, dlse=None):
+  """D = rowsum(dO * O) - dlse, float32 [B, N, T] from o, do [B, T, N, H]:
+  the backward's dS = P (dP - D); the logsumexp's cotangent folds into D
+  because dL/dS gets dlse * P from it."""
+  delta = jnp.einsum("btnh,btnh->bnt", o.astype(jnp.float32),
+                     do.astype(jnp.float32))
+  return delta if dlse is None else delta - dlse
+
+
 def merge(o, lse, axis: int):
   """Combines partial results of disjoint key sets exactly, by their logsumexp.
 

@@ -259,10 +259,7 @@ def flash_backward(q, k, v, operands: Operands, o, lse, do, dlse, *,
   group = num_heads // num_kv_heads
   value_head_dim = v.shape[-1]
   hp, hvp = padded_head_dim(head_dim), padded_head_dim(value_head_dim)
-  # dS = P * (dP - D) + dlse * dlse/dS, and dlse/dS = P: the logsumexp's
-  # cotangent folds into D.
-  delta = jnp.einsum("btnh,btnh->bnt", o.astype(jnp.float32),
-                     do.astype(jnp.float32)) - dlse
+  delta = softmax.backward_delta(o, do, dlse)
   static = dict(scores=scores, mask=mask, head_dim=head_dim,
                 value_head_dim=value_head_dim)
   compiler_params = plgpu.CompilerParams(
