@@ -1,0 +1,73 @@
+"""Tile sweep of the Mosaic GPU forward, cuDNN timed alongside each shape.
+
+    PYTHONPATH=. python3 benchmarks/mosaic_tune.py [--head-dims 64 128]
+        [--seq-len 8192] [--out DIR]
+
+bf16, 16k tokens (batch = 16384 / seq), hidden 2048, causal and not. For each
+(head dim, causal): cuDNN's forward, then the Mosaic forward under every
+candidate `MosaicBlockSizes` that fits shared memory; prints one JSON row per
+measurement (TFLOP/s and the ratio to cuDNN in the same run) and writes
+mosaic_tune.json. The data behind `pallas_kernels/mosaic_gpu/config.py`.
+"""
+import argparse
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+
+import jax_flash
+from jax_flash.benchmark import _measure
+from pallas_kernels.mosaic_gpu import config
+
+# (block_q, block_kv, num_stages)
+CANDIDATES = [(64, 128, 2), (64, 128, 3), (64, 64, 2), (64, 64, 3),
+              (64, 64, 4), (64, 256, 2)]
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+  parser.add_argument("--seq-len", type=int, default=8192)
+  parser.add_argument("--modes", nargs="+", default=["fwd"])
+  parser.add_argument("--out", default=".")
+  args = parser.parse_args()
+  t, rows = args.seq_len, []
+  for h in args.head_dims:
+    n, b = 2048 // h, max(1, 16384 // t)
+    keys = jax.random.split(jax.random.key(h), 4)
+    q, k, v, do = (jax.random.normal(kk, (b, t, n, h), jnp.bfloat16)
+                   for kk in keys)
+    for causal in (False, True):
+      flops = 4 * b * n * t * t * h / (2 if causal else 1)
+      for mode in args.modes:
+        cudnn = _measure(lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation="cudnn"), mode,
+                         q, k, v, do, flops, 10, 3)
+        row = dict(impl="cudnn", head_dim=h, causal=causal, mode=mode, **cudnn)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        for bq, bkv, stages in CANDIDATES:
+          bs = jax_flash.MosaicBlockSizes(block_q=bq, block_kv=bkv,
+                                          num_stages=stages)
+          if bs.smem_bytes(h, 2) > config.SMEM_BYTES:
+            continue
+          fn = lambda q, k, v, bs=bs: jax_flash.flash_attention(
+              q, k, v, is_causal=causal, implementation="mosaic",
+              block_sizes=bs)
+          row = dict(impl="mosaic", head_dim=h, causal=causal, mode=mode,
+                     block_sizes=dataclasses.asdict(bs),
+                     **_measure(fn, mode, q, k, v, do, flops, 10, 3))
+          if "tflops" in row and "tflops" in cudnn:
+            row["vs_cudnn"] = round(row["tflops"] / cudnn["tflops"], 3)
+          print(json.dumps(row), flush=True)
+          rows.append(row)
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "mosaic_tune.json"), "w") as f:
+    json.dump(dict(device=jax.devices()[0].device_kind, seq_len=t, rows=rows),
+              f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
