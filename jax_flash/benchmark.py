@@ -60,8 +60,8 @@ def _impls(causal: bool):
   return {
       "flash_v2": (ours(2), modes),
       "flash_v1": (ours(1), ("fwd",)),
-      # The Mosaic GPU forward (its backward is flash_v2's).
-      "flash_mosaic": (ours(2, "mosaic"), ("fwd", "fwd+bwd")),
+      # The Mosaic GPU kernels (the backward is flash_v2's at head dim 256).
+      "flash_mosaic": (ours(2, "mosaic"), modes),
       "cudnn": (jax_nn("cudnn"), modes),
       "xla": (jax_nn("xla"), modes),
       "jax_pallas": (jax_pallas, modes),

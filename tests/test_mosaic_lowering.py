@@ -1,5 +1,5 @@
-"""The Mosaic GPU forward lowers for an H200 on the CPU, and the dispatch
-picks it where it takes the call.
+"""The Mosaic GPU kernels (forward, dK/dV, dQ) lower for an H200 on the CPU,
+and the dispatch picks them where they take the call.
 
 `jax.jit(...).lower(lowering_platforms=("cuda",))` under an abstract mesh
 whose device is an "NVIDIA H200" runs the Pallas Mosaic GPU lowering here:
@@ -38,16 +38,45 @@ def _lower_grad(implementation, shape=(2, 256, 512, 8, 2, 128),
   return lowered.as_text()
 
 
+MOSAIC_BACKWARD = ("flash_attention_dkv_mosaic", "flash_attention_dq_mosaic")
+TRITON_BACKWARD = ("flash_attention_backward_dkdv",
+                   "flash_attention_backward_dq")
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
-def test_mosaic_forward_lowers_with_the_triton_backward(dtype, head_dim,
-                                                        causal):
-  text = _lower_grad("mosaic", (2, 256, 512, 8, 2, head_dim), dtype,
+# 520 keys: not a multiple of the dK/dV kernel's 128-row tile (padded).
+@pytest.mark.parametrize("kv_len", [512, 520])
+def test_mosaic_forward_and_backward_lower(dtype, head_dim, causal, kv_len):
+  """Head dims 64 and 128 run the Mosaic backward, 256 Triton's."""
+  text = _lower_grad("mosaic", (2, 256, kv_len, 8, 2, head_dim), dtype,
                      is_causal=causal)
-  assert MOSAIC_CALL in text
-  assert "flash_attention_backward_dkdv" in text
-  assert "flash_attention_backward_dq" in text
+  assert "flash_attention_forward_mosaic" in text
+  mosaic_backward = head_dim in (64, 128)
+  for name in MOSAIC_BACKWARD:
+    assert (name in text) == mosaic_backward
+  for name in TRITON_BACKWARD:
+    assert (name in text) != mosaic_backward
+
+
+def test_mosaic_backward_tiles_by_keyword():
+  blocks = jax_flash.MosaicBlockSizes(block_q_dkv=128, block_kv_dkv=64,
+                                      block_q_dq=64, block_kv_dq=128,
+                                      num_stages=3)
+  text = _lower_grad("mosaic", (1, 256, 384, 4, 4, 64), jnp.bfloat16,
+                     block_sizes=blocks)
+  assert all(name in text for name in MOSAIC_BACKWARD)
+
+
+def test_mosaic_backward_declines_a_q_len_its_tiles_do_not_divide():
+  """256 rows: the dQ kernel's 2 * 192-row tile does not divide them, so
+  the Triton backward runs (the forward is still Mosaic's)."""
+  blocks = jax_flash.MosaicBlockSizes(block_q_dq=192)
+  text = _lower_grad("mosaic", (1, 256, 256, 4, 4, 64), jnp.bfloat16,
+                     block_sizes=blocks)
+  assert "flash_attention_forward_mosaic" in text
+  assert all(name in text for name in TRITON_BACKWARD)
 
 
 @pytest.mark.parametrize("name, shape, dtype, kwargs, mosaic", [

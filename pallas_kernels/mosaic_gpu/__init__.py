@@ -1,11 +1,13 @@
 """The Mosaic GPU backend: Pallas kernels for Hopper (sm90a) with TMA, wgmma
 and warp specialization.
 
-Today a forward kernel (`flash_fwd`), paired with the Triton backward through
-the shared logsumexp. What it takes is narrower than the Triton backend
+A forward kernel (`flash_fwd`) and a backward of two kernels (`flash_bwd`:
+dK/dV and dQ). What it takes is narrower than the Triton backend
 (`unsupported` says what, and the dispatch then runs Triton): bf16/fp16,
 head dims 64/128/256, query lengths a multiple of 2 * block_q, key lengths a
 multiple of 8, no mask beyond causal, no score modification, no dropout.
+At head dim 256 the backward is Triton's, through the shared logsumexp
+(`backward_unsupported` says why).
 """
 from __future__ import annotations
 
@@ -19,20 +21,22 @@ from jax_flash.spec.operands import Operands
 from jax_flash.spec.scores import Scores
 from pallas_kernels.mosaic_gpu import config
 from pallas_kernels.mosaic_gpu.config import BlockSizes
+from pallas_kernels.mosaic_gpu.flash_bwd import flash_backward
 from pallas_kernels.mosaic_gpu.flash_fwd import flash_forward
 
 
 @dataclasses.dataclass(frozen=True)
 class MosaicConfig:
-  """The forward's tiles, and the backward's (a backend's config)."""
-  forward: BlockSizes
-  backward: object
+  """The Mosaic kernels' tiles, and the Triton backward's config where the
+  Mosaic backward cannot take the call (else None)."""
+  blocks: BlockSizes
+  triton_backward: object | None
 
 
 @dataclasses.dataclass(frozen=True)
 class MosaicGpuBackend:
-  """The backend interface of `jax_flash._dispatch`; the backward is
-  `backward_backend`'s (the Triton kernels)."""
+  """The backend interface of `jax_flash._dispatch`; where the Mosaic
+  backward cannot take a call, `backward_backend`'s (the Triton kernels)."""
   backward_backend: object
   name = "mosaic"
   needs_gpu = True
@@ -70,31 +74,51 @@ class MosaicGpuBackend:
               "dropout or sinks yet")
     return None
 
+  @staticmethod
+  def backward_unsupported(problem: Problem, blocks: BlockSizes) -> str | None:
+    """Why the Mosaic backward cannot take a call the forward took, or None
+    (the Triton backward then runs)."""
+    if problem.head_dim not in config.BACKWARD_HEAD_DIMS:
+      return (f"the Mosaic GPU backward takes head dims "
+              f"{config.BACKWARD_HEAD_DIMS}, got {problem.head_dim}")
+    for rows, name in ((2 * blocks.block_q_dq, "2 * block_q_dq"),
+                       (blocks.block_q_dkv, "block_q_dkv")):
+      if problem.q_len % rows:
+        return f"q_len {problem.q_len} is not a multiple of {name} = {rows}"
+    return None
+
   def config(self, block_sizes, problem: Problem, dtype, *, is_causal: bool,
              version: int = 2) -> MosaicConfig:
-    forward = (block_sizes if isinstance(block_sizes, BlockSizes) else
-               BlockSizes.get_default(problem.head_dim))
-    if problem.q_len % (2 * forward.block_q):
-      raise ValueError(f"block_sizes.block_q={forward.block_q}: q_len "
+    blocks = (block_sizes if isinstance(block_sizes, BlockSizes) else
+              BlockSizes.get_default(problem.head_dim))
+    if problem.q_len % (2 * blocks.block_q):
+      raise ValueError(f"block_sizes.block_q={blocks.block_q}: q_len "
                        f"{problem.q_len} must be a multiple of 2 * block_q")
-    smem = forward.smem_bytes(problem.head_dim, jnp.dtype(dtype).itemsize)
+    smem = blocks.smem_bytes(problem.head_dim, jnp.dtype(dtype).itemsize)
     if smem > config.SMEM_BYTES:
-      raise ValueError(f"block_sizes {forward} need {smem} bytes of shared "
+      raise ValueError(f"block_sizes {blocks} need {smem} bytes of shared "
                        f"memory at head_dim {problem.head_dim}, more than "
                        f"the {config.SMEM_BYTES} of an H100/H200")
-    backward = self.backward_backend.config(
-        None if isinstance(block_sizes, BlockSizes) else block_sizes, problem,
-        dtype, is_causal=is_causal, version=version)
-    return MosaicConfig(forward, backward)
+    triton = None
+    if self.backward_unsupported(problem, blocks):
+      triton = self.backward_backend.config(
+          None if isinstance(block_sizes, BlockSizes) else block_sizes,
+          problem, dtype, is_causal=is_causal, version=version)
+    return MosaicConfig(blocks, triton)
 
   def forward(self, q, k, v, operands: Operands, *, mask: Mask,
               scores: Scores, config: MosaicConfig, version: int = 2):
     del operands, version  # None taken (see `unsupported`).
     return flash_forward(q, k, v, mask=mask, scores=scores,
-                         block_sizes=config.forward)
+                         block_sizes=config.blocks)
 
   def backward(self, q, k, v, operands: Operands, o, lse, do, dlse, *,
                mask: Mask, scores: Scores, config: MosaicConfig):
-    return self.backward_backend.backward(q, k, v, operands, o, lse, do, dlse,
-                                          mask=mask, scores=scores,
-                                          config=config.backward)
+    """(dq, dk, dv, None): no bias is taken (see `unsupported`)."""
+    if config.triton_backward is not None:
+      return self.backward_backend.backward(
+          q, k, v, operands, o, lse, do, dlse, mask=mask, scores=scores,
+          config=config.triton_backward)
+    dq, dk, dv = flash_backward(q, k, v, o, lse, do, dlse, mask=mask,
+                                scores=scores, block_sizes=config.blocks)
+    return dq, dk, dv, None

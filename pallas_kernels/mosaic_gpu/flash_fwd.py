@@ -33,10 +33,10 @@ from jax_flash.spec.mask import Mask, kv_block_ranges
 from jax_flash.spec.scores import Scores
 from pallas_kernels.mosaic_gpu.config import BlockSizes
 
-_COMPUTE_WGS = 2
+COMPUTE_WGS = 2
 
 
-def _smem_transforms(dtype, minor_dim: int):
+def smem_transforms(dtype, minor_dim: int):
   """Tiling and swizzle for a [rows, minor_dim] tile read by wgmma."""
   swizzle = plgpu.find_swizzle(minor_dim * jnp.dtype(dtype).itemsize * 8)
   elems = swizzle // jnp.dtype(dtype).itemsize
@@ -55,16 +55,16 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *,
   dtype = q_ref.dtype
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
   wg = lax.axis_index("wg")
-  tile_start = lax.axis_index("q_seq") * (_COMPUTE_WGS * block_q)
+  tile_start = lax.axis_index("q_seq") * (COMPUTE_WGS * block_q)
   # Key tiles [first, steps) the producer loads: what either consumer needs.
-  first, _, _, steps = kv_block_ranges(mask, tile_start, _COMPUTE_WGS * block_q,
+  first, _, _, steps = kv_block_ranges(mask, tile_start, COMPUTE_WGS * block_q,
                                        block_kv, kv_len)
 
   def schedule_barrier():
     plgpu.barrier_arrive(schedule)
     plgpu.barrier_wait(schedule)
 
-  @pl.when(wg < _COMPUTE_WGS)
+  @pl.when(wg < COMPUTE_WGS)
   def _consumer():
     plgpu.set_max_registers(232, action="increase")
     q_smem, lse_smem = q_smem2.at[wg], lse_smem2.at[wg]
@@ -148,7 +148,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *,
                             lse_ref.at[batch, head, pl.ds(q_start, block_q)])
     plgpu.wait_smem_to_gmem(0)
 
-  @pl.when(wg == _COMPUTE_WGS)
+  @pl.when(wg == COMPUTE_WGS)
   def _producer():
     plgpu.set_max_registers(40, action="decrease")
     kv_head = lax.div(head, jnp.int32(group))
@@ -196,23 +196,23 @@ def flash_forward(q, k, v, *, mask: Mask, scores: Scores,
   batch, q_len, num_heads, head_dim = q.shape
   group = num_heads // k.shape[2]
   blocks = block_sizes
-  transforms = _smem_transforms(q.dtype, head_dim)
+  transforms = smem_transforms(q.dtype, head_dim)
   stages = blocks.num_stages
   scratch = dict(
       buffers=(
-          plgpu.SMEM((_COMPUTE_WGS, blocks.block_q, head_dim), q.dtype,
+          plgpu.SMEM((COMPUTE_WGS, blocks.block_q, head_dim), q.dtype,
                      transforms=transforms),
           plgpu.SMEM((stages, blocks.block_kv, head_dim), k.dtype,
                      transforms=transforms),
           plgpu.SMEM((stages, blocks.block_kv, head_dim), v.dtype,
                      transforms=transforms),
-          plgpu.SMEM((_COMPUTE_WGS, blocks.block_q), jnp.float32),
+          plgpu.SMEM((COMPUTE_WGS, blocks.block_q), jnp.float32),
       ),
       ready=(plgpu.Barrier(num_barriers=stages),
              plgpu.Barrier(num_barriers=stages),
-             plgpu.Barrier(num_barriers=_COMPUTE_WGS)),
-      free=(plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),) * 2,
-      schedule=plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
+             plgpu.Barrier(num_barriers=COMPUTE_WGS)),
+      free=(plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2,
+      schedule=plgpu.Barrier(num_arrivals=COMPUTE_WGS),
   )
 
   def body(q_ref, k_ref, v_ref, o_ref, lse_ref, *, buffers, ready, free,
@@ -221,7 +221,7 @@ def flash_forward(q, k, v, *, mask: Mask, scores: Scores,
                     (buffers, ready, free, schedule), mask=mask,
                     scores=scores, blocks=blocks, group=group)
 
-  num_tiles = q_len // (_COMPUTE_WGS * blocks.block_q)
+  num_tiles = q_len // (COMPUTE_WGS * blocks.block_q)
   return plgpu.kernel(
       body,
       out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -229,7 +229,7 @@ def flash_forward(q, k, v, *, mask: Mask, scores: Scores,
       scratch_types=scratch,
       grid=(num_heads, num_tiles, batch),
       grid_names=("heads", "q_seq", "batch"),
-      num_threads=_COMPUTE_WGS + 1,
+      num_threads=COMPUTE_WGS + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       kernel_name="flash_attention_forward_mosaic",

@@ -1,0 +1,298 @@
+"""FlashAttention-2 backward (Dao 2023, Algorithm 2) for Hopper, in Pallas Mosaic GPU.
+
+Two kernels. Each CTA runs two consumer warpgroups and one TMA producer
+warpgroup (`plgpu.emit_pipeline_warp_specialized`: the producer streams tiles
+through `num_stages` shared-memory slots, each consumer releases a slot with
+its own arrival); both matmuls of a step are wgmma.
+
+* dK/dV: a CTA owns 2 * block_kv_dkv key rows of one (batch, KV head); each
+  consumer keeps its block_kv_dkv rows of K and V in shared memory and dK, dV
+  in wgmma accumulators, and loops over (query tile, query head of the group):
+  S^T = K Q^T, P^T = exp2(S^T - L), dV += P^T dO, dP^T = V dO^T,
+  dS^T = P^T (dP^T - D), dK += dS^T Q. The query heads of a group are summed
+  in the loop, in a fixed order: no per-query-head buffer, no atomics.
+* dQ: a CTA owns 2 * block_q_dq query rows of one (batch, head); each consumer
+  keeps its Q and dO tiles in shared memory and loops over key tiles:
+  S = Q K^T and dP = dO V^T (issued back to back), P, dS = P (dP - D),
+  dQ += dS K.
+
+Tiles come from the shared mask description (`mask.q_block_ranges` /
+`kv_block_ranges`, the CTA's rows); tiles inside its full range skip the
+predicate. D = rowsum(dO * O) - dlse (`softmax.backward_delta`) and the
+logsumexp in base 2 come from XLA (a row that sees no key gets L = +inf, so
+its P is 0, never NaN). Every gradient is written once, by one CTA, in a
+fixed order: bitwise deterministic.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jax_flash.spec import softmax
+from jax_flash.spec.mask import Mask, cdiv, kv_block_ranges, q_block_ranges
+from jax_flash.spec.scores import Scores
+from pallas_kernels.mosaic_gpu.config import BlockSizes
+from pallas_kernels.mosaic_gpu.flash_fwd import COMPUTE_WGS, smem_transforms
+
+_ROW = plgpu.Layout.WGMMA.reduce(1)  # One value per row of a wgmma tile.
+_COL = plgpu.Layout.WGMMA.reduce(0)  # One value per column.
+
+
+def _iota(shape, dim):
+  return plgpu.broadcasted_iota(jnp.int32, shape, dim,
+                                layout=plgpu.Layout.WGMMA)
+
+
+def _masked(s, visible):
+  return jnp.where(visible, s, -jnp.inf)
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref,
+                dv_ref, k_smem2, v_smem2, ready, *, mask: Mask, scores: Scores,
+                blocks: BlockSizes, group: int):
+  """q/do [B, T, N, H], k/v and dk/dv [B, S, K, H], lse/delta [B, N, T]."""
+  bq, bkv = blocks.block_q_dkv, blocks.block_kv_dkv
+  q_len, kv_len, head_dim = q_ref.shape[1], k_ref.shape[1], q_ref.shape[3]
+  dtype = q_ref.dtype
+  batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
+  wg = lax.axis_index("wg")
+  tile_start = lax.axis_index("kv_seq") * (COMPUTE_WGS * bkv)
+  kv_start = tile_start + wg * bkv
+  lo, full_lo, full_hi, hi = q_block_ranges(mask, tile_start,
+                                            COMPUTE_WGS * bkv, bq, q_len)
+  last_tile = cdiv(q_len, bq) - 1
+  # One step at least: keys no query sees get a fully masked tile (P = 0),
+  # so their dK/dV are written as zeros by the same code.
+  steps = jnp.maximum(hi - lo, 1)
+  k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+  rows = pl.ds(kv_start, bkv)
+  first_head = kv_head * group
+
+  def q_tile(i):
+    return jnp.minimum(lo + i, last_tile)
+
+  def compute(pipeline):
+    plgpu.copy_gmem_to_smem(k_ref.at[batch, rows, kv_head], k_smem,
+                            ready.at[0, wg])
+    plgpu.copy_gmem_to_smem(v_ref.at[batch, rows, kv_head], v_smem,
+                            ready.at[1, wg])
+    plgpu.barrier_wait(ready.at[0, wg])
+    plgpu.barrier_wait(ready.at[1, wg])
+
+    def run(dk_acc, dv_acc):
+      pipeline((dk_acc, dv_acc))
+      return dk_acc[...], dv_acc[...]
+    dk, dv = pl.run_scoped(run, plgpu.ACC((bkv, head_dim), jnp.float32),
+                           plgpu.ACC((bkv, head_dim), jnp.float32))
+    k_smem[...] = (dk * scores.scale).astype(dtype)
+    v_smem[...] = dv.astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[batch, rows, kv_head],
+                            commit_group=False)
+    plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[batch, rows, kv_head],
+                            commit_group=False)
+    plgpu.commit_smem_to_gmem_group()
+    plgpu.wait_smem_to_gmem(0)
+
+  def step(index, q_smem, do_smem, lse_smem, delta_smem, q_free, do_free,
+           lse_free, delta_free, carry):
+    i, _ = index
+    dk_acc, dv_acc = carry
+    shape = (bkv, bq)
+
+    def scores_t(acc):
+      plgpu.wgmma(acc, k_smem, q_smem.T)
+      lse = plgpu.load(lse_smem, layout=_COL)
+      delta = plgpu.load(delta_smem, layout=_COL)
+      plgpu.barrier_arrive(lse_free)
+      plgpu.barrier_arrive(delta_free)
+      return acc[...], lse, delta
+    s, lse, delta = pl.run_scoped(scores_t, plgpu.ACC(shape, jnp.float32))
+    s = s * (scores.scale * softmax.LOG2E)
+    tile = lo + i
+    s = lax.cond(
+        (tile < full_lo) | (tile >= full_hi),
+        lambda: _masked(s, mask.visible(q_tile(i) * bq + _iota(shape, 1),
+                                        kv_start + _iota(shape, 0), kv_len)),
+        lambda: s)
+    p = jnp.exp2(s - lax.broadcast_in_dim(lse, shape, [1]))
+
+    def dp_t(acc):
+      plgpu.wgmma(acc, v_smem, do_smem.T)
+      plgpu.wgmma(dv_acc, p.astype(dtype), do_smem)
+      return plgpu.wgmma_accumulator_load(acc, wait_n=1)  # dV still runs.
+    dp = pl.run_scoped(dp_t, plgpu.ACC(shape, jnp.float32))
+    ds = p * (dp - lax.broadcast_in_dim(delta, shape, [1]))
+    plgpu.wgmma(dk_acc, ds.astype(dtype), q_smem)
+    plgpu.wgmma_wait(1)  # dV is done: dO may go.
+    plgpu.barrier_arrive(do_free)
+    plgpu.wgmma_wait(0)
+    plgpu.barrier_arrive(q_free)
+    return carry
+
+  transforms = smem_transforms(dtype, head_dim)
+  tile_spec = plgpu.BlockSpec(
+      (bq, None, head_dim), lambda i, g: (q_tile(i), first_head + g, 0),
+      transforms=transforms)
+  row_spec = plgpu.BlockSpec((None, bq),
+                             lambda i, g: (first_head + g, q_tile(i)))
+  plgpu.emit_pipeline_warp_specialized(
+      step, grid=(steps, group), memory_registers=40,
+      max_concurrent_steps=blocks.num_stages, wg_axis="wg",
+      num_compute_wgs=COMPUTE_WGS, manual_consumed_barriers=True,
+      compute_context=compute,
+      in_specs=[tile_spec, tile_spec, row_spec, row_spec],
+  )(q_ref.at[batch], do_ref.at[batch], lse_ref.at[batch], delta_ref.at[batch])
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
+               q_smem2, do_smem2, ready, *, mask: Mask, scores: Scores,
+               blocks: BlockSizes, group: int):
+  """q/do/dq [B, T, N, H], k/v [B, S, K, H], lse/delta [B, N, T]."""
+  bq, bkv = blocks.block_q_dq, blocks.block_kv_dq
+  kv_len, head_dim = k_ref.shape[1], q_ref.shape[3]
+  dtype = q_ref.dtype
+  batch, head = lax.axis_index("batch"), lax.axis_index("heads")
+  wg = lax.axis_index("wg")
+  tile_start = lax.axis_index("q_seq") * (COMPUTE_WGS * bq)
+  q_start = tile_start + wg * bq
+  lo, full_lo, full_hi, hi = kv_block_ranges(mask, tile_start,
+                                             COMPUTE_WGS * bq, bkv, kv_len)
+  last_tile = cdiv(kv_len, bkv) - 1
+  steps = jnp.maximum(hi - lo, 1)  # A row that sees nothing: dQ = 0.
+  q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
+  rows = pl.ds(q_start, bq)
+
+  def kv_tile(j):
+    return jnp.minimum(lo + j, last_tile)
+
+  def compute(pipeline):
+    plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem,
+                            ready.at[0, wg])
+    plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head], do_smem,
+                            ready.at[1, wg])
+    lse = plgpu.load(lse_ref.at[batch, head, rows], layout=_ROW,
+                     optimized=False)
+    delta = plgpu.load(delta_ref.at[batch, head, rows], layout=_ROW,
+                       optimized=False)
+    plgpu.barrier_wait(ready.at[0, wg])
+    plgpu.barrier_wait(ready.at[1, wg])
+
+    def run(dq_acc):
+      pipeline((dq_acc, lse, delta))
+      return dq_acc[...]
+    dq = pl.run_scoped(run, plgpu.ACC((bq, head_dim), jnp.float32))
+    q_smem[...] = (dq * scores.scale).astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[batch, rows, head])
+    plgpu.wait_smem_to_gmem(0)
+
+  def step(index, k_smem, v_smem, k_free, v_free, carry):
+    (j,) = index
+    dq_acc, lse, delta = carry
+    shape = (bq, bkv)
+
+    def s_dp(s_acc, dp_acc):
+      plgpu.wgmma(s_acc, q_smem, k_smem.T)
+      plgpu.wgmma(dp_acc, do_smem, v_smem.T)
+      s = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)  # dP still runs.
+      s = s * (scores.scale * softmax.LOG2E)
+      tile = lo + j
+      s = lax.cond(
+          (tile < full_lo) | (tile >= full_hi),
+          lambda: _masked(s, mask.visible(
+              q_start + _iota(shape, 0), kv_tile(j) * bkv + _iota(shape, 1),
+              kv_len)),
+          lambda: s)
+      p = jnp.exp2(s - lax.broadcast_in_dim(lse, shape, [0]))
+      return p, dp_acc[...]
+    p, dp = pl.run_scoped(s_dp, plgpu.ACC(shape, jnp.float32),
+                          plgpu.ACC(shape, jnp.float32))
+    plgpu.barrier_arrive(v_free)
+    ds = p * (dp - lax.broadcast_in_dim(delta, shape, [0]))
+    plgpu.wgmma(dq_acc, ds.astype(dtype), k_smem)
+    plgpu.wgmma_wait(0)
+    plgpu.barrier_arrive(k_free)
+    return carry
+
+  kv_spec = plgpu.BlockSpec((bkv, head_dim), lambda j: (kv_tile(j), 0),
+                            transforms=smem_transforms(dtype, head_dim))
+  kv_head = lax.div(head, jnp.int32(group))
+  plgpu.emit_pipeline_warp_specialized(
+      step, grid=(steps,), memory_registers=40,
+      max_concurrent_steps=blocks.num_stages, wg_axis="wg",
+      num_compute_wgs=COMPUTE_WGS, manual_consumed_barriers=True,
+      compute_context=compute, in_specs=[kv_spec, kv_spec],
+  )(k_ref.at[batch, :, kv_head], v_ref.at[batch, :, kv_head])
+
+
+def flash_backward(q, k, v, o, lse, do, dlse, *, mask: Mask, scores: Scores,
+                   block_sizes: BlockSizes):
+  """(dq, dk, dv) of the forward's o and lse (natural log, [B, N, T]).
+
+  q/o/do [B, T, N, H], k/v [B, S, K, H] (K divides N), bf16 or fp16, T a
+  multiple of 2 * block_q_dq and of block_q_dkv, S a multiple of 8
+  (`MosaicGpuBackend.backward_unsupported` checks). K/V are padded in XLA to
+  a multiple of the dK/dV kernel's 2 * block_kv_dkv rows when S is not (the
+  padded keys are masked in dQ and their gradient rows dropped). GPU only
+  (wgmma accumulators initialised from a value do not interpret); tests
+  lower it for CUDA on the CPU.
+  """
+  batch, q_len, num_heads, head_dim = q.shape
+  kv_len, num_kv_heads = k.shape[1], k.shape[2]
+  group = num_heads // num_kv_heads
+  blocks = block_sizes
+  delta = softmax.backward_delta(o, do, dlse)
+  # Base 2 with the scale folded in as in the forward; +inf for rows that
+  # see no key (lse = -inf), so P = exp2(S - L) is 0 there, never NaN.
+  lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * softmax.LOG2E)
+  do = do.astype(q.dtype)
+  transforms = smem_transforms(q.dtype, head_dim)
+  params = plgpu.CompilerParams(approx_math=True)
+  kernel_args = dict(mask=mask, scores=scores, blocks=blocks, group=group)
+
+  dq_rows = blocks.block_q_dq
+  dq = plgpu.kernel(
+      lambda *refs, q_smem, do_smem, ready: _dq_kernel(
+          *refs, q_smem, do_smem, ready, **kernel_args),
+      out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      scratch_types=dict(
+          q_smem=plgpu.SMEM((COMPUTE_WGS, dq_rows, head_dim), q.dtype,
+                            transforms=transforms),
+          do_smem=plgpu.SMEM((COMPUTE_WGS, dq_rows, head_dim), q.dtype,
+                             transforms=transforms),
+          ready=plgpu.Barrier(num_barriers=(2, COMPUTE_WGS))),
+      grid=(num_heads, q_len // (COMPUTE_WGS * dq_rows), batch),
+      grid_names=("heads", "q_seq", "batch"),
+      num_threads=COMPUTE_WGS + 1, thread_name="wg",
+      compiler_params=params, kernel_name="flash_attention_dq_mosaic",
+  )(q, k, v, do, lse2, delta)
+
+  kv_rows = COMPUTE_WGS * blocks.block_kv_dkv
+  padded = -(-kv_len // kv_rows) * kv_rows
+  if padded != kv_len:  # Zero keys past kv_len: masked (dQ), rows dropped.
+    pad = [(0, 0), (0, padded - kv_len), (0, 0), (0, 0)]
+    k_pad, v_pad = jnp.pad(k, pad), jnp.pad(v, pad)
+  else:
+    k_pad, v_pad = k, v
+  dkv_rows = blocks.block_kv_dkv
+  kv_out = jax.ShapeDtypeStruct(k_pad.shape, k.dtype)
+  dk, dv = plgpu.kernel(
+      lambda *refs, k_smem, v_smem, ready: _dkv_kernel(
+          *refs, k_smem, v_smem, ready, **kernel_args),
+      out_type=(kv_out, kv_out),
+      scratch_types=dict(
+          k_smem=plgpu.SMEM((COMPUTE_WGS, dkv_rows, head_dim), k.dtype,
+                            transforms=transforms),
+          v_smem=plgpu.SMEM((COMPUTE_WGS, dkv_rows, head_dim), k.dtype,
+                            transforms=transforms),
+          ready=plgpu.Barrier(num_barriers=(2, COMPUTE_WGS))),
+      grid=(num_kv_heads, padded // kv_rows, batch),
+      grid_names=("heads", "kv_seq", "batch"),
+      num_threads=COMPUTE_WGS + 1, thread_name="wg",
+      compiler_params=params, kernel_name="flash_attention_dkv_mosaic",
+  )(q, k_pad, v_pad, do, lse2, delta)
+  return dq, dk[:, :kv_len], dv[:, :kv_len]
