@@ -10,7 +10,7 @@
 #   bash scripts/gpu_check.sh ring      # ring_attention on every local GPU
 #   bash scripts/gpu_check.sh tune      # head-dim-256 block-size sweep
 #   bash scripts/gpu_check.sh train     # train_lm at GPT-2-small size, flash vs flax
-#   bash scripts/gpu_check.sh mosaic    # the Mosaic forward: correctness sweep + 8k benchmark
+#   bash scripts/gpu_check.sh mosaic    # the Mosaic kernels: correctness sweep + 8k benchmark
 #                                       # (with tokamax if .whl/ is carried: scripts/tokamax_wheels.sh)
 # TESTS="tests/a.py::b ..." limits `tests` to those; BENCH_ARGS replaces
 # `bench`'s shapes and implementations. Results go under $OUT
@@ -105,11 +105,11 @@ for mode in "$@"; do
       timeout "${MOSAIC_LIMIT:-300}" python3 benchmarks/mosaic_check.py \
         --out "$OUT" > "$OUT/mosaic_check.log" 2>&1
       echo "mosaic_check exit: $?"; grep -E '^\{|passed' "$OUT/mosaic_check.log" | cut -c1-300
-      impls="flash_mosaic flash_v2 cudnn"
+      impls=${MOSAIC_IMPLS:-flash_mosaic flash_v2 cudnn}
       [ -d .whl ] && impls="$impls tokamax"
       # shellcheck disable=SC2086
-      bench mosaic_8k 240 --seq-lens 8192 --head-dims 128 64 256 \
-        --impls $impls
+      bench mosaic_8k "${BENCH_LIMIT:-240}" --seq-lens 8192 \
+        --head-dims 128 64 256 --impls $impls
       ;;
     *) echo "unknown mode $mode"; exit 2 ;;
   esac
