@@ -22,8 +22,10 @@ import jax_flash
 from jax_flash.testing import assert_attention_close, relative_error
 from tests.cases import plain_attention, random_inputs
 
-# (batch, q_len, kv_len, heads, kv_heads, head_dim, dtype, causal)
+# (batch, q_len, kv_len, heads, kv_heads, head_dim, dtype, causal[, window])
 CASES = [  # Mosaic backward cases first, head dim 256 (Triton's) last.
+    (1, 1024, 1024, 8, 2, 128, "bfloat16", True, (200, 0)),
+    (1, 512, 768, 4, 4, 64, "float16", False, (100, 37)),
     (2, 1024, 1024, 8, 8, 128, "bfloat16", False),
     (2, 1024, 1024, 8, 2, 64, "bfloat16", True),
     (1, 256, 1536, 8, 2, 128, "bfloat16", True),   # T < S, causal top-left.
@@ -38,7 +40,8 @@ CASES = [  # Mosaic backward cases first, head dim 256 (Triton's) last.
 
 
 def check(case):
-  b, t, s, n, k, h, dtype, causal = case
+  b, t, s, n, k, h, dtype, causal = case[:8]
+  window = dict(local_window_size=case[8]) if len(case) > 8 else {}
   q, kk, v, do = random_inputs(b, t, s, n, k, h, jnp.dtype(dtype))
   names = ("out", "lse", "dq", "dk", "dv")
 
@@ -47,7 +50,7 @@ def check(case):
     def results(q, k, v, do):
       def f(q, k, v):
         return attention(up(q), up(k), up(v), is_causal=causal,
-                         return_residual=True, **kw)
+                         return_residual=True, **window, **kw)
       (out, lse), vjp = jax.vjp(f, q, k, v)
       dlse = jnp.cos(jnp.arange(lse.size, dtype=jnp.float32)).reshape(
           lse.shape)

@@ -1,13 +1,15 @@
-"""Tile sweep of the Mosaic GPU forward, cuDNN timed alongside each shape.
+"""Tile sweep of the Mosaic GPU kernels, cuDNN timed alongside each shape.
 
     PYTHONPATH=. python3 benchmarks/mosaic_tune.py [--head-dims 64 128]
-        [--seq-len 8192] [--out DIR]
+        [--seq-len 8192] [--modes fwd bwd] [--out DIR]
 
 bf16, 16k tokens (batch = 16384 / seq), hidden 2048, causal and not. For each
-(head dim, causal): cuDNN's forward, then the Mosaic forward under every
-candidate `MosaicBlockSizes` that fits shared memory; prints one JSON row per
-measurement (TFLOP/s and the ratio to cuDNN in the same run) and writes
-mosaic_tune.json. The data behind `pallas_kernels/mosaic_gpu/config.py`.
+(head dim, causal, mode): cuDNN, then the Mosaic kernels under every
+candidate `MosaicBlockSizes` of that mode (forward tiles for "fwd", backward
+tiles for "bwd", the rest at their defaults) that fits shared memory; prints
+one JSON row per measurement (TFLOP/s and the ratio to cuDNN in the same run)
+and writes mosaic_tune.json. The data behind
+`pallas_kernels/mosaic_gpu/config.py`.
 """
 import argparse
 import dataclasses
@@ -21,9 +23,15 @@ import jax_flash
 from jax_flash.benchmark import _measure
 from pallas_kernels.mosaic_gpu import config
 
-# (block_q, block_kv, num_stages)
-CANDIDATES = [(64, 128, 2), (64, 128, 3), (64, 64, 2), (64, 64, 3),
-              (64, 64, 4), (64, 256, 2)]
+CANDIDATES = {
+    "fwd": [dict(block_q=64, block_kv=kv, num_stages=stages)
+            for kv, stages in ((128, 2), (128, 3), (64, 2), (64, 3), (64, 4),
+                               (256, 2))],
+    "bwd": [dict(block_q_dkv=q_dkv, block_kv_dq=kv_dq, num_stages_bwd=stages)
+            for q_dkv, kv_dq, stages in ((64, 64, 2), (64, 64, 3),
+                                         (64, 128, 2), (64, 128, 3),
+                                         (128, 64, 2))],
+}
 
 
 def main():
@@ -48,10 +56,11 @@ def main():
         row = dict(impl="cudnn", head_dim=h, causal=causal, mode=mode, **cudnn)
         print(json.dumps(row), flush=True)
         rows.append(row)
-        for bq, bkv, stages in CANDIDATES:
-          bs = jax_flash.MosaicBlockSizes(block_q=bq, block_kv=bkv,
-                                          num_stages=stages)
-          if bs.smem_bytes(h, 2) > config.SMEM_BYTES:
+        for candidate in CANDIDATES[mode]:
+          bs = dataclasses.replace(
+              jax_flash.MosaicBlockSizes.get_default(h), **candidate)
+          if max(bs.smem_bytes(h, 2),
+                 bs.backward_smem_bytes(h, 2)) > config.SMEM_BYTES:
             continue
           fn = lambda q, k, v, bs=bs: jax_flash.flash_attention(
               q, k, v, is_causal=causal, implementation="mosaic",

@@ -54,6 +54,12 @@ MOSAIC_CASES = {
     "kv_len_264": Case(1, 1024, 264, 4, 4, 128, "bfloat16", False),
     "kv_len_520_mqa_causal": Case(1, 512, 520, 8, 1, 64, "float16", True),
 }
+MOSAIC_WINDOWS = {  # name: (case, local_window_size)
+    "causal_window_gqa": (Case(1, 1024, 1024, 8, 2, 128, "bfloat16", True),
+                          (200, 0)),
+    "two_sided_window": (Case(1, 512, 768, 4, 4, 64, "float16", False),
+                         (100, 37)),
+}
 
 
 @pytest.mark.parametrize("name", MOSAIC_CASES)
@@ -61,6 +67,14 @@ def test_mosaic_matches_reference(name):
   case = MOSAIC_CASES[name]
   compare_with_reference(dict(is_causal=case.causal), case.dtype,
                          shape=case.shape, block_sizes=None,
+                         implementation="mosaic")
+
+
+@pytest.mark.parametrize("name", MOSAIC_WINDOWS)
+def test_mosaic_window_matches_reference(name):
+  case, window = MOSAIC_WINDOWS[name]
+  compare_with_reference(dict(is_causal=case.causal, local_window_size=window),
+                         case.dtype, shape=case.shape, block_sizes=None,
                          implementation="mosaic")
 
 

@@ -63,7 +63,7 @@ def test_mosaic_forward_and_backward_lower(dtype, head_dim, causal, kv_len):
 def test_mosaic_backward_tiles_by_keyword():
   blocks = jax_flash.MosaicBlockSizes(block_q_dkv=128, block_kv_dkv=64,
                                       block_q_dq=64, block_kv_dq=128,
-                                      num_stages=3)
+                                      num_stages_bwd=3)
   text = _lower_grad("mosaic", (1, 256, 384, 4, 4, 64), jnp.bfloat16,
                      block_sizes=blocks)
   assert all(name in text for name in MOSAIC_BACKWARD)
@@ -87,7 +87,9 @@ def test_mosaic_backward_declines_a_q_len_its_tiles_do_not_divide():
     ("head_dim_96", (2, 256, 512, 8, 2, 96), jnp.bfloat16, {}, False),
     ("float32", (2, 256, 512, 8, 2, 128), jnp.float32, {}, False),
     ("window", (2, 256, 512, 8, 2, 128), jnp.bfloat16,
-     dict(local_window_size=64), False),
+     dict(local_window_size=64), True),
+    ("causal_window", (2, 256, 512, 8, 2, 64), jnp.bfloat16,
+     dict(is_causal=True, local_window_size=(100, 0)), True),
     ("soft_cap", (2, 256, 512, 8, 2, 128), jnp.bfloat16,
      dict(logits_soft_cap=30.0), False),
     ("lengths", (2, 256, 512, 8, 2, 128), jnp.bfloat16,
@@ -107,8 +109,9 @@ def test_mosaic_named_for_a_call_it_cannot_take_says_why():
   with pytest.raises(ValueError, match="head_dim must be one of .* for the "
                      "Mosaic GPU kernels, got 96"):
     _lower_grad("mosaic", (2, 256, 512, 8, 2, 96))
-  with pytest.raises(ValueError, match="only causal masks"):
-    _lower_grad("mosaic", local_window_size=64)
+  with pytest.raises(ValueError, match="causal masks and windows only"):
+    _lower_grad("mosaic", segment_ids=(jnp.zeros((2, 256), jnp.int32),
+                                       jnp.zeros((2, 512), jnp.int32)))
 
 
 def test_mosaic_without_a_gpu_is_a_clear_error():
@@ -127,3 +130,7 @@ def test_mosaic_block_sizes_are_validated():
     _lower_grad("mosaic", (2, 256, 512, 8, 2, 256),
                 block_sizes=jax_flash.MosaicBlockSizes(block_kv=128,
                                                        num_stages=4))
+  with pytest.raises(ValueError, match="shared memory in the backward"):
+    _lower_grad("mosaic", (2, 256, 512, 8, 2, 128),
+                block_sizes=jax_flash.MosaicBlockSizes(block_kv_dq=256,
+                                                       num_stages_bwd=3))

@@ -5,7 +5,9 @@ A forward kernel (`flash_fwd`) and a backward of two kernels (`flash_bwd`:
 dK/dV and dQ). What it takes is narrower than the Triton backend
 (`unsupported` says what, and the dispatch then runs Triton): bf16/fp16,
 head dims 64/128/256, query lengths a multiple of 2 * block_q, key lengths a
-multiple of 8, no mask beyond causal, no score modification, no dropout.
+multiple of 8, causal masks and sliding windows (the band of the shared
+mask description) but no lengths, segments or dense masks, no score
+modification, no dropout.
 At head dim 256 the backward is Triton's, through the shared logsumexp
 (`backward_unsupported` says why).
 """
@@ -65,10 +67,9 @@ class MosaicGpuBackend:
     if problem.kv_len % 8:
       return (f"kv_len must be a multiple of 8 for the Mosaic GPU kernels, "
               f"got {problem.kv_len}")
-    if (mask.has_ids or mask.has_dense or mask.window_left is not None or
-        mask.window_right is not None):
-      return ("the Mosaic GPU kernels take only causal masks (no lengths, "
-              "segments, windows or dense masks yet)")
+    if mask.has_ids or mask.has_dense:
+      return ("the Mosaic GPU kernels take causal masks and windows only "
+              "(no lengths, segments or dense masks yet)")
     if not scores.plain or scores.dropout or scores.sinks:
       return ("the Mosaic GPU kernels take no bias, soft-cap, ALiBi, "
               "dropout or sinks yet")
@@ -99,6 +100,14 @@ class MosaicGpuBackend:
       raise ValueError(f"block_sizes {blocks} need {smem} bytes of shared "
                        f"memory at head_dim {problem.head_dim}, more than "
                        f"the {config.SMEM_BYTES} of an H100/H200")
+    smem = blocks.backward_smem_bytes(problem.head_dim,
+                                      jnp.dtype(dtype).itemsize)
+    if not self.backward_unsupported(problem, blocks) and (
+        smem > config.SMEM_BYTES):
+      raise ValueError(f"block_sizes {blocks} need {smem} bytes of shared "
+                       f"memory in the backward at head_dim "
+                       f"{problem.head_dim}, more than the "
+                       f"{config.SMEM_BYTES} of an H100/H200")
     triton = None
     if self.backward_unsupported(problem, blocks):
       triton = self.backward_backend.config(

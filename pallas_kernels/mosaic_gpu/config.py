@@ -23,7 +23,7 @@ class BlockSizes:
   `num_stages` shared-memory slots. Backward: the dK/dV kernel's warpgroups
   own `block_kv_dkv` key rows each and stream `block_q_dkv`-row Q/dO tiles;
   the dQ kernel's own `block_q_dq` query rows and stream `block_kv_dq`-row
-  K/V tiles; both through `num_stages` slots.
+  K/V tiles; both through `num_stages_bwd` slots.
   """
   block_q: int = 64
   block_kv: int = 128
@@ -32,6 +32,7 @@ class BlockSizes:
   block_kv_dkv: int = 64
   block_q_dq: int = 64
   block_kv_dq: int = 64
+  num_stages_bwd: int = 2
 
   def __post_init__(self):
     for name in ("block_q", "block_kv", "block_q_dkv", "block_kv_dkv",
@@ -41,15 +42,27 @@ class BlockSizes:
           or value < 64 or value % 64):
         raise ValueError(
             f"block_sizes.{name}={value!r} must be a multiple of 64")
-    if not isinstance(self.num_stages, (int, np.integer)) or not (
-        2 <= self.num_stages <= 6):
-      raise ValueError(f"block_sizes.num_stages={self.num_stages!r} must be "
-                       "an int in [2, 6]")
+    for name in ("num_stages", "num_stages_bwd"):
+      value = getattr(self, name)
+      if not isinstance(value, (int, np.integer)) or not 2 <= value <= 6:
+        raise ValueError(f"block_sizes.{name}={value!r} must be an int in "
+                         "[2, 6]")
 
   def smem_bytes(self, head_dim: int, itemsize: int) -> int:
+    """Shared memory of the forward: Q tiles, the K/V ring, the row stats."""
     q = 2 * self.block_q * head_dim * itemsize
     kv = 2 * self.num_stages * self.block_kv * head_dim * itemsize
     return q + kv + 2 * self.block_q * 4
+
+  def backward_smem_bytes(self, head_dim: int, itemsize: int) -> int:
+    """Shared memory of the larger backward kernel: dK/dV (its K/V tiles, a
+    ring of Q/dO tiles and their L/D rows) or dQ (Q/dO tiles, a K/V ring)."""
+    dkv = (2 * 2 * self.block_kv_dkv * head_dim * itemsize +
+           self.num_stages_bwd * 2 * self.block_q_dkv * (head_dim * itemsize
+                                                         + 4))
+    dq = (2 * 2 * self.block_q_dq * head_dim * itemsize +
+          self.num_stages_bwd * 2 * self.block_kv_dq * head_dim * itemsize)
+    return max(dkv, dq)
 
   @classmethod
   def get_default(cls, head_dim: int) -> "BlockSizes":

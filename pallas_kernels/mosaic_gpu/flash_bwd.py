@@ -2,7 +2,7 @@
 
 Two kernels. Each CTA runs two consumer warpgroups and one TMA producer
 warpgroup (`plgpu.emit_pipeline_warp_specialized`: the producer streams tiles
-through `num_stages` shared-memory slots, each consumer releases a slot with
+through `num_stages_bwd` shared-memory slots, each consumer releases a slot with
 its own arrival); both matmuls of a step are wgmma.
 
 * dK/dV: a CTA owns 2 * block_kv_dkv key rows of one (batch, KV head); each
@@ -141,7 +141,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref,
                              lambda i, g: (first_head + g, q_tile(i)))
   plgpu.emit_pipeline_warp_specialized(
       step, grid=(steps, group), memory_registers=40,
-      max_concurrent_steps=blocks.num_stages, wg_axis="wg",
+      max_concurrent_steps=blocks.num_stages_bwd, wg_axis="wg",
       num_compute_wgs=COMPUTE_WGS, manual_consumed_barriers=True,
       compute_context=compute,
       in_specs=[tile_spec, tile_spec, row_spec, row_spec],
@@ -223,7 +223,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
   kv_head = lax.div(head, jnp.int32(group))
   plgpu.emit_pipeline_warp_specialized(
       step, grid=(steps,), memory_registers=40,
-      max_concurrent_steps=blocks.num_stages, wg_axis="wg",
+      max_concurrent_steps=blocks.num_stages_bwd, wg_axis="wg",
       num_compute_wgs=COMPUTE_WGS, manual_consumed_barriers=True,
       compute_context=compute, in_specs=[kv_spec, kv_spec],
   )(k_ref.at[batch, :, kv_head], v_ref.at[batch, :, kv_head])
