@@ -91,7 +91,7 @@ class MosaicGpuBackend:
   def config(self, block_sizes, problem: Problem, dtype, *, is_causal: bool,
              version: int = 2) -> MosaicConfig:
     blocks = (block_sizes if isinstance(block_sizes, BlockSizes) else
-              BlockSizes.get_default(problem.head_dim))
+              BlockSizes.get_default(problem.head_dim, is_causal))
     if problem.q_len % (2 * blocks.block_q):
       raise ValueError(f"block_sizes.block_q={blocks.block_q}: q_len "
                        f"{problem.q_len} must be a multiple of 2 * block_q")

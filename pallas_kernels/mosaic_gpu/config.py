@@ -14,6 +14,11 @@ BACKWARD_HEAD_DIMS = (64, 128)
 SMEM_BYTES = 227 * 1024  # Shared memory of one Hopper CTA.
 
 
+def _aligned(nbytes: int) -> int:
+  """Mosaic GPU aligns each shared-memory allocation to 1 KiB."""
+  return -(-nbytes // 1024) * 1024
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
   """Tiles of the Mosaic GPU kernels, built by keyword.
@@ -49,10 +54,13 @@ class BlockSizes:
                          "[2, 6]")
 
   def smem_bytes(self, head_dim: int, itemsize: int) -> int:
-    """Shared memory of the forward: Q tiles, the K/V ring, the row stats."""
-    q = 2 * self.block_q * head_dim * itemsize
-    kv = 2 * self.num_stages * self.block_kv * head_dim * itemsize
-    return q + kv + 2 * self.block_q * 4
+    """Shared memory of the forward: Q tiles, the K/V ring, the row stats,
+    each allocation aligned to 1 KiB, Mosaic's 2 KiB reduction scratch and
+    the barriers (1 KiB). An upper bound: (128, 3) at head dim 128, 232568
+    bytes on the H200, is 233472 here."""
+    q = _aligned(2 * self.block_q * head_dim * itemsize)
+    kv = 2 * _aligned(self.num_stages * self.block_kv * head_dim * itemsize)
+    return q + kv + _aligned(2 * self.block_q * 4) + 2048 + 1024
 
   def backward_smem_bytes(self, head_dim: int, itemsize: int) -> int:
     """Shared memory of the larger backward kernel: dK/dV (its K/V tiles, a
@@ -65,11 +73,22 @@ class BlockSizes:
     return max(dkv, dq)
 
   @classmethod
-  def get_default(cls, head_dim: int) -> "BlockSizes":
-    """Forward: 64-row consumer tiles, 128-row K/V tiles in 2 stages;
-    64-row K/V tiles at head dim 256, to fit shared memory. Backward: 64-row
-    tiles everywhere (a [64, 64] score tile leaves registers for dK and dV).
-    Not tuned yet."""
+  def get_default(cls, head_dim: int, is_causal: bool = False
+                  ) -> "BlockSizes":
+    """Per head dim and causality, from the sweep in
+    benchmarks/results/2026-11-30-h200-session4/mosaic_tune.json (bf16, 8k,
+    one run; `benchmarks/mosaic_tune.py`).
+
+    Forward: 64-row consumer tiles, K/V tiles of 256 rows at head dim 64
+    (0.92x cuDNN non-causal against 0.88x with 128; equal causal), 128 at
+    128, 64 at 256 (to fit shared memory); 2 stages (3 gained nothing).
+    Backward: 64-row tiles, except dQ's K/V tiles of 128 rows at head dim 64
+    and at 128 non-causal (0.94 / 0.98x cuDNN against 0.90 / 0.96x; 128 lost
+    1% at 128 causal); 128-row query tiles in dK/dV spill (0.50-0.65x).
+    """
     if head_dim > 128:
-      return cls(block_q=64, block_kv=64, num_stages=2)
-    return cls(block_q=64, block_kv=128, num_stages=2)
+      return cls(block_q=64, block_kv=64)
+    if head_dim > 64:
+      return cls(block_q=64, block_kv=128,
+                 block_kv_dq=64 if is_causal else 128)
+    return cls(block_q=64, block_kv=256, block_kv_dq=128)
