@@ -36,6 +36,7 @@ CASES = [  # Mosaic backward cases first, head dim 256 (Triton's) last.
     (1, 4096, 4096, 16, 16, 128, "bfloat16", True),
     (2, 512, 512, 4, 4, 256, "bfloat16", False),
     (2, 512, 512, 4, 2, 256, "float16", True),
+    (1, 512, 1032, 4, 2, 256, "bfloat16", True),  # T < S, S padded in dK/dV.
 ]
 
 
@@ -84,9 +85,13 @@ def check(case):
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", default=".")
+  parser.add_argument("--head-dims", type=int, nargs="+",
+                      help="only the cases of these head dims")
   args = parser.parse_args()
   rows = []
   for case in CASES:
+    if args.head_dims and case[5] not in args.head_dims:
+      continue
     start = time.perf_counter()
     try:
       row = check(case)

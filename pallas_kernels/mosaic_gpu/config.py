@@ -10,7 +10,7 @@ HEAD_DIMS = (64, 128, 256)  # Multiples of 64 within wgmma's N <= 256.
 # The dK/dV kernel keeps dK and dV in registers: two [block_kv_dkv, H] float32
 # accumulators, H registers a thread at 64 rows, past the 232 a consumer gets
 # at H = 256 (that head dim runs Triton's backward).
-BACKWARD_HEAD_DIMS = (64, 128)
+BACKWARD_HEAD_DIMS = (64, 128, 256)
 SMEM_BYTES = 227 * 1024  # Shared memory of one Hopper CTA.
 
 
@@ -65,10 +65,13 @@ class BlockSizes:
   def backward_smem_bytes(self, head_dim: int, itemsize: int) -> int:
     """Shared memory of the larger backward kernel: dK/dV (its K/V tiles, a
     ring of Q/dO tiles and their L/D rows) or dQ (Q/dO tiles, a K/V ring)."""
-    dkv = (2 * 2 * self.block_kv_dkv * head_dim * itemsize +
+    # Above head dim 128 the dK/dV kernel's warpgroups share one K/V copy
+    # and the dQ kernel has one warpgroup (`flash_bwd`).
+    copies = 1 if head_dim > 128 else 2
+    dkv = (copies * 2 * self.block_kv_dkv * head_dim * itemsize +
            self.num_stages_bwd * 2 * self.block_q_dkv * (head_dim * itemsize
                                                          + 4))
-    dq = (2 * 2 * self.block_q_dq * head_dim * itemsize +
+    dq = (copies * 2 * self.block_q_dq * head_dim * itemsize +
           self.num_stages_bwd * 2 * self.block_kv_dq * head_dim * itemsize)
     return max(dkv, dq)
 

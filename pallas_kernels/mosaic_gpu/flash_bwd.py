@@ -50,35 +50,73 @@ def _masked(s, visible):
   return jnp.where(visible, s, -jnp.inf)
 
 
+def split_dkv(head_dim: int) -> bool:
+  """Whether the dK/dV kernel splits dK and dV between its warpgroups."""
+  return head_dim > 128
+
+
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref,
-                dv_ref, k_smem2, v_smem2, ready, *, mask: Mask, scores: Scores,
-                blocks: BlockSizes, group: int):
-  """q/do [B, T, N, H], k/v and dk/dv [B, S, K, H], lse/delta [B, N, T]."""
+                dv_ref, k_smem2, v_smem2, ready, done, *, mask: Mask,
+                scores: Scores, blocks: BlockSizes, group: int):
+  """q/do [B, T, N, H], k/v and dk/dv [B, S, K, H], lse/delta [B, N, T].
+
+  Head dims above 128 (`split_dkv`): dK and dV together would need H
+  registers a thread, so the CTA owns block_kv_dkv key rows that both
+  warpgroups share (one K/V copy in shared memory): warpgroup 0 accumulates
+  dV, warpgroup 1 dK, each recomputing S^T (5 matmuls a step instead of 4).
+  """
   bq, bkv = blocks.block_q_dkv, blocks.block_kv_dkv
   q_len, kv_len, head_dim = q_ref.shape[1], k_ref.shape[1], q_ref.shape[3]
   dtype = q_ref.dtype
+  split = split_dkv(head_dim)
   batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
   wg = lax.axis_index("wg")
-  tile_start = lax.axis_index("kv_seq") * (COMPUTE_WGS * bkv)
-  kv_start = tile_start + wg * bkv
-  lo, full_lo, full_hi, hi = q_block_ranges(mask, tile_start,
-                                            COMPUTE_WGS * bkv, bq, q_len)
+  cta_rows = bkv if split else COMPUTE_WGS * bkv
+  tile_start = lax.axis_index("kv_seq") * cta_rows
+  kv_start = tile_start if split else tile_start + wg * bkv
+  lo, full_lo, full_hi, hi = q_block_ranges(mask, tile_start, cta_rows, bq,
+                                            q_len)
   last_tile = cdiv(q_len, bq) - 1
   # One step at least: keys no query sees get a fully masked tile (P = 0),
   # so their dK/dV are written as zeros by the same code.
   steps = jnp.maximum(hi - lo, 1)
-  k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+  slot = 0 if split else wg
+  k_smem, v_smem = k_smem2.at[slot], v_smem2.at[slot]
   rows = pl.ds(kv_start, bkv)
   first_head = kv_head * group
 
   def q_tile(i):
     return jnp.minimum(lo + i, last_tile)
 
-  def compute(pipeline):
+  def load_kv():
     plgpu.copy_gmem_to_smem(k_ref.at[batch, rows, kv_head], k_smem,
-                            ready.at[0, wg])
+                            ready.at[0, slot])
     plgpu.copy_gmem_to_smem(v_ref.at[batch, rows, kv_head], v_smem,
-                            ready.at[1, wg])
+                            ready.at[1, slot])
+
+  def store(smem, grad, out_ref):
+    smem[...] = grad.astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(smem, out_ref.at[batch, rows, kv_head])
+    plgpu.wait_smem_to_gmem(0)
+
+  def compute_split(pipeline):
+    pl.when(wg == 0)(load_kv)  # One copy, both warpgroups wait on it.
+    plgpu.barrier_wait(ready.at[0, 0])
+    plgpu.barrier_wait(ready.at[1, 0])
+
+    def run(acc):
+      pipeline((acc,))
+      return acc[...]
+    grad = pl.run_scoped(run, plgpu.ACC((bkv, head_dim), jnp.float32))
+    # Neither overwrites K or V before both are done reading them.
+    plgpu.barrier_arrive(done)
+    plgpu.barrier_wait(done)
+    pl.when(wg == 0)(lambda: store(v_smem, grad, dv_ref))
+    pl.when(wg == 1)(lambda: store(k_smem, grad * scores.scale, dk_ref))
+
+  def compute(pipeline):
+    load_kv()
     plgpu.barrier_wait(ready.at[0, wg])
     plgpu.barrier_wait(ready.at[1, wg])
 
@@ -100,7 +138,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref,
   def step(index, q_smem, do_smem, lse_smem, delta_smem, q_free, do_free,
            lse_free, delta_free, carry):
     i, _ = index
-    dk_acc, dv_acc = carry
     shape = (bkv, bq)
 
     def scores_t(acc):
@@ -119,6 +156,30 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref,
                                         kv_start + _iota(shape, 0), kv_len)),
         lambda: s)
     p = jnp.exp2(s - lax.broadcast_in_dim(lse, shape, [1]))
+
+    def dp_only(acc):
+      plgpu.wgmma(acc, v_smem, do_smem.T)
+      return acc[...]
+
+    if split:
+      (acc,) = carry
+
+      @pl.when(wg == 0)
+      def _():
+        plgpu.wgmma(acc, p.astype(dtype), do_smem)
+        plgpu.wgmma_wait(0)
+
+      @pl.when(wg == 1)
+      def _():
+        dp = pl.run_scoped(dp_only, plgpu.ACC(shape, jnp.float32))
+        ds = p * (dp - lax.broadcast_in_dim(delta, shape, [1]))
+        plgpu.wgmma(acc, ds.astype(dtype), q_smem)
+        plgpu.wgmma_wait(0)
+      plgpu.barrier_arrive(do_free)
+      plgpu.barrier_arrive(q_free)
+      return carry
+
+    dk_acc, dv_acc = carry
 
     def dp_t(acc):
       plgpu.wgmma(acc, v_smem, do_smem.T)
@@ -143,24 +204,33 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref,
       step, grid=(steps, group), memory_registers=40,
       max_concurrent_steps=blocks.num_stages_bwd, wg_axis="wg",
       num_compute_wgs=COMPUTE_WGS, manual_consumed_barriers=True,
-      compute_context=compute,
+      compute_context=compute_split if split else compute,
       in_specs=[tile_spec, tile_spec, row_spec, row_spec],
   )(q_ref.at[batch], do_ref.at[batch], lse_ref.at[batch], delta_ref.at[batch])
+
+
+def dq_warpgroups(head_dim: int) -> int:
+  """Consumer warpgroups of the dQ kernel: one above head dim 128, where two
+  warpgroups' Q and dO tiles and a two-slot K/V ring (256 KiB at head dim
+  256) would not fit shared memory (K/V tiles cannot shrink below 64 rows:
+  they are the contraction of dQ += dS K)."""
+  return 1 if head_dim > 128 else COMPUTE_WGS
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
                q_smem2, do_smem2, ready, *, mask: Mask, scores: Scores,
                blocks: BlockSizes, group: int):
   """q/do/dq [B, T, N, H], k/v [B, S, K, H], lse/delta [B, N, T]."""
+  wgs = dq_warpgroups(q_ref.shape[3])
   bq, bkv = blocks.block_q_dq, blocks.block_kv_dq
   kv_len, head_dim = k_ref.shape[1], q_ref.shape[3]
   dtype = q_ref.dtype
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
   wg = lax.axis_index("wg")
-  tile_start = lax.axis_index("q_seq") * (COMPUTE_WGS * bq)
+  tile_start = lax.axis_index("q_seq") * (wgs * bq)
   q_start = tile_start + wg * bq
   lo, full_lo, full_hi, hi = kv_block_ranges(mask, tile_start,
-                                             COMPUTE_WGS * bq, bkv, kv_len)
+                                             wgs * bq, bkv, kv_len)
   last_tile = cdiv(kv_len, bkv) - 1
   steps = jnp.maximum(hi - lo, 1)  # A row that sees nothing: dQ = 0.
   q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
@@ -224,7 +294,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
   plgpu.emit_pipeline_warp_specialized(
       step, grid=(steps,), memory_registers=40,
       max_concurrent_steps=blocks.num_stages_bwd, wg_axis="wg",
-      num_compute_wgs=COMPUTE_WGS, manual_consumed_barriers=True,
+      num_compute_wgs=wgs, manual_consumed_barriers=True,
       compute_context=compute, in_specs=[kv_spec, kv_spec],
   )(k_ref.at[batch, :, kv_head], v_ref.at[batch, :, kv_head])
 
@@ -254,42 +324,45 @@ def flash_backward(q, k, v, o, lse, do, dlse, *, mask: Mask, scores: Scores,
   params = plgpu.CompilerParams(approx_math=True)
   kernel_args = dict(mask=mask, scores=scores, blocks=blocks, group=group)
 
-  dq_rows = blocks.block_q_dq
+  dq_rows, wgs = blocks.block_q_dq, dq_warpgroups(head_dim)
   dq = plgpu.kernel(
       lambda *refs, q_smem, do_smem, ready: _dq_kernel(
           *refs, q_smem, do_smem, ready, **kernel_args),
       out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
       scratch_types=dict(
-          q_smem=plgpu.SMEM((COMPUTE_WGS, dq_rows, head_dim), q.dtype,
+          q_smem=plgpu.SMEM((wgs, dq_rows, head_dim), q.dtype,
                             transforms=transforms),
-          do_smem=plgpu.SMEM((COMPUTE_WGS, dq_rows, head_dim), q.dtype,
+          do_smem=plgpu.SMEM((wgs, dq_rows, head_dim), q.dtype,
                              transforms=transforms),
-          ready=plgpu.Barrier(num_barriers=(2, COMPUTE_WGS))),
-      grid=(num_heads, q_len // (COMPUTE_WGS * dq_rows), batch),
+          ready=plgpu.Barrier(num_barriers=(2, wgs))),
+      grid=(num_heads, q_len // (wgs * dq_rows), batch),
       grid_names=("heads", "q_seq", "batch"),
-      num_threads=COMPUTE_WGS + 1, thread_name="wg",
+      num_threads=wgs + 1, thread_name="wg",
       compiler_params=params, kernel_name="flash_attention_dq_mosaic",
   )(q, k, v, do, lse2, delta)
 
-  kv_rows = COMPUTE_WGS * blocks.block_kv_dkv
+  split = split_dkv(head_dim)
+  kv_rows = blocks.block_kv_dkv * (1 if split else COMPUTE_WGS)
   padded = -(-kv_len // kv_rows) * kv_rows
   if padded != kv_len:  # Zero keys past kv_len: masked (dQ), rows dropped.
     pad = [(0, 0), (0, padded - kv_len), (0, 0), (0, 0)]
     k_pad, v_pad = jnp.pad(k, pad), jnp.pad(v, pad)
   else:
     k_pad, v_pad = k, v
-  dkv_rows = blocks.block_kv_dkv
+  dkv_rows, copies = blocks.block_kv_dkv, 1 if split else COMPUTE_WGS
   kv_out = jax.ShapeDtypeStruct(k_pad.shape, k.dtype)
   dk, dv = plgpu.kernel(
-      lambda *refs, k_smem, v_smem, ready: _dkv_kernel(
-          *refs, k_smem, v_smem, ready, **kernel_args),
+      lambda *refs, k_smem, v_smem, ready, done=None: _dkv_kernel(
+          *refs, k_smem, v_smem, ready, done, **kernel_args),
       out_type=(kv_out, kv_out),
       scratch_types=dict(
-          k_smem=plgpu.SMEM((COMPUTE_WGS, dkv_rows, head_dim), k.dtype,
+          k_smem=plgpu.SMEM((copies, dkv_rows, head_dim), k.dtype,
                             transforms=transforms),
-          v_smem=plgpu.SMEM((COMPUTE_WGS, dkv_rows, head_dim), k.dtype,
+          v_smem=plgpu.SMEM((copies, dkv_rows, head_dim), k.dtype,
                             transforms=transforms),
-          ready=plgpu.Barrier(num_barriers=(2, COMPUTE_WGS))),
+          ready=plgpu.Barrier(num_barriers=(2, copies)),
+          **(dict(done=plgpu.Barrier(num_arrivals=COMPUTE_WGS))
+             if split else {})),
       grid=(num_kv_heads, padded // kv_rows, batch),
       grid_names=("heads", "kv_seq", "batch"),
       num_threads=COMPUTE_WGS + 1, thread_name="wg",
