@@ -16,7 +16,7 @@ backend is an object with:
            sinks) -> (o [B, T, N, H], lse [B, N, T])
 
 with lse the natural-log logsumexp, float32, everywhere. Backends:
-"mosaic" (Pallas Mosaic GPU kernels; Hopper GPUs, the Triton backward),
+"mosaic" (Pallas Mosaic GPU kernels, forward and backward; Hopper GPUs),
 "triton" (Pallas kernels lowered through Triton; any CUDA GPU), "interpret"
 (the Triton kernels run by the Pallas interpreter; any machine) and "xla"
 (`blockwise`: FlashAttention in plain jnp; any device, any input). "pallas" names the best Pallas backend

@@ -190,9 +190,10 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
     implementation: None picks "pallas" when query lives on a GPU and a
       Pallas backend takes the call, "xla" otherwise. "pallas": the best
       Pallas backend for the device and call (GPU only): the Mosaic GPU
-      forward on an H100/H200 where it takes the call, else the Triton
-      kernels. "mosaic": the Mosaic GPU forward with the Triton backward
-      (Hopper only; bf16/fp16, head dims 64/128/256, causal or no mask).
+      kernels on an H100/H200 where they take the call, else the Triton
+      kernels. "mosaic": the Mosaic GPU kernels, forward and backward
+      (Hopper only; bf16/fp16, head dims 64/128/256, causal, no mask or a
+      sliding window).
       "triton": the Triton-lowered kernels (GPU only). "interpret": the same
       kernels run by the Pallas interpreter (any machine, slow; for tests).
       "xla": FlashAttention in plain jnp (`jax_flash.blockwise`: loops

@@ -44,8 +44,8 @@ def test_long_sequence_bf16(version):
   assert_attention_close(out, ref, q.dtype, baseline=plain)
 
 
-# The Mosaic GPU kernels (the Triton backward at head dim 256): what they
-# take, on the shapes of benchmarks/mosaic_check.py.
+# The Mosaic GPU kernels, forward and backward: what they take, on the
+# shapes of benchmarks/mosaic_check.py.
 MOSAIC_CASES = {
     "h128_causal_gqa": Case(2, 1024, 1024, 8, 2, 128, "bfloat16", True),
     "h64_mqa_f16": Case(1, 2048, 512, 4, 1, 64, "float16", False),

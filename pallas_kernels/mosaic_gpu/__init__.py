@@ -8,7 +8,8 @@ head dims 64/128/256, query lengths a multiple of 2 * block_q, key lengths a
 multiple of 8, causal masks and sliding windows (the band of the shared
 mask description) but no lengths, segments or dense masks, no score
 modification, no dropout.
-At head dim 256 the backward is Triton's, through the shared logsumexp
+Where the backward's tiles (`block_sizes`) do not divide the query length,
+the backward is Triton's, through the shared logsumexp
 (`backward_unsupported` says why).
 """
 from __future__ import annotations
@@ -67,7 +68,7 @@ class MosaicGpuBackend:
     if problem.kv_len % 8:
       return (f"kv_len must be a multiple of 8 for the Mosaic GPU kernels, "
               f"got {problem.kv_len}")
-    if mask.has_ids or mask.has_dense:
+    if mask.has_ids or mask.has_dense or mask.has_q_offsets:
       return ("the Mosaic GPU kernels take causal masks and windows only "
               "(no lengths, segments or dense masks yet)")
     if not scores.plain or scores.dropout or scores.sinks:
@@ -79,9 +80,6 @@ class MosaicGpuBackend:
   def backward_unsupported(problem: Problem, blocks: BlockSizes) -> str | None:
     """Why the Mosaic backward cannot take a call the forward took, or None
     (the Triton backward then runs)."""
-    if problem.head_dim not in config.BACKWARD_HEAD_DIMS:
-      return (f"the Mosaic GPU backward takes head dims "
-              f"{config.BACKWARD_HEAD_DIMS}, got {problem.head_dim}")
     for rows, name in ((2 * blocks.block_q_dq, "2 * block_q_dq"),
                        (blocks.block_q_dkv, "block_q_dkv")):
       if problem.q_len % rows:

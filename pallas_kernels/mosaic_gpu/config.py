@@ -7,10 +7,6 @@ import numpy as np
 
 DTYPES = ("bfloat16", "float16")
 HEAD_DIMS = (64, 128, 256)  # Multiples of 64 within wgmma's N <= 256.
-# The dK/dV kernel keeps dK and dV in registers: two [block_kv_dkv, H] float32
-# accumulators, H registers a thread at 64 rows, past the 232 a consumer gets
-# at H = 256 (that head dim runs Triton's backward).
-BACKWARD_HEAD_DIMS = (64, 128, 256)
 SMEM_BYTES = 227 * 1024  # Shared memory of one Hopper CTA.
 
 
