@@ -37,6 +37,10 @@ CASES = [
     (2, 512, 512, 4, 4, 256, "bfloat16", False),
     (2, 512, 512, 4, 2, 256, "float16", True),
     (1, 512, 1032, 4, 2, 256, "bfloat16", True),  # T < S, S padded in dK/dV.
+    # Lengths no tile divides (padded in XLA, keys past S masked).
+    (1, 1000, 1003, 8, 2, 128, "bfloat16", True),
+    (2, 77, 77, 4, 4, 64, "float16", False),
+    (1, 300, 1003, 4, 2, 256, "bfloat16", True),
 ]
 
 
@@ -87,10 +91,14 @@ def main():
   parser.add_argument("--out", default=".")
   parser.add_argument("--head-dims", type=int, nargs="+",
                       help="only the cases of these head dims")
+  parser.add_argument("--cases", type=int, nargs="+",
+                      help="only these cases (indices into CASES)")
   args = parser.parse_args()
   rows = []
-  for case in CASES:
+  for index, case in enumerate(CASES):
     if args.head_dims and case[5] not in args.head_dims:
+      continue
+    if args.cases and index not in args.cases:
       continue
     start = time.perf_counter()
     try:

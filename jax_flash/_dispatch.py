@@ -89,7 +89,7 @@ def backends() -> dict:
   kernel packages import `jax_flash.spec`, so importing one of them first
   must not need this module.)"""
   from pallas_kernels import mosaic_gpu, triton
-  return {"mosaic": mosaic_gpu.MosaicGpuBackend(triton.TRITON),
+  return {"mosaic": mosaic_gpu.MosaicGpuBackend(),
           "triton": triton.TRITON, "interpret": triton.INTERPRET, "xla": XLA}
 
 # The Pallas backends for a GPU, best first: on an H100/H200 the Mosaic GPU

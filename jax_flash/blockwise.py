@@ -26,6 +26,7 @@ from jax_flash.spec import dropout, softmax
 from jax_flash.spec import mask as mask_lib
 from jax_flash.spec.mask import Mask
 from jax_flash.spec.operands import Operands
+from jax_flash.spec.padding import pad_to
 from jax_flash.spec.scores import Scores
 
 
@@ -55,16 +56,6 @@ def _per_head(x, num_kv_heads: int):
   if x.shape[1] == 1:
     return x[:, :, None]
   return x.reshape((x.shape[0], num_kv_heads, -1) + x.shape[2:])
-
-
-def pad_to(x, axis: int, size: int, value=0):
-  """x padded with `value` to `size` along `axis` (None, or a broadcast
-  dimension of 1, unchanged)."""
-  if x is None or x.shape[axis] == size or x.shape[axis] == 1:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, size - x.shape[axis])
-  return jnp.pad(x, widths, constant_values=value)
 
 
 def block_dot(spec, a, b, dtype):

@@ -35,6 +35,7 @@ from jax import lax
 
 from jax_flash import blockwise
 from jax_flash.spec import checks, softmax
+from jax_flash.spec.padding import pad_to
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
@@ -270,7 +271,7 @@ def _forward(q, k, v, kinds, mask_consts, score_consts, st: _Static):
   b, n, h, kh, g = tiles.b, tiles.n, tiles.h, tiles.kh, tiles.g
   bq, bk = st.block_q, st.block_k
   tp, sp = tiles.num_q * bq, tiles.num_k * bk
-  k, v = blockwise.pad_to(k, 1, sp), blockwise.pad_to(v, 1, sp)
+  k, v = pad_to(k, 1, sp), pad_to(v, 1, sp)
   rows = b * kh * g * bq
 
   def q_tile(args):
@@ -294,7 +295,7 @@ def _forward(q, k, v, kinds, mask_consts, score_consts, st: _Static):
     return (o.reshape(b, kh, g, bq, h).astype(q.dtype),
             lse.reshape(b, kh, g, bq))
 
-  qs = blockwise.blocks(blockwise.pad_to(q, 1, tp), tiles.num_q, bq, kh)
+  qs = blockwise.blocks(pad_to(q, 1, tp), tiles.num_q, bq, kh)
   o, lse = lax.map(q_tile, (jnp.arange(tiles.num_q), qs))
   o = o.transpose(1, 0, 4, 2, 3, 5).reshape(b, tp, n, h)[:, :st.q_len]
   lse = lse.transpose(1, 2, 3, 0, 4).reshape(b, n, tp)[..., :st.q_len]
@@ -319,12 +320,12 @@ def _flex_bwd(st: _Static, residuals, cotangents):
   b, n, h, kh, g = tiles.b, tiles.n, tiles.h, tiles.kh, tiles.g
   bq, bk = st.block_q, st.block_k
   tp, sp = tiles.num_q * bq, tiles.num_k * bk
-  k, v = blockwise.pad_to(k, 1, sp), blockwise.pad_to(v, 1, sp)
+  k, v = pad_to(k, 1, sp), pad_to(v, 1, sp)
   delta = softmax.backward_delta(o, do, dlse)
   lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)  # Empty rows: P = 0.
 
   def stats(x):  # [B, N, T] -> [nq, B, K, G, bq]
-    x = blockwise.pad_to(x, 2, tp)
+    x = pad_to(x, 2, tp)
     return x.reshape(b, kh, g, tiles.num_q, bq).transpose(3, 0, 1, 2, 4)
 
   def q_tile(carry, args):
@@ -358,7 +359,7 @@ def _flex_bwd(st: _Static, residuals, cotangents):
                                         (dq, dk, dv, dconsts))
     return (dk, dv, dconsts), dq.astype(q.dtype)
 
-  blocks = lambda x: blockwise.blocks(blockwise.pad_to(x, 1, tp),
+  blocks = lambda x: blockwise.blocks(pad_to(x, 1, tp),
                                       tiles.num_q, bq, kh)
   zeros = jnp.zeros((b, sp, kh, h), jnp.float32)
   dconsts0 = jax.tree.map(jnp.zeros_like, score_consts)

@@ -69,21 +69,21 @@ def test_mosaic_backward_tiles_by_keyword():
   assert all(name in text for name in MOSAIC_BACKWARD)
 
 
-def test_mosaic_backward_declines_a_q_len_its_tiles_do_not_divide():
-  """256 rows: the dQ kernel's 2 * 192-row tile does not divide them, so
-  the Triton backward runs (the forward is still Mosaic's)."""
-  blocks = jax_flash.MosaicBlockSizes(block_q_dq=192)
-  text = _lower_grad("mosaic", (1, 256, 256, 4, 4, 64), jnp.bfloat16,
-                     block_sizes=blocks)
+@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("q_len, kv_len", [(77, 77), (300, 1003)])
+def test_mosaic_takes_any_length(head_dim, q_len, kv_len):
+  """XLA pads to the tiles; the kernels mask keys past kv_len."""
+  text = _lower_grad("mosaic", (1, q_len, kv_len, 4, 2, head_dim),
+                     jnp.bfloat16, is_causal=True)
   assert "flash_attention_forward_mosaic" in text
-  assert all(name in text for name in TRITON_BACKWARD)
+  assert all(name in text for name in MOSAIC_BACKWARD)
 
 
 @pytest.mark.parametrize("name, shape, dtype, kwargs, mosaic", [
     ("eligible", (2, 256, 512, 8, 2, 128), jnp.bfloat16,
      dict(is_causal=True), True),
-    ("odd_q_len", (2, 300, 512, 8, 2, 128), jnp.bfloat16, {}, False),
-    ("odd_kv_len", (2, 256, 300, 8, 2, 128), jnp.bfloat16, {}, False),
+    ("odd_q_len", (2, 300, 512, 8, 2, 128), jnp.bfloat16, {}, True),
+    ("odd_kv_len", (2, 256, 300, 8, 2, 128), jnp.bfloat16, {}, True),
     ("head_dim_96", (2, 256, 512, 8, 2, 96), jnp.bfloat16, {}, False),
     ("float32", (2, 256, 512, 8, 2, 128), jnp.float32, {}, False),
     ("window", (2, 256, 512, 8, 2, 128), jnp.bfloat16,

@@ -4,13 +4,10 @@ and warp specialization.
 A forward kernel (`flash_fwd`) and a backward of two kernels (`flash_bwd`:
 dK/dV and dQ). What it takes is narrower than the Triton backend
 (`unsupported` says what, and the dispatch then runs Triton): bf16/fp16,
-head dims 64/128/256, query lengths a multiple of 2 * block_q, key lengths a
-multiple of 8, causal masks and sliding windows (the band of the shared
-mask description) but no lengths, segments or dense masks, no score
-modification, no dropout.
-Where the backward's tiles (`block_sizes`) do not divide the query length,
-the backward is Triton's, through the shared logsumexp
-(`backward_unsupported` says why).
+head dims 64/128/256, any lengths (XLA pads them to the tiles; the kernels
+mask keys past the length), causal masks and sliding windows (the band of
+the shared mask description) but no lengths, segments or dense masks, no
+score modification, no dropout.
 """
 from __future__ import annotations
 
@@ -29,18 +26,8 @@ from pallas_kernels.mosaic_gpu.flash_fwd import flash_forward
 
 
 @dataclasses.dataclass(frozen=True)
-class MosaicConfig:
-  """The Mosaic kernels' tiles, and the Triton backward's config where the
-  Mosaic backward cannot take the call (else None)."""
-  blocks: BlockSizes
-  triton_backward: object | None
-
-
-@dataclasses.dataclass(frozen=True)
 class MosaicGpuBackend:
-  """The backend interface of `jax_flash._dispatch`; where the Mosaic
-  backward cannot take a call, `backward_backend`'s (the Triton kernels)."""
-  backward_backend: object
+  """The backend interface of `jax_flash._dispatch`."""
   name = "mosaic"
   needs_gpu = True
   config_type = BlockSizes
@@ -61,13 +48,6 @@ class MosaicGpuBackend:
     if problem.head_dim not in config.HEAD_DIMS:
       return (f"head_dim must be one of {config.HEAD_DIMS} for the Mosaic GPU "
               f"kernels, got {problem.head_dim}")
-    rows = 2 * BlockSizes.get_default(problem.head_dim).block_q
-    if problem.q_len % rows:
-      return (f"q_len must be a multiple of {rows} for the Mosaic GPU "
-              f"kernels, got {problem.q_len}")
-    if problem.kv_len % 8:
-      return (f"kv_len must be a multiple of 8 for the Mosaic GPU kernels, "
-              f"got {problem.kv_len}")
     if mask.has_ids or mask.has_dense or mask.has_q_offsets:
       return ("the Mosaic GPU kernels take causal masks and windows only "
               "(no lengths, segments or dense masks yet)")
@@ -76,23 +56,11 @@ class MosaicGpuBackend:
               "dropout or sinks yet")
     return None
 
-  @staticmethod
-  def backward_unsupported(problem: Problem, blocks: BlockSizes) -> str | None:
-    """Why the Mosaic backward cannot take a call the forward took, or None
-    (the Triton backward then runs)."""
-    for rows, name in ((2 * blocks.block_q_dq, "2 * block_q_dq"),
-                       (blocks.block_q_dkv, "block_q_dkv")):
-      if problem.q_len % rows:
-        return f"q_len {problem.q_len} is not a multiple of {name} = {rows}"
-    return None
-
   def config(self, block_sizes, problem: Problem, dtype, *, is_causal: bool,
-             version: int = 2) -> MosaicConfig:
+             version: int = 2) -> BlockSizes:
+    del version  # Only 2 (see `unsupported`).
     blocks = (block_sizes if isinstance(block_sizes, BlockSizes) else
               BlockSizes.get_default(problem.head_dim, is_causal))
-    if problem.q_len % (2 * blocks.block_q):
-      raise ValueError(f"block_sizes.block_q={blocks.block_q}: q_len "
-                       f"{problem.q_len} must be a multiple of 2 * block_q")
     smem = blocks.smem_bytes(problem.head_dim, jnp.dtype(dtype).itemsize)
     if smem > config.SMEM_BYTES:
       raise ValueError(f"block_sizes {blocks} need {smem} bytes of shared "
@@ -100,32 +68,23 @@ class MosaicGpuBackend:
                        f"the {config.SMEM_BYTES} of an H100/H200")
     smem = blocks.backward_smem_bytes(problem.head_dim,
                                       jnp.dtype(dtype).itemsize)
-    if not self.backward_unsupported(problem, blocks) and (
-        smem > config.SMEM_BYTES):
+    if smem > config.SMEM_BYTES:
       raise ValueError(f"block_sizes {blocks} need {smem} bytes of shared "
                        f"memory in the backward at head_dim "
                        f"{problem.head_dim}, more than the "
                        f"{config.SMEM_BYTES} of an H100/H200")
-    triton = None
-    if self.backward_unsupported(problem, blocks):
-      triton = self.backward_backend.config(
-          None if isinstance(block_sizes, BlockSizes) else block_sizes,
-          problem, dtype, is_causal=is_causal, version=version)
-    return MosaicConfig(blocks, triton)
+    return blocks
 
   def forward(self, q, k, v, operands: Operands, *, mask: Mask,
-              scores: Scores, config: MosaicConfig, version: int = 2):
+              scores: Scores, config: BlockSizes, version: int = 2):
     del operands, version  # None taken (see `unsupported`).
     return flash_forward(q, k, v, mask=mask, scores=scores,
-                         block_sizes=config.blocks)
+                         block_sizes=config)
 
   def backward(self, q, k, v, operands: Operands, o, lse, do, dlse, *,
-               mask: Mask, scores: Scores, config: MosaicConfig):
+               mask: Mask, scores: Scores, config: BlockSizes):
     """(dq, dk, dv, None): no bias is taken (see `unsupported`)."""
-    if config.triton_backward is not None:
-      return self.backward_backend.backward(
-          q, k, v, operands, o, lse, do, dlse, mask=mask, scores=scores,
-          config=config.triton_backward)
+    del operands  # None taken.
     dq, dk, dv = flash_backward(q, k, v, o, lse, do, dlse, mask=mask,
-                                scores=scores, block_sizes=config.blocks)
+                                scores=scores, block_sizes=config)
     return dq, dk, dv, None

@@ -25,6 +25,8 @@ fixed order: bitwise deterministic.
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -33,6 +35,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_flash.spec import softmax
 from jax_flash.spec.mask import Mask, cdiv, kv_block_ranges, q_block_ranges
+from jax_flash.spec.padding import pad_to, round_up
 from jax_flash.spec.scores import Scores
 from pallas_kernels.mosaic_gpu.config import BlockSizes
 from pallas_kernels.mosaic_gpu.flash_fwd import COMPUTE_WGS, smem_transforms
@@ -57,8 +60,9 @@ def split_dkv(head_dim: int) -> bool:
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref,
                 dv_ref, k_smem2, v_smem2, ready, done, *, mask: Mask,
-                scores: Scores, blocks: BlockSizes, group: int):
-  """q/do [B, T, N, H], k/v and dk/dv [B, S, K, H], lse/delta [B, N, T].
+                scores: Scores, blocks: BlockSizes, group: int, kv_len: int):
+  """q/do [B, T, N, H], k/v and dk/dv [B, S, K, H], lse/delta [B, N, T];
+  keys at or past kv_len (<= S: XLA's padding) are masked.
 
   Head dims above 128 (`split_dkv`): dK and dV together would need H
   registers a thread, so the CTA owns block_kv_dkv key rows that both
@@ -66,7 +70,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref,
   dV, warpgroup 1 dK, each recomputing S^T (5 matmuls a step instead of 4).
   """
   bq, bkv = blocks.block_q_dkv, blocks.block_kv_dkv
-  q_len, kv_len, head_dim = q_ref.shape[1], k_ref.shape[1], q_ref.shape[3]
+  q_len, head_dim = q_ref.shape[1], q_ref.shape[3]
   dtype = q_ref.dtype
   split = split_dkv(head_dim)
   batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
@@ -219,11 +223,12 @@ def dq_warpgroups(head_dim: int) -> int:
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
                q_smem2, do_smem2, ready, *, mask: Mask, scores: Scores,
-               blocks: BlockSizes, group: int):
-  """q/do/dq [B, T, N, H], k/v [B, S, K, H], lse/delta [B, N, T]."""
+               blocks: BlockSizes, group: int, kv_len: int):
+  """q/do/dq [B, T, N, H], k/v [B, S, K, H], lse/delta [B, N, T]; keys at
+  or past kv_len (<= S: XLA's padding) are masked."""
   wgs = dq_warpgroups(q_ref.shape[3])
   bq, bkv = blocks.block_q_dq, blocks.block_kv_dq
-  kv_len, head_dim = k_ref.shape[1], q_ref.shape[3]
+  head_dim = q_ref.shape[3]
   dtype = q_ref.dtype
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
   wg = lax.axis_index("wg")
@@ -303,28 +308,36 @@ def flash_backward(q, k, v, o, lse, do, dlse, *, mask: Mask, scores: Scores,
                    block_sizes: BlockSizes):
   """(dq, dk, dv) of the forward's o and lse (natural log, [B, N, T]).
 
-  q/o/do [B, T, N, H], k/v [B, S, K, H] (K divides N), bf16 or fp16, T a
-  multiple of 2 * block_q_dq and of block_q_dkv, S a multiple of 8
-  (`MosaicGpuBackend.backward_unsupported` checks). K/V are padded in XLA to
-  a multiple of the dK/dV kernel's 2 * block_kv_dkv rows when S is not (the
-  padded keys are masked in dQ and their gradient rows dropped). GPU only
-  (wgmma accumulators initialised from a value do not interpret); tests
-  lower it for CUDA on the CPU.
+  q/o/do [B, T, N, H], k/v [B, S, K, H] (K divides N), bf16 or fp16, any T
+  and S: XLA pads the queries (zeros, L = +inf: they add nothing) to the
+  kernels' query tiles and K/V to the dK/dV kernel's key rows (masked in
+  both kernels past S, their gradient rows dropped); a copy only for
+  lengths that are not such multiples. GPU only (the interpreter cannot run
+  a wgmma with a register operand); tests lower it for CUDA on the CPU.
   """
-  batch, q_len, num_heads, head_dim = q.shape
-  kv_len, num_kv_heads = k.shape[1], k.shape[2]
-  group = num_heads // num_kv_heads
+  q_len, kv_len = q.shape[1], k.shape[1]
+  head_dim = q.shape[3]
   blocks = block_sizes
-  delta = softmax.backward_delta(o, do, dlse)
-  # Base 2 with the scale folded in as in the forward; +inf for rows that
-  # see no key (lse = -inf), so P = exp2(S - L) is 0 there, never NaN.
-  lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * softmax.LOG2E)
-  do = do.astype(q.dtype)
+  split, wgs = split_dkv(head_dim), dq_warpgroups(head_dim)
+  kv_rows = blocks.block_kv_dkv * (1 if split else COMPUTE_WGS)
+  q_rows = math.lcm(wgs * blocks.block_q_dq, blocks.block_q_dkv)
+  tp, sp = round_up(q_len, q_rows), round_up(kv_len, kv_rows)
+  # D = rowsum(dO * O) - dlse; L in base 2, +inf for rows that see no key
+  # (lse = -inf) and for padding, so P = exp2(S - L) is 0 there, never NaN.
+  delta = pad_to(softmax.backward_delta(o, do, dlse), 2, tp)
+  lse2 = pad_to(jnp.where(lse == -jnp.inf, jnp.inf, lse * softmax.LOG2E), 2,
+                tp, jnp.inf)
+  q, do = pad_to(q, 1, tp), pad_to(do.astype(q.dtype), 1, tp)
+  k, v = pad_to(k, 1, sp), pad_to(v, 1, sp)
+  batch, _, num_heads, _ = q.shape
+  num_kv_heads = k.shape[2]
+  group = num_heads // num_kv_heads
   transforms = smem_transforms(q.dtype, head_dim)
   params = plgpu.CompilerParams(approx_math=True)
-  kernel_args = dict(mask=mask, scores=scores, blocks=blocks, group=group)
+  kernel_args = dict(mask=mask, scores=scores, blocks=blocks, group=group,
+                     kv_len=kv_len)
 
-  dq_rows, wgs = blocks.block_q_dq, dq_warpgroups(head_dim)
+  dq_rows = blocks.block_q_dq
   dq = plgpu.kernel(
       lambda *refs, q_smem, do_smem, ready: _dq_kernel(
           *refs, q_smem, do_smem, ready, **kernel_args),
@@ -335,22 +348,14 @@ def flash_backward(q, k, v, o, lse, do, dlse, *, mask: Mask, scores: Scores,
           do_smem=plgpu.SMEM((wgs, dq_rows, head_dim), q.dtype,
                              transforms=transforms),
           ready=plgpu.Barrier(num_barriers=(2, wgs))),
-      grid=(num_heads, q_len // (wgs * dq_rows), batch),
+      grid=(num_heads, tp // (wgs * dq_rows), batch),
       grid_names=("heads", "q_seq", "batch"),
       num_threads=wgs + 1, thread_name="wg",
       compiler_params=params, kernel_name="flash_attention_dq_mosaic",
   )(q, k, v, do, lse2, delta)
 
-  split = split_dkv(head_dim)
-  kv_rows = blocks.block_kv_dkv * (1 if split else COMPUTE_WGS)
-  padded = -(-kv_len // kv_rows) * kv_rows
-  if padded != kv_len:  # Zero keys past kv_len: masked (dQ), rows dropped.
-    pad = [(0, 0), (0, padded - kv_len), (0, 0), (0, 0)]
-    k_pad, v_pad = jnp.pad(k, pad), jnp.pad(v, pad)
-  else:
-    k_pad, v_pad = k, v
   dkv_rows, copies = blocks.block_kv_dkv, 1 if split else COMPUTE_WGS
-  kv_out = jax.ShapeDtypeStruct(k_pad.shape, k.dtype)
+  kv_out = jax.ShapeDtypeStruct(k.shape, k.dtype)
   dk, dv = plgpu.kernel(
       lambda *refs, k_smem, v_smem, ready, done=None: _dkv_kernel(
           *refs, k_smem, v_smem, ready, done, **kernel_args),
@@ -363,9 +368,9 @@ def flash_backward(q, k, v, o, lse, do, dlse, *, mask: Mask, scores: Scores,
           ready=plgpu.Barrier(num_barriers=(2, copies)),
           **(dict(done=plgpu.Barrier(num_arrivals=COMPUTE_WGS))
              if split else {})),
-      grid=(num_kv_heads, padded // kv_rows, batch),
+      grid=(num_kv_heads, sp // kv_rows, batch),
       grid_names=("heads", "kv_seq", "batch"),
       num_threads=COMPUTE_WGS + 1, thread_name="wg",
       compiler_params=params, kernel_name="flash_attention_dkv_mosaic",
-  )(q, k_pad, v_pad, do, lse2, delta)
-  return dq, dk[:, :kv_len], dv[:, :kv_len]
+  )(q, k, v, do, lse2, delta)
+  return dq[:, :q_len], dk[:, :kv_len], dv[:, :kv_len]

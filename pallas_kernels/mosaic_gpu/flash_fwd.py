@@ -30,6 +30,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_flash.spec import softmax
 from jax_flash.spec.mask import Mask, kv_block_ranges
+from jax_flash.spec.padding import pad_to, round_up
 from jax_flash.spec.scores import Scores
 from pallas_kernels.mosaic_gpu.config import BlockSizes
 
@@ -45,13 +46,13 @@ def smem_transforms(dtype, minor_dim: int):
 
 def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *,
                     mask: Mask, scores: Scores, blocks: BlockSizes,
-                    group: int):
-  """q_ref/o_ref [B, T, N, H], k_ref/v_ref [B, S, K, H], lse_ref [B, N, T]."""
+                    group: int, kv_len: int):
+  """q_ref/o_ref [B, T, N, H], k_ref/v_ref [B, S, K, H], lse_ref [B, N, T];
+  keys at or past kv_len (<= S: XLA's padding) are masked."""
   (q_smem2, k_smem, v_smem, lse_smem2), ready, free, schedule = scratch
   k_ready, v_ready, q_ready = ready
   k_free, v_free = free
   block_q, block_kv, stages = blocks.block_q, blocks.block_kv, blocks.num_stages
-  kv_len = k_ref.shape[1]
   dtype = q_ref.dtype
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
   wg = lax.axis_index("wg")
@@ -186,14 +187,19 @@ def flash_forward(q, k, v, *, mask: Mask, scores: Scores,
                   block_sizes: BlockSizes):
   """Runs the forward kernel.
 
-  q [B, T, N, H], k/v [B, S, K, H] (K divides N), bf16 or fp16, with
-  T a multiple of 2 * block_q, S a multiple of 8 and H a multiple of 64
-  (`pallas_kernels.mosaic_gpu.MosaicGpuBackend.unsupported` checks).
+  q [B, T, N, H], k/v [B, S, K, H] (K divides N), bf16 or fp16, H a
+  multiple of 64 (`pallas_kernels.mosaic_gpu.MosaicGpuBackend.unsupported`
+  checks). Any T and S: XLA pads Q to a multiple of 2 * block_q rows and
+  K/V to a multiple of 8 (what TMA needs), and the kernel masks keys past S
+  (a copy only for lengths that are not such multiples).
   GPU only: the Pallas interpreter cannot run a wgmma whose left operand is
   in registers (P here); tests lower it for CUDA on the CPU instead.
   Returns (o [B, T, N, H], lse [B, N, T] float32, natural log).
   """
-  batch, q_len, num_heads, head_dim = q.shape
+  q_len, kv_len = q.shape[1], k.shape[1]
+  q = pad_to(q, 1, round_up(q_len, COMPUTE_WGS * block_sizes.block_q))
+  k, v = (pad_to(x, 1, round_up(kv_len, 8)) for x in (k, v))
+  batch, padded_len, num_heads, head_dim = q.shape
   group = num_heads // k.shape[2]
   blocks = block_sizes
   transforms = smem_transforms(q.dtype, head_dim)
@@ -219,13 +225,14 @@ def flash_forward(q, k, v, *, mask: Mask, scores: Scores,
            schedule):
     _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref,
                     (buffers, ready, free, schedule), mask=mask,
-                    scores=scores, blocks=blocks, group=group)
+                    scores=scores, blocks=blocks, group=group, kv_len=kv_len)
 
-  num_tiles = q_len // (COMPUTE_WGS * blocks.block_q)
-  return plgpu.kernel(
+  num_tiles = padded_len // (COMPUTE_WGS * blocks.block_q)
+  o, lse = plgpu.kernel(
       body,
       out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
-                jax.ShapeDtypeStruct((batch, num_heads, q_len), jnp.float32)),
+                jax.ShapeDtypeStruct((batch, num_heads, padded_len),
+                                     jnp.float32)),
       scratch_types=scratch,
       grid=(num_heads, num_tiles, batch),
       grid_names=("heads", "q_seq", "batch"),
@@ -234,3 +241,4 @@ def flash_forward(q, k, v, *, mask: Mask, scores: Scores,
       compiler_params=plgpu.CompilerParams(approx_math=True),
       kernel_name="flash_attention_forward_mosaic",
   )(q, k, v)
+  return o[:, :q_len], lse[:, :, :q_len]

@@ -1,0 +1,19 @@
+"""Padding a sequence axis to a tile multiple (every backend that tiles)."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+
+def round_up(n: int, multiple: int) -> int:
+  """The least multiple of `multiple` >= n (static ints)."""
+  return -(-n // multiple) * multiple
+
+
+def pad_to(x, axis: int, size: int, value=0):
+  """x padded with `value` to `size` along `axis` (None, or a broadcast
+  dimension of 1, unchanged)."""
+  if x is None or x.shape[axis] == size or x.shape[axis] == 1:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, widths, constant_values=value)
