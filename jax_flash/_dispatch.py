@@ -94,7 +94,8 @@ def backends() -> dict:
 
 # The Pallas backends for a GPU, best first: on an H100/H200 the Mosaic GPU
 # forward measured 1.15-1.52x the Triton one at 8k (every head dim, causal
-# and not; benchmarks/results/2026-11-30-h200-session3/mosaic_8k.md).
+# and not; benchmarks/results/2026-11-30-h200-session3/mosaic_8k.md), its
+# backward 1.2-2.6x (results/2026-11-30-h200-session4/).
 PALLAS = ("mosaic", "triton")
 # Backends that need a Hopper (sm90) GPU.
 HOPPER_ONLY = ("mosaic",)

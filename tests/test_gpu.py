@@ -53,6 +53,8 @@ MOSAIC_CASES = {
     "t_less_than_s_causal": Case(1, 256, 1536, 8, 2, 128, "bfloat16", True),
     "kv_len_264": Case(1, 1024, 264, 4, 4, 128, "bfloat16", False),
     "kv_len_520_mqa_causal": Case(1, 512, 520, 8, 1, 64, "float16", True),
+    "any_length_causal": Case(1, 1000, 1003, 8, 2, 128, "bfloat16", True),
+    "any_length_h256": Case(1, 300, 1003, 4, 2, 256, "bfloat16", True),
 }
 MOSAIC_WINDOWS = {  # name: (case, local_window_size)
     "causal_window_gqa": (Case(1, 1024, 1024, 8, 2, 128, "bfloat16", True),
