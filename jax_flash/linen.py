@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import jax.numpy as jnp
 from flax import linen as nn
 from flax.linen import dtypes
 
@@ -23,16 +24,20 @@ def dot_product_attention(query, key, value, bias=None, mask=None,
                           einsum_dot_general=None, qk_attn_weights_einsum=None,
                           attn_weights_value_einsum=None, *,
                           is_causal: bool = False, implementation=None,
-                          block_sizes=None):
+                          block_sizes=None, sinks=None):
   """Drop-in for `flax.linen.dot_product_attention`, computed by flash attention.
 
   Takes every argument linen passes; the softmax is always float32
   (`force_fp32_for_softmax` is moot), the custom einsum hooks and `precision`
   are not used. With `module` set (`sow_weights=True`, which needs the
   attention weights) it falls back to flax's implementation. `is_causal`,
-  `implementation` and `block_sizes` are this library's additions; see
+  `implementation`, `block_sizes` and `sinks` ([num_heads] learned sink
+  logits) are this library's additions; see
   `jax_flash.nnx.dot_product_attention` for the rest.
   """
+  if module is not None and sinks is not None:
+    raise ValueError("sow_weights=True falls back to flax's attention, which "
+                     "has no sinks")
   if module is not None:
     return nn.dot_product_attention(
         query, key, value, bias, mask, broadcast_dropout, dropout_rng,
@@ -44,21 +49,24 @@ def dot_product_attention(query, key, value, bias=None, mask=None,
                 broadcast_dropout=broadcast_dropout, dropout_rng=dropout_rng,
                 dropout_rate=dropout_rate, deterministic=deterministic,
                 is_causal=is_causal, implementation=implementation,
-                block_sizes=block_sizes)
+                block_sizes=block_sizes, sinks=sinks)
 
 
 class FlashAttention(nn.MultiHeadDotProductAttention):
   """`nn.MultiHeadDotProductAttention` with flash attention inside.
 
   Same fields and parameters (a model swaps it in and keeps its checkpoint),
-  plus `is_causal` (causal without a T x S mask), `implementation` and
-  `block_sizes`. Unnamed instances are named as flax names its own
-  (`MultiHeadDotProductAttention_0`, ...), so the parameter paths of a model
-  do not change when it swaps this in.
+  plus `is_causal` (causal without a T x S mask), `implementation`,
+  `block_sizes` and `sinks`: True adds a parameter `sinks` [num_heads]
+  (float32, zeros at first), learned attention sinks (see
+  `jax_flash.flash_attention`). Unnamed instances are named as flax names
+  its own (`MultiHeadDotProductAttention_0`, ...), so the parameter paths of
+  a model do not change when it swaps this in.
   """
   is_causal: bool = False
   implementation: str | None = None
   block_sizes: Any = None
+  sinks: bool = False
 
   def __post_init__(self):
     if self.attention_fn is nn.dot_product_attention:
@@ -66,6 +74,22 @@ class FlashAttention(nn.MultiHeadDotProductAttention):
           dot_product_attention, is_causal=self.is_causal,
           implementation=self.implementation, block_sizes=self.block_sizes))
     super().__post_init__()
+
+  @nn.compact
+  def __call__(self, inputs_q, inputs_k=None, inputs_v=None, **kwargs):
+    if not self.sinks:
+      return super().__call__(inputs_q, inputs_k, inputs_v, **kwargs)
+    sinks = self.param("sinks", nn.initializers.zeros_init(),
+                       (self.num_heads,), jnp.float32)
+    # The attention function is a field: bind the sinks' value into it for
+    # this call only (the module is a per-call bound clone).
+    attention_fn = self.attention_fn
+    object.__setattr__(self, "attention_fn",
+                       functools.partial(attention_fn, sinks=sinks))
+    try:
+      return super().__call__(inputs_q, inputs_k, inputs_v, **kwargs)
+    finally:
+      object.__setattr__(self, "attention_fn", attention_fn)
 
 
 # Flax names an unnamed submodule after its class (`type(m).__name__` and the

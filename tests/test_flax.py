@@ -272,3 +272,33 @@ def test_nnx_sinks_parameter_trains_and_matches_the_reference():
   ours.init_cache((B, T, D))
   steps = [ours(X[:, i:i + 9], decode=True) for i in range(0, T, 9)]
   assert relative_error(jnp.concatenate(steps, axis=1), full) <= TOL.out
+
+
+def test_linen_sinks_parameter_trains_and_matches_the_reference():
+  ours = jax_flash.linen.FlashAttention(num_heads=4, qkv_features=64,
+                                        sinks=True, is_causal=True,
+                                        implementation=KERNEL_IMPL)
+  params = ours.init(jax.random.key(3), X)["params"]
+  assert params["sinks"].shape == (4,) and not params["sinks"].any()
+  params = dict(params, sinks=jnp.array([-1.0, 0.0, 1.0, 3.0]))
+  cot = jax.random.normal(jax.random.key(15), (B, T, D))
+
+  def manual(p):  # The projections, then the reference with sinks.
+    q, k, v = (jnp.einsum("btd,dnh->btnh", X, p[n]["kernel"]) + p[n]["bias"]
+               for n in ("query", "key", "value"))
+    out = jax_flash.reference_attention(q, k, v, is_causal=True,
+                                        sinks=p["sinks"])
+    out = jnp.einsum("btnh,nhd->btd", out, p["out"]["kernel"])
+    return jnp.sum((out + p["out"]["bias"]) * cot)
+
+  loss = jax.jit(jax.value_and_grad(
+      lambda p: jnp.sum(ours.apply({"params": p}, X) * cot)))
+  (value, grads), (ref_value, ref_grads) = loss(params), jax.value_and_grad(
+      manual)(params)
+  assert abs(float(value) - float(ref_value)) <= TOL.out * abs(float(ref_value))
+  assert relative_error(grads["sinks"], ref_grads["sinks"]) <= TOL.grad
+  assert relative_error(grads["query"]["kernel"],
+                        ref_grads["query"]["kernel"]) <= TOL.grad
+  # Without sinks=True the module has flax's parameters only.
+  plain = jax_flash.linen.FlashAttention(num_heads=4, qkv_features=64)
+  assert "sinks" not in plain.init(jax.random.key(3), X)["params"]
