@@ -32,6 +32,18 @@ import jax_flash.nnx as flash_nnx
 DATA = os.path.join(os.path.dirname(__file__), "data", "genesis_kjv.txt")
 
 
+def cudnn_attention(query, key, value, *, mask=None, is_causal=False,
+                    dropout_rate=0.0, deterministic=True, **unused):
+  """`jax.nn.dot_product_attention` with cuDNN for training (a GPU, bf16/fp16
+  and no dropout); with a mask (sampling from the cache), its XLA path."""
+  del unused
+  if dropout_rate and not deterministic:
+    raise ValueError("--implementation cudnn takes no dropout")
+  return jax.nn.dot_product_attention(
+      query, key, value, mask=mask, is_causal=is_causal,
+      implementation="cudnn" if mask is None else None)
+
+
 class Block(nnx.Module):
   def __init__(self, d_model, heads, kv_heads, dropout, implementation,
                dtype, *, rngs):
@@ -40,6 +52,8 @@ class Block(nnx.Module):
                 dropout_rate=dropout, decode=False, dtype=dtype, rngs=rngs)
     if implementation == "flax":  # flax's own attention, same parameters.
       self.attn = nnx.MultiHeadAttention(**args)
+    elif implementation == "cudnn":  # jax.nn's cuDNN kernel, same parameters.
+      self.attn = nnx.MultiHeadAttention(**args, attention_fn=cudnn_attention)
     else:
       self.attn = flash_nnx.FlashAttention(**args,
                                            implementation=implementation)
@@ -170,10 +184,12 @@ def main(argv=None):
   parser.add_argument("--prompt", default="And God said")
   parser.add_argument("--implementation", default=None,
                       choices=[None, "pallas", "mosaic", "triton",
-                               "interpret", "xla", "flax"],
+                               "interpret", "xla", "flax", "cudnn"],
                       help="flash attention's implementation (default: pallas "
-                      "on a GPU, xla otherwise), or 'flax' for flax's own "
-                      "attention on the same model, to compare")
+                      "on a GPU, xla otherwise), or, on the same model to "
+                      "compare, 'flax' for flax's own attention or 'cudnn' "
+                      "for jax.nn.dot_product_attention's cuDNN kernel (GPU, "
+                      "--dtype bfloat16)")
   parser.add_argument("--out-dir", default=None,
                       help="where the checkpoint is written (default: a new "
                       "temporary directory)")

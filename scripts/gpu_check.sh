@@ -9,7 +9,7 @@
 #   bash scripts/gpu_check.sh long      # one 128k-token causal sequence
 #   bash scripts/gpu_check.sh ring      # ring_attention on every local GPU
 #   bash scripts/gpu_check.sh tune      # head-dim-256 block-size sweep
-#   bash scripts/gpu_check.sh train     # train_lm at GPT-2-small size, flash vs flax
+#   bash scripts/gpu_check.sh train     # train_lm at GPT-2-small size: flash, cuDNN, flax
 #   bash scripts/gpu_check.sh mosaic    # the Mosaic kernels: correctness sweep + 8k benchmark
 #                                       # (with tokamax if .whl/ is carried: scripts/tokamax_wheels.sh)
 # TESTS="tests/a.py::b ..." limits `tests` to those; BENCH_ARGS replaces
@@ -91,8 +91,9 @@ for mode in "$@"; do
       ;;
     train)
       # GPT-2-small shape (12 layers, d_model 768, 12 heads), 2048 tokens per
-      # sequence, bfloat16 compute: flash attention, then flax's own.
-      for impl in pallas flax; do
+      # sequence, bfloat16 compute: flash attention, jax.nn's cuDNN, then
+      # flax's own.
+      for impl in ${TRAIN_IMPLS:-pallas cudnn flax}; do
         timeout 200 python3 examples/train_lm.py --layers 12 --d-model 768 \
           --heads 12 --kv-heads 12 --seq-len 2048 --batch 8 --steps 60 \
           --lr 1e-3 --dtype bfloat16 --eval-batches 2 --sample-len 40 \
