@@ -19,11 +19,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from jax_flash.spec import dropout, softmax
 from jax_flash.spec import mask as mask_lib
+from jax_flash.spec.checks import check_block_field
 from jax_flash.spec.mask import Mask
 from jax_flash.spec.operands import Operands
 from jax_flash.spec.padding import pad_to
@@ -45,10 +45,7 @@ class BlockSizes:
 
   def __post_init__(self):
     for name in ("block_q", "block_k"):
-      value = getattr(self, name)
-      if (not isinstance(value, (int, np.integer)) or isinstance(value, bool)
-          or value < 1):
-        raise ValueError(f"block_sizes.{name}={value!r} must be an int >= 1")
+      check_block_field(self, name, lambda x: x >= 1, ">= 1")
 
 
 def _per_head(x, num_kv_heads: int):

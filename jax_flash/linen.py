@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax.linen import dtypes
 
-from jax_flash.nnx import attend
+from jax_flash.nnx import attend, check_sow_weights
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None,
@@ -35,9 +35,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None,
   logits) are this library's additions; see
   `jax_flash.nnx.dot_product_attention` for the rest.
   """
-  if module is not None and sinks is not None:
-    raise ValueError("sow_weights=True falls back to flax's attention, which "
-                     "has no sinks")
+  check_sow_weights(module, sinks)
   if module is not None:
     return nn.dot_product_attention(
         query, key, value, bias, mask, broadcast_dropout, dropout_rng,

@@ -61,6 +61,14 @@ def attend(query, key, value, bias, mask, *, broadcast_dropout, dropout_rng,
   return out.reshape(batch_dims + out.shape[-3:])
 
 
+def check_sow_weights(module, sinks):
+  """sow_weights=True (a `module` to sow into) runs flax's own attention,
+  which has no sinks: refuse the pair."""
+  if module is not None and sinks is not None:
+    raise ValueError("sow_weights=True runs flax's own attention, which has "
+                     "no sinks")
+
+
 def dot_product_attention(query, key, value, bias=None, mask=None,
                           broadcast_dropout: bool = True, dropout_rng=None,
                           dropout_rate: float = 0.0,
@@ -83,9 +91,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None,
   `implementation`, `block_sizes` and `sinks` are passed to
   `flash_attention`.
   """
-  if module is not None and sinks is not None:
-    raise ValueError("sow_weights=True runs flax's own attention, which has "
-                     "no sinks")
+  check_sow_weights(module, sinks)
   if module is not None:
     return nnx.dot_product_attention(
         query, key, value, bias, mask, broadcast_dropout, dropout_rng,

@@ -255,3 +255,15 @@ def check_sinks(sinks, p: Problem):
   if not jnp.issubdtype(sinks.dtype, jnp.floating):
     raise ValueError(f"sinks must be floating point, got {sinks.dtype}")
   return sinks.astype(jnp.float32)
+
+
+def check_block_field(blocks, name: str, ok, expected: str):
+  """Raises ValueError naming `block_sizes.<name>` unless that field of a
+  backend's BlockSizes is an int (not a bool) for which ok(value) holds;
+  `expected` says what it must be ("a multiple of 64", ...)."""
+  value = getattr(blocks, name)
+  if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+    raise ValueError(f"block_sizes.{name}={value!r} must be an int, "
+                     f"{expected}")
+  if not ok(value):
+    raise ValueError(f"block_sizes.{name}={value!r} must be {expected}")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
+from jax_flash.spec.checks import check_block_field
 
 DTYPES = ("bfloat16", "float16")
 HEAD_DIMS = (64, 128, 256)  # Multiples of 64 within wgmma's N <= 256.
@@ -38,16 +38,11 @@ class BlockSizes:
   def __post_init__(self):
     for name in ("block_q", "block_kv", "block_q_dkv", "block_kv_dkv",
                  "block_q_dq", "block_kv_dq"):
-      value = getattr(self, name)
-      if (not isinstance(value, (int, np.integer)) or isinstance(value, bool)
-          or value < 64 or value % 64):
-        raise ValueError(
-            f"block_sizes.{name}={value!r} must be a multiple of 64")
+      check_block_field(self, name, lambda x: x >= 64 and x % 64 == 0,
+                        "a multiple of 64")
     for name in ("num_stages", "num_stages_bwd"):
-      value = getattr(self, name)
-      if not isinstance(value, (int, np.integer)) or not 2 <= value <= 6:
-        raise ValueError(f"block_sizes.{name}={value!r} must be an int in "
-                         "[2, 6]")
+      check_block_field(self, name, lambda x: 2 <= x <= 6,
+                        "an int in [2, 6]")
 
   def smem_bytes(self, head_dim: int, itemsize: int) -> int:
     """Shared memory of the forward: Q tiles, the K/V ring, the row stats,

@@ -11,6 +11,8 @@ import dataclasses
 
 import numpy as np
 
+from jax_flash.spec.checks import check_block_field
+
 MIN_HEAD_DIM = 16
 MAX_HEAD_DIM = 256
 DTYPES = ("float32", "bfloat16", "float16")
@@ -56,22 +58,14 @@ class BlockSizes:
   def __post_init__(self):
     for name in ("block_q", "block_k", "block_q_dkv", "block_k_dkv",
                  "block_q_dq", "block_k_dq"):
-      value = getattr(self, name)
-      if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
-        raise ValueError(f"block_sizes.{name}={value!r} must be an int")
-      if value < 16 or not _is_pow2(value):
-        raise ValueError(
-            f"block_sizes.{name}={value} must be a power of two >= 16")
+      check_block_field(self, name, lambda x: x >= 16 and _is_pow2(x),
+                        "a power of two >= 16")
     for name in ("num_warps", "num_warps_bwd"):
-      value = getattr(self, name)
-      if value not in (1, 2, 4, 8, 16):
-        raise ValueError(
-            f"block_sizes.{name}={value!r} must be one of 1, 2, 4, 8, 16")
+      check_block_field(self, name, lambda x: x in (1, 2, 4, 8, 16),
+                        "one of 1, 2, 4, 8, 16")
     for name in ("num_stages", "num_stages_bwd"):
-      value = getattr(self, name)
-      if not isinstance(value, (int, np.integer)) or not 1 <= value <= 8:
-        raise ValueError(
-            f"block_sizes.{name}={value!r} must be an int in [1, 8]")
+      check_block_field(self, name, lambda x: 1 <= x <= 8,
+                        "an int in [1, 8]")
 
   @classmethod
   def get_default(cls, head_dim: int, dtype, is_causal: bool,
