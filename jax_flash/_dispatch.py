@@ -52,6 +52,9 @@ class XlaBackend:
 
   def unsupported(self, problem, dtype, *, mask, scores, version=2,
                   decode=False):
+    if mask.mod is not None or scores.mod is not None:  # Never silently.
+      return ("mask_mod/score_mod run on flex_attention's own blockwise "
+              "loops, not this backend's")
     return None
 
   def config(self, block_sizes, problem, dtype, *, is_causal, version=2):

@@ -126,6 +126,23 @@ def _sink_gradient(sinks, o, lse, do, dlse):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
+def config(backend, block_sizes, problem, dtype, mask: Mask, scores: Scores,
+           *, is_causal: bool = False, version: int = 2) -> _Config:
+  """The static part of one call: its backend, mask, scores and tiles."""
+  return _Config(backend=backend, mask=mask, scores=scores,
+                 block_sizes=backend.config(block_sizes, problem, dtype,
+                                            is_causal=is_causal,
+                                            version=version),
+                 version=version)
+
+
+def flash_call(query, key, value, operands: Operands, cfg: _Config):
+  """(out [B, T, N, Hv], lse [B, N, T]) through the custom_vjp: what
+  `flash_attention` and the kernel path of `flex_attention` run."""
+  with jax.named_scope("jax_flash_attention"):
+    return _flash(query, key, value, operands, cfg)
+
+
 def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
                     is_causal=False, query_seq_lengths=None,
                     key_value_seq_lengths=None, local_window_size=None,
@@ -235,13 +252,9 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
                              version=version)
   if p.unbatched:
     query, key, value = query[None], key[None], value[None]
-  cfg = _Config(backend=backend, mask=spec.mask, scores=spec.scores,
-                block_sizes=backend.config(block_sizes, p, query.dtype,
-                                           is_causal=is_causal,
-                                           version=version),
-                version=version)
-  with jax.named_scope("jax_flash_attention"):
-    out, lse = _flash(query, key, value, spec.operands, cfg)
+  cfg = config(backend, block_sizes, p, query.dtype, spec.mask, spec.scores,
+               is_causal=is_causal, version=version)
+  out, lse = flash_call(query, key, value, spec.operands, cfg)
   lse = lse.transpose(0, 2, 1)
   if p.unbatched:
     out, lse = out[0], lse[0]

@@ -174,6 +174,8 @@ def run_sparse(scenario, head_dim, hidden, seq_len, sizes, dtype, calls,
   FLOPs count only the visible (query, key) pairs: 4*N*H per pair forward,
   3.5x that forward+backward. The full causal problem is timed alongside, so
   time / full-causal time can be read against visible / full-causal pairs.
+  "flex" rows are the same masks written as mask_mods for `flex_attention`
+  (formulas of the indices, no array: the kernels take them).
   """
   num_heads = hidden // head_dim
   keys = jax.random.split(jax.random.key(seq_len), 4)
@@ -184,18 +186,25 @@ def run_sparse(scenario, head_dim, hidden, seq_len, sizes, dtype, calls,
   for size in (None,) + tuple(sizes):
     kwargs, visible = {"is_causal": True}, seq_len * (seq_len + 1) / 2
     label = "full causal"
+    mask_mod = lambda b, h, qi, ki: qi >= ki
     if size is not None and scenario == "window":
       kwargs["local_window_size"] = (size, 0)
       visible = sum(min(i, size) + 1 for i in range(seq_len))
       label = f"window {size}"
+      mask_mod = lambda b, h, qi, ki, w=size: (qi >= ki) & (qi - ki <= w)
     elif size is not None:
       doc = seq_len // size
       ids = (positions // doc)[None]
       kwargs["segment_ids"] = ids
       visible = size * doc * (doc + 1) / 2
       label = f"{size} documents"
+      mask_mod = lambda b, h, qi, ki, d=doc: (qi >= ki) & (qi // d == ki // d)
+    block_mask = jax_flash.create_block_mask(mask_mod, None, None, seq_len,
+                                             seq_len)
     impls = {"flash_v2": lambda q, k, v, kw=kwargs: jax_flash.flash_attention(
-        q, k, v, implementation="pallas", **kw)}
+        q, k, v, implementation="pallas", **kw),
+             "flex": lambda q, k, v, bm=block_mask: jax_flash.flex_attention(
+                 q, k, v, block_mask=bm)}
     if "segment_ids" not in kwargs:
       impls["cudnn"] = lambda q, k, v, kw=kwargs: jax.nn.dot_product_attention(
           q, k, v, implementation="cudnn", **kw)

@@ -18,9 +18,14 @@ linear in the lengths); attention never visits an empty tile and evaluates
 mask_mod only on partial ones. A query row that sees no key outputs 0 with
 zero gradients, as in `flash_attention`.
 
-Backend: the blockwise plain-JAX FlashAttention loops (`blockwise`, the
-"xla" implementation), on any device. The GPU kernels do not run
-mask_mod/score_mod yet.
+Backends: the Triton kernels (and the Pallas interpreter) take mask_mods and
+score_mods that close over no array (only Python numbers: causal, prefix-LM,
+windows and slopes written as formulas of the indices, soft-caps): the
+functions are traced into the kernels, the tile kinds become their tile
+ranges. Functions that close over arrays (document ids, per-head tensors, a
+learned bias table) run on the blockwise plain-JAX FlashAttention loops
+(`blockwise`, the "xla" implementation), on any device; so does every call
+off the GPU with implementation=None.
 """
 from __future__ import annotations
 
@@ -33,18 +38,24 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_flash import blockwise
+from jax_flash import _dispatch, attention, blockwise
 from jax_flash.spec import checks, softmax
+from jax_flash.spec.mask import EMPTY, FULL, PARTIAL, Mask
+from jax_flash.spec.mods import ElementwiseMod
+from jax_flash.spec.operands import Operands
 from jax_flash.spec.padding import pad_to
+from jax_flash.spec.scores import Scores
 
-EMPTY, PARTIAL, FULL = 0, 1, 2
+
+def _examples(num_args: int, float_first: bool):
+  return ((jnp.float32(0),) if float_first else ()) + (
+      jnp.int32(0),) * (num_args - (1 if float_first else 0))
 
 
 def _elementwise(fn: Callable, num_args: int, float_first: bool):
   """(pure function applied elementwise with broadcasting, its constants)."""
-  examples = ((jnp.float32(0),) if float_first else ()) + (
-      jnp.int32(0),) * (num_args - (1 if float_first else 0))
-  converted, consts = jax.closure_convert(fn, *examples)
+  converted, consts = jax.closure_convert(fn, *_examples(num_args,
+                                                         float_first))
 
   def apply(consts, *args):
     return jnp.vectorize(lambda *xs: converted(*xs, *consts))(*args)
@@ -61,14 +72,16 @@ class BlockMask:
   """
 
   def __init__(self, kinds, consts, mask_fn, q_len, kv_len, block_q,
-               block_k):
+               block_k, mask_mod=None):
     self.kinds, self.consts, self.mask_fn = kinds, tuple(consts), mask_fn
     self.q_len, self.kv_len = q_len, kv_len
     self.block_q, self.block_k = block_q, block_k
+    self.mask_mod = mask_mod  # The user's function (the kernels trace it).
 
   def tree_flatten(self):
     return (self.kinds, self.consts), (self.mask_fn, self.q_len, self.kv_len,
-                                       self.block_q, self.block_k)
+                                       self.block_q, self.block_k,
+                                       self.mask_mod)
 
   @classmethod
   def tree_unflatten(cls, aux, children):
@@ -126,7 +139,8 @@ def create_block_mask(mask_mod: Callable, B: int | None, N: int | None,
         jnp.int8)
 
   kinds = lax.map(tile_kinds, jnp.arange(num_q))  # [nq, Bm, Nm, nk]
-  return BlockMask(kinds.transpose(1, 2, 0, 3), consts, mask_fn, T, S, bq, bk)
+  return BlockMask(kinds.transpose(1, 2, 0, 3), consts, mask_fn, T, S, bq, bk,
+                   mask_mod)
 
 
 def and_masks(*mask_mods: Callable) -> Callable:
@@ -167,8 +181,12 @@ def flex_attention(query, key, value, score_mod: Callable | None = None,
       None: every key visible.
     scale: default 1 / sqrt(H).
     return_residual: also return the natural-log logsumexp [B, T, N].
-    implementation: None or "xla" (the blockwise plain-JAX loops; any
-      device). The GPU kernels do not take mask_mod/score_mod yet.
+    implementation: None: the Triton kernels on a GPU where they take the
+      call (mask_mod and score_mod close over no array), else "xla" (the
+      blockwise plain-JAX loops; any device). "pallas"/"triton": the GPU
+      kernels; "interpret": the same kernels interpreted (any machine,
+      slow); a named implementation that cannot take the call raises
+      ValueError saying why.
   Returns:
     out [B, T, N, H] in query.dtype, or (out, logsumexp).
   """
@@ -176,10 +194,6 @@ def flex_attention(query, key, value, score_mod: Callable | None = None,
   if p.unbatched:
     raise ValueError("flex_attention takes batched inputs: query "
                      "[B, T, N, H], key/value [B, S, K, H]")
-  if implementation not in (None, "xla"):
-    raise ValueError(f"flex_attention runs on implementation 'xla' (or None) "
-                     f"today, got {implementation!r}: the GPU kernels do not "
-                     "take mask_mod/score_mod yet")
   scale = checks.check_scale(scale, p.head_dim)
   if block_mask is None:
     block_mask = create_block_mask(lambda b, h, q, k: q >= 0, None, None,
@@ -199,12 +213,65 @@ def flex_attention(query, key, value, score_mod: Callable | None = None,
   score_fn, score_consts = None, ()
   if score_mod is not None:
     score_fn, score_consts = _elementwise(score_mod, 5, float_first=True)
+  kernel = _kernel_call(query, p, block_mask, score_mod, score_consts, scale,
+                        implementation)
+  if kernel is not None:
+    backend, mask, scores, operands = kernel
+    cfg = attention.config(backend, None, p, query.dtype, mask, scores)
+    out, lse = attention.flash_call(query, key, value, operands, cfg)
+    lse = lse.transpose(0, 2, 1)
+    return (out, lse) if return_residual else out
   static = _Static(block_mask.mask_fn, score_fn, scale, p.q_len, p.kv_len,
                    block_mask.block_q, block_mask.block_k)
   out, lse = _flex(query, key, value, block_mask.kinds, block_mask.consts,
                    score_consts, static)
   lse = lse.transpose(0, 2, 1)
   return (out, lse) if return_residual else out
+
+
+def _kernel_call(query, p, block_mask: BlockMask, score_mod, score_consts,
+                 scale: float, implementation):
+  """(backend, Mask, Scores, Operands) when a kernel backend runs this call,
+  None for the blockwise loops; ValueError if a named backend cannot."""
+  pow2 = lambda x: x > 0 and x & (x - 1) == 0
+  why = None
+  if _closes_over_arrays(block_mask.mask_mod, 4, False) or (
+      score_mod is not None and _closes_over_arrays(score_mod, 5, True)):
+    why = ("mask_mod and score_mod must close over no array for the "
+           "kernels (this one does: implementation=None or 'xla' runs it)")
+  elif block_mask.mask_mod is None or not (
+      pow2(block_mask.block_q) and pow2(block_mask.block_k)):
+    why = ("the kernels need a block_mask of power-of-two block sizes from "
+           "create_block_mask")
+  mask = Mask(mod=ElementwiseMod(block_mask.mask_mod) if why is None else None,
+              mod_tiles=(block_mask.block_q, block_mask.block_k))
+  scores = Scores(scale=scale, mod=None if score_mod is None else
+                  ElementwiseMod(score_mod))
+  if implementation == "xla":
+    return None
+  if implementation is None and (why or not _dispatch.on_gpu(query)):
+    return None
+  if why is not None:
+    raise ValueError(f"implementation={implementation!r}: {why}")
+  backend = _dispatch.select(implementation, query, p, query.dtype, mask=mask,
+                             scores=scores)
+  if backend is _dispatch.XLA:
+    return None
+  # A tile is visited if any head needs it, skips the predicate only if
+  # full for every head (the kernels' ranges are per batch element).
+  kinds = block_mask.kinds
+  tile_kinds = jnp.where(jnp.all(kinds == FULL, axis=1), FULL, jnp.where(
+      jnp.all(kinds == EMPTY, axis=1), EMPTY, PARTIAL)).astype(jnp.int8)
+  return backend, mask, scores, Operands(tile_kinds=tile_kinds)
+
+
+def _closes_over_arrays(fn, num_args: int, float_first: bool) -> bool:
+  """Whether fn's trace holds any array (or traced) constant: a kernel
+  cannot capture one (Python numbers become literals and are fine)."""
+  if fn is None:
+    return False
+  closed = jax.make_jaxpr(fn)(*_examples(num_args, float_first))
+  return bool(closed.consts)
 
 
 class _Tiles:

@@ -1,5 +1,7 @@
 """flex_attention: user-written mask_mod / score_mod against dense
-references, gradients to closed-over arrays, and the block classification."""
+references, gradients to closed-over arrays, and the block classification;
+on the blockwise loops and, for functions that close over no array, on the
+Triton kernels (interpreted on the CPU, real on a GPU)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,7 +9,9 @@ import pytest
 
 import jax_flash
 from jax_flash.testing import assert_attention_close
+from jax_flash.spec import mask as mask_lib
 from tests.cases import plain_attention, random_inputs
+from tests.conftest import KERNEL_IMPL
 
 B, T, S, N, K, H = 2, 100, 90, 4, 2, 32
 BLOCK = (32, 16)  # Several tiles of each kind at these lengths.
@@ -41,6 +45,14 @@ def soft_cap(s, b, h, q, k):
   return 20.0 * jnp.tanh(s / 20.0)
 
 
+def window_formula(b, h, q, k):  # Per-head windows, closing over no array.
+  return (q >= k) & (q - k <= 4 << h)
+
+
+def alibi_formula(s, b, h, q, k):
+  return s - 0.1 * (h + 1) * jnp.abs(q - k)
+
+
 def dense(fn, b=B, n=N, t=T, s=S):
   """fn on the whole [B, N, T, S] index grid."""
   idx = [jnp.arange(x)[tuple(slice(None) if a == i else None
@@ -61,11 +73,20 @@ EXAMPLES = {
     "or_masks": (jax_flash.or_masks(causal, lambda b, h, q, k: k >= S - 5),
                  None, dict(mask=dense(lambda b, h, q, k: (q >= k) |
                                        (k >= S - 5))), S),
+    "per_head_window_formula": (window_formula, None,
+                                dict(mask=dense(window_formula)), S),
+    "alibi_formula": (causal, alibi_formula, dict(
+        is_causal=True, alibi_slopes=0.1 * (jnp.arange(N) + 1.0)), S),
 }
+# The examples whose functions close over no array: the kernels take them.
+KERNEL_EXAMPLES = ("causal", "prefix_lm", "soft_cap", "or_masks",
+                   "per_head_window_formula", "alibi_formula")
 
 
-@pytest.mark.parametrize("name", EXAMPLES)
-def test_example_matches_dense_reference(name):
+@pytest.mark.parametrize("implementation, name", [
+    *(("xla", name) for name in EXAMPLES),
+    *((KERNEL_IMPL, name) for name in KERNEL_EXAMPLES)])
+def test_example_matches_dense_reference(implementation, name):
   mask_mod, score_mod, ref_kwargs, s_len = EXAMPLES[name]
   q, k, v, do = random_inputs(B, T, s_len, N, K, H, jnp.float32)
   block_mask = None
@@ -79,8 +100,12 @@ def test_example_matches_dense_reference(name):
     return dict(zip(("out", "lse", "dq", "dk", "dv"),
                     (out, lse) + vjp((do, dlse))))
 
-  got = jax.jit(lambda q, k, v: run(lambda q, k, v: jax_flash.flex_attention(
-      q, k, v, score_mod, block_mask, return_residual=True)))(q, k, v)
+  flex = lambda q, k, v: jax_flash.flex_attention(
+      q, k, v, score_mod, block_mask, return_residual=True,
+      implementation=implementation)
+  assert ("pallas_call" in str(jax.make_jaxpr(flex)(q, k, v))) == (
+      implementation != "xla")
+  got = jax.jit(lambda q, k, v: run(flex))(q, k, v)
   ref = run(lambda q, k, v: jax_flash.reference_attention(
       q, k, v, return_residual=True, **ref_kwargs))
   assert_attention_close(got, ref)
@@ -152,9 +177,20 @@ def test_row_that_sees_no_key_gives_zero_and_zero_gradients():
 
 
 @pytest.mark.parametrize("call, match", [
-    (lambda q, k, v, bm: jax_flash.flex_attention(q, k, v, block_mask=bm,
-                                                  implementation="triton"),
-     "flex_attention runs on implementation 'xla'"),
+    (lambda q, k, v, bm: jax_flash.flex_attention(
+        q, k, v, block_mask=jax_flash.create_block_mask(
+            lambda b, h, qi, ki: qi - ki <= WINDOWS[h], None, N, T, S),
+        implementation="interpret"),
+     "must close over no array for the kernels"),
+    (lambda q, k, v, bm: jax_flash.flex_attention(
+        q, k, v, lambda s, b, h, qi, ki: s * SLOPES[h], bm,
+        implementation="interpret"),
+     "must close over no array for the kernels"),
+    (lambda q, k, v, bm: jax_flash.flex_attention(
+        q, k, v, block_mask=jax_flash.create_block_mask(
+            causal, None, None, T, S, block_size=24),
+        implementation="interpret"),
+     "power-of-two block sizes"),
     (lambda q, k, v, bm: jax_flash.flex_attention(q[:, :64], k, v,
                                                   block_mask=bm),
      r"block_mask was made for \(T, S\) = \(100, 90\)"),
@@ -188,3 +224,32 @@ def test_ids_traced_under_jit_with_gradients():
       q, k, v, is_causal=True, segment_ids=IDS) * do), argnums=(0, 1, 2))(
           q, k, v)
   assert_attention_close(grads(q, k, v, IDS), ref)
+
+
+@pytest.mark.parametrize("rows, cols", [(16, 16), (64, 32), (8, 128)])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_kinds_tile_table_covers_the_mask(rows, cols, transposed):
+  """The kernels' tile ranges made of a mask_mod's kinds (at other tile
+  sizes than the block mask's): every visible pair's tile is visited, every
+  tile of the full range is wholly visible."""
+  block_mask = jax_flash.create_block_mask(window_formula, B, N, T, S,
+                                           block_size=(32, 16))
+  kinds = np.asarray(block_mask.kinds)
+  combined = np.where((kinds == mask_lib.FULL).all(1), mask_lib.FULL,
+                      np.where((kinds == mask_lib.EMPTY).all(1),
+                               mask_lib.EMPTY, mask_lib.PARTIAL))
+  mask = mask_lib.Mask(mod=window_formula, mod_tiles=(32, 16))
+  table = np.asarray(mask_lib.kinds_block_table(
+      jnp.asarray(combined, jnp.int8), mask, rows, cols, T, S,
+      transposed=transposed))
+  vis = np.asarray(dense(window_formula))  # [B, N, T, S]
+  if transposed:
+    vis = vis.transpose(0, 1, 3, 2)
+  for b in range(B):
+    for r in range(table.shape[1]):
+      lo, full_lo, full_hi, hi = table[b, r]
+      tile_rows = vis[b, :, r * rows:(r + 1) * rows]
+      seen = np.nonzero(tile_rows.any(axis=(0, 1)))[0] // cols
+      assert all(lo <= c < hi for c in seen), (b, r)
+      for c in range(full_lo, full_hi):
+        assert tile_rows[:, :, c * cols:(c + 1) * cols].all(), (b, r, c)

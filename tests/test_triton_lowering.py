@@ -136,3 +136,28 @@ def test_decode_of_a_prompt_chunk_lowers():
     text = jax.jit(f).trace(q, cache, lengths).lower(
         lowering_platforms=("cuda",)).as_text()
   assert "flash_attention_forward" in text
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_flex_attention_kernels_lower(dtype):
+  """A mask_mod and a score_mod that close over no array, traced into the
+  forward, dK/dV and dQ kernels; the tile ranges from the block mask."""
+  q = jax.ShapeDtypeStruct((B, T, N, 64), dtype)
+  kv = jax.ShapeDtypeStruct((B, S, K, 64), dtype)
+
+  def loss(q, k, v):
+    block_mask = jax_flash.create_block_mask(
+        lambda b, h, qi, ki: (qi >= ki) & (qi - ki < 100 * (h + 1)), None, N,
+        T, S, block_size=64)
+    out = jax_flash.flex_attention(
+        q, k, v, lambda s, b, h, qi, ki: 30.0 * jnp.tanh(s / 30.0),
+        block_mask, implementation="triton")
+    return jnp.sum(out.astype(jnp.float32))
+
+  with jax.sharding.use_abstract_mesh(
+      mesh_lib.AbstractMesh((1,), ("x",), abstract_device=H200)):
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(
+        q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+  for name in ("flash_attention_forward", "flash_attention_backward_dkdv",
+               "flash_attention_backward_dq"):
+    assert name in text

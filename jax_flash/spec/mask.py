@@ -23,13 +23,19 @@ last three positions of a 5-token cache)::
     1 1 0 0 0          1 1 1 1 0
     1 1 1 0 0          1 1 1 1 1
 
+A user's mask_mod (flex attention, `mod`: `mod(b, h, q_idx, kv_idx)`, h the
+query head) joins the predicate; its tiles' kinds (empty, partial, full, from
+`create_block_mask`) come as a table (`Operands.tile_kinds`, of `mod_tiles`
+tiles).
+
 Tiles are classified into skipped (never loaded), fully visible (no predicate)
 and partial (predicate evaluated), from the band statically and from per-block
-id ranges dynamically.
+id ranges or tile kinds dynamically.
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax.numpy as jnp
 import numpy as np
@@ -54,6 +60,15 @@ class Mask:
   # A dense boolean mask read tile by tile (its predicate is the caller's:
   # `visible` covers the band and the ids).
   has_dense: bool = False
+  # A user's mask_mod (`mods.ElementwiseMod`) and the (rows, columns) of the
+  # tiles its kinds table (`Operands.tile_kinds`) classifies.
+  mod: Callable | None = None
+  mod_tiles: tuple[int, int] | None = None
+
+  @property
+  def has_table(self) -> bool:
+    """Whether tile ranges come from a table (ids or a mask_mod's kinds)."""
+    return self.has_ids or self.mod is not None
 
   def band(self) -> tuple[int | None, int | None]:
     """(left, right): position p sees columns [p - left, p + right]."""
@@ -63,8 +78,9 @@ class Mask:
     return self.window_left, right
 
   def visible(self, rows, cols, kv_len, q_ids=None, kv_ids=None,
-              q_offset=0):
-    """Boolean predicate; rows/q_ids broadcast against cols/kv_ids."""
+              q_offset=0, batch=None, head=None):
+    """Boolean predicate; rows/q_ids broadcast against cols/kv_ids; `batch`
+    and `head` (the query head) are the mask_mod's b and h."""
     ok = cols < kv_len
     left, right = self.band()
     positions = rows + q_offset
@@ -74,6 +90,8 @@ class Mask:
       ok = jnp.logical_and(ok, cols >= positions - left)
     if self.has_ids:
       ok = jnp.logical_and(ok, q_ids == kv_ids)
+    if self.mod is not None:
+      ok = jnp.logical_and(ok, self.mod(batch, head, positions, cols))
     return ok
 
 
@@ -192,12 +210,60 @@ def id_block_table(row_ids, col_ids, block_rows: int, block_cols: int):
   c_min, c_max = c_min[:, None, :], c_max[:, None, :]
   overlap = (r_max >= c_min) & (r_min <= c_max)
   full = (r_min == r_max) & (c_min == c_max) & (r_min == c_min)
-  lo, hi = _first_last(overlap)
+  return _range_table(overlap, full)
+
+
+def _range_table(visit, full):
+  """[B, R, C] booleans (tiles to visit, tiles wholly visible) -> int32
+  [B, R, 4] (lo, full_lo, full_hi, hi): the visited range spans every tile
+  to visit; the full range is kept only where the full tiles are contiguous."""
+  lo, hi = _first_last(visit)
   full_lo, full_hi = _first_last(full)
   contiguous = jnp.sum(full, axis=-1) == full_hi - full_lo
   full_hi = jnp.where(contiguous, full_hi, full_lo)
   lo, full_lo, full_hi, hi = clamp_ranges(lo, full_lo, full_hi, hi)
   return jnp.stack([lo, full_lo, full_hi, hi], axis=-1).astype(jnp.int32)
+
+
+EMPTY, PARTIAL, FULL = 0, 1, 2  # Tile kinds of a mask_mod (`create_block_mask`).
+
+
+def _regrid(kinds, axis: int, block: int, tile: int, length: int):
+  """Tile kinds along `axis` from blocks of `block` to tiles of `tile`
+  (both powers of two) over `length` positions."""
+  num = -(-length // tile)
+  if tile <= block:  # Each tile lies in one block.
+    idx = np.arange(num) * tile // block
+    return jnp.take(kinds, idx, axis=axis)
+  per = tile // block  # Each tile covers `per` blocks (or fewer at the end).
+  n = kinds.shape[axis]
+  idx = np.minimum(np.arange(num * per), n - 1).reshape(num, per)
+  grouped = jnp.take(kinds, idx.reshape(-1), axis=axis)
+  shape = grouped.shape[:axis] + (num, per) + grouped.shape[axis + 1:]
+  grouped = grouped.reshape(shape)
+  empty = jnp.all(grouped == EMPTY, axis=axis + 1)
+  full = jnp.all(grouped == FULL, axis=axis + 1)
+  return jnp.where(full, FULL, jnp.where(empty, EMPTY, PARTIAL)).astype(
+      kinds.dtype)
+
+
+def kinds_block_table(kinds, mask: Mask, block_rows: int, block_cols: int,
+                      q_len: int, kv_len: int, *, transposed: bool = False):
+  """The tile-range table of a mask_mod's kinds, for a kernel's tiles.
+
+  kinds: int8 [Bm, R, C] kinds of (query block, key block) pairs of
+  `mask.mod_tiles` (already combined over heads: a pair is visited if any
+  head needs it, full only if full for every head). Returns int32
+  [Bm, num_row_tiles, 4] like `id_block_table`, rows being query tiles of
+  `block_rows` (keys, with transposed=True, for the dK/dV kernel).
+  """
+  bq, bk = mask.mod_tiles
+  if transposed:
+    kinds = jnp.swapaxes(kinds, 1, 2)
+    (bq, q_len), (bk, kv_len) = (bk, kv_len), (bq, q_len)
+  kinds = _regrid(_regrid(kinds, 1, bq, block_rows, q_len), 2, bk,
+                  block_cols, kv_len)
+  return _range_table(kinds != EMPTY, kinds == FULL)
 
 
 def make_ids(batch: int, q_len: int, kv_len: int, *, q_segment_ids=None,

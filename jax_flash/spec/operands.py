@@ -24,6 +24,9 @@ class Operands:
   sinks: float32 [N], a sink logit per query head; differentiable.
   q_offsets: int32 [B], the position of each sequence's first query
     (`Mask.has_q_offsets`; decode and chunked prefill).
+  tile_kinds: int8 [Bm, R, C], a mask_mod's kinds (empty, partial, full) of
+    (query block, key block) pairs of `Mask.mod_tiles`, combined over heads
+    (`Mask.mod`; flex attention). Kernels get the tile ranges made of it.
   """
   q_ids: jax.Array | None = None
   kv_ids: jax.Array | None = None
@@ -33,6 +36,7 @@ class Operands:
   dropout_seed: jax.Array | None = None
   sinks: jax.Array | None = None
   q_offsets: jax.Array | None = None
+  tile_kinds: jax.Array | None = None
 
   @property
   def empty(self) -> bool:

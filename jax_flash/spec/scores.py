@@ -4,6 +4,7 @@
     s   = cap * tanh(s / cap)                 if logits_soft_cap
     s   = s - slope[b, n] * |i - j|           if alibi_slopes (ALiBi)
     s   = s + bias[b, n, i, j]                if bias
+    s   = score_mod(s, b, n, i, j)            if a user's score_mod (flex)
     P   = softmax over visible keys of s      (the mask: `mask`)
 
 With dropout, P is multiplied by keep / (1 - rate) after the softmax; the
@@ -12,14 +13,17 @@ more logit, sinks[n], in the softmax's denominator (a key whose value is 0):
 the logsumexp includes it, and a row that sees no key gets lse = sinks[n].
 
 The kernels work in base 2: they keep `s * log2(e)` so every exponential is an
-`exp2`. The backward needs dL/d(q.k) = scale * dS * dtanh, with dS = dL/ds
-(the same dS is the bias gradient).
+`exp2`. The backward needs dL/d(q.k) = scale * dS * dmod * dtanh, with
+dS = dL/ds (dS * dmod is the bias gradient), dmod the score_mod's derivative
+(it is elementwise) and dtanh the soft-cap's.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable
 
+import jax
 import jax.numpy as jnp
 
 LOG2E = math.log2(math.e)
@@ -39,6 +43,8 @@ class Scores:
   dropout_broadcast: bool = False
   # A sink logit per head in the softmax's denominator (`Operands.sinks`).
   sinks: bool = False
+  # A user's score_mod (`mods.ElementwiseMod`, flex attention).
+  mod: Callable | None = None
 
   @property
   def dropout(self) -> bool:
@@ -46,13 +52,15 @@ class Scores:
 
   @property
   def plain(self) -> bool:
-    return self.soft_cap is None and not self.alibi and not self.bias
+    return (self.soft_cap is None and not self.alibi and not self.bias
+            and self.mod is None)
 
-  def logits2(self, qk, rows=None, cols=None, slope=None, bias=None):
+  def logits2(self, qk, rows=None, cols=None, slope=None, bias=None,
+              batch=None, head=None):
     """Base-2 logits from the raw dot products `qk` (float32 tile).
 
-    Returns (s2, tanh) where `tanh` is the soft-cap's tanh (None without one),
-    which the backward needs for the derivative.
+    Returns (s2, aux): what `dqk` needs for the derivative (None for plain
+    scores; the soft-cap's tanh and the score_mod's derivative).
     """
     if self.plain:  # One multiply: the hot path of plain attention.
       return qk * (self.scale * LOG2E), None
@@ -66,10 +74,20 @@ class Scores:
       s = s - slope * jnp.abs(rows - cols).astype(jnp.float32)
     if self.bias:
       s = s + bias
-    return s * LOG2E, t
+    dmod = None
+    if self.mod is not None:
+      s, dmod = jax.jvp(lambda s: self.mod(s, batch, head, rows, cols), (s,),
+                        (jnp.ones_like(s),))
+    return s * LOG2E, (t, dmod)
 
-  def dqk(self, ds, t):
-    """dL/d(q.k) / scale from dS = dL/ds (the caller multiplies by scale once)."""
-    if t is None:
+  def dqk(self, ds, aux):
+    """dL/d(q.k) / scale from dS = dL/ds (the caller multiplies by scale
+    once); aux from `logits2`."""
+    if aux is None:
       return ds
-    return ds * (1.0 - t * t)
+    t, dmod = aux
+    if dmod is not None:
+      ds = ds * dmod
+    if t is not None:
+      ds = ds * (1.0 - t * t)
+    return ds

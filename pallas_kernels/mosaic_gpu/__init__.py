@@ -48,12 +48,13 @@ class MosaicGpuBackend:
     if problem.head_dim not in config.HEAD_DIMS:
       return (f"head_dim must be one of {config.HEAD_DIMS} for the Mosaic GPU "
               f"kernels, got {problem.head_dim}")
-    if mask.has_ids or mask.has_dense or mask.has_q_offsets:
+    if (mask.has_ids or mask.has_dense or mask.has_q_offsets or
+        mask.mod is not None):
       return ("the Mosaic GPU kernels take causal masks and windows only "
-              "(no lengths, segments or dense masks yet)")
+              "(no lengths, segments, dense masks or mask_mods yet)")
     if not scores.plain or scores.dropout or scores.sinks:
       return ("the Mosaic GPU kernels take no bias, soft-cap, ALiBi, "
-              "dropout or sinks yet")
+              "score_mod, dropout or sinks yet")
     return None
 
   def config(self, block_sizes, problem: Problem, dtype, *, is_causal: bool,

@@ -53,7 +53,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
   q_len, group = q_ref.shape[0], q_ref.shape[1]
   kv_len = k_ref.shape[0]
   ctx = TileContext(mask, scores, operand_refs, id_table_ref, q_len, kv_len,
-                    block_q, block_k, batch=pl.program_id(1), transposed=True)
+                    block_q, block_k, batch=pl.program_id(1),
+                    query_head=pl.program_id(2) * group, transposed=True)
   kv_tile = pl.program_id(0)
   kv_start = kv_tile * block_k
   # Keys past a length may hold garbage: zeroed (dK/dV there come out 0).
@@ -63,7 +64,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
                                     head_dim=value_head_dim), kv_start,
                           keys=True)
   kv_ids = ctx.kv_ids(kv_start) if mask.has_ids else None
-  first_head = pl.program_id(2) * group  # Global index of the group's head 0.
 
   def body(j, carry, *, head, slope, masked: bool):
     dk, dv = carry
@@ -86,7 +86,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
     if masked:
       p_t = jnp.where(ctx.visible(q_start, kv_start, kv_ids=kv_ids,
                                   head=head), p_t, 0.0)
-    query_head = first_head + head
+    query_head = ctx.query_head + head
     dv = dv + dot(ctx.dropped(p_t, q_start, kv_start, query_head)
                   .astype(do.dtype), do)
     dp_t = ctx.dropped(dot(v, do, trans_b=True), q_start, kv_start,
@@ -122,7 +122,8 @@ class _QueryTile:
                value_head_dim, block_q, block_k):
     q_len, kv_len = q_ref.shape[0], k_ref.shape[0]
     self.ctx = TileContext(mask, scores, operand_refs, id_table_ref, q_len,
-                           kv_len, block_q, block_k, batch=pl.program_id(1))
+                           kv_len, block_q, block_k, batch=pl.program_id(1),
+                           query_head=pl.program_id(2))
     self.k_ref, self.v_ref = k_ref, v_ref
     self.head_dim, self.block_k = head_dim, block_k
     self.value_head_dim = value_head_dim
@@ -277,7 +278,8 @@ def flash_backward(q, k, v, operands: Operands, o, lse, do, dlse, *,
     return pl.BlockSpec((None, kv_len, None, width),
                         lambda j, b, h: (b, 0, h, 0))
   group_stat_spec = pl.BlockSpec((None, group, q_len), lambda j, b, h: (b, h, 0))
-  extra = operand_specs.for_key_tiles(operands, bq, bk, group)
+  extra = operand_specs.for_key_tiles(operands, mask, bq, bk, q_len, kv_len,
+                                      group)
   dk, dv = pl.pallas_call(
       functools.partial(_dkdv_kernel, block_q=bq, block_k=bk, **static),
       grid=(pl.cdiv(kv_len, bk), batch, num_kv_heads),
@@ -302,7 +304,8 @@ def flash_backward(q, k, v, operands: Operands, o, lse, do, dlse, *,
     return pl.BlockSpec((None, kv_len, None, width),
                         lambda i, b, n: (b, 0, lax.div(n, group), 0))
   stat_spec = pl.BlockSpec((None, None, q_len), lambda i, b, n: (b, n, 0))
-  extra = operand_specs.for_query_tiles(operands, bq, bk)
+  extra = operand_specs.for_query_tiles(operands, mask, bq, bk, q_len,
+                                        kv_len)
 
   def query_tile_call(kernel, name, out_spec, out_shape):
     return pl.pallas_call(

@@ -38,7 +38,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, operand_refs: Operands, id_table_ref,
   """
   q_len, kv_len = q_ref.shape[0], k_ref.shape[0]
   ctx = TileContext(mask, scores, operand_refs, id_table_ref, q_len, kv_len,
-                    block_q, block_k, batch=pl.program_id(1))
+                    block_q, block_k, batch=pl.program_id(1),
+                    query_head=pl.program_id(2))
   # Longest query tiles first: under a causal mask the last tiles do the most.
   i = pl.num_programs(0) - 1 - pl.program_id(0)
   q_start = i * block_q
@@ -104,7 +105,8 @@ def flash_forward(q, k, v, operands: Operands, *, scores: Scores, mask: Mask,
   def kv_spec(h):
     return pl.BlockSpec((None, kv_len, None, padded_head_dim(h)),
                         lambda i, b, n: (b, 0, lax.div(n, group), 0))
-  extra = operand_specs.for_query_tiles(operands, bq, bk)
+  extra = operand_specs.for_query_tiles(operands, mask, bq, bk, q_len,
+                                        kv_len)
   kernel = functools.partial(
       _forward_kernel, scores=scores, mask=mask, head_dim=head_dim,
       value_head_dim=value_head_dim, block_q=bq, block_k=bk)

@@ -43,9 +43,9 @@ def _forward_v1_kernel(q_ref, k_ref, v_ref, operand_refs: Operands,
   the optional operands' refs (`operand_specs.for_heads`).
   """
   q_len, kv_len = q_ref.shape[0], k_ref.shape[0]
-  ctx = TileContext(mask, scores, operand_refs, id_table_ref, q_len, kv_len,
-                    block_q, block_k, batch=pl.program_id(0))
   head = pl.program_id(1)  # Read here: the interpreter wants it outside loops.
+  ctx = TileContext(mask, scores, operand_refs, id_table_ref, q_len, kv_len,
+                    block_q, block_k, batch=pl.program_id(0), query_head=head)
   slope = ctx.slope(head)
   hp = q_ref.shape[-1]
 
@@ -118,7 +118,7 @@ def flash_forward_v1(q, k, v, operands: Operands, *, scores: Scores,
   group = num_heads // num_kv_heads
   hp = padded_head_dim(head_dim)
   bq, bk = block_sizes.block_q, block_sizes.block_k
-  extra = operand_specs.for_heads(operands, bq, bk)
+  extra = operand_specs.for_heads(operands, mask, bq, bk, q_len, kv_len)
   kernel = functools.partial(
       _forward_v1_kernel, scores=scores, mask=mask,
       head_dim=head_dim, block_q=bq, block_k=bk, interpret=interpret)

@@ -6,8 +6,9 @@ group of query heads, so per-query-head operands come as [G, ...] blocks;
 and (batch, head) for the FlashAttention-1 forward. Every array is passed
 whole per (batch, head): kernels load their tiles from it.
 
-Alongside the operands goes the id-range table of `mask.id_block_table` when
-the mask has ids: for each row tile, the column tiles to visit.
+Alongside the operands goes the tile-range table when the mask has one
+(`mask.id_block_table` of the ids, or `mask.kinds_block_table` of a
+mask_mod's tile kinds): for each row tile, the column tiles to visit.
 """
 from __future__ import annotations
 
@@ -69,37 +70,51 @@ def _build(operands: Operands, batch_head, group: int | None, table):
       for f in dataclasses.fields(Operands)})
   table_spec = None
   if table is not None:
-    table_spec = pl.BlockSpec((None,) + table.shape[1:],
-                              lambda *g: (batch_head(*g)[0], 0, 0))
+    per_batch = table.shape[0] > 1  # A mask_mod's table may broadcast.
+    table_spec = pl.BlockSpec(
+        (None,) + table.shape[1:],
+        lambda *g: (batch_head(*g)[0] if per_batch else 0, 0, 0))
   return KernelOperands(operands, specs, table, table_spec)
 
 
-def for_query_tiles(operands: Operands, block_q: int,
-                    block_k: int) -> KernelOperands:
-  """Grid (query tile, batch, head); the table lists key tiles per query tile."""
-  table = None
+def _table(operands: Operands, mask: mask_lib.Mask, block_q: int,
+           block_k: int, q_len: int, kv_len: int, *, by_keys: bool):
+  """(the operands the kernels read, the tile-range table or None): rows of
+  the table are query tiles, or key tiles with by_keys."""
   if operands.q_ids is not None:
-    table = mask_lib.id_block_table(operands.q_ids, operands.kv_ids, block_q,
-                                    block_k)
+    rows, cols = ((operands.kv_ids, operands.q_ids) if by_keys else
+                  (operands.q_ids, operands.kv_ids))
+    blocks = (block_k, block_q) if by_keys else (block_q, block_k)
+    return operands, mask_lib.id_block_table(rows, cols, *blocks)
+  if operands.tile_kinds is not None:
+    blocks = (block_k, block_q) if by_keys else (block_q, block_k)
+    table = mask_lib.kinds_block_table(operands.tile_kinds, mask, *blocks,
+                                       q_len, kv_len, transposed=by_keys)
+    return dataclasses.replace(operands, tile_kinds=None), table
+  return operands, None
+
+
+def for_query_tiles(operands: Operands, mask: mask_lib.Mask, block_q: int,
+                    block_k: int, q_len: int, kv_len: int) -> KernelOperands:
+  """Grid (query tile, batch, head); the table lists key tiles per query tile."""
+  operands, table = _table(operands, mask, block_q, block_k, q_len, kv_len,
+                           by_keys=False)
   return _build(operands, lambda i, b, n: (b, n), None, table)
 
 
-def for_key_tiles(operands: Operands, block_q: int, block_k: int,
+def for_key_tiles(operands: Operands, mask: mask_lib.Mask, block_q: int,
+                  block_k: int, q_len: int, kv_len: int,
                   group: int) -> KernelOperands:
   """Grid (key tile, batch, kv head); per-query-head operands as the group's
   [G, ...] heads; the table lists query tiles per key tile."""
-  table = None
-  if operands.q_ids is not None:
-    table = mask_lib.id_block_table(operands.kv_ids, operands.q_ids, block_k,
-                                    block_q)
+  operands, table = _table(operands, mask, block_q, block_k, q_len, kv_len,
+                           by_keys=True)
   return _build(operands, lambda j, b, h: (b, h), group, table)
 
 
-def for_heads(operands: Operands, block_q: int,
-              block_k: int) -> KernelOperands:
+def for_heads(operands: Operands, mask: mask_lib.Mask, block_q: int,
+              block_k: int, q_len: int, kv_len: int) -> KernelOperands:
   """Grid (batch, head), key tiles in the outer loop (FlashAttention-1)."""
-  table = None
-  if operands.q_ids is not None:
-    table = mask_lib.id_block_table(operands.kv_ids, operands.q_ids, block_k,
-                                    block_q)
+  operands, table = _table(operands, mask, block_q, block_k, q_len, kv_len,
+                           by_keys=True)
   return _build(operands, lambda b, n: (b, n), None, table)

@@ -74,6 +74,9 @@ class TileContext:
   block_q: int
   block_k: int
   batch: Any = None  # This program's batch index (dropout, offsets).
+  # This program's query head; with a GQA group per program (dK/dV), its
+  # first head, and methods take `head` within the group (a mask_mod's h).
+  query_head: Any = None
   transposed: bool = False
 
   def __post_init__(self):
@@ -96,7 +99,7 @@ class TileContext:
     return self._refine(ranges, kv_tile)
 
   def _refine(self, ranges, tile):
-    if self.mask.has_ids:
+    if self.mask.has_table:
       ranges = mask_lib.intersect_ranges(
           ranges, load_table_row(self.id_table, tile))
     if self.mask.has_dense:  # Read tile by tile: no tile is known full.
@@ -145,7 +148,12 @@ class TileContext:
     if self.scores.bias:
       bias = self._pair_tile(self.refs.bias, head, q_start, k_start, 0.0)
       bias = bias.astype(jnp.float32)
-    return self.scores.logits2(qk, rows, cols, slope, bias)
+    return self.scores.logits2(qk, rows, cols, slope, bias, self.batch,
+                               self._query_head(head))
+
+  def _query_head(self, head):
+    """The global query head of `head` (within this program's group)."""
+    return self.query_head if head is None else self.query_head + head
 
   def visible(self, q_start, k_start, *, q_ids=None, kv_ids=None, head=None):
     """Boolean tile: which (query, key) pairs attend."""
@@ -156,7 +164,7 @@ class TileContext:
       if kv_ids is None:
         kv_ids = self.kv_ids(k_start)
     ok = self.mask.visible(rows, cols, self.kv_len, q_ids, kv_ids,
-                           self.q_offset)
+                           self.q_offset, self.batch, self._query_head(head))
     if self.mask.has_dense:
       ok = jnp.logical_and(
           ok, self._pair_tile(self.refs.dense_mask, head, q_start, k_start,
