@@ -10,6 +10,7 @@
 #   bash scripts/gpu_check.sh ring      # ring_attention on every local GPU
 #   bash scripts/gpu_check.sh tune      # head-dim-256 block-size sweep
 #   bash scripts/gpu_check.sh train     # train_lm at GPT-2-small size: flash, cuDNN, flax
+#   bash scripts/gpu_check.sh pending   # what landed after the last GPU run (~6 min)
 #   bash scripts/gpu_check.sh mosaic    # the Mosaic kernels: correctness sweep + 8k benchmark
 #                                       # (with tokamax if .whl/ is carried: scripts/tokamax_wheels.sh)
 # TESTS="tests/a.py::b ..." limits `tests` to those; BENCH_ARGS replaces
@@ -101,6 +102,21 @@ for mode in "$@"; do
           > "$OUT/train_$impl.log" 2>&1
         echo "train $impl: exit $?"; tr '\r' '\n' < "$OUT/train_$impl.log" | tail -n 8
       done
+      ;;
+    pending)
+      # Landed without a GPU run (2026-11-30, fourth session): flex
+      # attention on the Triton kernels, the linen sinks, the Mosaic tests
+      # with any lengths, the GPU-only tests with the Mosaic backward as the
+      # default; then flex beside is_causal/windows/segments (speed).
+      JAX_FLASH_FAILURE_LOG="$OUT/failures.log" timeout "${TESTS_LIMIT:-300}" \
+        python3 -m pytest -q -n 16 -rfE -p no:cacheprovider tests/test_flex.py \
+        tests/test_gpu.py "tests/test_flax.py::test_linen_sinks_parameter_trains_and_matches_the_reference" \
+        > "$OUT/pending_tests.log" 2>&1
+      echo "pytest exit: $?"; tail -n 15 "$OUT/pending_tests.log"
+      bench flex_window 120 --scenario window --seq-lens 8192 --sizes 1024 \
+        --head-dims 128
+      bench flex_documents 120 --scenario documents --seq-lens 16384 \
+        --sizes 16 --head-dims 128
       ;;
     mosaic)
       timeout "${MOSAIC_LIMIT:-300}" python3 benchmarks/mosaic_check.py \
