@@ -230,7 +230,9 @@ def run_decode(head_dim, hidden, kv_heads, cache_lens, batches, dtype, calls,
   """One new token per sequence against a full cache: achieved bandwidth.
 
   Bytes counted: the K and V cache read once (2 * B * S * K * H * itemsize).
-  The same run times a device copy (read + write) as the ceiling.
+  The same run times a device copy (read + write) as the ceiling. The
+  "paged_16"/"paged_64" rows read the same cache as pages of 16 / 64 tokens
+  in a random order (`flash_decode(key_pages=..., page_table=...)`).
   """
   num_heads = hidden // head_dim
   kv_heads = kv_heads or max(1, num_heads // 4)
@@ -248,9 +250,28 @@ def run_decode(head_dim, hidden, kv_heads, cache_lens, batches, dtype, calls,
       vc = jax.random.normal(keys[2], kc.shape, dtype)
       lengths = jnp.full((batch,), cache_len, jnp.int32)
       nbytes = 2 * kc.size * kc.dtype.itemsize
+      def paged(page_size):
+        """(the same cache as pages [B * S / p, p, K, H] in a shuffled
+        order, and its page table)."""
+        num = batch * cache_len // page_size
+        order = jax.random.permutation(keys[2], num)
+        table = order.reshape(batch, cache_len // page_size).astype(jnp.int32)
+        pages = [jnp.zeros((num, page_size) + x.shape[2:], x.dtype).at[
+            order].set(x.reshape((num, page_size) + x.shape[2:]))
+                 for x in (kc, vc)]
+        return (q, *pages, table)
+
+      def paged_decode(q, k_pages, v_pages, table):
+        return jax_flash.flash_decode(
+            q, kv_lengths=lengths, key_pages=k_pages, value_pages=v_pages,
+            page_table=table, implementation="pallas")
+
+      # name: (function, its arguments)
       impls = {
           "flash_decode": lambda q, k, v: jax_flash.flash_decode(
               q, k, v, kv_lengths=lengths, implementation="pallas"),
+          "paged_16": (paged_decode, paged(16)),
+          "paged_64": (paged_decode, paged(64)),
           "xla": lambda q, k, v: jax.nn.dot_product_attention(
               q, k, v, key_value_seq_lengths=lengths, implementation="xla"),
           "cudnn": lambda q, k, v: jax.nn.dot_product_attention(
@@ -258,12 +279,13 @@ def run_decode(head_dim, hidden, kv_heads, cache_lens, batches, dtype, calls,
               implementation="cudnn"),
       }
       for name, fn in impls.items():
+        fn, args = fn if isinstance(fn, tuple) else (fn, (q, kc, vc))
         row = dict(scenario="decode", impl=name, batch=batch,
                    cache_len=cache_len, num_heads=num_heads,
                    num_kv_heads=kv_heads, head_dim=head_dim,
                    copy_tb_s=copy_bw / 1e12)
         try:
-          seconds = _time(jax.jit(fn), (q, kc, vc), calls, repeats)
+          seconds = _time(jax.jit(fn), args, calls, repeats)
           row.update(us=seconds * 1e6, tb_s=nbytes / seconds / 1e12,
                      of_copy=nbytes / seconds / copy_bw)
         except Exception as e:

@@ -107,9 +107,10 @@ for mode in "$@"; do
       # Landed without a GPU run (2026-11-30, fourth session): flex
       # attention on the Triton kernels, the linen sinks, the Mosaic tests
       # with any lengths, the GPU-only tests with the Mosaic backward as the
-      # default; then flex beside is_causal/windows/segments (speed).
+      # default, paged decode with several pages per tile; then flex beside
+      # is_causal/windows/segments and paged vs contiguous decode (speed).
       JAX_FLASH_FAILURE_LOG="$OUT/failures.log" timeout "${TESTS_LIMIT:-300}" \
-        python3 -m pytest -q -n 16 -rfE -p no:cacheprovider tests/test_flex.py \
+        python3 -m pytest -q -n 16 -rfE -p no:cacheprovider tests/test_flex.py tests/test_decode.py \
         tests/test_gpu.py "tests/test_flax.py::test_linen_sinks_parameter_trains_and_matches_the_reference" \
         > "$OUT/pending_tests.log" 2>&1
       echo "pytest exit: $?"; tail -n 15 "$OUT/pending_tests.log"
@@ -117,6 +118,9 @@ for mode in "$@"; do
         --head-dims 128
       bench flex_documents 120 --scenario documents --seq-lens 16384 \
         --sizes 16 --head-dims 128
+      # Paged decode, several pages per key tile (one gather).
+      bench decode_paged 150 --scenario decode --head-dims 128 \
+        --seq-lens 8192 32768 --batches 8 64
       ;;
     mosaic)
       timeout "${MOSAIC_LIMIT:-300}" python3 benchmarks/mosaic_check.py \

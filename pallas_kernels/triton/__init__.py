@@ -105,12 +105,13 @@ class TritonBackend:
                           config=self.config(None, problem, q.dtype,
                                              is_causal=True))
     head_dim = q.shape[-1]
-    if page_table is not None:
-      block_k = k.shape[1]  # One page per key tile.
-      num_tiles = page_table.shape[1]
+    if page_table is not None:  # Several pages per key tile.
+      kv_len = page_table.shape[1] * k.shape[1]
+      block_k = max(k.shape[1], config.decode_block_k(head_dim, kv_len))
     else:
-      block_k = config.decode_block_k(head_dim, k.shape[1])
-      num_tiles = -(-k.shape[1] // block_k)
+      kv_len = k.shape[1]
+      block_k = config.decode_block_k(head_dim, kv_len)
+    num_tiles = -(-kv_len // block_k)
     if num_splits is None:
       num_splits = config.decode_splits(q.shape[0], k.shape[2], num_tiles)
     return flash_decode(q, k, v, kv_lengths, scores=scores, mask=mask,

@@ -126,9 +126,10 @@ class BlockSizes:
 
 
 def decode_block_k(head_dim: int, kv_len: int) -> int:
-  """Key tile of the split-KV decode kernel over a contiguous cache (a paged
-  cache uses its page size): 128 rows up to head dim 128, 64 above, never
-  more than the cache. Measured with it: results/2026-11-30-h200-session2/decode.md."""
+  """Key tile of the split-KV decode kernel: 128 rows up to head dim 128, 64
+  above, never more than the cache. Measured with it (contiguous):
+  results/2026-11-30-h200-session2/decode.md. A paged cache fills a tile
+  with several pages (never less than one page); not yet measured so."""
   return min(128 if padded_head_dim(head_dim) <= 128 else 64,
              max(16, 1 << (kv_len - 1).bit_length()))
 

@@ -25,8 +25,8 @@ from jax_flash.spec import softmax
 from jax_flash.spec.mask import Mask, cdiv
 from jax_flash.spec.scores import Scores
 from pallas_kernels.triton.config import padded_head_dim
-from pallas_kernels.triton.tiles import (dot, load_tile, store_row_stat,
-                                         store_tile)
+from pallas_kernels.triton.tiles import (dot, load_pages, load_tile,
+                                         store_row_stat, store_tile)
 
 
 def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, *refs, scores: Scores,
@@ -37,8 +37,10 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, *refs, scores: Scores,
 
   q_ref: [R, Hp], rows r = g * T + t (padded past G*T); k_ref: [S_max, Hp]
   and v_ref [S_max, Hvp], or with `paged` [num_pages, page_size, Hp|Hvp] and
-  then refs starts with the page table row [pages_per_seq]. Outputs: o_ref
-  [R, Hvp] (normalized partial output) and lse_ref [R] (-inf if empty).
+  then refs starts with the page table row [pages_per_seq]: a key tile of
+  block_k rows is block_k / page_size pages, gathered in one load. Outputs:
+  o_ref [R, Hvp] (normalized partial output) and lse_ref [R] (-inf if
+  empty).
   """
   if paged:
     table_ref, o_ref, lse_ref = refs
@@ -56,12 +58,12 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, *refs, scores: Scores,
   def body(j, carry):
     acc, m, l = carry
     k_start = j * block_k
-    if paged:  # Rows of the page past kv_len may hold anything: mask them.
-      page = table_ref[j]
-      k = load_tile(k_ref, 0, block_k, row_bound=kv_len - k_start,
-                    head_dim=head_dim, page=page)
-      v = load_tile(v_ref, 0, block_k, row_bound=kv_len - k_start,
-                    head_dim=value_head_dim, page=page)
+    if paged:  # Rows of the pages past kv_len may hold anything: zeroed.
+      pages_per_tile = block_k // k_ref.shape[1]
+      k = load_pages(k_ref, table_ref, j * pages_per_tile, pages_per_tile,
+                     row_bound=kv_len - k_start, head_dim=head_dim)
+      v = load_pages(v_ref, table_ref, j * pages_per_tile, pages_per_tile,
+                     row_bound=kv_len - k_start, head_dim=value_head_dim)
     else:
       k = load_tile(k_ref, k_start, block_k, row_bound=kv_len,
                     head_dim=head_dim)
@@ -90,7 +92,8 @@ def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
 
   Contiguous cache: k_cache, v_cache [B, S_max, K, H]. Paged (page_table
   [B, pages_per_seq] int32 given): k_cache, v_cache are pages
-  [num_pages, page_size, K, H] and block_k must equal page_size. `mask`: the
+  [num_pages, page_size, K, H] and block_k is a multiple of page_size (the
+  pages of one key tile). `mask`: the
   band (causal, a left window) of queries at positions kv_lengths[b] - T + t.
   sinks: float32 [N] sink logits joining each head's denominator, or None.
   Value may have a head dim Hv of its own. Returns (out [B, T, N, Hv] in
@@ -108,8 +111,10 @@ def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
                                             head_dim)
   qr = jnp.pad(qr, ((0, 0), (0, 0), (0, rows - group * q_len), (0, 0)))
   paged = page_table is not None
-  max_tiles = page_table.shape[1] if paged else pl.cdiv(k_cache.shape[1],
-                                                         block_k)
+  if paged:
+    max_tiles = pl.cdiv(page_table.shape[1] * k_cache.shape[1], block_k)
+  else:
+    max_tiles = pl.cdiv(k_cache.shape[1], block_k)
   tiles_per_split = pl.cdiv(max_tiles, num_splits)
   kernel = functools.partial(
       _decode_kernel, scores=scores, mask=mask, q_len=q_len,

@@ -30,27 +30,40 @@ def _rows(start, size):
   return pl.ds(jnp.asarray(start, jnp.int32), size)
 
 
-def _index(ref, start, size, head, page=None):
+def _index(ref, start, size, head):
   rows = _rows(start, size)
-  if page is not None:  # [pages, page_size, Hp]: rows of one page.
-    return ref.at[page, rows, :]
   if head is None:
     return ref.at[rows, :]
   return ref.at[rows, head, :]
 
 
-def load_tile(ref, start, size, *, row_bound=None, head_dim=None, head=None,
-              page=None):
-  """ref[start:start+size, (head,) :] (or ref[page, start:start+size, :]),
-  zero where masked.
+def load_tile(ref, start, size, *, row_bound=None, head_dim=None, head=None):
+  """ref[start:start+size, (head,) :], zero where masked.
 
   `row_bound=None` promises every row is in bounds (interior tiles).
   """
   mask = _mask(ref, start, size, row_bound, head_dim)
-  view = _index(ref, start, size, head, page)
+  view = _index(ref, start, size, head)
   if mask is None:
     return plgpu.load(view)
   return plgpu.load(view, mask=mask, other=0.0)
+
+
+def load_pages(ref, table_ref, first, num_pages: int, *, row_bound, head_dim):
+  """A key tile of `num_pages` pages of a paged cache ref [pages, page_size,
+  Hp]: pages table_ref[first:first + num_pages] of a table row
+  [pages_per_seq], in one gather load; zero at rows >= row_bound (they may
+  hold anything: the where never multiplies them) and columns >= head_dim.
+  Slots past the table and page ids past the cache are clamped, so a
+  garbage entry is never read out of bounds (its rows are past row_bound)."""
+  page_size, width = ref.shape[1], ref.shape[2]
+  rows = jnp.arange(num_pages * page_size)
+  slots = jnp.minimum(first + rows // page_size, table_ref.shape[0] - 1)
+  pages = jnp.clip(table_ref[slots], 0, ref.shape[0] - 1)
+  cols = jnp.arange(width)
+  tile = ref[pages[:, None], (rows % page_size)[:, None], cols[None, :]]
+  keep = (rows < row_bound)[:, None] & (cols < head_dim)[None, :]
+  return jnp.where(keep, tile, jnp.zeros_like(tile))
 
 
 def store_tile(ref, start, value, *, row_bound, head_dim, head=None):
