@@ -125,18 +125,32 @@ def test_value_head_dim_of_its_own_lowers():
   assert "flash_attention_backward_dkdv" in text
 
 
-def test_decode_of_a_prompt_chunk_lowers():
-  """More than 64 new tokens: the training kernel with query offsets."""
+@pytest.mark.parametrize("page_size", [None, 16, 256])
+def test_decode_of_a_prompt_chunk_lowers(page_size):
+  """More than 64 new tokens: the training kernel with query offsets; a
+  paged cache read through its page table (pages smaller and larger than
+  the kernel's key tile), no gather of the cache first."""
   q = jax.ShapeDtypeStruct((2, 256, 8, 128), jnp.bfloat16)
-  cache = jax.ShapeDtypeStruct((2, 2048, 2, 128), jnp.bfloat16)
   lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
-  f = lambda q, c, n: jax_flash.flash_decode(q, c, c, kv_lengths=n,
-                                             implementation="triton")
+  if page_size is None:
+    cache = jax.ShapeDtypeStruct((2, 2048, 2, 128), jnp.bfloat16)
+    f = lambda q, n, c: jax_flash.flash_decode(q, c, c, kv_lengths=n,
+                                               implementation="triton")
+    args = (q, lengths, cache)
+  else:
+    pages = jax.ShapeDtypeStruct((4096 // page_size, page_size, 2, 128),
+                                 jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((2, 2048 // page_size), jnp.int32)
+    f = lambda q, n, p, t: jax_flash.flash_decode(
+        q, kv_lengths=n, key_pages=p, value_pages=p, page_table=t,
+        implementation="triton")
+    args = (q, lengths, pages, table)
   with jax.sharding.use_abstract_mesh(
       mesh_lib.AbstractMesh((1,), ("x",), abstract_device=H200)):
-    text = jax.jit(f).trace(q, cache, lengths).lower(
+    text = jax.jit(f).trace(*args).lower(
         lowering_platforms=("cuda",)).as_text()
   assert "flash_attention_forward" in text
+  assert "stablehlo.gather" not in text  # The old path copied the pages.
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax_flash.spec.checks import Problem
 from jax_flash.spec.mask import Mask
 from jax_flash.spec.operands import Operands
-from jax_flash.spec.problem import gather_pages, prepare_decode
+from jax_flash.spec.problem import prepare_decode
 from jax_flash.spec.scores import Scores
 from pallas_kernels.triton import config
 from pallas_kernels.triton.config import BlockSizes
@@ -91,19 +91,20 @@ class TritonBackend:
 
     Up to `config.SPLIT_KV_MAX_QUERIES` new tokens: the split-KV kernel
     (parallel over chunks of the cache). More (a prompt chunk): the training
-    forward kernel on the same mask with per-sequence query offsets; a paged
-    cache is gathered first (a copy; not yet read through the page table).
+    forward kernel on the same mask with per-sequence query offsets, reading
+    a paged cache through its page table (no copy).
     """
     if q.shape[1] > config.SPLIT_KV_MAX_QUERIES:
-      if page_table is not None:
-        k, v = gather_pages(k, page_table), gather_pages(v, page_table)
-      mask, operands = prepare_decode(mask, q.shape[1], k.shape[1],
-                                      kv_lengths, sinks)
-      problem = Problem(q.shape[0], q.shape[1], k.shape[1], q.shape[2],
+      kv_len = (k.shape[1] if page_table is None else
+                page_table.shape[1] * k.shape[1])
+      mask, operands = prepare_decode(mask, q.shape[1], kv_len, kv_lengths,
+                                      sinks)
+      problem = Problem(q.shape[0], q.shape[1], kv_len, q.shape[2],
                         k.shape[2], q.shape[3], False, v.shape[3])
-      return self.forward(q, k, v, operands, mask=mask, scores=scores,
-                          config=self.config(None, problem, q.dtype,
-                                             is_causal=True))
+      return flash_forward(q, k, v, operands, mask=mask, scores=scores,
+                           block_sizes=self.config(None, problem, q.dtype,
+                                                   is_causal=True),
+                           interpret=self.interpret, page_table=page_table)
     head_dim = q.shape[-1]
     if page_table is not None:  # Several pages per key tile.
       kv_len = page_table.shape[1] * k.shape[1]

@@ -38,7 +38,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, *refs, scores: Scores,
   q_ref: [R, Hp], rows r = g * T + t (padded past G*T); k_ref: [S_max, Hp]
   and v_ref [S_max, Hvp], or with `paged` [num_pages, page_size, Hp|Hvp] and
   then refs starts with the page table row [pages_per_seq]: a key tile of
-  block_k rows is block_k / page_size pages, gathered in one load. Outputs:
+  block_k rows gathers its pages in one load. Outputs:
   o_ref [R, Hvp] (normalized partial output) and lse_ref [R] (-inf if
   empty).
   """
@@ -59,11 +59,10 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, *refs, scores: Scores,
     acc, m, l = carry
     k_start = j * block_k
     if paged:  # Rows of the pages past kv_len may hold anything: zeroed.
-      pages_per_tile = block_k // k_ref.shape[1]
-      k = load_pages(k_ref, table_ref, j * pages_per_tile, pages_per_tile,
-                     row_bound=kv_len - k_start, head_dim=head_dim)
-      v = load_pages(v_ref, table_ref, j * pages_per_tile, pages_per_tile,
-                     row_bound=kv_len - k_start, head_dim=value_head_dim)
+      k = load_pages(k_ref, table_ref, k_start, block_k, row_bound=kv_len,
+                     head_dim=head_dim)
+      v = load_pages(v_ref, table_ref, k_start, block_k, row_bound=kv_len,
+                     head_dim=value_head_dim)
     else:
       k = load_tile(k_ref, k_start, block_k, row_bound=kv_len,
                     head_dim=head_dim)

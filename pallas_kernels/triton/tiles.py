@@ -49,20 +49,21 @@ def load_tile(ref, start, size, *, row_bound=None, head_dim=None, head=None):
   return plgpu.load(view, mask=mask, other=0.0)
 
 
-def load_pages(ref, table_ref, first, num_pages: int, *, row_bound, head_dim):
-  """A key tile of `num_pages` pages of a paged cache ref [pages, page_size,
-  Hp]: pages table_ref[first:first + num_pages] of a table row
-  [pages_per_seq], in one gather load; zero at rows >= row_bound (they may
-  hold anything: the where never multiplies them) and columns >= head_dim.
-  Slots past the table and page ids past the cache are clamped, so a
-  garbage entry is never read out of bounds (its rows are past row_bound)."""
+def load_pages(ref, table_ref, start, size, *, row_bound, head_dim):
+  """Cache positions [start, start + size) of one sequence in a paged cache
+  ref [pages, page_size, Hp] with page table row table_ref [pages_per_seq]
+  (position p: row p % page_size of page table_ref[p // page_size]), in one
+  gather load, whatever size and page_size are; zero at positions >=
+  row_bound (they may hold anything: the where never multiplies them) and
+  columns >= head_dim. Slots past the table and page ids past the cache are
+  clamped: a garbage entry is never read out of bounds."""
   page_size, width = ref.shape[1], ref.shape[2]
-  rows = jnp.arange(num_pages * page_size)
-  slots = jnp.minimum(first + rows // page_size, table_ref.shape[0] - 1)
+  positions = start + jnp.arange(size)
+  slots = jnp.minimum(positions // page_size, table_ref.shape[0] - 1)
   pages = jnp.clip(table_ref[slots], 0, ref.shape[0] - 1)
   cols = jnp.arange(width)
-  tile = ref[pages[:, None], (rows % page_size)[:, None], cols[None, :]]
-  keep = (rows < row_bound)[:, None] & (cols < head_dim)[None, :]
+  tile = ref[pages[:, None], (positions % page_size)[:, None], cols[None, :]]
+  keep = (positions < row_bound)[:, None] & (cols < head_dim)[None, :]
   return jnp.where(keep, tile, jnp.zeros_like(tile))
 
 
