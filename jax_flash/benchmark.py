@@ -225,6 +225,62 @@ def run_sparse(scenario, head_dim, hidden, seq_len, sizes, dtype, calls,
   return rows
 
 
+def _paged_cache(kc, vc, page_size: int, key):
+  """The cache kc, vc [B, S, K, H] as pages [B * S / p, p, K, H] in a
+  shuffled order, and its page table [B, S / p]: (k_pages, v_pages, table)."""
+  batch, cache_len = kc.shape[:2]
+  num = batch * cache_len // page_size
+  order = jax.random.permutation(key, num)
+  table = order.reshape(batch, cache_len // page_size).astype(jnp.int32)
+  pages = [jnp.zeros((num, page_size) + x.shape[2:], x.dtype).at[order].set(
+      x.reshape((num, page_size) + x.shape[2:])) for x in (kc, vc)]
+  return (*pages, table)
+
+
+def _paged_decode(lengths):
+  return lambda q, k_pages, v_pages, table: jax_flash.flash_decode(
+      q, kv_lengths=lengths, key_pages=k_pages, value_pages=v_pages,
+      page_table=table, implementation="pallas")
+
+
+def run_prefill(head_dim, hidden, kv_heads, cache_len, chunks, dtype, calls,
+                repeats, log=None):
+  """A prompt chunk of T tokens against a cache of `cache_len` (the chunk's
+  own keys last): contiguous and paged (16 / 64 tokens a page, shuffled);
+  TFLOP/s on the visible pairs (query t sees S - T + t + 1 keys), forward."""
+  num_heads = hidden // head_dim
+  kv_heads = kv_heads or max(1, num_heads // 4)
+  keys = jax.random.split(jax.random.key(cache_len), 4)
+  kc = jax.random.normal(keys[1], (1, cache_len, kv_heads, head_dim), dtype)
+  vc = jax.random.normal(keys[2], kc.shape, dtype)
+  lengths = jnp.full((1,), cache_len, jnp.int32)
+  rows = []
+  for chunk in chunks:
+    q = jax.random.normal(keys[0], (1, chunk, num_heads, head_dim), dtype)
+    pairs = chunk * (cache_len - chunk) + chunk * (chunk + 1) / 2
+    impls = {
+        "contiguous": (lambda q, k, v: jax_flash.flash_decode(
+            q, k, v, kv_lengths=lengths, implementation="pallas"),
+                       (q, kc, vc)),
+        "paged_16": (_paged_decode(lengths),
+                     (q, *_paged_cache(kc, vc, 16, keys[3]))),
+        "paged_64": (_paged_decode(lengths),
+                     (q, *_paged_cache(kc, vc, 64, keys[3]))),
+    }
+    for name, (fn, args) in impls.items():
+      row = dict(scenario="prefill", impl=name, chunk=chunk,
+                 cache_len=cache_len, num_heads=num_heads,
+                 num_kv_heads=kv_heads, head_dim=head_dim)
+      try:
+        seconds = _time(jax.jit(fn), args, calls, repeats)
+        row.update(ms=seconds * 1e3,
+                   tflops=4 * num_heads * head_dim * pairs / seconds / 1e12)
+      except Exception as e:  # Say what failed, go on.
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+      _record(rows, row, log)
+  return rows
+
+
 def run_decode(head_dim, hidden, kv_heads, cache_lens, batches, dtype, calls,
                repeats, log=None):
   """One new token per sequence against a full cache: achieved bandwidth.
@@ -250,28 +306,15 @@ def run_decode(head_dim, hidden, kv_heads, cache_lens, batches, dtype, calls,
       vc = jax.random.normal(keys[2], kc.shape, dtype)
       lengths = jnp.full((batch,), cache_len, jnp.int32)
       nbytes = 2 * kc.size * kc.dtype.itemsize
-      def paged(page_size):
-        """(the same cache as pages [B * S / p, p, K, H] in a shuffled
-        order, and its page table)."""
-        num = batch * cache_len // page_size
-        order = jax.random.permutation(keys[2], num)
-        table = order.reshape(batch, cache_len // page_size).astype(jnp.int32)
-        pages = [jnp.zeros((num, page_size) + x.shape[2:], x.dtype).at[
-            order].set(x.reshape((num, page_size) + x.shape[2:]))
-                 for x in (kc, vc)]
-        return (q, *pages, table)
-
-      def paged_decode(q, k_pages, v_pages, table):
-        return jax_flash.flash_decode(
-            q, kv_lengths=lengths, key_pages=k_pages, value_pages=v_pages,
-            page_table=table, implementation="pallas")
-
+      paged_decode = _paged_decode(lengths)
       # name: (function, its arguments)
       impls = {
           "flash_decode": lambda q, k, v: jax_flash.flash_decode(
               q, k, v, kv_lengths=lengths, implementation="pallas"),
-          "paged_16": (paged_decode, paged(16)),
-          "paged_64": (paged_decode, paged(64)),
+          "paged_16": (paged_decode,
+                       (q, *_paged_cache(kc, vc, 16, keys[2]))),
+          "paged_64": (paged_decode,
+                       (q, *_paged_cache(kc, vc, 64, keys[2]))),
           "xla": lambda q, k, v: jax.nn.dot_product_attention(
               q, k, v, key_value_seq_lengths=lengths, implementation="xla"),
           "cudnn": lambda q, k, v: jax.nn.dot_product_attention(
@@ -497,11 +540,15 @@ def main(argv=None):
   parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64],
                       help="decode: batch sizes")
   parser.add_argument("--scenario",
-                      choices=["dense", "window", "documents", "decode"],
+                      choices=["dense", "window", "documents", "decode",
+                               "prefill"],
                       default="dense",
                       help="window: causal sliding windows of --sizes over "
                       "one --seq-lens[0] sequence; documents: --sizes packed "
-                      "documents (segment ids)")
+                      "documents (segment ids); decode: one new token against "
+                      "caches of --seq-lens, --batches; prefill: chunks of "
+                      "--sizes tokens against a --seq-lens[0] cache, "
+                      "contiguous and paged")
   parser.add_argument("--sizes", type=int, nargs="+",
                       default=[1024, 2048, 4096],
                       help="window sizes, or numbers of documents")
@@ -516,6 +563,23 @@ def main(argv=None):
   causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
   os.makedirs(args.out, exist_ok=True)
   open(os.path.join(args.out, "benchmark.jsonl"), "w").close()
+  if args.scenario == "prefill":
+    rows = run_prefill(args.head_dims[0], args.hidden, args.kv_heads,
+                       args.seq_lens[0], args.sizes, jnp.dtype(args.dtype),
+                       args.calls, args.repeats,
+                       log=os.path.join(args.out, "benchmark.jsonl"))
+    lines = ["| chunk | cache | impl | ms | TFLOP/s (visible pairs) |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+      cells = (f"{r['ms']:.2f} | {r['tflops']:.0f}" if "ms" in r else
+               "fails | -")
+      lines.append(f"| {r['chunk']} | {r['cache_len']} | {r['impl']} | "
+                   f"{cells} |")
+    with open(os.path.join(args.out, "prefill.md"), "w") as f:
+      f.write(f"`python -m jax_flash.benchmark {' '.join(sys.argv[1:])}`\n\n"
+              + "\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return
   if args.scenario == "decode":
     rows = run_decode(args.head_dims[0], args.hidden, args.kv_heads,
                       args.seq_lens, args.batches, jnp.dtype(args.dtype),

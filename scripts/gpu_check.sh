@@ -118,9 +118,12 @@ for mode in "$@"; do
         --head-dims 128
       bench flex_documents 120 --scenario documents --seq-lens 16384 \
         --sizes 16 --head-dims 128
-      # Paged decode, several pages per key tile (one gather).
+      # Paged decode, several pages per key tile (one gather); a prompt
+      # chunk against a paged cache, read through the page table.
       bench decode_paged 150 --scenario decode --head-dims 128 \
         --seq-lens 8192 32768 --batches 8 64
+      bench prefill_paged 120 --scenario prefill --head-dims 128 \
+        --seq-lens 32768 --sizes 2048 256
       ;;
     mosaic)
       timeout "${MOSAIC_LIMIT:-300}" python3 benchmarks/mosaic_check.py \
