@@ -11,7 +11,8 @@ backend is an object with:
     forward(q, k, v, operands, *, mask, scores, config, version)
         -> (o [B, T, N, H], lse [B, N, T])
     backward(q, k, v, operands, o, lse, do, dlse, *, mask, scores, config)
-        -> (dq, dk, dv, dbias or None)
+        -> (dq, dk, dv, Operands of the differentiable operands' gradients:
+            bias, score_consts; None where not computed)
     decode(q, k, v, kv_lengths, *, mask, scores, num_splits, page_table,
            sinks) -> (o [B, T, N, H], lse [B, N, T])
 
@@ -52,9 +53,6 @@ class XlaBackend:
 
   def unsupported(self, problem, dtype, *, mask, scores, version=2,
                   decode=False):
-    if mask.mod is not None or scores.mod is not None:  # Never silently.
-      return ("mask_mod/score_mod run on flex_attention's own blockwise "
-              "loops, not this backend's")
     return None
 
   def config(self, block_sizes, problem, dtype, *, is_causal, version=2):

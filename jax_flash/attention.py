@@ -100,14 +100,17 @@ def _flash_bwd(cfg: _Config, residuals, cotangents):
   if _partitioned(operands):
     dq, dk, dv = _sharded_backward(q, k, v, o, lse, do, dlse, cfg)
     return dq, dk, dv, operands
-  dq, dk, dv, dbias = cfg.backend.backward(
+  dq, dk, dv, grads = cfg.backend.backward(
       q, k, v, operands, o, lse, do, dlse, mask=cfg.mask, scores=cfg.scores,
       config=cfg.block_sizes)
-  # Ids, the dense mask, the ALiBi slopes and the seed get no gradient.
+  # Ids, the dense mask, the ALiBi slopes, the seed, the tile kinds and the
+  # mask_mod's arrays get no gradient; the backend gives the bias's and the
+  # score_mod's arrays'.
   d_operands = jax.tree.map(jnp.zeros_like, operands)
-  if dbias is not None:
-    d_operands = dataclasses.replace(d_operands,
-                                     bias=dbias.astype(operands.bias.dtype))
+  for name in ("bias", "score_consts"):
+    if getattr(grads, name) is not None:
+      d_operands = dataclasses.replace(d_operands,
+                                       **{name: getattr(grads, name)})
   if operands.sinks is not None:
     d_operands = dataclasses.replace(
         d_operands, sinks=_sink_gradient(operands.sinks, o, lse, do, dlse))

@@ -99,6 +99,8 @@ def _setup(q, k, operands: Operands, mask: Mask, scores: Scores,
   b, t, n, _ = q.shape
   s, kh = k.shape[1], k.shape[2]
   bq, bk = min(config.block_q, t), min(config.block_k, s)
+  if mask.mod is not None:  # The blocks of the mask_mod's tile kinds.
+    bq, bk = mask.mod_tiles
   p = _Problem(mask, scores, t, s, bq, bk, kh, jnp.dtype(q.dtype))
   tp, sp = p.num_q_blocks * bq, p.num_k_blocks * bk
   ops = dataclasses.replace(
@@ -138,12 +140,27 @@ def _kv_ranges(p: _Problem, ops: Operands):
   else:
     lo, _, _, hi = jax.vmap(lambda s: mask_lib.kv_block_ranges(
         p.mask, s, p.block_q, p.block_k, p.kv_len))(starts)
+  table = None
   if p.mask.has_ids:
     table = mask_lib.id_block_table(ops.q_ids, ops.kv_ids, p.block_q,
                                     p.block_k)  # [B, nq, 4]
+  elif p.mask.mod is not None:
+    table = mask_lib.kinds_block_table(ops.tile_kinds, p.mask, p.block_q,
+                                       p.block_k, p.q_len, p.kv_len)
+  if table is not None:
     lo = jnp.maximum(lo, jnp.min(table[..., 0], axis=0))
     hi = jnp.minimum(hi, jnp.max(table[..., 3], axis=0))
   return lo, jnp.maximum(hi, lo)
+
+
+def _batch_head(x):
+  """Batch and query-head indices broadcasting against a [B, K, G, ...]
+  block (head n = k * G + g): a mask_mod's and score_mod's b and h."""
+  b, kh, g = x.shape[:3]
+  batch = jnp.arange(b, dtype=jnp.int32)[:, None, None, None, None]
+  head = (jnp.arange(kh, dtype=jnp.int32)[:, None] * g +
+          jnp.arange(g, dtype=jnp.int32)[None, :])[None, :, :, None, None]
+  return batch, head
 
 
 def _logits2(p: _Problem, ops: Operands, qk, q0, k0):
@@ -159,7 +176,11 @@ def _logits2(p: _Problem, ops: Operands, qk, q0, k0):
   if p.scores.bias:
     tile = _slice(_slice(ops.bias, 2, q0, p.block_q), 3, k0, p.block_k)
     bias = _per_head(tile.astype(jnp.float32), p.num_kv_heads)
-  s2, tanh = p.scores.logits2(qk, rows, cols, slope, bias)
+  batch = head = None
+  if p.mask.mod is not None or p.scores.mod is not None:
+    batch, head = _batch_head(qk)
+  s2, tanh = p.scores.logits2(qk, rows, cols, slope, bias, batch, head,
+                              ops.score_consts or ())
   q_ids = kv_ids = None
   if p.mask.has_ids:
     q_ids = lax.dynamic_slice_in_dim(ops.q_ids, q0, p.block_q, 1)
@@ -168,7 +189,15 @@ def _logits2(p: _Problem, ops: Operands, qk, q0, k0):
   offset = 0
   if p.mask.has_q_offsets:
     offset = ops.q_offsets[:, None, None, None, None]
-  visible = p.mask.visible(rows, cols, p.kv_len, q_ids, kv_ids, offset)
+  band = dataclasses.replace(p.mask, mod=None)
+  visible = band.visible(rows, cols, p.kv_len, q_ids, kv_ids, offset)
+  if p.mask.mod is not None:  # Evaluated only where a tile is not full.
+    full = jnp.all(ops.tile_kinds[:, q0 // p.block_q, k0 // p.block_k] ==
+                   mask_lib.FULL)
+    visible = visible & lax.cond(
+        full, lambda: jnp.ones(qk.shape, bool),
+        lambda: jnp.broadcast_to(p.mask.mod(
+            batch, head, rows, cols, consts=ops.mask_consts or ()), qk.shape))
   if p.mask.has_dense:
     tile = _slice(_slice(ops.dense_mask, 2, q0, p.block_q), 3, k0, p.block_k)
     visible = visible & (_per_head(tile, p.num_kv_heads) != 0)
@@ -179,12 +208,10 @@ def _dropped(p: _Problem, ops: Operands, x, q0, k0):
   """x * keep / (1 - rate) for a [B, K, G, bq, bk] block: the kernels' bits."""
   if not p.scores.dropout:
     return x
-  b, kh, g = x.shape[:3]
-  batch = jnp.arange(b, dtype=jnp.int32)[:, None, None, None, None]
-  head = (jnp.arange(kh, dtype=jnp.int32)[:, None] * g +
-          jnp.arange(g, dtype=jnp.int32)[None, :])[None, :, :, None, None]
   if p.scores.dropout_broadcast:
     batch, head = jnp.int32(0), jnp.int32(0)
+  else:
+    batch, head = _batch_head(x)
   rows = q0 + jnp.arange(p.block_q, dtype=jnp.int32)[:, None]
   cols = k0 + jnp.arange(p.block_k, dtype=jnp.int32)[None, :]
   seed = ops.dropout_seed
@@ -247,7 +274,9 @@ def forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
 
 def backward(q, k, v, operands: Operands, o, lse, do, dlse, *, mask: Mask,
              scores: Scores, config: BlockSizes):
-  """(dq, dk, dv, dbias or None) from the forward's o and logsumexp."""
+  """(dq, dk, dv, Operands of the operands' gradients: bias, and the arrays
+  a score_mod closes over; None where none) from the forward's o and
+  logsumexp."""
   p, tp, sp, ops = _setup(q, k, operands, mask, scores, config)
   b, t, n, h = q.shape
   kh, g = p.num_kv_heads, n // p.num_kv_heads
@@ -263,17 +292,31 @@ def backward(q, k, v, operands: Operands, o, lse, do, dlse, *, mask: Mask,
         3, 0, 1, 2, 4)
 
   bias_shape = None if ops.bias is None else ops.bias.shape
+  # The score_mod's floating arrays get gradients (dL/dS through its vjp).
+  consts = ops.score_consts or ()
+  trained = [jnp.issubdtype(c.dtype, jnp.inexact) for c in consts]
+
+  def const_grads(qk, q0, k0, ds):
+    def logits(floats):
+      it = iter(floats)
+      c = tuple(next(it) if t else x for x, t in zip(consts, trained))
+      return _logits2(p, dataclasses.replace(ops, score_consts=c), qk, q0,
+                      k0)[0]
+    floats = [c for c, t in zip(consts, trained) if t]
+    _, vjp = jax.vjp(logits, floats)
+    return vjp(ds / softmax.LOG2E)[0]  # s2 is s * log2(e).
 
   def q_block(carry, args):
     i, qb, dob, lse2_b, delta_b = args
     q0 = i * p.block_q
 
     def body(j, inner):
-      dq, dk, dv, dbias = inner
+      dq, dk, dv, dbias, dconsts = inner
       k0 = j * p.block_k
       kb = lax.dynamic_slice_in_dim(k, k0, p.block_k, 1)
       vb = lax.dynamic_slice_in_dim(v, k0, p.block_k, 1)
-      s2, tanh = _logits2(p, ops, p.dot("bqkgh,bskh->bkgqs", qb, kb), q0, k0)
+      qk = p.dot("bqkgh,bskh->bkgqs", qb, kb)
+      s2, tanh = _logits2(p, ops, qk, q0, k0)
       prob = jnp.exp2(s2 - lse2_b[..., None])
       dp = _dropped(p, ops, p.dot("bqkgh,bskh->bkgqs", dob, vb), q0, k0)
       dv_b = p.dot("bkgqs,bqkgh->bskh",
@@ -281,6 +324,9 @@ def backward(q, k, v, operands: Operands, o, lse, do, dlse, *, mask: Mask,
       ds = prob * (dp - delta_b[..., None])
       if dbias is not None:
         dbias = _add_dbias(dbias, ds, q0, k0, p)
+      if dconsts:
+        dconsts = jax.tree.map(jnp.add, dconsts,
+                               const_grads(qk, q0, k0, ds))
       dqk = p.scores.dqk(ds, tanh).astype(q.dtype)
       dq = dq + p.dot("bkgqs,bskh->bqkgh", dqk, kb)
       dk_b = p.dot("bkgqs,bqkgh->bskh", dqk, qb)
@@ -288,19 +334,20 @@ def backward(q, k, v, operands: Operands, o, lse, do, dlse, *, mask: Mask,
           dk, lax.dynamic_slice_in_dim(dk, k0, p.block_k, 1) + dk_b, k0, 1)
       dv = lax.dynamic_update_slice_in_dim(
           dv, lax.dynamic_slice_in_dim(dv, k0, p.block_k, 1) + dv_b, k0, 1)
-      return dq, dk, dv, dbias
+      return dq, dk, dv, dbias, dconsts
 
-    dk, dv, dbias = carry
     dq = jnp.zeros(qb.shape, jnp.float32)
-    dq, dk, dv, dbias = lax.fori_loop(lo[i], hi[i], body, (dq, dk, dv, dbias))
-    return (dk, dv, dbias), (dq * p.scores.scale).astype(q.dtype)
+    dq, *carry = lax.fori_loop(lo[i], hi[i], body, (dq, *carry))
+    return tuple(carry), (dq * p.scores.scale).astype(q.dtype)
 
   split = lambda x: blocks(pad_to(x, 1, tp), p.num_q_blocks, p.block_q, kh)
   dk0 = jnp.zeros((b, sp, kh, h), jnp.float32)
   dv0 = jnp.zeros((b, sp, kh, v.shape[-1]), jnp.float32)
   dbias0 = None if bias_shape is None else jnp.zeros(bias_shape, jnp.float32)
-  (dk, dv, dbias), dq = lax.scan(
-      q_block, (dk0, dv0, dbias0),
+  dconsts0 = [jnp.zeros(c.shape, jnp.float32)
+              for c, t in zip(consts, trained) if t]
+  (dk, dv, dbias, dconsts), dq = lax.scan(
+      q_block, (dk0, dv0, dbias0, dconsts0),
       (jnp.arange(p.num_q_blocks), split(q), split(do), stats(lse2),
        stats(pad_to(delta, 2, tp))))
   dq = dq.transpose(1, 0, 2, 3, 4, 5).reshape(b, tp, n, h)[:, :t]
@@ -308,7 +355,13 @@ def backward(q, k, v, operands: Operands, o, lse, do, dlse, *, mask: Mask,
   dv = dv[:, :p.kv_len].astype(v.dtype)
   if dbias is not None:
     dbias = dbias[:, :, :operands.bias.shape[2], :operands.bias.shape[3]]
-  return dq, dk, dv, dbias
+    dbias = dbias.astype(operands.bias.dtype)
+  d_consts = None
+  if consts:
+    it = iter(dconsts)
+    d_consts = tuple(next(it).astype(c.dtype) if t else jnp.zeros_like(c)
+                     for c, t in zip(consts, trained))
+  return dq, dk, dv, Operands(bias=dbias, score_consts=d_consts)
 
 
 def _add_dbias(dbias, ds, q0, k0, p: _Problem):

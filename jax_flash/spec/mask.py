@@ -78,9 +78,10 @@ class Mask:
     return self.window_left, right
 
   def visible(self, rows, cols, kv_len, q_ids=None, kv_ids=None,
-              q_offset=0, batch=None, head=None):
+              q_offset=0, batch=None, head=None, mod_consts=()):
     """Boolean predicate; rows/q_ids broadcast against cols/kv_ids; `batch`
-    and `head` (the query head) are the mask_mod's b and h."""
+    and `head` (the query head) are the mask_mod's b and h, `mod_consts`
+    the arrays it closes over."""
     ok = cols < kv_len
     left, right = self.band()
     positions = rows + q_offset
@@ -91,7 +92,8 @@ class Mask:
     if self.has_ids:
       ok = jnp.logical_and(ok, q_ids == kv_ids)
     if self.mod is not None:
-      ok = jnp.logical_and(ok, self.mod(batch, head, positions, cols))
+      ok = jnp.logical_and(ok, self.mod(batch, head, positions, cols,
+                                        consts=mod_consts))
     return ok
 
 

@@ -11,11 +11,14 @@ import jax.numpy as jnp
 
 @dataclasses.dataclass(frozen=True)
 class ElementwiseMod:
-  """`fn` (a mask_mod(b, h, q_idx, kv_idx) or a score_mod(score, b, h, q_idx,
-  kv_idx)) that closes over no array, applied elementwise: its arguments
+  """`fn` (a mask_mod(b, h, q_idx, kv_idx, *consts) or a score_mod(score, b,
+  h, q_idx, kv_idx, *consts)) applied elementwise: the index arguments
   broadcast against each other, so a function written for scalars works on
-  the index tiles of a kernel."""
+  the index tiles of a kernel or a block. `consts` are the arrays the user's
+  function closed over, as `jax.closure_convert` hoists them (they travel in
+  `Operands.mask_consts` / `score_consts`: the score_mod's get gradients);
+  kernels take only functions without any."""
   fn: Callable
 
-  def __call__(self, *args):
-    return jnp.vectorize(self.fn)(*args)
+  def __call__(self, *args, consts=()):
+    return jnp.vectorize(lambda *xs: self.fn(*xs, *consts))(*args)

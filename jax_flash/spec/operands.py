@@ -27,6 +27,9 @@ class Operands:
   tile_kinds: int8 [Bm, R, C], a mask_mod's kinds (empty, partial, full) of
     (query block, key block) pairs of `Mask.mod_tiles`, combined over heads
     (`Mask.mod`; flex attention). Kernels get the tile ranges made of it.
+  mask_consts, score_consts: tuples of the arrays a mask_mod / score_mod
+    closes over (`mods.ElementwiseMod`); the score_mod's are
+    differentiable. Only the blockwise backend takes them.
   """
   q_ids: jax.Array | None = None
   kv_ids: jax.Array | None = None
@@ -37,6 +40,8 @@ class Operands:
   sinks: jax.Array | None = None
   q_offsets: jax.Array | None = None
   tile_kinds: jax.Array | None = None
+  mask_consts: tuple | None = None
+  score_consts: tuple | None = None
 
   @property
   def empty(self) -> bool:

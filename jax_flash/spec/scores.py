@@ -56,7 +56,7 @@ class Scores:
             and self.mod is None)
 
   def logits2(self, qk, rows=None, cols=None, slope=None, bias=None,
-              batch=None, head=None):
+              batch=None, head=None, mod_consts=()):
     """Base-2 logits from the raw dot products `qk` (float32 tile).
 
     Returns (s2, aux): what `dqk` needs for the derivative (None for plain
@@ -76,8 +76,9 @@ class Scores:
       s = s + bias
     dmod = None
     if self.mod is not None:
-      s, dmod = jax.jvp(lambda s: self.mod(s, batch, head, rows, cols), (s,),
-                        (jnp.ones_like(s),))
+      s, dmod = jax.jvp(
+          lambda s: self.mod(s, batch, head, rows, cols, consts=mod_consts),
+          (s,), (jnp.ones_like(s),))
     return s * LOG2E, (t, dmod)
 
   def dqk(self, ds, aux):

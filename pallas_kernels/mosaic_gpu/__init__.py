@@ -84,8 +84,8 @@ class MosaicGpuBackend:
 
   def backward(self, q, k, v, operands: Operands, o, lse, do, dlse, *,
                mask: Mask, scores: Scores, config: BlockSizes):
-    """(dq, dk, dv, None): no bias is taken (see `unsupported`)."""
+    """(dq, dk, dv, Operands()): no bias is taken (see `unsupported`)."""
     del operands  # None taken.
     dq, dk, dv = flash_backward(q, k, v, o, lse, do, dlse, mask=mask,
                                 scores=scores, block_sizes=config)
-    return dq, dk, dv, None
+    return dq, dk, dv, Operands()

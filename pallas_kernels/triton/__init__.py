@@ -79,10 +79,13 @@ class TritonBackend:
 
   def backward(self, q, k, v, operands: Operands, o, lse, do, dlse, *,
                mask: Mask, scores: Scores, config: BlockSizes):
-    """(dq, dk, dv, dbias or None)."""
-    return flash_backward(q, k, v, operands, o, lse, do, dlse, scores=scores,
-                          mask=mask, block_sizes=config,
-                          interpret=self.interpret)
+    """(dq, dk, dv, Operands(bias=dbias or None))."""
+    dq, dk, dv, dbias = flash_backward(
+        q, k, v, operands, o, lse, do, dlse, scores=scores, mask=mask,
+        block_sizes=config, interpret=self.interpret)
+    if dbias is not None:
+      dbias = dbias.astype(operands.bias.dtype)
+    return dq, dk, dv, Operands(bias=dbias)
 
   def decode(self, q, k, v, kv_lengths, *, mask: Mask, scores: Scores,
              num_splits: int | None, page_table=None, sinks=None):
