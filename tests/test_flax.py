@@ -302,3 +302,25 @@ def test_linen_sinks_parameter_trains_and_matches_the_reference():
   # Without sinks=True the module has flax's parameters only.
   plain = jax_flash.linen.FlashAttention(num_heads=4, qkv_features=64)
   assert "sinks" not in plain.init(jax.random.key(3), X)["params"]
+
+
+def test_linen_sinks_in_cached_decoding():
+  """linen's decode=True cache (one token a call, its own mask) attends with
+  the same sinks as the full causal call."""
+  params = jax_flash.linen.FlashAttention(
+      num_heads=4, qkv_features=64, sinks=True, is_causal=True).init(
+          jax.random.key(3), X)["params"]
+  params = dict(params, sinks=jnp.array([-1.0, 0.0, 1.0, 3.0]))
+  full = jax_flash.linen.FlashAttention(
+      num_heads=4, qkv_features=64, sinks=True, is_causal=True).apply(
+          {"params": params}, X)
+  decoder = jax_flash.linen.FlashAttention(num_heads=4, qkv_features=64,
+                                           sinks=True, decode=True)
+  cache = decoder.init(jax.random.key(3), X)["cache"]
+  steps = []
+  for i in range(T):
+    out, update = decoder.apply({"params": params, "cache": cache},
+                                X[:, i:i + 1], mutable=["cache"])
+    cache = update["cache"]
+    steps.append(out)
+  assert relative_error(jnp.concatenate(steps, axis=1), full) <= TOL.out
