@@ -55,14 +55,6 @@ def _per_head(x, num_kv_heads: int):
   return x.reshape((x.shape[0], num_kv_heads, -1) + x.shape[2:])
 
 
-def block_dot(spec, a, b, dtype):
-  """A block einsum accumulated in float32 (full float32 for float32 inputs,
-  not TF32)."""
-  precision = lax.Precision.HIGHEST if dtype == jnp.float32 else None
-  return jnp.einsum(spec, a, b, precision=precision,
-                    preferred_element_type=jnp.float32)
-
-
 def _slice(x, axis: int, start, size: int):
   """x[start:start+size] along `axis`, or x itself where it broadcasts."""
   if x.shape[axis] == 1:
@@ -91,7 +83,11 @@ class _Problem:
     return -(-self.kv_len // self.block_k)
 
   def dot(self, spec, a, b):
-    return block_dot(spec, a, b, self.dtype)
+    """A block matmul accumulated in float32 (full float32 for float32)."""
+    precision = (lax.Precision.HIGHEST if self.dtype == jnp.float32 else
+                 None)
+    return jnp.einsum(spec, a, b, precision=precision,
+                      preferred_element_type=jnp.float32)
 
 
 def _setup(q, k, operands: Operands, mask: Mask, scores: Scores,
@@ -129,7 +125,8 @@ def _unpadded(q, k, v, operands: Operands):
 
 def _kv_ranges(p: _Problem, ops: Operands):
   """(lo, hi) [num_q_blocks] int32: the key blocks each query block visits,
-  by the band and, with ids, by the id ranges of any batch element."""
+  by the band and by the tile tables (ids, a mask_mod's kinds) of any
+  batch element."""
   starts = jnp.arange(p.num_q_blocks, dtype=jnp.int32) * p.block_q
   if p.mask.has_q_offsets:  # The union over the sequences' offsets.
     lo, _, _, hi = jax.vmap(jax.vmap(
@@ -140,14 +137,14 @@ def _kv_ranges(p: _Problem, ops: Operands):
   else:
     lo, _, _, hi = jax.vmap(lambda s: mask_lib.kv_block_ranges(
         p.mask, s, p.block_q, p.block_k, p.kv_len))(starts)
-  table = None
+  tables = []  # [B, nq, 4] each: by the ids, by a mask_mod's tile kinds.
   if p.mask.has_ids:
-    table = mask_lib.id_block_table(ops.q_ids, ops.kv_ids, p.block_q,
-                                    p.block_k)  # [B, nq, 4]
-  elif p.mask.mod is not None:
-    table = mask_lib.kinds_block_table(ops.tile_kinds, p.mask, p.block_q,
-                                       p.block_k, p.q_len, p.kv_len)
-  if table is not None:
+    tables.append(mask_lib.id_block_table(ops.q_ids, ops.kv_ids, p.block_q,
+                                          p.block_k))
+  if p.mask.mod is not None:
+    tables.append(mask_lib.kinds_block_table(
+        ops.tile_kinds, p.mask, p.block_q, p.block_k, p.q_len, p.kv_len))
+  for table in tables:
     lo = jnp.maximum(lo, jnp.min(table[..., 0], axis=0))
     hi = jnp.minimum(hi, jnp.max(table[..., 3], axis=0))
   return lo, jnp.maximum(hi, lo)
@@ -220,7 +217,7 @@ def _dropped(p: _Problem, ops: Operands, x, q0, k0):
   return jnp.where(keep, x * (1.0 / (1.0 - p.scores.dropout_rate)), 0.0)
 
 
-def blocks(x, num: int, size: int, kh: int):
+def _blocks(x, num: int, size: int, kh: int):
   """[B, L, N, H] -> [num, B, size, K, G, H] (L = num * size)."""
   b, _, n, h = x.shape
   return x.reshape(b, num, size, kh, n // kh, h).transpose(1, 0, 2, 3, 4, 5)
@@ -264,7 +261,7 @@ def forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
     return (o.reshape(b, kh, g, p.block_q, hv).astype(q.dtype),
             lse.reshape(b, kh, g, p.block_q))
 
-  qs = blocks(pad_to(q, 1, tp), p.num_q_blocks, p.block_q, kh)
+  qs = _blocks(pad_to(q, 1, tp), p.num_q_blocks, p.block_q, kh)
   o, lse = lax.map(q_block, (jnp.arange(p.num_q_blocks), qs))
   # [nq, B, K, G, bq, (H)] -> [B, T, N, H] and [B, N, T].
   o = o.transpose(1, 0, 4, 2, 3, 5).reshape(b, tp, n, hv)[:, :t]
@@ -340,7 +337,7 @@ def backward(q, k, v, operands: Operands, o, lse, do, dlse, *, mask: Mask,
     dq, *carry = lax.fori_loop(lo[i], hi[i], body, (dq, *carry))
     return tuple(carry), (dq * p.scores.scale).astype(q.dtype)
 
-  split = lambda x: blocks(pad_to(x, 1, tp), p.num_q_blocks, p.block_q, kh)
+  split = lambda x: _blocks(pad_to(x, 1, tp), p.num_q_blocks, p.block_q, kh)
   dk0 = jnp.zeros((b, sp, kh, h), jnp.float32)
   dv0 = jnp.zeros((b, sp, kh, v.shape[-1]), jnp.float32)
   dbias0 = None if bias_shape is None else jnp.zeros(bias_shape, jnp.float32)

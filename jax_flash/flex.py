@@ -84,11 +84,6 @@ class BlockMask:
   def tree_unflatten(cls, aux, children):
     return cls(children[0], children[1], *aux)
 
-  def visible(self, b, h, q_idx, kv_idx):
-    """The mask_mod (and key positions < kv_len), broadcasting."""
-    return self.mask_fn(b, h, q_idx, kv_idx, consts=self.consts) & (
-        kv_idx < self.kv_len)
-
   def __repr__(self):
     return (f"BlockMask(q_len={self.q_len}, kv_len={self.kv_len}, "
             f"block=({self.block_q}, {self.block_k}), "

@@ -26,7 +26,8 @@ from jax_flash.spec.mask import Mask, cdiv
 from jax_flash.spec.scores import Scores
 from pallas_kernels.triton.config import padded_head_dim
 from pallas_kernels.triton.tiles import (dot, load_pages, load_tile,
-                                         store_row_stat, store_tile)
+                                         page_rows, store_row_stat,
+                                         store_tile)
 
 
 def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, *refs, scores: Scores,
@@ -59,10 +60,10 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, *refs, scores: Scores,
     acc, m, l = carry
     k_start = j * block_k
     if paged:  # Rows of the pages past kv_len may hold anything: zeroed.
-      k = load_pages(k_ref, table_ref, k_start, block_k, row_bound=kv_len,
-                     head_dim=head_dim)
-      v = load_pages(v_ref, table_ref, k_start, block_k, row_bound=kv_len,
-                     head_dim=value_head_dim)
+      rows = page_rows(table_ref, k_start, block_k, k_ref.shape[1],
+                       k_ref.shape[0])
+      k = load_pages(k_ref, rows, row_bound=kv_len, head_dim=head_dim)
+      v = load_pages(v_ref, rows, row_bound=kv_len, head_dim=value_head_dim)
     else:
       k = load_tile(k_ref, k_start, block_k, row_bound=kv_len,
                     head_dim=head_dim)

@@ -23,7 +23,8 @@ from pallas_kernels.triton import operand_specs
 from pallas_kernels.triton.config import BlockSizes, padded_head_dim
 from pallas_kernels.triton.tile_context import TileContext
 from pallas_kernels.triton.tiles import (dot, load_pages, load_tile,
-                                         store_row_stat, store_tile)
+                                         page_rows, store_row_stat,
+                                         store_tile)
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, operand_refs: Operands, id_table_ref,
@@ -39,18 +40,15 @@ def _forward_kernel(q_ref, k_ref, v_ref, operand_refs: Operands, id_table_ref,
   page_size, Hp|Hvp] and S = pages_per_seq * page_size.
   """
   q_len = q_ref.shape[0]
-  if page_table_ref is None:
-    kv_len = k_ref.shape[0]
+  paged = page_table_ref is not None
+  kv_len = (page_table_ref.shape[0] * k_ref.shape[1] if paged else
+            k_ref.shape[0])
 
-    def load_kv(ref, start, bound, width):
-      return load_tile(ref, start, block_k, row_bound=bound, head_dim=width)
-  else:
-    kv_len = page_table_ref.shape[0] * k_ref.shape[1]
-
-    def load_kv(ref, start, bound, width):
-      return load_pages(ref, page_table_ref, start, block_k,
-                        row_bound=kv_len if bound is None else bound,
-                        head_dim=width)
+  def load_kv(ref, rows, start, bound, width):
+    """A key tile of K or V; `rows` locates a paged one (`page_rows`)."""
+    if paged:
+      return load_pages(ref, rows, row_bound=kv_len, head_dim=width)
+    return load_tile(ref, start, block_k, row_bound=bound, head_dim=width)
   ctx = TileContext(mask, scores, operand_refs, id_table_ref, q_len, kv_len,
                     block_q, block_k, batch=pl.program_id(1),
                     query_head=pl.program_id(2))
@@ -67,13 +65,15 @@ def _forward_kernel(q_ref, k_ref, v_ref, operand_refs: Operands, id_table_ref,
     k_start = j * block_k
     # Interior tiles are whole: no predicate on their loads or scores.
     bound = kv_len if masked else None
-    k = load_kv(k_ref, k_start, bound, head_dim)
+    rows = (page_rows(page_table_ref, k_start, block_k, k_ref.shape[1],
+                      k_ref.shape[0]) if paged else None)
+    k = load_kv(k_ref, rows, k_start, bound, head_dim)
     s, _ = ctx.logits2(dot(q, k, trans_b=True), q_start, k_start, slope=slope)
     if masked:
       s = jnp.where(ctx.visible(q_start, k_start, q_ids=q_ids), s,
                     softmax.NEG_INF)
     m, alpha, p, l = softmax.update(m, l, s)
-    v = load_kv(v_ref, k_start, bound, value_head_dim)
+    v = load_kv(v_ref, rows, k_start, bound, value_head_dim)
     if masked:  # Only boundary tiles can hold keys past a length.
       v = ctx.without_padding(v, k_start, keys=True)
     # l sums the undropped p; only P V sees the dropout.

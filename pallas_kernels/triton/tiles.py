@@ -49,20 +49,28 @@ def load_tile(ref, start, size, *, row_bound=None, head_dim=None, head=None):
   return plgpu.load(view, mask=mask, other=0.0)
 
 
-def load_pages(ref, table_ref, start, size, *, row_bound, head_dim):
-  """Cache positions [start, start + size) of one sequence in a paged cache
-  ref [pages, page_size, Hp] with page table row table_ref [pages_per_seq]
-  (position p: row p % page_size of page table_ref[p // page_size]), in one
-  gather load, whatever size and page_size are; zero at positions >=
-  row_bound (they may hold anything: the where never multiplies them) and
-  columns >= head_dim. Slots past the table and page ids past the cache are
-  clamped: a garbage entry is never read out of bounds."""
-  page_size, width = ref.shape[1], ref.shape[2]
+def page_rows(table_ref, start, size, page_size: int, num_pages: int):
+  """Where cache positions [start, start + size) of one sequence lie in a
+  paged cache with page table row table_ref [pages_per_seq]: position p is
+  row p % page_size of page table_ref[p // page_size]. Returns (positions,
+  page ids, rows in the page), read once per tile for K and V alike. Slots
+  past the table and page ids past the cache (num_pages) are clamped: a
+  garbage entry is never read out of bounds (its positions are past the
+  sequence's length, and `load_pages` zeroes them)."""
   positions = start + jnp.arange(size)
   slots = jnp.minimum(positions // page_size, table_ref.shape[0] - 1)
-  pages = jnp.clip(table_ref[slots], 0, ref.shape[0] - 1)
-  cols = jnp.arange(width)
-  tile = ref[pages[:, None], (positions % page_size)[:, None], cols[None, :]]
+  pages = jnp.clip(table_ref[slots], 0, num_pages - 1)
+  return positions, pages, positions % page_size
+
+
+def load_pages(ref, rows, *, row_bound, head_dim):
+  """The tile at `rows` (from `page_rows`) of a paged cache ref [pages,
+  page_size, Hp], in one gather load, whatever the tile and page sizes;
+  zero at positions >= row_bound (they may hold anything: the where never
+  multiplies them) and columns >= head_dim."""
+  positions, pages, in_page = rows
+  cols = jnp.arange(ref.shape[2])
+  tile = ref[pages[:, None], in_page[:, None], cols[None, :]]
   keep = (positions < row_bound)[:, None] & (cols < head_dim)[None, :]
   return jnp.where(keep, tile, jnp.zeros_like(tile))
 
