@@ -39,6 +39,8 @@ def cudnn_attention(query, key, value, *, mask=None, is_causal=False,
   del unused
   if dropout_rate and not deterministic:
     raise ValueError("--implementation cudnn takes no dropout")
+  if mask is not None:  # flax builds it in the computation's dtype.
+    mask = mask.astype(bool)
   return jax.nn.dot_product_attention(
       query, key, value, mask=mask, is_causal=is_causal,
       implementation="cudnn" if mask is None else None)

@@ -201,6 +201,17 @@ def test_generation_uses_the_cache_and_matches_full_forward():
   assert list(np.asarray(jnp.argmax(logits[0, 2:], -1))) == sample[3:]
 
 
+def test_cudnn_comparison_model_samples_with_the_cache():
+  """train_lm --implementation cudnn: flax's attention with jax.nn's kernel;
+  sampling passes flax's cache mask (in the computation's dtype) to jax.nn,
+  which wants it boolean."""
+  model = train_lm.LanguageModel(vocab=20, max_len=16, d_model=32, layers=1,
+                                 heads=2, kv_heads=2, implementation="cudnn",
+                                 rngs=nnx.Rngs(0))
+  sample = train_lm.generate(model, np.array([[1, 2]], np.int32), 4, 1e-4, 0)
+  assert len(sample) == 6 and sample[:2] == [1, 2]
+
+
 def test_nnx_decode_feeds_several_tokens_at_once(monkeypatch):
   calls = []
   real = jax_flash.nnx.flash_decode
