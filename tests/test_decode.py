@@ -95,7 +95,8 @@ def test_decode_options(kwargs):
   assert_attention_close(out, ref)
 
 
-@pytest.mark.parametrize("page_size", [16, 64])
+# 16/32: several pages a key tile (a gather); 64: one; 256: two tiles a page.
+@pytest.mark.parametrize("page_size", [16, 32, 64, 256])
 def test_paged_cache_in_random_order(page_size):
   q, kc, vc = _cache(3, 2, 300, 8, 2, 64, jnp.float32, seed=2)
   lengths = jnp.array([300, 1, 200])

@@ -83,14 +83,15 @@ def test_bias_kernels_lower(bias_shape):
   assert "flash_attention_backward_dbias" in text
 
 
-# Paged: pages of 64 rows (two a key tile) and of 16 (eight, one gather).
-@pytest.mark.parametrize("paged", [None, 64, 16])
+# Paged: pages of 256 rows (two key tiles a page), 64 (one) and 16 (eight
+# a tile, one gather).
+@pytest.mark.parametrize("paged", [None, 256, 64, 16])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_decode_kernel_lowers(paged, dtype):
   q = jax.ShapeDtypeStruct((4, 2, 8, 128), dtype)
   lengths = jax.ShapeDtypeStruct((4,), jnp.int32)
   if paged:
-    pages = jax.ShapeDtypeStruct((256, paged, 2, 128), dtype)
+    pages = jax.ShapeDtypeStruct((4096 // paged, paged, 2, 128), dtype)
     table = jax.ShapeDtypeStruct((4, 1024 // paged), jnp.int32)
     f = lambda q, n, p, t: jax_flash.flash_decode(
         q, kv_lengths=n, key_pages=p, value_pages=p, page_table=t,
@@ -128,8 +129,8 @@ def test_value_head_dim_of_its_own_lowers():
 @pytest.mark.parametrize("page_size", [None, 16, 256])
 def test_decode_of_a_prompt_chunk_lowers(page_size):
   """More than 64 new tokens: the training kernel with query offsets; a
-  paged cache read through its page table (pages smaller and larger than
-  the kernel's key tile), no gather of the cache first."""
+  paged cache gathered into a contiguous one first (pages smaller and
+  larger than the kernel's key tile)."""
   q = jax.ShapeDtypeStruct((2, 256, 8, 128), jnp.bfloat16)
   lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
   if page_size is None:
@@ -150,7 +151,7 @@ def test_decode_of_a_prompt_chunk_lowers(page_size):
     text = jax.jit(f).trace(*args).lower(
         lowering_platforms=("cuda",)).as_text()
   assert "flash_attention_forward" in text
-  assert "stablehlo.gather" not in text  # The old path copied the pages.
+  assert ("stablehlo.gather" in text) == (page_size is not None)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])

@@ -125,13 +125,24 @@ class BlockSizes:
         block_k_dq=clip(self.block_k_dq, kv_len))
 
 
-def decode_block_k(head_dim: int, kv_len: int) -> int:
+def decode_block_k(head_dim: int, kv_len: int, page_size: int | None = None
+                   ) -> int:
   """Key tile of the split-KV decode kernel: 128 rows up to head dim 128, 64
   above, never more than the cache. Measured with it (contiguous):
-  results/2026-11-30-h200-session2/decode.md. A paged cache fills a tile
-  with several pages (never less than one page); not yet measured so."""
-  return min(128 if padded_head_dim(head_dim) <= 128 else 64,
+  results/2026-11-30-h200-session2/decode.md.
+
+  A paged cache (page_size tokens a page): pages of 64 tokens or more keep
+  the tile within one page (one contiguous load; one 64-token page a tile
+  read 3.9-4.5 TB/s on the H200, second session), smaller pages fill the
+  tile with several, gathered in one load (16-token pages: 1.95 / 2.57 TB/s
+  at batch 8, 32k / batch 64, 8k against 1.78 / 2.84 for one page a tile;
+  the gather of 64-token pages read only 1.96 / 2.56:
+  results/2026-11-30-h200-session5/decode_paged.md)."""
+  tile = min(128 if padded_head_dim(head_dim) <= 128 else 64,
              max(16, 1 << (kv_len - 1).bit_length()))
+  if page_size is not None and page_size >= 64:
+    return min(tile, page_size)
+  return tile
 
 
 def decode_splits(batch: int, num_kv_heads: int, num_tiles: int) -> int:

@@ -39,7 +39,8 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, *refs, scores: Scores,
   q_ref: [R, Hp], rows r = g * T + t (padded past G*T); k_ref: [S_max, Hp]
   and v_ref [S_max, Hvp], or with `paged` [num_pages, page_size, Hp|Hvp] and
   then refs starts with the page table row [pages_per_seq]: a key tile of
-  block_k rows gathers its pages in one load. Outputs:
+  block_k rows lies in one page or gathers several (`tiles.page_rows`).
+  Outputs:
   o_ref [R, Hvp] (normalized partial output) and lse_ref [R] (-inf if
   empty).
   """
@@ -62,8 +63,10 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, *refs, scores: Scores,
     if paged:  # Rows of the pages past kv_len may hold anything: zeroed.
       rows = page_rows(table_ref, k_start, block_k, k_ref.shape[1],
                        k_ref.shape[0])
-      k = load_pages(k_ref, rows, row_bound=kv_len, head_dim=head_dim)
-      v = load_pages(v_ref, rows, row_bound=kv_len, head_dim=value_head_dim)
+      k = load_pages(k_ref, rows, block_k, row_bound=kv_len,
+                     head_dim=head_dim)
+      v = load_pages(v_ref, rows, block_k, row_bound=kv_len,
+                     head_dim=value_head_dim)
     else:
       k = load_tile(k_ref, k_start, block_k, row_bound=kv_len,
                     head_dim=head_dim)
@@ -92,8 +95,8 @@ def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
 
   Contiguous cache: k_cache, v_cache [B, S_max, K, H]. Paged (page_table
   [B, pages_per_seq] int32 given): k_cache, v_cache are pages
-  [num_pages, page_size, K, H] and block_k is a multiple of page_size (the
-  pages of one key tile). `mask`: the
+  [num_pages, page_size, K, H]; block_k divides page_size (tiles within a
+  page) or is a multiple of it (the pages of one key tile). `mask`: the
   band (causal, a left window) of queries at positions kv_lengths[b] - T + t.
   sinks: float32 [N] sink logits joining each head's denominator, or None.
   Value may have a head dim Hv of its own. Returns (out [B, T, N, Hv] in

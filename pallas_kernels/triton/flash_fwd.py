@@ -22,33 +22,21 @@ from jax_flash.spec.scores import Scores
 from pallas_kernels.triton import operand_specs
 from pallas_kernels.triton.config import BlockSizes, padded_head_dim
 from pallas_kernels.triton.tile_context import TileContext
-from pallas_kernels.triton.tiles import (dot, load_pages, load_tile,
-                                         page_rows, store_row_stat,
+from pallas_kernels.triton.tiles import (dot, load_tile, store_row_stat,
                                          store_tile)
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, operand_refs: Operands, id_table_ref,
-                    page_table_ref, o_ref, lse_ref, *, scores: Scores,
-                    mask: Mask, head_dim: int, value_head_dim: int,
-                    block_q: int, block_k: int):
+                    o_ref, lse_ref, *, scores: Scores, mask: Mask,
+                    head_dim: int, value_head_dim: int, block_q: int,
+                    block_k: int):
   """One (query tile, batch, head).
 
   q_ref: [T, Hp]; k_ref: [S, Hp]; v_ref: [S, Hvp]; o_ref: [T, Hvp]; lse_ref:
   [T]; operand_refs: the optional operands' refs
-  (`operand_specs.for_query_tiles`). With a page table row page_table_ref
-  [pages_per_seq] (else None), k_ref/v_ref are the pages [num_pages,
-  page_size, Hp|Hvp] and S = pages_per_seq * page_size.
+  (`operand_specs.for_query_tiles`).
   """
-  q_len = q_ref.shape[0]
-  paged = page_table_ref is not None
-  kv_len = (page_table_ref.shape[0] * k_ref.shape[1] if paged else
-            k_ref.shape[0])
-
-  def load_kv(ref, rows, start, bound, width):
-    """A key tile of K or V; `rows` locates a paged one (`page_rows`)."""
-    if paged:
-      return load_pages(ref, rows, row_bound=kv_len, head_dim=width)
-    return load_tile(ref, start, block_k, row_bound=bound, head_dim=width)
+  q_len, kv_len = q_ref.shape[0], k_ref.shape[0]
   ctx = TileContext(mask, scores, operand_refs, id_table_ref, q_len, kv_len,
                     block_q, block_k, batch=pl.program_id(1),
                     query_head=pl.program_id(2))
@@ -65,15 +53,14 @@ def _forward_kernel(q_ref, k_ref, v_ref, operand_refs: Operands, id_table_ref,
     k_start = j * block_k
     # Interior tiles are whole: no predicate on their loads or scores.
     bound = kv_len if masked else None
-    rows = (page_rows(page_table_ref, k_start, block_k, k_ref.shape[1],
-                      k_ref.shape[0]) if paged else None)
-    k = load_kv(k_ref, rows, k_start, bound, head_dim)
+    k = load_tile(k_ref, k_start, block_k, row_bound=bound, head_dim=head_dim)
     s, _ = ctx.logits2(dot(q, k, trans_b=True), q_start, k_start, slope=slope)
     if masked:
       s = jnp.where(ctx.visible(q_start, k_start, q_ids=q_ids), s,
                     softmax.NEG_INF)
     m, alpha, p, l = softmax.update(m, l, s)
-    v = load_kv(v_ref, rows, k_start, bound, value_head_dim)
+    v = load_tile(v_ref, k_start, block_k, row_bound=bound,
+                  head_dim=value_head_dim)
     if masked:  # Only boundary tiles can hold keys past a length.
       v = ctx.without_padding(v, k_start, keys=True)
     # l sums the undropped p; only P V sees the dropout.
@@ -92,8 +79,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, operand_refs: Operands, id_table_ref,
 
 
 def flash_forward(q, k, v, operands: Operands, *, scores: Scores, mask: Mask,
-                  block_sizes: BlockSizes, interpret: bool = False,
-                  page_table=None):
+                  block_sizes: BlockSizes, interpret: bool = False):
   """Runs the forward kernel.
 
   Args:
@@ -101,17 +87,12 @@ def flash_forward(q, k, v, operands: Operands, *, scores: Scores, mask: Mask,
       query head n reads key/value head n // (N // K), nothing is repeated
       in memory).
     operands: the optional arrays (ids, dense mask, bias, ALiBi slopes, seed).
-    page_table: int32 [B, pages_per_seq] for a paged cache (a chunked
-      prefill): k, v are then pages [num_pages, page_size, K, H|Hv], read
-      through the table tile by tile (no copy), S = pages_per_seq * page_size.
   Returns:
     o: [B, T, N, Hv] in q.dtype; lse: [B, N, T] float32, the natural-log
     logsumexp of the logits (-inf for a row that sees no key; its o is 0).
   """
   batch, q_len, num_heads, head_dim = q.shape
   kv_len, num_kv_heads = k.shape[1], k.shape[2]
-  if page_table is not None:
-    kv_len = page_table.shape[1] * k.shape[1]
   group = num_heads // num_kv_heads
   value_head_dim = v.shape[-1]
   bq, bk = block_sizes.block_q, block_sizes.block_k
@@ -122,16 +103,8 @@ def flash_forward(q, k, v, operands: Operands, *, scores: Scores, mask: Mask,
                         lambda i, b, n: (b, 0, n, 0))
 
   def kv_spec(h):
-    if page_table is not None:  # All pages of the kv head: any may be read.
-      return pl.BlockSpec((k.shape[0], k.shape[1], None, padded_head_dim(h)),
-                          lambda i, b, n: (0, 0, lax.div(n, group), 0))
     return pl.BlockSpec((None, kv_len, None, padded_head_dim(h)),
                         lambda i, b, n: (b, 0, lax.div(n, group), 0))
-  table_spec = None
-  if page_table is not None:
-    page_table = page_table.astype(jnp.int32)
-    table_spec = pl.BlockSpec((None, page_table.shape[1]),
-                              lambda i, b, n: (b, 0))
   extra = operand_specs.for_query_tiles(operands, mask, bq, bk, q_len,
                                         kv_len)
   kernel = functools.partial(
@@ -141,7 +114,7 @@ def flash_forward(q, k, v, operands: Operands, *, scores: Scores, mask: Mask,
       kernel,
       grid=(num_q_tiles, batch, num_heads),
       in_specs=[q_spec(head_dim), kv_spec(head_dim), kv_spec(value_head_dim),
-                *extra.in_specs(), table_spec],
+                *extra.in_specs()],
       out_specs=[q_spec(value_head_dim),
                  pl.BlockSpec((None, None, q_len), lambda i, b, n: (b, n, 0))],
       out_shape=[jax.ShapeDtypeStruct(q.shape[:3] + (value_head_dim,),
@@ -151,4 +124,4 @@ def flash_forward(q, k, v, operands: Operands, *, scores: Scores, mask: Mask,
           num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages),
       interpret=interpret,
       name="flash_attention_forward",
-  )(q, k, v, *extra.args(), page_table)
+  )(q, k, v, *extra.args())

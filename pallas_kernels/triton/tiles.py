@@ -52,22 +52,34 @@ def load_tile(ref, start, size, *, row_bound=None, head_dim=None, head=None):
 def page_rows(table_ref, start, size, page_size: int, num_pages: int):
   """Where cache positions [start, start + size) of one sequence lie in a
   paged cache with page table row table_ref [pages_per_seq]: position p is
-  row p % page_size of page table_ref[p // page_size]. Returns (positions,
-  page ids, rows in the page), read once per tile for K and V alike. Slots
-  past the table and page ids past the cache (num_pages) are clamped: a
-  garbage entry is never read out of bounds (its positions are past the
-  sequence's length, and `load_pages` zeroes them)."""
+  row p % page_size of page table_ref[p // page_size]. Read once per tile
+  for K and V alike. A tile within one page (size <= page_size; tiles start
+  at multiples of size): (start, page id, first row in the page), one
+  contiguous load. A tile over several pages: (positions, page ids, rows in
+  the page) per row, one gather load. Slots past the table and page ids
+  past the cache (num_pages) are clamped: a garbage entry is never read out
+  of bounds (its positions are past the sequence's length, and `load_pages`
+  zeroes them)."""
+  if size <= page_size:
+    slot = jnp.minimum(lax.div(start, page_size), table_ref.shape[0] - 1)
+    page = jnp.clip(table_ref[slot], 0, num_pages - 1)
+    return start, page, lax.rem(start, page_size)
   positions = start + jnp.arange(size)
   slots = jnp.minimum(positions // page_size, table_ref.shape[0] - 1)
   pages = jnp.clip(table_ref[slots], 0, num_pages - 1)
   return positions, pages, positions % page_size
 
 
-def load_pages(ref, rows, *, row_bound, head_dim):
-  """The tile at `rows` (from `page_rows`) of a paged cache ref [pages,
-  page_size, Hp], in one gather load, whatever the tile and page sizes;
-  zero at positions >= row_bound (they may hold anything: the where never
-  multiplies them) and columns >= head_dim."""
+def load_pages(ref, rows, size, *, row_bound, head_dim):
+  """The tile of `size` rows at `rows` (from `page_rows`) of a paged cache
+  ref [pages, page_size, Hp]; zero at positions >= row_bound (they may hold
+  anything: never read, or read and replaced by zeros) and columns >=
+  head_dim."""
+  if size <= ref.shape[1]:  # Within one page: a masked contiguous load.
+    start, page, offset = rows
+    mask = _mask(ref, start, size, row_bound, head_dim)
+    return plgpu.load(ref.at[page, _rows(offset, size), :], mask=mask,
+                      other=0.0)
   positions, pages, in_page = rows
   cols = jnp.arange(ref.shape[2])
   tile = ref[pages[:, None], in_page[:, None], cols[None, :]]
