@@ -253,3 +253,56 @@ def test_kinds_tile_table_covers_the_mask(rows, cols, transposed):
       assert all(lo <= c < hi for c in seen), (b, r)
       for c in range(full_lo, full_hi):
         assert tile_rows[:, :, c * cols:(c + 1) * cols].all(), (b, r, c)
+
+
+# The Mosaic GPU kernels (an H100/H200) take mask_mods and score_mods that
+# close over no array: multi-tile, unaligned lengths, GQA, low precision,
+# each head dim they take. name: (mask_mod, score_mod, reference kwargs of
+# the shape's heads, (B, T, S, N, K, H), dtype)
+def _mosaic_flex_cases():
+  shape = lambda t, s, n: (1, n, t, s)  # dense(fn, b, n, t, s)
+  return {
+      "causal_alibi_h128_gqa": (
+          causal, alibi_formula,
+          lambda b, t, s, n: dict(is_causal=True,
+                                  alibi_slopes=0.1 * (jnp.arange(n) + 1.0)),
+          (2, 1000, 1003, 8, 2, 128), jnp.bfloat16),
+      "prefix_lm_h64_mha": (
+          prefix_lm, None,
+          lambda b, t, s, n: dict(mask=dense(prefix_lm, *shape(t, s, n))),
+          (1, 512, 700, 4, 4, 64), jnp.float16),
+      "window_formula_soft_cap_h256": (
+          window_formula, soft_cap,
+          lambda b, t, s, n: dict(mask=dense(window_formula, *shape(t, s, n)),
+                                  logits_soft_cap=20.0),
+          (1, 300, 300, 4, 2, 256), jnp.bfloat16),
+  }
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(_mosaic_flex_cases()))
+def test_mosaic_flex_matches_dense_reference(name):
+  mask_mod, score_mod, ref_kwargs, shape, dtype = _mosaic_flex_cases()[name]
+  b, t, s, n, k, h = shape
+  q, k, v, do = random_inputs(b, t, s, n, k, h, dtype)
+  block_mask = jax_flash.create_block_mask(mask_mod, None, None, t, s)
+  ref_kwargs = ref_kwargs(b, t, s, n)
+
+  def run(attention, inputs):
+    (out, lse), vjp = jax.vjp(attention, *inputs)
+    dlse = jnp.cos(jnp.arange(lse.size, dtype=jnp.float32)).reshape(
+        lse.shape)
+    return dict(zip(("out", "lse", "dq", "dk", "dv"),
+                    (out, lse) + vjp((do.astype(out.dtype), dlse))))
+
+  flex = lambda q, k, v: jax_flash.flex_attention(
+      q, k, v, score_mod, block_mask, return_residual=True,
+      implementation="mosaic")
+  assert "mosaic_gpu" in jax.jit(flex).lower(q, k, v).as_text()
+  got = jax.jit(lambda *x: run(flex, x))(q, k, v)
+  up = [x.astype(jnp.float32) for x in (q, k, v)]
+  ref = run(lambda *x: jax_flash.reference_attention(
+      *x, return_residual=True, **ref_kwargs), up)
+  plain = run(lambda *x: plain_attention(dtype)(
+      *x, return_residual=True, **ref_kwargs), (q, k, v))
+  assert_attention_close(got, ref, dtype, baseline=plain)

@@ -64,6 +64,19 @@ MOSAIC_WINDOWS = {  # name: (case, local_window_size)
 }
 
 
+MOSAIC_SCORES = {  # name: (case, score modification)
+    "soft_cap_causal_gqa_any_length": (
+        Case(1, 1000, 1003, 8, 2, 128, "bfloat16", True),
+        dict(logits_soft_cap=30.0)),
+    "alibi_h64_f16": (Case(2, 512, 640, 4, 4, 64, "float16", False),
+                      dict(alibi_slopes=jnp.linspace(0.01, 0.2, 8).reshape(
+                          2, 4))),
+    "soft_cap_alibi_h256_causal": (
+        Case(1, 512, 512, 4, 2, 256, "bfloat16", True),
+        dict(logits_soft_cap=20.0, alibi_slopes=jnp.full((1, 4), 0.05))),
+}
+
+
 @pytest.mark.parametrize("name", MOSAIC_CASES)
 def test_mosaic_matches_reference(name):
   case = MOSAIC_CASES[name]
@@ -77,6 +90,14 @@ def test_mosaic_window_matches_reference(name):
   case, window = MOSAIC_WINDOWS[name]
   compare_with_reference(dict(is_causal=case.causal, local_window_size=window),
                          case.dtype, shape=case.shape, block_sizes=None,
+                         implementation="mosaic")
+
+
+@pytest.mark.parametrize("name", MOSAIC_SCORES)
+def test_mosaic_score_modifications_match_reference(name):
+  case, scores = MOSAIC_SCORES[name]
+  compare_with_reference(dict(is_causal=case.causal, **scores), case.dtype,
+                         shape=case.shape, block_sizes=None,
                          implementation="mosaic")
 
 

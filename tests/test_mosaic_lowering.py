@@ -91,7 +91,11 @@ def test_mosaic_takes_any_length(head_dim, q_len, kv_len):
     ("causal_window", (2, 256, 512, 8, 2, 64), jnp.bfloat16,
      dict(is_causal=True, local_window_size=(100, 0)), True),
     ("soft_cap", (2, 256, 512, 8, 2, 128), jnp.bfloat16,
-     dict(logits_soft_cap=30.0), False),
+     dict(logits_soft_cap=30.0), True),
+    ("alibi", (2, 256, 512, 8, 2, 64), jnp.bfloat16,
+     dict(is_causal=True, alibi_slopes=jnp.ones((2, 8))), True),
+    ("bias", (2, 256, 512, 8, 2, 128), jnp.bfloat16,
+     dict(bias=jnp.zeros((1, 1, 256, 512))), False),
     ("lengths", (2, 256, 512, 8, 2, 128), jnp.bfloat16,
      dict(key_value_seq_lengths=jnp.array([512, 3])), False),
     ("version_1", (2, 256, 512, 8, 2, 128), jnp.bfloat16,
@@ -109,7 +113,8 @@ def test_mosaic_named_for_a_call_it_cannot_take_says_why():
   with pytest.raises(ValueError, match="head_dim must be one of .* for the "
                      "Mosaic GPU kernels, got 96"):
     _lower_grad("mosaic", (2, 256, 512, 8, 2, 96))
-  with pytest.raises(ValueError, match="causal masks and windows only"):
+  with pytest.raises(ValueError, match="causal masks, windows and mask_mods "
+                     "only"):
     _lower_grad("mosaic", segment_ids=(jnp.zeros((2, 256), jnp.int32),
                                        jnp.zeros((2, 512), jnp.int32)))
 
@@ -134,3 +139,52 @@ def test_mosaic_block_sizes_are_validated():
     _lower_grad("mosaic", (2, 256, 512, 8, 2, 128),
                 block_sizes=jax_flash.MosaicBlockSizes(block_kv_dq=256,
                                                        num_stages_bwd=3))
+
+
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_mosaic_takes_score_modifications_forward_and_backward(head_dim):
+  text = _lower_grad("mosaic", (1, 300, 1003, 4, 2, head_dim), jnp.bfloat16,
+                     is_causal=True, logits_soft_cap=30.0,
+                     alibi_slopes=jnp.ones((1, 4)))
+  assert "flash_attention_forward_mosaic" in text
+  assert all(name in text for name in MOSAIC_BACKWARD)
+
+
+def _lower_flex(implementation, mask_mod, score_mod=None, t=300, s=520,
+                head_dim=128):
+  q = jax.ShapeDtypeStruct((2, t, 8, head_dim), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, s, 2, head_dim), jnp.bfloat16)
+  block_mask = jax_flash.create_block_mask(mask_mod, None, None, t, s)
+
+  def loss(q, k, v):
+    out = jax_flash.flex_attention(q, k, v, score_mod, block_mask,
+                                   implementation=implementation)
+    return jnp.sum(out.astype(jnp.float32))
+
+  with jax.sharding.use_abstract_mesh(
+      mesh_lib.AbstractMesh((1,), ("x",), abstract_device=H200)):
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(
+        lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_flex_runs_the_mosaic_kernels(head_dim):
+  """A mask_mod (its tile-range table read in the kernels) and a score_mod
+  that close over no array: the Mosaic forward, dK/dV and dQ, picked by
+  the default dispatch on an H200."""
+  text = _lower_flex(None, lambda b, h, q, k: (q >= k) & (q - k < 4 << h),
+                     lambda s, b, h, q, k: s - 0.1 * (h + 1) * jnp.abs(q - k),
+                     head_dim=head_dim)
+  assert "flash_attention_forward_mosaic" in text
+  assert all(name in text for name in MOSAIC_BACKWARD)
+
+
+def test_flex_mod_the_mosaic_lowering_lacks_runs_triton():
+  """floor is not among the primitives the Mosaic kernels take in a mod:
+  the default picks Triton; naming Mosaic says why."""
+  mod = lambda b, h, q, k: jnp.floor(q / 2.0) >= jnp.floor(k / 2.0)
+  text = _lower_flex(None, mod)
+  assert MOSAIC_CALL not in text and TRITON_FORWARD in text
+  with pytest.raises(ValueError, match=r"cannot run a mask_mod/score_mod "
+                     r"made of \['floor'\]"):
+    _lower_flex("mosaic", mod)

@@ -5,14 +5,17 @@ A forward kernel (`flash_fwd`) and a backward of two kernels (`flash_bwd`:
 dK/dV and dQ). What it takes is narrower than the Triton backend
 (`unsupported` says what, and the dispatch then runs Triton): bf16/fp16,
 head dims 64/128/256, any lengths (XLA pads them to the tiles; the kernels
-mask keys past the length), causal masks and sliding windows (the band of
-the shared mask description) but no lengths, segments or dense masks, no
-score modification, no dropout.
+mask keys past the length), causal masks, sliding windows and flex
+attention's mask_mods (the band and the tile-range table of the shared mask
+description), soft-cap, ALiBi and score_mods (`Scores.logits2`); no lengths,
+segments or dense masks, no bias, no dropout, no sinks.
 """
 from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.extend.core
 import jax.numpy as jnp
 
 from jax_flash.spec.checks import Problem
@@ -23,6 +26,40 @@ from pallas_kernels.mosaic_gpu import config
 from pallas_kernels.mosaic_gpu.config import BlockSizes
 from pallas_kernels.mosaic_gpu.flash_bwd import flash_backward
 from pallas_kernels.mosaic_gpu.flash_fwd import flash_forward
+
+
+# What a user's mask_mod or score_mod may be made of in these kernels:
+# elementwise primitives the Mosaic GPU lowering takes on register arrays.
+MOD_PRIMITIVES = frozenset((
+    "abs", "add", "and", "broadcast_in_dim", "clamp", "convert_element_type",
+    "cos", "div", "eq", "erf", "exp", "exp2", "ge", "gt", "integer_pow", "jit",
+    "le", "log", "log2", "logistic", "lt", "max", "min", "mul", "ne", "neg",
+    "not", "or", "rem", "round", "rsqrt", "select_n", "shift_left",
+    "shift_right_arithmetic", "shift_right_logical", "sign", "sin", "sqrt",
+    "square", "sub", "tanh", "xor"))
+
+
+def _primitives(jaxpr) -> set:
+  names = set()
+  for eqn in jaxpr.eqns:
+    names.add(eqn.primitive.name)
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      names |= _primitives(sub)
+  return names
+
+
+def mod_primitives_missing(mask: Mask, scores: Scores) -> set:
+  """Primitives of the mask_mod / score_mod outside `MOD_PRIMITIVES`, traced
+  on index tiles as the kernels call them."""
+  idx = jnp.zeros((8, 8), jnp.int32)
+  b = jnp.int32(0)
+  used = set()
+  if mask.mod is not None:
+    used |= _primitives(jax.make_jaxpr(mask.mod)(b, b, idx, idx).jaxpr)
+  if scores.mod is not None:
+    used |= _primitives(jax.make_jaxpr(scores.mod)(
+        jnp.zeros((8, 8), jnp.float32), b, b, idx, idx).jaxpr)
+  return used - MOD_PRIMITIVES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,13 +85,15 @@ class MosaicGpuBackend:
     if problem.head_dim not in config.HEAD_DIMS:
       return (f"head_dim must be one of {config.HEAD_DIMS} for the Mosaic GPU "
               f"kernels, got {problem.head_dim}")
-    if (mask.has_ids or mask.has_dense or mask.has_q_offsets or
-        mask.mod is not None):
-      return ("the Mosaic GPU kernels take causal masks and windows only "
-              "(no lengths, segments, dense masks or mask_mods yet)")
-    if not scores.plain or scores.dropout or scores.sinks:
-      return ("the Mosaic GPU kernels take no bias, soft-cap, ALiBi, "
-              "score_mod, dropout or sinks yet")
+    if mask.has_ids or mask.has_dense or mask.has_q_offsets:
+      return ("the Mosaic GPU kernels take causal masks, windows and "
+              "mask_mods only (no lengths, segments or dense masks yet)")
+    if scores.bias or scores.dropout or scores.sinks:
+      return "the Mosaic GPU kernels take no bias, dropout or sinks yet"
+    missing = mod_primitives_missing(mask, scores)
+    if missing:
+      return (f"the Mosaic GPU kernels cannot run a mask_mod/score_mod made "
+              f"of {sorted(missing)}")
     return None
 
   def config(self, block_sizes, problem: Problem, dtype, *, is_causal: bool,
@@ -78,14 +117,17 @@ class MosaicGpuBackend:
 
   def forward(self, q, k, v, operands: Operands, *, mask: Mask,
               scores: Scores, config: BlockSizes, version: int = 2):
-    del operands, version  # None taken (see `unsupported`).
+    del version  # Only 2 (see `unsupported`).
     return flash_forward(q, k, v, mask=mask, scores=scores,
-                         block_sizes=config)
+                         block_sizes=config, tile_kinds=operands.tile_kinds,
+                         alibi_slopes=operands.alibi_slopes)
 
   def backward(self, q, k, v, operands: Operands, o, lse, do, dlse, *,
                mask: Mask, scores: Scores, config: BlockSizes):
-    """(dq, dk, dv, Operands()): no bias is taken (see `unsupported`)."""
-    del operands  # None taken.
+    """(dq, dk, dv, Operands()): no differentiable operand is taken (no
+    bias, no arrays a score_mod closes over: see `unsupported`)."""
     dq, dk, dv = flash_backward(q, k, v, o, lse, do, dlse, mask=mask,
-                                scores=scores, block_sizes=config)
+                                scores=scores, block_sizes=config,
+                                tile_kinds=operands.tile_kinds,
+                                alibi_slopes=operands.alibi_slopes)
     return dq, dk, dv, Operands()

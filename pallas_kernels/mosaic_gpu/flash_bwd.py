@@ -17,8 +17,10 @@ its own arrival); both matmuls of a step are wgmma.
   dQ += dS K.
 
 Tiles come from the shared mask description (`mask.q_block_ranges` /
-`kv_block_ranges`, the CTA's rows); tiles inside its full range skip the
-predicate. D = rowsum(dO * O) - dlse (`softmax.backward_delta`) and the
+`kv_block_ranges`, the CTA's rows, and a mask_mod's range table); tiles
+inside its full range skip the predicate. Scores go through the shared
+`Scores.logits2` and their derivative through `Scores.dqk` (soft-cap, ALiBi,
+a score_mod). D = rowsum(dO * O) - dlse (`softmax.backward_delta`) and the
 logsumexp in base 2 come from XLA (a row that sees no key gets L = +inf, so
 its P is 0, never NaN). Every gradient is written once, by one CTA, in a
 fixed order: bitwise deterministic.
@@ -38,7 +40,9 @@ from jax_flash.spec.mask import Mask, cdiv, kv_block_ranges, q_block_ranges
 from jax_flash.spec.padding import pad_to, round_up
 from jax_flash.spec.scores import Scores
 from pallas_kernels.mosaic_gpu.config import BlockSizes
-from pallas_kernels.mosaic_gpu.flash_fwd import COMPUTE_WGS, smem_transforms
+from pallas_kernels.mosaic_gpu.flash_fwd import (COMPUTE_WGS, mod_range_table,
+                                                 smem_transforms, split_refs,
+                                                 table_ranges)
 
 _ROW = plgpu.Layout.WGMMA.reduce(1)  # One value per row of a wgmma tile.
 _COL = plgpu.Layout.WGMMA.reduce(0)  # One value per column.
@@ -58,11 +62,14 @@ def split_dkv(head_dim: int) -> bool:
   return head_dim > 128
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref,
-                dv_ref, k_smem2, v_smem2, ready, done, *, mask: Mask,
-                scores: Scores, blocks: BlockSizes, group: int, kv_len: int):
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
+                slopes_ref, dk_ref, dv_ref, k_smem2, v_smem2, ready, done, *,
+                mask: Mask, scores: Scores, blocks: BlockSizes, group: int,
+                kv_len: int):
   """q/do [B, T, N, H], k/v and dk/dv [B, S, K, H], lse/delta [B, N, T];
-  keys at or past kv_len (<= S: XLA's padding) are masked.
+  keys at or past kv_len (<= S: XLA's padding) are masked. table_ref: the
+  mask_mod's range table of the CTA's key rows (transposed), or None;
+  slopes_ref: ALiBi slopes [B, N] or None.
 
   Head dims above 128 (`split_dkv`): dK and dV together would need H
   registers a thread, so the CTA owns block_kv_dkv key rows that both
@@ -78,8 +85,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref,
   cta_rows = bkv if split else COMPUTE_WGS * bkv
   tile_start = lax.axis_index("kv_seq") * cta_rows
   kv_start = tile_start if split else tile_start + wg * bkv
-  lo, full_lo, full_hi, hi = q_block_ranges(mask, tile_start, cta_rows, bq,
-                                            q_len)
+  lo, full_lo, full_hi, hi = table_ranges(
+      q_block_ranges(mask, tile_start, cta_rows, bq, q_len), table_ref, batch,
+      lax.axis_index("kv_seq"))
+  coords = mask.mod is not None or scores.mod is not None or scores.alibi
   last_tile = cdiv(q_len, bq) - 1
   # One step at least: keys no query sees get a fully masked tile (P = 0),
   # so their dK/dV are written as zeros by the same code.
@@ -141,8 +150,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref,
 
   def step(index, q_smem, do_smem, lse_smem, delta_smem, q_free, do_free,
            lse_free, delta_free, carry):
-    i, _ = index
+    i, g = index
     shape = (bkv, bq)
+    head = first_head + g
 
     def scores_t(acc):
       plgpu.wgmma(acc, k_smem, q_smem.T)
@@ -152,12 +162,18 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref,
       plgpu.barrier_arrive(delta_free)
       return acc[...], lse, delta
     s, lse, delta = pl.run_scoped(scores_t, plgpu.ACC(shape, jnp.float32))
-    s = s * (scores.scale * softmax.LOG2E)
+    def positions():  # Transposed: queries across, keys down.
+      return q_tile(i) * bq + _iota(shape, 1), kv_start + _iota(shape, 0)
+    rows_cols = positions() if coords else None
+    s, aux = scores.logits2(
+        s, *(rows_cols or (None, None)),
+        slope=None if slopes_ref is None else slopes_ref[batch, head],
+        batch=batch, head=head)
     tile = lo + i
     s = lax.cond(
         (tile < full_lo) | (tile >= full_hi),
-        lambda: _masked(s, mask.visible(q_tile(i) * bq + _iota(shape, 1),
-                                        kv_start + _iota(shape, 0), kv_len)),
+        lambda: _masked(s, mask.visible(*(rows_cols or positions()), kv_len,
+                                        batch=batch, head=head)),
         lambda: s)
     p = jnp.exp2(s - lax.broadcast_in_dim(lse, shape, [1]))
 
@@ -176,7 +192,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref,
       @pl.when(wg == 1)
       def _():
         dp = pl.run_scoped(dp_only, plgpu.ACC(shape, jnp.float32))
-        ds = p * (dp - lax.broadcast_in_dim(delta, shape, [1]))
+        ds = scores.dqk(p * (dp - lax.broadcast_in_dim(delta, shape, [1])),
+                        aux)
         plgpu.wgmma(acc, ds.astype(dtype), q_smem)
         plgpu.wgmma_wait(0)
       plgpu.barrier_arrive(do_free)
@@ -190,7 +207,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref,
       plgpu.wgmma(dv_acc, p.astype(dtype), do_smem)
       return plgpu.wgmma_accumulator_load(acc, wait_n=1)  # dV still runs.
     dp = pl.run_scoped(dp_t, plgpu.ACC(shape, jnp.float32))
-    ds = p * (dp - lax.broadcast_in_dim(delta, shape, [1]))
+    ds = scores.dqk(p * (dp - lax.broadcast_in_dim(delta, shape, [1])), aux)
     plgpu.wgmma(dk_acc, ds.astype(dtype), q_smem)
     plgpu.wgmma_wait(1)  # dV is done: dO may go.
     plgpu.barrier_arrive(do_free)
@@ -221,11 +238,13 @@ def dq_warpgroups(head_dim: int) -> int:
   return 1 if head_dim > 128 else COMPUTE_WGS
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
-               q_smem2, do_smem2, ready, *, mask: Mask, scores: Scores,
-               blocks: BlockSizes, group: int, kv_len: int):
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
+               slopes_ref, dq_ref, q_smem2, do_smem2, ready, *, mask: Mask,
+               scores: Scores, blocks: BlockSizes, group: int, kv_len: int):
   """q/do/dq [B, T, N, H], k/v [B, S, K, H], lse/delta [B, N, T]; keys at
-  or past kv_len (<= S: XLA's padding) are masked."""
+  or past kv_len (<= S: XLA's padding) are masked. table_ref: the
+  mask_mod's range table of the CTA's query rows, or None; slopes_ref:
+  ALiBi slopes [B, N] or None."""
   wgs = dq_warpgroups(q_ref.shape[3])
   bq, bkv = blocks.block_q_dq, blocks.block_kv_dq
   head_dim = q_ref.shape[3]
@@ -234,8 +253,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
   wg = lax.axis_index("wg")
   tile_start = lax.axis_index("q_seq") * (wgs * bq)
   q_start = tile_start + wg * bq
-  lo, full_lo, full_hi, hi = kv_block_ranges(mask, tile_start,
-                                             wgs * bq, bkv, kv_len)
+  lo, full_lo, full_hi, hi = table_ranges(
+      kv_block_ranges(mask, tile_start, wgs * bq, bkv, kv_len), table_ref,
+      batch, lax.axis_index("q_seq"))
+  coords = mask.mod is not None or scores.mod is not None or scores.alibi
   last_tile = cdiv(kv_len, bkv) - 1
   steps = jnp.maximum(hi - lo, 1)  # A row that sees nothing: dQ = 0.
   q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
@@ -274,20 +295,25 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
       plgpu.wgmma(s_acc, q_smem, k_smem.T)
       plgpu.wgmma(dp_acc, do_smem, v_smem.T)
       s = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)  # dP still runs.
-      s = s * (scores.scale * softmax.LOG2E)
+      def positions():
+        return q_start + _iota(shape, 0), kv_tile(j) * bkv + _iota(shape, 1)
+      rows_cols = positions() if coords else None
+      s, aux = scores.logits2(
+          s, *(rows_cols or (None, None)),
+          slope=None if slopes_ref is None else slopes_ref[batch, head],
+          batch=batch, head=head)
       tile = lo + j
       s = lax.cond(
           (tile < full_lo) | (tile >= full_hi),
-          lambda: _masked(s, mask.visible(
-              q_start + _iota(shape, 0), kv_tile(j) * bkv + _iota(shape, 1),
-              kv_len)),
+          lambda: _masked(s, mask.visible(*(rows_cols or positions()),
+                                          kv_len, batch=batch, head=head)),
           lambda: s)
       p = jnp.exp2(s - lax.broadcast_in_dim(lse, shape, [0]))
-      return p, dp_acc[...]
-    p, dp = pl.run_scoped(s_dp, plgpu.ACC(shape, jnp.float32),
-                          plgpu.ACC(shape, jnp.float32))
+      return p, aux, dp_acc[...]
+    p, aux, dp = pl.run_scoped(s_dp, plgpu.ACC(shape, jnp.float32),
+                               plgpu.ACC(shape, jnp.float32))
     plgpu.barrier_arrive(v_free)
-    ds = p * (dp - lax.broadcast_in_dim(delta, shape, [0]))
+    ds = scores.dqk(p * (dp - lax.broadcast_in_dim(delta, shape, [0])), aux)
     plgpu.wgmma(dq_acc, ds.astype(dtype), k_smem)
     plgpu.wgmma_wait(0)
     plgpu.barrier_arrive(k_free)
@@ -305,8 +331,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
 
 
 def flash_backward(q, k, v, o, lse, do, dlse, *, mask: Mask, scores: Scores,
-                   block_sizes: BlockSizes):
+                   block_sizes: BlockSizes, tile_kinds=None,
+                   alibi_slopes=None):
   """(dq, dk, dv) of the forward's o and lse (natural log, [B, N, T]).
+
+  tile_kinds: a mask_mod's kinds (with `mask.mod`); alibi_slopes: float32
+  [B, N] (with `scores.alibi`).
 
   q/o/do [B, T, N, H], k/v [B, S, K, H] (K divides N), bf16 or fp16, any T
   and S: XLA pads the queries (zeros, L = +inf: they add nothing) to the
@@ -337,10 +367,27 @@ def flash_backward(q, k, v, o, lse, do, dlse, *, mask: Mask, scores: Scores,
   kernel_args = dict(mask=mask, scores=scores, blocks=blocks, group=group,
                      kv_len=kv_len)
 
+  def tables(transposed):
+    """The mask_mod's range table of one kernel's CTA rows, or None."""
+    if mask.mod is None:
+      return None
+    if transposed:
+      return mod_range_table(tile_kinds, mask, kv_rows, blocks.block_q_dkv,
+                             q_len, kv_len, sp // kv_rows, transposed=True)
+    rows = wgs * blocks.block_q_dq
+    return mod_range_table(tile_kinds, mask, rows, blocks.block_kv_dq, q_len,
+                           kv_len, tp // rows)
+
+  def flat(refs, extras):
+    """A kernel's refs (6 inputs, extras, outputs), None for absent extras."""
+    inputs, extra_refs, outputs = split_refs(refs, 6, extras)
+    return inputs + extra_refs + outputs
+
   dq_rows = blocks.block_q_dq
+  dq_extras = (tables(False), alibi_slopes)
   dq = plgpu.kernel(
       lambda *refs, q_smem, do_smem, ready: _dq_kernel(
-          *refs, q_smem, do_smem, ready, **kernel_args),
+          *flat(refs, dq_extras), q_smem, do_smem, ready, **kernel_args),
       out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
       scratch_types=dict(
           q_smem=plgpu.SMEM((wgs, dq_rows, head_dim), q.dtype,
@@ -352,13 +399,15 @@ def flash_backward(q, k, v, o, lse, do, dlse, *, mask: Mask, scores: Scores,
       grid_names=("heads", "q_seq", "batch"),
       num_threads=wgs + 1, thread_name="wg",
       compiler_params=params, kernel_name="flash_attention_dq_mosaic",
-  )(q, k, v, do, lse2, delta)
+  )(q, k, v, do, lse2, delta, *(x for x in dq_extras if x is not None))
 
   dkv_rows, copies = blocks.block_kv_dkv, 1 if split else COMPUTE_WGS
   kv_out = jax.ShapeDtypeStruct(k.shape, k.dtype)
+  dkv_extras = (tables(True), alibi_slopes)
   dk, dv = plgpu.kernel(
       lambda *refs, k_smem, v_smem, ready, done=None: _dkv_kernel(
-          *refs, k_smem, v_smem, ready, done, **kernel_args),
+          *flat(refs, dkv_extras), k_smem, v_smem, ready, done,
+          **kernel_args),
       out_type=(kv_out, kv_out),
       scratch_types=dict(
           k_smem=plgpu.SMEM((copies, dkv_rows, head_dim), k.dtype,
@@ -372,5 +421,5 @@ def flash_backward(q, k, v, o, lse, do, dlse, *, mask: Mask, scores: Scores,
       grid_names=("heads", "kv_seq", "batch"),
       num_threads=COMPUTE_WGS + 1, thread_name="wg",
       compiler_params=params, kernel_name="flash_attention_dkv_mosaic",
-  )(q, k, v, do, lse2, delta)
+  )(q, k, v, do, lse2, delta, *(x for x in dkv_extras if x is not None))
   return dq[:, :q_len], dk[:, :kv_len], dv[:, :kv_len]

@@ -12,11 +12,13 @@ warpgroups (warp specialization):
   "schedule" barrier staggers them (ping-pong), so one warpgroup's softmax
   overlaps the other's matmuls.
 
-Tiles come from the shared mask description (`mask.kv_block_ranges`): the
-producer loads the key tiles either consumer needs, interior tiles skip the
-predicate, boundary tiles evaluate it; a consumer whose rows need fewer tiles
-only waits and releases the rest (every barrier completion is awaited). The
-logsumexp is stored in natural log, [B, N, T].
+Tiles come from the shared mask description (`mask.kv_block_ranges`, and a
+mask_mod's range table, `table_ranges`): the producer loads the key tiles
+either consumer needs, interior tiles skip the predicate, boundary tiles
+evaluate it; a consumer whose rows need fewer tiles only waits and releases
+the rest (every barrier completion is awaited). Scores go through the shared
+`Scores.logits2` (soft-cap, ALiBi, a score_mod). The logsumexp is stored in
+natural log, [B, N, T].
 """
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_flash.spec import softmax
-from jax_flash.spec.mask import Mask, kv_block_ranges
+from jax_flash.spec.mask import (Mask, intersect_ranges, kinds_block_table,
+                                  kv_block_ranges)
 from jax_flash.spec.padding import pad_to, round_up
 from jax_flash.spec.scores import Scores
 from pallas_kernels.mosaic_gpu.config import BlockSizes
@@ -44,11 +47,44 @@ def smem_transforms(dtype, minor_dim: int):
   return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *,
-                    mask: Mask, scores: Scores, blocks: BlockSizes,
-                    group: int, kv_len: int):
+def table_ranges(ranges, table_ref, batch, row_tile):
+  """`ranges` (lo, full_lo, full_hi, hi) intersected with row `row_tile` of
+  a range table ref [Bm, row tiles, 4] (a mask_mod's, from
+  `mask.kinds_block_table`; Bm is 1 or B), read as scalars from global
+  memory; `ranges` itself without a table."""
+  if table_ref is None:
+    return ranges
+  b = batch if table_ref.shape[0] > 1 else 0
+  return intersect_ranges(ranges, tuple(table_ref[b, row_tile, c]
+                                        for c in range(4)))
+
+
+def split_refs(refs, num_inputs: int, extras):
+  """A kernel's refs as (inputs, extras' refs, outputs): `extras` are the
+  optional inputs after the first num_inputs, None for those absent (their
+  ref is then None)."""
+  inputs, rest = refs[:num_inputs], iter(refs[num_inputs:])
+  extra_refs = tuple(None if x is None else next(rest) for x in extras)
+  return inputs, extra_refs, tuple(rest)
+
+
+def _union(a, b):
+  """(first, stop): the tiles of two ranges; an empty range adds none."""
+  empty_a, empty_b = a[0] >= a[3], b[0] >= b[3]
+  first = jnp.where(empty_a, b[0], jnp.where(empty_b, a[0],
+                                              jnp.minimum(a[0], b[0])))
+  stop = jnp.where(empty_a, b[3], jnp.where(empty_b, a[3],
+                                             jnp.maximum(a[3], b[3])))
+  return first, jnp.maximum(stop, first)
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, table_ref, slopes_ref, o_ref,
+                    lse_ref, scratch, *, mask: Mask, scores: Scores,
+                    blocks: BlockSizes, group: int, kv_len: int):
   """q_ref/o_ref [B, T, N, H], k_ref/v_ref [B, S, K, H], lse_ref [B, N, T];
-  keys at or past kv_len (<= S: XLA's padding) are masked."""
+  keys at or past kv_len (<= S: XLA's padding) are masked. table_ref: the
+  mask_mod's range table of block_q-row query tiles, or None; slopes_ref:
+  ALiBi slopes [B, N] or None."""
   (q_smem2, k_smem, v_smem, lse_smem2), ready, free, schedule = scratch
   k_ready, v_ready, q_ready = ready
   k_free, v_free = free
@@ -57,9 +93,21 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *,
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
   wg = lax.axis_index("wg")
   tile_start = lax.axis_index("q_seq") * (COMPUTE_WGS * block_q)
+
+  def consumer_ranges(w):
+    """Key tiles of warpgroup w's rows: the band's and the table's."""
+    return table_ranges(
+        kv_block_ranges(mask, tile_start + w * block_q, block_q, block_kv,
+                        kv_len),
+        table_ref, batch, lax.div(tile_start, block_q) + w)
+
   # Key tiles [first, steps) the producer loads: what either consumer needs.
-  first, _, _, steps = kv_block_ranges(mask, tile_start, COMPUTE_WGS * block_q,
-                                       block_kv, kv_len)
+  if table_ref is None:  # The band of the CTA's rows.
+    first, _, _, steps = kv_block_ranges(mask, tile_start,
+                                         COMPUTE_WGS * block_q, block_kv,
+                                         kv_len)
+  else:
+    first, steps = _union(consumer_ranges(0), consumer_ranges(1))
 
   def schedule_barrier():
     plgpu.barrier_arrive(schedule)
@@ -70,8 +118,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *,
     plgpu.set_max_registers(232, action="increase")
     q_smem, lse_smem = q_smem2.at[wg], lse_smem2.at[wg]
     q_start = tile_start + wg * block_q
-    lo, full_lo, full_hi, hi = kv_block_ranges(mask, q_start, block_q,
-                                               block_kv, kv_len)
+    lo, full_lo, full_hi, hi = consumer_ranges(wg)
+    if table_ref is not None:  # An empty range sits at the producer's first.
+      empty = lo >= hi
+      lo, full_lo, full_hi, hi = (jnp.where(empty, first, x)
+                                  for x in (lo, full_lo, full_hi, hi))
+    slope = None if slopes_ref is None else slopes_ref[batch, head]
+    coords = mask.mod is not None or scores.mod is not None or scores.alibi
     plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, block_q), head],
                             q_smem, q_ready.at[wg])
     plgpu.barrier_wait(q_ready.at[wg])
@@ -94,14 +147,18 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *,
         return acc_ref[...]
       s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
       plgpu.barrier_arrive(k_free.at[slot])
-      s = s * (scores.scale * softmax.LOG2E)
-      if masked:
+      rows = cols = None
+      if masked or coords:
         shape = (block_q, block_kv)
         rows = q_start + plgpu.broadcasted_iota(jnp.int32, shape, 0,
                                                 layout=plgpu.Layout.WGMMA)
         cols = j * block_kv + plgpu.broadcasted_iota(
             jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-        s = jnp.where(mask.visible(rows, cols, kv_len), s, -jnp.inf)
+      s, _ = scores.logits2(s, rows, cols, slope=slope, batch=batch,
+                            head=head)
+      if masked:
+        s = jnp.where(mask.visible(rows, cols, kv_len, batch=batch,
+                                   head=head), s, -jnp.inf)
       m_new = jnp.maximum(m, s.max(axis=1))
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
       alpha = jnp.exp2(m - m_safe)
@@ -184,12 +241,14 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *,
 
 
 def flash_forward(q, k, v, *, mask: Mask, scores: Scores,
-                  block_sizes: BlockSizes):
+                  block_sizes: BlockSizes, tile_kinds=None,
+                  alibi_slopes=None):
   """Runs the forward kernel.
 
   q [B, T, N, H], k/v [B, S, K, H] (K divides N), bf16 or fp16, H a
   multiple of 64 (`pallas_kernels.mosaic_gpu.MosaicGpuBackend.unsupported`
-  checks). Any T and S: XLA pads Q to a multiple of 2 * block_q rows and
+  checks). tile_kinds: a mask_mod's kinds (`Operands.tile_kinds`, with
+  `mask.mod`); alibi_slopes: float32 [B, N] (with `scores.alibi`). Any T and S: XLA pads Q to a multiple of 2 * block_q rows and
   K/V to a multiple of 8 (what TMA needs), and the kernel masks keys past S
   (a copy only for lengths that are not such multiples).
   GPU only: the Pallas interpreter cannot run a wgmma whose left operand is
@@ -202,6 +261,11 @@ def flash_forward(q, k, v, *, mask: Mask, scores: Scores,
   batch, padded_len, num_heads, head_dim = q.shape
   group = num_heads // k.shape[2]
   blocks = block_sizes
+  table = None
+  if mask.mod is not None:  # One row per consumer's query tile.
+    table = mod_range_table(tile_kinds, mask, blocks.block_q, blocks.block_kv,
+                            q_len, kv_len, padded_len // blocks.block_q)
+  extras = (table, alibi_slopes)
   transforms = smem_transforms(q.dtype, head_dim)
   stages = blocks.num_stages
   scratch = dict(
@@ -221,10 +285,11 @@ def flash_forward(q, k, v, *, mask: Mask, scores: Scores,
       schedule=plgpu.Barrier(num_arrivals=COMPUTE_WGS),
   )
 
-  def body(q_ref, k_ref, v_ref, o_ref, lse_ref, *, buffers, ready, free,
-           schedule):
-    _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref,
-                    (buffers, ready, free, schedule), mask=mask,
+  def body(*refs, buffers, ready, free, schedule):
+    (q_ref, k_ref, v_ref), (table_ref, slopes_ref), (o_ref, lse_ref) = (
+        split_refs(refs, 3, extras))
+    _forward_kernel(q_ref, k_ref, v_ref, table_ref, slopes_ref, o_ref,
+                    lse_ref, (buffers, ready, free, schedule), mask=mask,
                     scores=scores, blocks=blocks, group=group, kv_len=kv_len)
 
   num_tiles = padded_len // (COMPUTE_WGS * blocks.block_q)
@@ -240,5 +305,17 @@ def flash_forward(q, k, v, *, mask: Mask, scores: Scores,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       kernel_name="flash_attention_forward_mosaic",
-  )(q, k, v)
+  )(q, k, v, *(x for x in extras if x is not None))
   return o[:, :q_len], lse[:, :, :q_len]
+
+
+def mod_range_table(tile_kinds, mask: Mask, block_rows: int, block_cols: int,
+                    q_len: int, kv_len: int, num_row_tiles: int, *,
+                    transposed: bool = False):
+  """A mask_mod's range table (`mask.kinds_block_table`) for a kernel's
+  tiles, padded with empty rows to the kernel's `num_row_tiles` (its
+  padding past the length reads them)."""
+  table = kinds_block_table(tile_kinds, mask, block_rows, block_cols, q_len,
+                            kv_len, transposed=transposed)
+  return jnp.pad(table, ((0, 0), (0, num_row_tiles - table.shape[1]),
+                         (0, 0)))
