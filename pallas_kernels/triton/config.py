@@ -131,18 +131,22 @@ def decode_block_k(head_dim: int, kv_len: int, page_size: int | None = None
   above, never more than the cache. Measured with it (contiguous):
   results/2026-11-30-h200-session2/decode.md.
 
-  A paged cache (page_size tokens a page): pages of 64 tokens or more keep
-  the tile within one page (one contiguous load; one 64-token page a tile
-  read 3.9-4.5 TB/s on the H200, second session), smaller pages fill the
-  tile with several, gathered in one load (16-token pages: 1.95 / 2.57 TB/s
-  at batch 8, 32k / batch 64, 8k against 1.78 / 2.84 for one page a tile;
-  the gather of 64-token pages read only 1.96 / 2.56:
-  results/2026-11-30-h200-session5/decode_paged.md)."""
+  A paged cache (page_size tokens a page): pages of 32 tokens or more keep
+  the tile within one page (one contiguous load), 16-token pages fill a
+  64-row tile with four, gathered in one load. H200 sweep
+  (results/2026-11-30-h200-session5/decode_tune.jsonl, bf16, 16 query / 4
+  KV heads of 128, pages shuffled; TB/s of K+V against the contiguous cache
+  in the same run, batch 8 x 32k / batch 64 x 8k): 64-token pages one a tile
+  1.00 / 1.10x, a 128-row gather of two 0.60 / 0.75x; 32-token pages one a
+  tile 0.76 / 1.07x, gathers of 64 / 128 rows 0.86 / 0.78x and 0.65 /
+  0.73x; 16-token pages one a tile 0.53 / 0.75x, gathers of 32 / 64 / 128
+  rows 0.66 / 0.88x, 0.83 / 0.79x, 0.62 / 0.73x."""
   tile = min(128 if padded_head_dim(head_dim) <= 128 else 64,
              max(16, 1 << (kv_len - 1).bit_length()))
-  if page_size is not None and page_size >= 64:
-    return min(tile, page_size)
-  return tile
+  if page_size is None:
+    return tile
+  # 16-token pages: four a tile; 32 or more: one page a tile (or part of one).
+  return min(tile, 64 if page_size < 32 else page_size)
 
 
 def decode_splits(batch: int, num_kv_heads: int, num_tiles: int) -> int:
