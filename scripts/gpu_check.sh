@@ -10,7 +10,7 @@
 #   bash scripts/gpu_check.sh ring      # ring_attention on every local GPU
 #   bash scripts/gpu_check.sh tune      # head-dim-256 block-size sweep
 #   bash scripts/gpu_check.sh train     # train_lm at GPT-2-small size: flash, cuDNN, flax
-#   bash scripts/gpu_check.sh pending   # what landed after the last GPU run (~6 min)
+#   bash scripts/gpu_check.sh pending   # what no GPU run has checked yet (~9 min)
 #   bash scripts/gpu_check.sh mosaic    # the Mosaic kernels: correctness sweep + 8k benchmark
 #                                       # (with tokamax if .whl/ is carried: scripts/tokamax_wheels.sh)
 # TESTS="tests/a.py::b ..." limits `tests` to those; BENCH_ARGS replaces
@@ -104,26 +104,22 @@ for mode in "$@"; do
       done
       ;;
     pending)
-      # Landed without a GPU run (2026-11-30, fourth session): flex
-      # attention on the Triton kernels, the linen sinks, the Mosaic tests
-      # with any lengths, the GPU-only tests with the Mosaic backward as the
-      # default, paged decode with several pages per tile; then flex beside
-      # is_causal/windows/segments and paged vs contiguous decode (speed).
-      JAX_FLASH_FAILURE_LOG="$OUT/failures.log" timeout "${TESTS_LIMIT:-300}" \
-        python3 -m pytest -q -n 16 -rfE -p no:cacheprovider tests/test_flex.py tests/test_decode.py \
-        tests/test_gpu.py "tests/test_flax.py::test_linen_sinks_parameter_trains_and_matches_the_reference" \
+      # Not yet checked on a GPU (2026-11-30, end of the fifth session):
+      # the Mosaic cases a time limit cut (built-in soft-cap, flex
+      # prefix-LM, shapes that passed before the score modifications
+      # landed), then the rest of the suite with Mosaic as Hopper's default
+      # (the sweep, dropout, Flax modules and examples, linen sinks).
+      JAX_FLASH_FAILURE_LOG="$OUT/failures.log" timeout 200 \
+        python3 -m pytest -v -n 16 -rfE -p no:cacheprovider tests/test_flex.py \
+        tests/test_gpu.py -k mosaic > "$OUT/pending_mosaic.log" 2>&1
+      echo "pytest exit: $?"; grep -E "(PASSED|FAILED|ERROR) tests|passed|failed" \
+        "$OUT/pending_mosaic.log" | sed 's/.*\] //' | tail -25
+      JAX_FLASH_FAILURE_LOG="$OUT/failures.log" timeout "${TESTS_LIMIT:-340}" \
+        python3 -m pytest -v -n 16 -rfE -p no:cacheprovider tests/test_flax.py \
+        tests/test_examples.py tests/test_dropout.py tests/test_gpu.py -k "not mosaic" \
         > "$OUT/pending_tests.log" 2>&1
-      echo "pytest exit: $?"; tail -n 15 "$OUT/pending_tests.log"
-      bench flex_window 120 --scenario window --seq-lens 8192 --sizes 1024 \
-        --head-dims 128
-      bench flex_documents 120 --scenario documents --seq-lens 16384 \
-        --sizes 16 --head-dims 128
-      # Paged decode, several pages per key tile (one gather); a prompt
-      # chunk against a paged cache, read through the page table.
-      bench decode_paged 150 --scenario decode --head-dims 128 \
-        --seq-lens 8192 32768 --batches 8 64
-      bench prefill_paged 120 --scenario prefill --head-dims 128 \
-        --seq-lens 32768 --sizes 2048 256
+      echo "pytest exit: $?; passed: $(grep -c ' PASSED ' "$OUT/pending_tests.log")"
+      grep -E " FAILED |^(FAILED|ERROR)| passed| failed" "$OUT/pending_tests.log" | tail -20
       ;;
     mosaic)
       timeout "${MOSAIC_LIMIT:-300}" python3 benchmarks/mosaic_check.py \
