@@ -77,6 +77,26 @@ MOSAIC_SCORES = {  # name: (case, score modification)
 }
 
 
+def _packed(b, n, num, seed):
+  return jnp.sort(jax.random.randint(jax.random.key(seed), (b, n), 0, num),
+                  axis=1)
+
+
+MOSAIC_IDS = {  # name: (case, lengths / segment ids); NaN past the lengths.
+    "lengths_causal_gqa": (
+        Case(2, 1000, 1003, 8, 2, 128, "bfloat16", True),
+        dict(query_seq_lengths=jnp.array([1000, 17]),
+             key_value_seq_lengths=jnp.array([640, 1003]))),
+    "segments_h64_f16": (
+        Case(2, 1024, 1024, 4, 4, 64, "float16", False),
+        dict(segment_ids=(_packed(2, 1024, 5, 1), _packed(2, 1024, 5, 1)))),
+    "segments_lengths_h256_causal": (
+        Case(1, 512, 600, 4, 2, 256, "bfloat16", True),
+        dict(segment_ids=(_packed(1, 512, 3, 2), _packed(1, 600, 3, 3)),
+             key_value_seq_lengths=jnp.array([550]))),
+}
+
+
 @pytest.mark.parametrize("name", MOSAIC_CASES)
 def test_mosaic_matches_reference(name):
   case = MOSAIC_CASES[name]
@@ -99,6 +119,14 @@ def test_mosaic_score_modifications_match_reference(name):
   compare_with_reference(dict(is_causal=case.causal, **scores), case.dtype,
                          shape=case.shape, block_sizes=None,
                          implementation="mosaic")
+
+
+@pytest.mark.parametrize("name", MOSAIC_IDS)
+def test_mosaic_lengths_and_segments_match_reference(name):
+  case, ids = MOSAIC_IDS[name]
+  compare_with_reference(dict(is_causal=case.causal, **ids), case.dtype,
+                         shape=case.shape, block_sizes=None,
+                         implementation="mosaic", garbage=True)
 
 
 def test_default_on_h200_is_mosaic_where_it_takes_the_call():

@@ -96,6 +96,7 @@ def test_mosaic_takes_any_length(head_dim, q_len, kv_len):
      dict(is_causal=True, alibi_slopes=jnp.ones((2, 8))), True),
     ("bias", (2, 256, 512, 8, 2, 128), jnp.bfloat16,
      dict(bias=jnp.zeros((1, 1, 256, 512))), False),
+    # Lowered but not yet run on a GPU: the default picks Triton.
     ("lengths", (2, 256, 512, 8, 2, 128), jnp.bfloat16,
      dict(key_value_seq_lengths=jnp.array([512, 3])), False),
     ("version_1", (2, 256, 512, 8, 2, 128), jnp.bfloat16,
@@ -113,10 +114,8 @@ def test_mosaic_named_for_a_call_it_cannot_take_says_why():
   with pytest.raises(ValueError, match="head_dim must be one of .* for the "
                      "Mosaic GPU kernels, got 96"):
     _lower_grad("mosaic", (2, 256, 512, 8, 2, 96))
-  with pytest.raises(ValueError, match="causal masks, windows and mask_mods "
-                     "only"):
-    _lower_grad("mosaic", segment_ids=(jnp.zeros((2, 256), jnp.int32),
-                                       jnp.zeros((2, 512), jnp.int32)))
+  with pytest.raises(ValueError, match="no dense masks or query offsets"):
+    _lower_grad("mosaic", mask=jnp.ones((1, 1, 256, 512), bool))
 
 
 def test_mosaic_without_a_gpu_is_a_clear_error():
@@ -188,3 +187,18 @@ def test_flex_mod_the_mosaic_lowering_lacks_runs_triton():
   with pytest.raises(ValueError, match=r"cannot run a mask_mod/score_mod "
                      r"made of \['floor'\]"):
     _lower_flex("mosaic", mod)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_mosaic_takes_lengths_and_segment_ids_when_named(head_dim):
+  """Ids (lengths, segments) in the forward, dK/dV and dQ kernels: their
+  range tables and the id predicate on boundary tiles. Not yet run on a
+  GPU, so only implementation="mosaic" picks them."""
+  ids = (jnp.zeros((1, 300), jnp.int32), jnp.zeros((1, 1003), jnp.int32))
+  text = _lower_grad("mosaic", (1, 300, 1003, 4, 2, head_dim), jnp.bfloat16,
+                     is_causal=True, segment_ids=ids,
+                     query_seq_lengths=jnp.array([200]),
+                     key_value_seq_lengths=jnp.array([900]))
+  assert "flash_attention_forward_mosaic" in text
+  assert all(name in text for name in MOSAIC_BACKWARD)
+  assert not any(name in text for name in TRITON_BACKWARD)

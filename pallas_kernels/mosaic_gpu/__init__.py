@@ -5,10 +5,11 @@ A forward kernel (`flash_fwd`) and a backward of two kernels (`flash_bwd`:
 dK/dV and dQ). What it takes is narrower than the Triton backend
 (`unsupported` says what, and the dispatch then runs Triton): bf16/fp16,
 head dims 64/128/256, any lengths (XLA pads them to the tiles; the kernels
-mask keys past the length), causal masks, sliding windows and flex
-attention's mask_mods (the band and the tile-range table of the shared mask
-description), soft-cap, ALiBi and score_mods (`Scores.logits2`); no lengths,
-segments or dense masks, no bias, no dropout, no sinks.
+mask keys past the length), causal masks, sliding windows, flex attention's
+mask_mods and, lowered but not yet run on a GPU (`awaiting_gpu_check`),
+lengths and segment ids (the band and the tile-range tables of the shared
+mask description), soft-cap, ALiBi and score_mods (`Scores.logits2`); no
+dense masks, no query offsets, no bias, no dropout, no sinks.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import jax.extend.core
 import jax.numpy as jnp
 
 from jax_flash.spec.checks import Problem
-from jax_flash.spec.mask import Mask
+from jax_flash.spec.mask import KV_PAD_ID, Q_PAD_ID, Mask
 from jax_flash.spec.operands import Operands
 from jax_flash.spec.scores import Scores
 from pallas_kernels.mosaic_gpu import config
@@ -85,15 +86,27 @@ class MosaicGpuBackend:
     if problem.head_dim not in config.HEAD_DIMS:
       return (f"head_dim must be one of {config.HEAD_DIMS} for the Mosaic GPU "
               f"kernels, got {problem.head_dim}")
-    if mask.has_ids or mask.has_dense or mask.has_q_offsets:
-      return ("the Mosaic GPU kernels take causal masks, windows and "
-              "mask_mods only (no lengths, segments or dense masks yet)")
+    if mask.has_dense or mask.has_q_offsets:
+      return ("the Mosaic GPU kernels take causal masks, windows, lengths, "
+              "segment ids and mask_mods only (no dense masks or query "
+              "offsets yet)")
     if scores.bias or scores.dropout or scores.sinks:
       return "the Mosaic GPU kernels take no bias, dropout or sinks yet"
     missing = mod_primitives_missing(mask, scores)
     if missing:
       return (f"the Mosaic GPU kernels cannot run a mask_mod/score_mod made "
               f"of {sorted(missing)}")
+    return None
+
+  def awaiting_gpu_check(self, *, mask: Mask, scores: Scores) -> str | None:
+    """Features lowered for an H200 on the CPU but not yet run on one: the
+    dispatch picks another backend for them unless implementation="mosaic"
+    names this one (the GPU tests do; `scripts/gpu_check.sh pending`)."""
+    del scores
+    if mask.has_ids:
+      return ("lengths and segment ids in the Mosaic GPU kernels are lowered "
+              "but not yet checked on a GPU (implementation='mosaic' runs "
+              "them)")
     return None
 
   def config(self, block_sizes, problem: Problem, dtype, *, is_causal: bool,
@@ -118,16 +131,34 @@ class MosaicGpuBackend:
   def forward(self, q, k, v, operands: Operands, *, mask: Mask,
               scores: Scores, config: BlockSizes, version: int = 2):
     del version  # Only 2 (see `unsupported`).
+    q, k, v = _without_padding(operands, q, k, v)
     return flash_forward(q, k, v, mask=mask, scores=scores,
                          block_sizes=config, tile_kinds=operands.tile_kinds,
-                         alibi_slopes=operands.alibi_slopes)
+                         alibi_slopes=operands.alibi_slopes,
+                         q_ids=operands.q_ids, kv_ids=operands.kv_ids)
 
   def backward(self, q, k, v, operands: Operands, o, lse, do, dlse, *,
                mask: Mask, scores: Scores, config: BlockSizes):
     """(dq, dk, dv, Operands()): no differentiable operand is taken (no
     bias, no arrays a score_mod closes over: see `unsupported`)."""
+    q, k, v, do = _without_padding(operands, q, k, v, do)
     dq, dk, dv = flash_backward(q, k, v, o, lse, do, dlse, mask=mask,
                                 scores=scores, block_sizes=config,
                                 tile_kinds=operands.tile_kinds,
-                                alibi_slopes=operands.alibi_slopes)
+                                alibi_slopes=operands.alibi_slopes,
+                                q_ids=operands.q_ids, kv_ids=operands.kv_ids)
     return dq, dk, dv, Operands()
+
+
+def _without_padding(operands: Operands, q, k, v, do=None):
+  """q (and do) zeroed at rows past a query length, k and v at rows past a
+  key length (their ids, `mask.Q_PAD_ID` / `KV_PAD_ID`): padding may hold
+  NaN, and a masked score's zero probability times NaN would still be NaN
+  in P V, dS K and dS^T Q. Unchanged without ids."""
+  if operands.q_ids is None:
+    return (q, k, v) if do is None else (q, k, v, do)
+  q_pad = (operands.q_ids == Q_PAD_ID)[:, :, None, None]
+  kv_pad = (operands.kv_ids == KV_PAD_ID)[:, :, None, None]
+  zero = lambda x, pad: jnp.where(pad, jnp.zeros((), x.dtype), x)
+  out = (zero(q, q_pad), zero(k, kv_pad), zero(v, kv_pad))
+  return out if do is None else out + (zero(do, q_pad),)

@@ -40,13 +40,10 @@ from jax_flash.spec.mask import Mask, cdiv, kv_block_ranges, q_block_ranges
 from jax_flash.spec.padding import pad_to, round_up
 from jax_flash.spec.scores import Scores
 from pallas_kernels.mosaic_gpu.config import BlockSizes
-from pallas_kernels.mosaic_gpu.flash_fwd import (COMPUTE_WGS, mod_range_table,
-                                                 smem_transforms, split_refs,
-                                                 table_ranges)
-
-_ROW = plgpu.Layout.WGMMA.reduce(1)  # One value per row of a wgmma tile.
-_COL = plgpu.Layout.WGMMA.reduce(0)  # One value per column.
-
+from pallas_kernels.mosaic_gpu.flash_fwd import (COL, COMPUTE_WGS, ROW,
+                                                 load_ids, pad_ids,
+                                                 range_table, smem_transforms,
+                                                 split_refs, table_ranges)
 
 def _iota(shape, dim):
   return plgpu.broadcasted_iota(jnp.int32, shape, dim,
@@ -63,13 +60,14 @@ def split_dkv(head_dim: int) -> bool:
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
-                slopes_ref, dk_ref, dv_ref, k_smem2, v_smem2, ready, done, *,
-                mask: Mask, scores: Scores, blocks: BlockSizes, group: int,
-                kv_len: int):
+                slopes_ref, q_ids_ref, kv_ids_ref, dk_ref, dv_ref, k_smem2,
+                v_smem2, ready, done, *, mask: Mask, scores: Scores,
+                blocks: BlockSizes, group: int, kv_len: int):
   """q/do [B, T, N, H], k/v and dk/dv [B, S, K, H], lse/delta [B, N, T];
-  keys at or past kv_len (<= S: XLA's padding) are masked. table_ref: the
-  mask_mod's range table of the CTA's key rows (transposed), or None;
-  slopes_ref: ALiBi slopes [B, N] or None.
+  keys at or past kv_len (<= S: XLA's padding) are masked. Each None when
+  absent: table_ref, the range table of the CTA's key rows (transposed,
+  `range_table`); slopes_ref, ALiBi slopes [B, N]; q_ids_ref / kv_ids_ref,
+  ids [B, T] / [B, S] padded past the kernel's tiles.
 
   Head dims above 128 (`split_dkv`): dK and dV together would need H
   registers a thread, so the CTA owns block_kv_dkv key rows that both
@@ -115,11 +113,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
 
   def compute_split(pipeline):
     pl.when(wg == 0)(load_kv)  # One copy, both warpgroups wait on it.
+    kv_ids = load_ids(kv_ids_ref, batch, kv_start, bkv, ROW)
     plgpu.barrier_wait(ready.at[0, 0])
     plgpu.barrier_wait(ready.at[1, 0])
 
     def run(acc):
-      pipeline((acc,))
+      pipeline((acc, kv_ids))
       return acc[...]
     grad = pl.run_scoped(run, plgpu.ACC((bkv, head_dim), jnp.float32))
     # Neither overwrites K or V before both are done reading them.
@@ -130,11 +129,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
 
   def compute(pipeline):
     load_kv()
+    kv_ids = load_ids(kv_ids_ref, batch, kv_start, bkv, ROW)
     plgpu.barrier_wait(ready.at[0, wg])
     plgpu.barrier_wait(ready.at[1, wg])
 
     def run(dk_acc, dv_acc):
-      pipeline((dk_acc, dv_acc))
+      pipeline((dk_acc, dv_acc, kv_ids))
       return dk_acc[...], dv_acc[...]
     dk, dv = pl.run_scoped(run, plgpu.ACC((bkv, head_dim), jnp.float32),
                            plgpu.ACC((bkv, head_dim), jnp.float32))
@@ -156,8 +156,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
 
     def scores_t(acc):
       plgpu.wgmma(acc, k_smem, q_smem.T)
-      lse = plgpu.load(lse_smem, layout=_COL)
-      delta = plgpu.load(delta_smem, layout=_COL)
+      lse = plgpu.load(lse_smem, layout=COL)
+      delta = plgpu.load(delta_smem, layout=COL)
       plgpu.barrier_arrive(lse_free)
       plgpu.barrier_arrive(delta_free)
       return acc[...], lse, delta
@@ -165,6 +165,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
     def positions():  # Transposed: queries across, keys down.
       return q_tile(i) * bq + _iota(shape, 1), kv_start + _iota(shape, 0)
     rows_cols = positions() if coords else None
+    ids = {}
+    if mask.has_ids:
+      q_ids = load_ids(q_ids_ref, batch, q_tile(i) * bq, bq, COL)
+      ids = dict(q_ids=lax.broadcast_in_dim(q_ids, shape, [1]),
+                 kv_ids=lax.broadcast_in_dim(carry[-1], shape, [0]))
     s, aux = scores.logits2(
         s, *(rows_cols or (None, None)),
         slope=None if slopes_ref is None else slopes_ref[batch, head],
@@ -173,7 +178,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
     s = lax.cond(
         (tile < full_lo) | (tile >= full_hi),
         lambda: _masked(s, mask.visible(*(rows_cols or positions()), kv_len,
-                                        batch=batch, head=head)),
+                                        batch=batch, head=head, **ids)),
         lambda: s)
     p = jnp.exp2(s - lax.broadcast_in_dim(lse, shape, [1]))
 
@@ -182,7 +187,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
       return acc[...]
 
     if split:
-      (acc,) = carry
+      acc = carry[0]
 
       @pl.when(wg == 0)
       def _():
@@ -200,7 +205,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
       plgpu.barrier_arrive(q_free)
       return carry
 
-    dk_acc, dv_acc = carry
+    dk_acc, dv_acc, _ = carry
 
     def dp_t(acc):
       plgpu.wgmma(acc, v_smem, do_smem.T)
@@ -239,12 +244,14 @@ def dq_warpgroups(head_dim: int) -> int:
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
-               slopes_ref, dq_ref, q_smem2, do_smem2, ready, *, mask: Mask,
-               scores: Scores, blocks: BlockSizes, group: int, kv_len: int):
+               slopes_ref, q_ids_ref, kv_ids_ref, dq_ref, q_smem2, do_smem2,
+               ready, *, mask: Mask, scores: Scores, blocks: BlockSizes,
+               group: int, kv_len: int):
   """q/do/dq [B, T, N, H], k/v [B, S, K, H], lse/delta [B, N, T]; keys at
-  or past kv_len (<= S: XLA's padding) are masked. table_ref: the
-  mask_mod's range table of the CTA's query rows, or None; slopes_ref:
-  ALiBi slopes [B, N] or None."""
+  or past kv_len (<= S: XLA's padding) are masked. Each None when absent:
+  table_ref, the range table of the CTA's query rows (`range_table`);
+  slopes_ref, ALiBi slopes [B, N]; q_ids_ref / kv_ids_ref, ids [B, T] /
+  [B, S] padded past the kernel's tiles."""
   wgs = dq_warpgroups(q_ref.shape[3])
   bq, bkv = blocks.block_q_dq, blocks.block_kv_dq
   head_dim = q_ref.shape[3]
@@ -270,15 +277,16 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
                             ready.at[0, wg])
     plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head], do_smem,
                             ready.at[1, wg])
-    lse = plgpu.load(lse_ref.at[batch, head, rows], layout=_ROW,
+    lse = plgpu.load(lse_ref.at[batch, head, rows], layout=ROW,
                      optimized=False)
-    delta = plgpu.load(delta_ref.at[batch, head, rows], layout=_ROW,
+    delta = plgpu.load(delta_ref.at[batch, head, rows], layout=ROW,
                        optimized=False)
+    q_ids = load_ids(q_ids_ref, batch, q_start, bq, ROW)
     plgpu.barrier_wait(ready.at[0, wg])
     plgpu.barrier_wait(ready.at[1, wg])
 
     def run(dq_acc):
-      pipeline((dq_acc, lse, delta))
+      pipeline((dq_acc, lse, delta, q_ids))
       return dq_acc[...]
     dq = pl.run_scoped(run, plgpu.ACC((bq, head_dim), jnp.float32))
     q_smem[...] = (dq * scores.scale).astype(dtype)
@@ -288,8 +296,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
 
   def step(index, k_smem, v_smem, k_free, v_free, carry):
     (j,) = index
-    dq_acc, lse, delta = carry
+    dq_acc, lse, delta, q_ids = carry
     shape = (bq, bkv)
+    ids = {}
+    if mask.has_ids:
+      kv_ids = load_ids(kv_ids_ref, batch, kv_tile(j) * bkv, bkv, COL)
+      ids = dict(q_ids=lax.broadcast_in_dim(q_ids, shape, [0]),
+                 kv_ids=lax.broadcast_in_dim(kv_ids, shape, [1]))
 
     def s_dp(s_acc, dp_acc):
       plgpu.wgmma(s_acc, q_smem, k_smem.T)
@@ -306,7 +319,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
       s = lax.cond(
           (tile < full_lo) | (tile >= full_hi),
           lambda: _masked(s, mask.visible(*(rows_cols or positions()),
-                                          kv_len, batch=batch, head=head)),
+                                          kv_len, batch=batch, head=head,
+                                          **ids)),
           lambda: s)
       p = jnp.exp2(s - lax.broadcast_in_dim(lse, shape, [0]))
       return p, aux, dp_acc[...]
@@ -332,11 +346,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
 
 def flash_backward(q, k, v, o, lse, do, dlse, *, mask: Mask, scores: Scores,
                    block_sizes: BlockSizes, tile_kinds=None,
-                   alibi_slopes=None):
+                   alibi_slopes=None, q_ids=None, kv_ids=None):
   """(dq, dk, dv) of the forward's o and lse (natural log, [B, N, T]).
 
   tile_kinds: a mask_mod's kinds (with `mask.mod`); alibi_slopes: float32
-  [B, N] (with `scores.alibi`).
+  [B, N] (with `scores.alibi`); q_ids, kv_ids: int32 [B, T], [B, S] (with
+  `mask.has_ids`).
 
   q/o/do [B, T, N, H], k/v [B, S, K, H] (K divides N), bf16 or fp16, any T
   and S: XLA pads the queries (zeros, L = +inf: they add nothing) to the
@@ -368,15 +383,16 @@ def flash_backward(q, k, v, o, lse, do, dlse, *, mask: Mask, scores: Scores,
                      kv_len=kv_len)
 
   def tables(transposed):
-    """The mask_mod's range table of one kernel's CTA rows, or None."""
-    if mask.mod is None:
-      return None
+    """The range table of one kernel's CTA rows, or None."""
     if transposed:
-      return mod_range_table(tile_kinds, mask, kv_rows, blocks.block_q_dkv,
-                             q_len, kv_len, sp // kv_rows, transposed=True)
+      return range_table(mask, tile_kinds, q_ids, kv_ids, kv_rows,
+                         blocks.block_q_dkv, q_len, kv_len, sp // kv_rows,
+                         transposed=True)
     rows = wgs * blocks.block_q_dq
-    return mod_range_table(tile_kinds, mask, rows, blocks.block_kv_dq, q_len,
-                           kv_len, tp // rows)
+    return range_table(mask, tile_kinds, q_ids, kv_ids, rows,
+                       blocks.block_kv_dq, q_len, kv_len, tp // rows)
+
+  ids = pad_ids(q_ids, kv_ids, tp, round_up(sp, blocks.block_kv_dq))
 
   def flat(refs, extras):
     """A kernel's refs (6 inputs, extras, outputs), None for absent extras."""
@@ -384,7 +400,7 @@ def flash_backward(q, k, v, o, lse, do, dlse, *, mask: Mask, scores: Scores,
     return inputs + extra_refs + outputs
 
   dq_rows = blocks.block_q_dq
-  dq_extras = (tables(False), alibi_slopes)
+  dq_extras = (tables(False), alibi_slopes, *ids)
   dq = plgpu.kernel(
       lambda *refs, q_smem, do_smem, ready: _dq_kernel(
           *flat(refs, dq_extras), q_smem, do_smem, ready, **kernel_args),
@@ -403,7 +419,7 @@ def flash_backward(q, k, v, o, lse, do, dlse, *, mask: Mask, scores: Scores,
 
   dkv_rows, copies = blocks.block_kv_dkv, 1 if split else COMPUTE_WGS
   kv_out = jax.ShapeDtypeStruct(k.shape, k.dtype)
-  dkv_extras = (tables(True), alibi_slopes)
+  dkv_extras = (tables(True), alibi_slopes, *ids)
   dk, dv = plgpu.kernel(
       lambda *refs, k_smem, v_smem, ready, done=None: _dkv_kernel(
           *flat(refs, dkv_extras), k_smem, v_smem, ready, done,

@@ -12,8 +12,9 @@ warpgroups (warp specialization):
   "schedule" barrier staggers them (ping-pong), so one warpgroup's softmax
   overlaps the other's matmuls.
 
-Tiles come from the shared mask description (`mask.kv_block_ranges`, and a
-mask_mod's range table, `table_ranges`): the producer loads the key tiles
+Tiles come from the shared mask description (`mask.kv_block_ranges`, and the
+range table of a mask_mod or of ids, `table_ranges`; ids are compared on
+boundary tiles, read from global memory): the producer loads the key tiles
 either consumer needs, interior tiles skip the predicate, boundary tiles
 evaluate it; a consumer whose rows need fewer tiles only waits and releases
 the rest (every barrier completion is awaited). Scores go through the shared
@@ -31,13 +32,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_flash.spec import softmax
-from jax_flash.spec.mask import (Mask, intersect_ranges, kinds_block_table,
+from jax_flash.spec.mask import (KV_PAD_ID, Q_PAD_ID, Mask, id_block_table,
+                                  intersect_ranges, kinds_block_table,
                                   kv_block_ranges)
 from jax_flash.spec.padding import pad_to, round_up
 from jax_flash.spec.scores import Scores
 from pallas_kernels.mosaic_gpu.config import BlockSizes
 
 COMPUTE_WGS = 2
+ROW = plgpu.Layout.WGMMA.reduce(1)  # One value per row of a wgmma tile.
+COL = plgpu.Layout.WGMMA.reduce(0)  # One value per column.
 
 
 def smem_transforms(dtype, minor_dim: int):
@@ -49,9 +53,8 @@ def smem_transforms(dtype, minor_dim: int):
 
 def table_ranges(ranges, table_ref, batch, row_tile):
   """`ranges` (lo, full_lo, full_hi, hi) intersected with row `row_tile` of
-  a range table ref [Bm, row tiles, 4] (a mask_mod's, from
-  `mask.kinds_block_table`; Bm is 1 or B), read as scalars from global
-  memory; `ranges` itself without a table."""
+  a range table ref [Bm, row tiles, 4] (`range_table`; Bm is 1 or B), read
+  as scalars from global memory; `ranges` itself without a table."""
   if table_ref is None:
     return ranges
   b = batch if table_ref.shape[0] > 1 else 0
@@ -78,13 +81,24 @@ def _union(a, b):
   return first, jnp.maximum(stop, first)
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, table_ref, slopes_ref, o_ref,
-                    lse_ref, scratch, *, mask: Mask, scores: Scores,
-                    blocks: BlockSizes, group: int, kv_len: int):
+def load_ids(ids_ref, batch, start, size: int, layout):
+  """ids_ref[batch, start:start + size] (int32, global memory) in `layout`
+  (ROW or COL of a wgmma tile), or None without ids."""
+  if ids_ref is None:
+    return None
+  return plgpu.load(ids_ref.at[batch, pl.ds(start, size)], layout=layout,
+                    optimized=False)
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
+                    *, mask: Mask, scores: Scores, blocks: BlockSizes,
+                    group: int, kv_len: int):
   """q_ref/o_ref [B, T, N, H], k_ref/v_ref [B, S, K, H], lse_ref [B, N, T];
-  keys at or past kv_len (<= S: XLA's padding) are masked. table_ref: the
-  mask_mod's range table of block_q-row query tiles, or None; slopes_ref:
-  ALiBi slopes [B, N] or None."""
+  keys at or past kv_len (<= S: XLA's padding) are masked. extra_refs
+  (each None when absent): the range table of block_q-row query tiles
+  (`range_table`), ALiBi slopes [B, N], query and key ids [B, T], [B, S]
+  (padded past the kernel's tiles)."""
+  table_ref, slopes_ref, q_ids_ref, kv_ids_ref = extra_refs
   (q_smem2, k_smem, v_smem, lse_smem2), ready, free, schedule = scratch
   k_ready, v_ready, q_ready = ready
   k_free, v_free = free
@@ -128,10 +142,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, table_ref, slopes_ref, o_ref,
     plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, block_q), head],
                             q_smem, q_ready.at[wg])
     plgpu.barrier_wait(q_ready.at[wg])
-    row_layout = plgpu.Layout.WGMMA.reduce(1)
-    m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32),
-                          row_layout)
-    l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout)
+    q_ids = load_ids(q_ids_ref, batch, q_start, block_q, ROW)
+    m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), ROW)
+    l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), ROW)
     acc = plgpu.layout_cast(jnp.zeros((block_q, q_ref.shape[-1]), jnp.float32),
                             plgpu.Layout.WGMMA)
     pl.when(wg == 1)(schedule_barrier)  # Warpgroup 1 runs half a step behind.
@@ -157,8 +170,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, table_ref, slopes_ref, o_ref,
       s, _ = scores.logits2(s, rows, cols, slope=slope, batch=batch,
                             head=head)
       if masked:
+        ids = {}
+        if mask.has_ids:
+          kv_ids = load_ids(kv_ids_ref, batch, j * block_kv, block_kv, COL)
+          ids = dict(q_ids=lax.broadcast_in_dim(q_ids, shape, [0]),
+                     kv_ids=lax.broadcast_in_dim(kv_ids, shape, [1]))
         s = jnp.where(mask.visible(rows, cols, kv_len, batch=batch,
-                                   head=head), s, -jnp.inf)
+                                   head=head, **ids), s, -jnp.inf)
       m_new = jnp.maximum(m, s.max(axis=1))
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
       alpha = jnp.exp2(m - m_safe)
@@ -242,15 +260,17 @@ def _forward_kernel(q_ref, k_ref, v_ref, table_ref, slopes_ref, o_ref,
 
 def flash_forward(q, k, v, *, mask: Mask, scores: Scores,
                   block_sizes: BlockSizes, tile_kinds=None,
-                  alibi_slopes=None):
+                  alibi_slopes=None, q_ids=None, kv_ids=None):
   """Runs the forward kernel.
 
   q [B, T, N, H], k/v [B, S, K, H] (K divides N), bf16 or fp16, H a
   multiple of 64 (`pallas_kernels.mosaic_gpu.MosaicGpuBackend.unsupported`
   checks). tile_kinds: a mask_mod's kinds (`Operands.tile_kinds`, with
-  `mask.mod`); alibi_slopes: float32 [B, N] (with `scores.alibi`). Any T and S: XLA pads Q to a multiple of 2 * block_q rows and
-  K/V to a multiple of 8 (what TMA needs), and the kernel masks keys past S
-  (a copy only for lengths that are not such multiples).
+  `mask.mod`); alibi_slopes: float32 [B, N] (with `scores.alibi`); q_ids,
+  kv_ids: int32 [B, T], [B, S] (with `mask.has_ids`: segments and lengths,
+  `mask.make_ids`). Any T and S: XLA pads Q to a multiple of 2 * block_q
+  rows and K/V to a multiple of 8 (what TMA needs), and the kernel masks
+  keys past S (a copy only for lengths that are not such multiples).
   GPU only: the Pallas interpreter cannot run a wgmma whose left operand is
   in registers (P here); tests lower it for CUDA on the CPU instead.
   Returns (o [B, T, N, H], lse [B, N, T] float32, natural log).
@@ -261,11 +281,12 @@ def flash_forward(q, k, v, *, mask: Mask, scores: Scores,
   batch, padded_len, num_heads, head_dim = q.shape
   group = num_heads // k.shape[2]
   blocks = block_sizes
-  table = None
-  if mask.mod is not None:  # One row per consumer's query tile.
-    table = mod_range_table(tile_kinds, mask, blocks.block_q, blocks.block_kv,
-                            q_len, kv_len, padded_len // blocks.block_q)
-  extras = (table, alibi_slopes)
+  table = range_table(  # One row per consumer's query tile.
+      mask, tile_kinds, q_ids, kv_ids, blocks.block_q, blocks.block_kv,
+      q_len, kv_len, padded_len // blocks.block_q)
+  extras = (table, alibi_slopes,
+            *pad_ids(q_ids, kv_ids, padded_len,
+                     round_up(kv_len, blocks.block_kv)))
   transforms = smem_transforms(q.dtype, head_dim)
   stages = blocks.num_stages
   scratch = dict(
@@ -286,10 +307,10 @@ def flash_forward(q, k, v, *, mask: Mask, scores: Scores,
   )
 
   def body(*refs, buffers, ready, free, schedule):
-    (q_ref, k_ref, v_ref), (table_ref, slopes_ref), (o_ref, lse_ref) = (
-        split_refs(refs, 3, extras))
-    _forward_kernel(q_ref, k_ref, v_ref, table_ref, slopes_ref, o_ref,
-                    lse_ref, (buffers, ready, free, schedule), mask=mask,
+    (q_ref, k_ref, v_ref), extra_refs, (o_ref, lse_ref) = split_refs(
+        refs, 3, extras)
+    _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref,
+                    (buffers, ready, free, schedule), mask=mask,
                     scores=scores, blocks=blocks, group=group, kv_len=kv_len)
 
   num_tiles = padded_len // (COMPUTE_WGS * blocks.block_q)
@@ -309,13 +330,38 @@ def flash_forward(q, k, v, *, mask: Mask, scores: Scores,
   return o[:, :q_len], lse[:, :, :q_len]
 
 
-def mod_range_table(tile_kinds, mask: Mask, block_rows: int, block_cols: int,
-                    q_len: int, kv_len: int, num_row_tiles: int, *,
-                    transposed: bool = False):
-  """A mask_mod's range table (`mask.kinds_block_table`) for a kernel's
-  tiles, padded with empty rows to the kernel's `num_row_tiles` (its
-  padding past the length reads them)."""
-  table = kinds_block_table(tile_kinds, mask, block_rows, block_cols, q_len,
-                            kv_len, transposed=transposed)
-  return jnp.pad(table, ((0, 0), (0, num_row_tiles - table.shape[1]),
-                         (0, 0)))
+def range_table(mask: Mask, tile_kinds, q_ids, kv_ids, block_rows: int,
+                block_cols: int, q_len: int, kv_len: int, num_row_tiles: int,
+                *, transposed: bool = False):
+  """The tile-range table of a kernel's row tiles (query tiles, or key
+  tiles with `transposed`), int32 [Bm, num_row_tiles, 4]: a mask_mod's
+  (`mask.kinds_block_table`) intersected with the ids' (`mask.id_block_table`),
+  padded with empty rows past the lengths (the kernel's padding reads
+  them); None without either."""
+  tables = []
+  if mask.mod is not None:
+    tables.append(kinds_block_table(tile_kinds, mask, block_rows, block_cols,
+                                    q_len, kv_len, transposed=transposed))
+  if mask.has_ids:
+    rows, cols = (kv_ids, q_ids) if transposed else (q_ids, kv_ids)
+    tables.append(id_block_table(rows, cols, block_rows, block_cols))
+  if not tables:
+    return None
+  tables = [jnp.pad(t, ((0, 0), (0, num_row_tiles - t.shape[1]), (0, 0)))
+            for t in tables]
+  table = tables[0]
+  for other in tables[1:]:
+    table, other = jnp.broadcast_arrays(table, other)
+    table = jnp.stack(intersect_ranges(
+        tuple(table[..., c] for c in range(4)),
+        tuple(other[..., c] for c in range(4))), axis=-1)
+  return table
+
+
+def pad_ids(q_ids, kv_ids, q_rows: int, kv_rows: int):
+  """Query and key ids padded to a kernel's rows with ids that match
+  nothing (`mask.Q_PAD_ID`, `KV_PAD_ID`); (None, None) without ids."""
+  if q_ids is None:
+    return None, None
+  return (pad_to(q_ids, 1, q_rows, Q_PAD_ID),
+          pad_to(kv_ids, 1, kv_rows, KV_PAD_ID))
