@@ -15,7 +15,7 @@ backend is an object with:
             bias, score_consts; None where not computed)
     decode(q, k, v, kv_lengths, *, mask, scores, num_splits, page_table,
            sinks) -> (o [B, T, N, H], lse [B, N, T])
-    awaiting_gpu_check(*, mask, scores) -> str | None  (optional: features
+    awaiting_gpu_check(problem, *, mask, scores) -> str | None  (optional: features
         lowered but not yet run on a GPU; picked only when named alone)
 
 with lse the natural-log logsumexp, float32, everywhere. Backends:
@@ -156,7 +156,7 @@ def select(implementation, query, problem: Problem, dtype, *, mask: Mask,
     why = backend.unsupported(problem, dtype, mask=mask, scores=scores,
                               version=version, decode=decode)
     if why is None and picking and hasattr(backend, "awaiting_gpu_check"):
-      why = backend.awaiting_gpu_check(mask=mask, scores=scores)
+      why = backend.awaiting_gpu_check(problem, mask=mask, scores=scores)
     return why
 
   if implementation is None:

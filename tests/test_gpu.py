@@ -55,6 +55,8 @@ MOSAIC_CASES = {
     "kv_len_520_mqa_causal": Case(1, 512, 520, 8, 1, 64, "float16", True),
     "any_length_causal": Case(1, 1000, 1003, 8, 2, 128, "bfloat16", True),
     "any_length_h256": Case(1, 300, 1003, 4, 2, 256, "bfloat16", True),
+    "h96_causal_gqa": Case(2, 1000, 1003, 8, 2, 96, "bfloat16", True),
+    "h192_f16": Case(1, 512, 777, 4, 2, 192, "float16", False),
 }
 MOSAIC_WINDOWS = {  # name: (case, local_window_size)
     "causal_window_gqa": (Case(1, 1024, 1024, 8, 2, 128, "bfloat16", True),

@@ -4,7 +4,8 @@ and warp specialization.
 A forward kernel (`flash_fwd`) and a backward of two kernels (`flash_bwd`:
 dK/dV and dQ). What it takes is narrower than the Triton backend
 (`unsupported` says what, and the dispatch then runs Triton): bf16/fp16,
-head dims 64/128/256, any lengths (XLA pads them to the tiles; the kernels
+head dims 64/96/128/192/256 (96 and 192 awaiting a GPU check), any lengths
+(XLA pads them to the tiles; the kernels
 mask keys past the length), causal masks, sliding windows, flex attention's
 mask_mods and, lowered but not yet run on a GPU (`awaiting_gpu_check`),
 lengths and segment ids (the band and the tile-range tables of the shared
@@ -98,11 +99,16 @@ class MosaicGpuBackend:
               f"of {sorted(missing)}")
     return None
 
-  def awaiting_gpu_check(self, *, mask: Mask, scores: Scores) -> str | None:
+  def awaiting_gpu_check(self, problem: Problem, *, mask: Mask,
+                         scores: Scores) -> str | None:
     """Features lowered for an H200 on the CPU but not yet run on one: the
     dispatch picks another backend for them unless implementation="mosaic"
     names this one (the GPU tests do; `scripts/gpu_check.sh pending`)."""
     del scores
+    if problem.head_dim in config.HEAD_DIMS_AWAITING_GPU_CHECK:
+      return (f"head dim {problem.head_dim} in the Mosaic GPU kernels is "
+              "lowered but not yet checked on a GPU (implementation='mosaic' "
+              "runs it)")
     if mask.has_ids:
       return ("lengths and segment ids in the Mosaic GPU kernels are lowered "
               "but not yet checked on a GPU (implementation='mosaic' runs "

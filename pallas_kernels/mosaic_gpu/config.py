@@ -6,7 +6,12 @@ import dataclasses
 from jax_flash.spec.checks import check_block_field
 
 DTYPES = ("bfloat16", "float16")
-HEAD_DIMS = (64, 128, 256)  # Multiples of 64 within wgmma's N <= 256.
+# Head dims the kernels take: multiples of 32 within wgmma's N <= 256 whose
+# rows TMA and wgmma swizzle (96: 64-byte swizzle), each unpadded.
+HEAD_DIMS = (64, 96, 128, 192, 256)
+# Lowered for an H200 on the CPU, not yet run on one (`MosaicGpuBackend.
+# awaiting_gpu_check`).
+HEAD_DIMS_AWAITING_GPU_CHECK = (96, 192)
 SMEM_BYTES = 227 * 1024  # Shared memory of one Hopper CTA.
 
 

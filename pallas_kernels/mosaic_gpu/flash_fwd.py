@@ -263,8 +263,8 @@ def flash_forward(q, k, v, *, mask: Mask, scores: Scores,
                   alibi_slopes=None, q_ids=None, kv_ids=None):
   """Runs the forward kernel.
 
-  q [B, T, N, H], k/v [B, S, K, H] (K divides N), bf16 or fp16, H a
-  multiple of 64 (`pallas_kernels.mosaic_gpu.MosaicGpuBackend.unsupported`
+  q [B, T, N, H], k/v [B, S, K, H] (K divides N), bf16 or fp16, H in
+  `config.HEAD_DIMS` (`pallas_kernels.mosaic_gpu.MosaicGpuBackend.unsupported`
   checks). tile_kinds: a mask_mod's kinds (`Operands.tile_kinds`, with
   `mask.mod`); alibi_slopes: float32 [B, N] (with `scores.alibi`); q_ids,
   kv_ids: int32 [B, T], [B, S] (with `mask.has_ids`: segments and lengths,
