@@ -76,6 +76,9 @@ MOSAIC_SCORES = {  # name: (case, score modification)
     "soft_cap_alibi_h256_causal": (
         Case(1, 512, 512, 4, 2, 256, "bfloat16", True),
         dict(logits_soft_cap=20.0, alibi_slopes=jnp.full((1, 4), 0.05))),
+    "sinks_window_gqa": (
+        Case(1, 1000, 1003, 8, 2, 128, "bfloat16", True),
+        dict(sinks=jnp.linspace(-3.0, 3.0, 8), local_window_size=(100, 0))),
 }
 
 

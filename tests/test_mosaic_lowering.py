@@ -98,6 +98,8 @@ def test_mosaic_takes_any_length(head_dim, q_len, kv_len):
      dict(is_causal=True, alibi_slopes=jnp.ones((2, 8))), True),
     ("bias", (2, 256, 512, 8, 2, 128), jnp.bfloat16,
      dict(bias=jnp.zeros((1, 1, 256, 512))), False),
+    ("sinks_awaiting_a_gpu_check", (2, 256, 512, 8, 2, 128), jnp.bfloat16,
+     dict(sinks=jnp.zeros((8,))), False),
     # Lowered but not yet run on a GPU: the default picks Triton.
     ("lengths", (2, 256, 512, 8, 2, 128), jnp.bfloat16,
      dict(key_value_seq_lengths=jnp.array([512, 3])), False),
@@ -189,6 +191,13 @@ def test_flex_mod_the_mosaic_lowering_lacks_runs_triton():
   with pytest.raises(ValueError, match=r"cannot run a mask_mod/score_mod "
                      r"made of \['floor'\]"):
     _lower_flex("mosaic", mod)
+
+
+def test_mosaic_takes_sinks_when_named():
+  text = _lower_grad("mosaic", (1, 300, 1003, 8, 2, 128), jnp.bfloat16,
+                     is_causal=True, sinks=jnp.zeros((8,)))
+  assert "flash_attention_forward_mosaic" in text
+  assert all(name in text for name in MOSAIC_BACKWARD)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

@@ -10,7 +10,9 @@ mask keys past the length), causal masks, sliding windows, flex attention's
 mask_mods and, lowered but not yet run on a GPU (`awaiting_gpu_check`),
 lengths and segment ids (the band and the tile-range tables of the shared
 mask description), soft-cap, ALiBi and score_mods (`Scores.logits2`); no
-dense masks, no query offsets, no bias, no dropout, no sinks.
+dense masks, no query offsets, no bias, no dropout; sinks (awaiting a GPU
+check too: the forward adds them to each row's denominator, their gradient
+comes from the logsumexp).
 """
 from __future__ import annotations
 
@@ -91,8 +93,8 @@ class MosaicGpuBackend:
       return ("the Mosaic GPU kernels take causal masks, windows, lengths, "
               "segment ids and mask_mods only (no dense masks or query "
               "offsets yet)")
-    if scores.bias or scores.dropout or scores.sinks:
-      return "the Mosaic GPU kernels take no bias, dropout or sinks yet"
+    if scores.bias or scores.dropout:
+      return "the Mosaic GPU kernels take no bias or dropout yet"
     missing = mod_primitives_missing(mask, scores)
     if missing:
       return (f"the Mosaic GPU kernels cannot run a mask_mod/score_mod made "
@@ -104,15 +106,14 @@ class MosaicGpuBackend:
     """Features lowered for an H200 on the CPU but not yet run on one: the
     dispatch picks another backend for them unless implementation="mosaic"
     names this one (the GPU tests do; `scripts/gpu_check.sh pending`)."""
-    del scores
     if problem.head_dim in config.HEAD_DIMS_AWAITING_GPU_CHECK:
       return (f"head dim {problem.head_dim} in the Mosaic GPU kernels is "
               "lowered but not yet checked on a GPU (implementation='mosaic' "
               "runs it)")
-    if mask.has_ids:
-      return ("lengths and segment ids in the Mosaic GPU kernels are lowered "
-              "but not yet checked on a GPU (implementation='mosaic' runs "
-              "them)")
+    if mask.has_ids or scores.sinks:
+      return ("lengths, segment ids and sinks in the Mosaic GPU kernels are "
+              "lowered but not yet checked on a GPU (implementation='mosaic' "
+              "runs them)")
     return None
 
   def config(self, block_sizes, problem: Problem, dtype, *, is_causal: bool,
@@ -141,7 +142,8 @@ class MosaicGpuBackend:
     return flash_forward(q, k, v, mask=mask, scores=scores,
                          block_sizes=config, tile_kinds=operands.tile_kinds,
                          alibi_slopes=operands.alibi_slopes,
-                         q_ids=operands.q_ids, kv_ids=operands.kv_ids)
+                         q_ids=operands.q_ids, kv_ids=operands.kv_ids,
+                         sinks=operands.sinks)
 
   def backward(self, q, k, v, operands: Operands, o, lse, do, dlse, *,
                mask: Mask, scores: Scores, config: BlockSizes):

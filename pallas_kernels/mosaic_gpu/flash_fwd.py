@@ -97,8 +97,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
   keys at or past kv_len (<= S: XLA's padding) are masked. extra_refs
   (each None when absent): the range table of block_q-row query tiles
   (`range_table`), ALiBi slopes [B, N], query and key ids [B, T], [B, S]
-  (padded past the kernel's tiles)."""
-  table_ref, slopes_ref, q_ids_ref, kv_ids_ref = extra_refs
+  (padded past the kernel's tiles), sink logits [N]."""
+  table_ref, slopes_ref, q_ids_ref, kv_ids_ref, sinks_ref = extra_refs
   (q_smem2, k_smem, v_smem, lse_smem2), ready, free, schedule = scratch
   k_ready, v_ready, q_ready = ready
   k_free, v_free = free
@@ -212,11 +212,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
     acc, m, l = lax.fori_loop(hi, steps, release, carry)
     pl.when(wg == 0)(schedule_barrier)
 
-    l_safe = jnp.where(l == 0.0, 1.0, l)
-    q_smem[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-                   ).astype(dtype)
-    lse_smem[...] = jnp.where(l == 0.0, -jnp.inf,
-                              (m + jnp.log2(l_safe)) * softmax.LN2)
+    sink2 = (None if sinks_ref is None else
+             sinks_ref[head].astype(jnp.float32) * softmax.LOG2E)
+    o, lse = softmax.finalize(acc, m, l, sink2=sink2)
+    q_smem[...] = o.astype(dtype)
+    lse_smem[...] = lse
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_smem,
                             o_ref.at[batch, pl.ds(q_start, block_q), head])
@@ -260,7 +260,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
 
 def flash_forward(q, k, v, *, mask: Mask, scores: Scores,
                   block_sizes: BlockSizes, tile_kinds=None,
-                  alibi_slopes=None, q_ids=None, kv_ids=None):
+                  alibi_slopes=None, q_ids=None, kv_ids=None, sinks=None):
   """Runs the forward kernel.
 
   q [B, T, N, H], k/v [B, S, K, H] (K divides N), bf16 or fp16, H in
@@ -268,7 +268,9 @@ def flash_forward(q, k, v, *, mask: Mask, scores: Scores,
   checks). tile_kinds: a mask_mod's kinds (`Operands.tile_kinds`, with
   `mask.mod`); alibi_slopes: float32 [B, N] (with `scores.alibi`); q_ids,
   kv_ids: int32 [B, T], [B, S] (with `mask.has_ids`: segments and lengths,
-  `mask.make_ids`). Any T and S: XLA pads Q to a multiple of 2 * block_q
+  `mask.make_ids`); sinks: float32 [N], a sink logit per query head in each
+  row's denominator (with `scores.sinks`; their gradient comes from the
+  logsumexp, in `jax_flash.attention`). Any T and S: XLA pads Q to a multiple of 2 * block_q
   rows and K/V to a multiple of 8 (what TMA needs), and the kernel masks
   keys past S (a copy only for lengths that are not such multiples).
   GPU only: the Pallas interpreter cannot run a wgmma whose left operand is
@@ -286,7 +288,7 @@ def flash_forward(q, k, v, *, mask: Mask, scores: Scores,
       q_len, kv_len, padded_len // blocks.block_q)
   extras = (table, alibi_slopes,
             *pad_ids(q_ids, kv_ids, padded_len,
-                     round_up(kv_len, blocks.block_kv)))
+                     round_up(kv_len, blocks.block_kv)), sinks)
   transforms = smem_transforms(q.dtype, head_dim)
   stages = blocks.num_stages
   scratch = dict(
