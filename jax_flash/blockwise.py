@@ -212,9 +212,8 @@ def _dropped(p: _Problem, ops: Operands, x, q0, k0):
   rows = q0 + jnp.arange(p.block_q, dtype=jnp.int32)[:, None]
   cols = k0 + jnp.arange(p.block_k, dtype=jnp.int32)[None, :]
   seed = ops.dropout_seed
-  keep = dropout.keep(seed[0], seed[1], p.scores.dropout_rate, batch, head,
-                      rows, cols)
-  return jnp.where(keep, x * (1.0 / (1.0 - p.scores.dropout_rate)), 0.0)
+  return dropout.dropped(x, seed[0], seed[1], p.scores.dropout_rate, batch,
+                         head, rows, cols)
 
 
 def _blocks(x, num: int, size: int, kh: int):

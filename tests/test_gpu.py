@@ -79,6 +79,18 @@ MOSAIC_SCORES = {  # name: (case, score modification)
     "sinks_window_gqa": (
         Case(1, 1000, 1003, 8, 2, 128, "bfloat16", True),
         dict(sinks=jnp.linspace(-3.0, 3.0, 8), local_window_size=(100, 0))),
+    # The reference drops with the same keep bits (`dropout_keep_mask`).
+    "dropout_causal_gqa": (
+        Case(2, 1000, 1003, 8, 2, 128, "bfloat16", True),
+        dict(dropout_rate=0.2, dropout_rng=jax.random.key(7))),
+    "dropout_broadcast_h64": (
+        Case(1, 512, 640, 4, 4, 64, "float16", False),
+        dict(dropout_rate=0.5, dropout_rng=jax.random.key(8),
+             dropout_broadcast=True)),
+    "dropout_h256_soft_cap": (
+        Case(1, 512, 512, 4, 2, 256, "bfloat16", True),
+        dict(dropout_rate=0.1, dropout_rng=jax.random.key(9),
+             logits_soft_cap=30.0)),
 }
 
 

@@ -100,6 +100,8 @@ def test_mosaic_takes_any_length(head_dim, q_len, kv_len):
      dict(bias=jnp.zeros((1, 1, 256, 512))), False),
     ("sinks_awaiting_a_gpu_check", (2, 256, 512, 8, 2, 128), jnp.bfloat16,
      dict(sinks=jnp.zeros((8,))), False),
+    ("dropout_awaiting_a_gpu_check", (2, 256, 512, 8, 2, 128), jnp.bfloat16,
+     dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), False),
     # Lowered but not yet run on a GPU: the default picks Triton.
     ("lengths", (2, 256, 512, 8, 2, 128), jnp.bfloat16,
      dict(key_value_seq_lengths=jnp.array([512, 3])), False),
@@ -193,9 +195,18 @@ def test_flex_mod_the_mosaic_lowering_lacks_runs_triton():
     _lower_flex("mosaic", mod)
 
 
-def test_mosaic_takes_sinks_when_named():
-  text = _lower_grad("mosaic", (1, 300, 1003, 8, 2, 128), jnp.bfloat16,
-                     is_causal=True, sinks=jnp.zeros((8,)))
+@pytest.mark.parametrize("kwargs", [
+    dict(sinks=jnp.zeros((8,))),
+    dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)),
+    dict(dropout_rate=0.1, dropout_rng=jax.random.key(0),
+         dropout_broadcast=True, logits_soft_cap=30.0)],
+    ids=["sinks", "dropout", "dropout_broadcast_soft_cap"])
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_mosaic_takes_sinks_and_dropout_when_named(kwargs, head_dim):
+  """Not yet run on a GPU: only implementation="mosaic" picks them (the
+  default runs Triton: test_pallas_picks_mosaic_where_it_takes_the_call)."""
+  text = _lower_grad("mosaic", (1, 300, 1003, 8, 2, head_dim), jnp.bfloat16,
+                     is_causal=True, **kwargs)
   assert "flash_attention_forward_mosaic" in text
   assert all(name in text for name in MOSAIC_BACKWARD)
 

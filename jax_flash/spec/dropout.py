@@ -56,6 +56,13 @@ def keep(seed0, seed1, rate: float, batch, head, rows, cols):
   return _shr(bits, 8) >= threshold(rate)
 
 
+def dropped(x, seed0, seed1, rate: float, batch, head, rows, cols):
+  """x * keep / (1 - rate): dropout applied to a tile of P or dP, `keep`'s
+  bits for (batch, head, rows, cols)."""
+  return jnp.where(keep(seed0, seed1, rate, batch, head, rows, cols),
+                   x * (1.0 / (1.0 - rate)), 0.0)
+
+
 def keep_mask(seed, rate: float, batch: int, num_heads: int, q_len: int,
               kv_len: int) -> jax.Array:
   """The dense [B, N, T, S] keep mask of the seed words `seed` (int32 [2])."""

@@ -10,9 +10,10 @@ mask keys past the length), causal masks, sliding windows, flex attention's
 mask_mods and, lowered but not yet run on a GPU (`awaiting_gpu_check`),
 lengths and segment ids (the band and the tile-range tables of the shared
 mask description), soft-cap, ALiBi and score_mods (`Scores.logits2`); no
-dense masks, no query offsets, no bias, no dropout; sinks (awaiting a GPU
-check too: the forward adds them to each row's denominator, their gradient
-comes from the logsumexp).
+dense masks, no query offsets, no bias; sinks and dropout (awaiting a GPU
+check too: the forward adds the sinks to each row's denominator, their
+gradient comes from the logsumexp; dropout's keep bits are
+`spec.dropout`'s, the same as every backend's).
 """
 from __future__ import annotations
 
@@ -93,8 +94,8 @@ class MosaicGpuBackend:
       return ("the Mosaic GPU kernels take causal masks, windows, lengths, "
               "segment ids and mask_mods only (no dense masks or query "
               "offsets yet)")
-    if scores.bias or scores.dropout:
-      return "the Mosaic GPU kernels take no bias or dropout yet"
+    if scores.bias:
+      return "the Mosaic GPU kernels take no bias yet"
     missing = mod_primitives_missing(mask, scores)
     if missing:
       return (f"the Mosaic GPU kernels cannot run a mask_mod/score_mod made "
@@ -110,10 +111,10 @@ class MosaicGpuBackend:
       return (f"head dim {problem.head_dim} in the Mosaic GPU kernels is "
               "lowered but not yet checked on a GPU (implementation='mosaic' "
               "runs it)")
-    if mask.has_ids or scores.sinks:
-      return ("lengths, segment ids and sinks in the Mosaic GPU kernels are "
-              "lowered but not yet checked on a GPU (implementation='mosaic' "
-              "runs them)")
+    if mask.has_ids or scores.sinks or scores.dropout:
+      return ("lengths, segment ids, sinks and dropout in the Mosaic GPU "
+              "kernels are lowered but not yet checked on a GPU "
+              "(implementation='mosaic' runs them)")
     return None
 
   def config(self, block_sizes, problem: Problem, dtype, *, is_causal: bool,
@@ -143,7 +144,8 @@ class MosaicGpuBackend:
                          block_sizes=config, tile_kinds=operands.tile_kinds,
                          alibi_slopes=operands.alibi_slopes,
                          q_ids=operands.q_ids, kv_ids=operands.kv_ids,
-                         sinks=operands.sinks)
+                         sinks=operands.sinks,
+                         dropout_seed=operands.dropout_seed)
 
   def backward(self, q, k, v, operands: Operands, o, lse, do, dlse, *,
                mask: Mask, scores: Scores, config: BlockSizes):
@@ -154,7 +156,8 @@ class MosaicGpuBackend:
                                 scores=scores, block_sizes=config,
                                 tile_kinds=operands.tile_kinds,
                                 alibi_slopes=operands.alibi_slopes,
-                                q_ids=operands.q_ids, kv_ids=operands.kv_ids)
+                                q_ids=operands.q_ids, kv_ids=operands.kv_ids,
+                                dropout_seed=operands.dropout_seed)
     return dq, dk, dv, Operands()
 
 

@@ -41,7 +41,8 @@ from jax_flash.spec.padding import pad_to, round_up
 from jax_flash.spec.scores import Scores
 from pallas_kernels.mosaic_gpu.config import BlockSizes
 from pallas_kernels.mosaic_gpu.flash_fwd import (COL, COMPUTE_WGS, ROW,
-                                                 load_ids, pad_ids,
+                                                 dropped, load_ids,
+                                                 needs_positions, pad_ids,
                                                  range_table, smem_transforms,
                                                  split_refs, table_ranges)
 
@@ -60,14 +61,16 @@ def split_dkv(head_dim: int) -> bool:
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
-                slopes_ref, q_ids_ref, kv_ids_ref, dk_ref, dv_ref, k_smem2,
+                slopes_ref, q_ids_ref, kv_ids_ref, seed_ref, dk_ref, dv_ref,
+                k_smem2,
                 v_smem2, ready, done, *, mask: Mask, scores: Scores,
                 blocks: BlockSizes, group: int, kv_len: int):
   """q/do [B, T, N, H], k/v and dk/dv [B, S, K, H], lse/delta [B, N, T];
   keys at or past kv_len (<= S: XLA's padding) are masked. Each None when
   absent: table_ref, the range table of the CTA's key rows (transposed,
   `range_table`); slopes_ref, ALiBi slopes [B, N]; q_ids_ref / kv_ids_ref,
-  ids [B, T] / [B, S] padded past the kernel's tiles.
+  ids [B, T] / [B, S] padded past the kernel's tiles; seed_ref, dropout
+  seed words [2].
 
   Head dims above 128 (`split_dkv`): dK and dV together would need H
   registers a thread, so the CTA owns block_kv_dkv key rows that both
@@ -86,7 +89,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
   lo, full_lo, full_hi, hi = table_ranges(
       q_block_ranges(mask, tile_start, cta_rows, bq, q_len), table_ref, batch,
       lax.axis_index("kv_seq"))
-  coords = mask.mod is not None or scores.mod is not None or scores.alibi
+  coords = needs_positions(mask, scores)
   last_tile = cdiv(q_len, bq) - 1
   # One step at least: keys no query sees get a fully masked tile (P = 0),
   # so their dK/dV are written as zeros by the same code.
@@ -182,6 +185,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
         lambda: s)
     p = jnp.exp2(s - lax.broadcast_in_dim(lse, shape, [1]))
 
+    def drop(x):  # P^T or dP^T with dropout (the forward's bits).
+      return dropped(x, scores, seed_ref, batch, head, *(rows_cols or
+                                                         (None, None)))
+
     def dp_only(acc):
       plgpu.wgmma(acc, v_smem, do_smem.T)
       return acc[...]
@@ -191,12 +198,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
 
       @pl.when(wg == 0)
       def _():
-        plgpu.wgmma(acc, p.astype(dtype), do_smem)
+        plgpu.wgmma(acc, drop(p).astype(dtype), do_smem)
         plgpu.wgmma_wait(0)
 
       @pl.when(wg == 1)
       def _():
-        dp = pl.run_scoped(dp_only, plgpu.ACC(shape, jnp.float32))
+        dp = drop(pl.run_scoped(dp_only, plgpu.ACC(shape, jnp.float32)))
         ds = scores.dqk(p * (dp - lax.broadcast_in_dim(delta, shape, [1])),
                         aux)
         plgpu.wgmma(acc, ds.astype(dtype), q_smem)
@@ -209,9 +216,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
 
     def dp_t(acc):
       plgpu.wgmma(acc, v_smem, do_smem.T)
-      plgpu.wgmma(dv_acc, p.astype(dtype), do_smem)
+      plgpu.wgmma(dv_acc, drop(p).astype(dtype), do_smem)
       return plgpu.wgmma_accumulator_load(acc, wait_n=1)  # dV still runs.
-    dp = pl.run_scoped(dp_t, plgpu.ACC(shape, jnp.float32))
+    dp = drop(pl.run_scoped(dp_t, plgpu.ACC(shape, jnp.float32)))
     ds = scores.dqk(p * (dp - lax.broadcast_in_dim(delta, shape, [1])), aux)
     plgpu.wgmma(dk_acc, ds.astype(dtype), q_smem)
     plgpu.wgmma_wait(1)  # dV is done: dO may go.
@@ -244,14 +251,15 @@ def dq_warpgroups(head_dim: int) -> int:
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
-               slopes_ref, q_ids_ref, kv_ids_ref, dq_ref, q_smem2, do_smem2,
+               slopes_ref, q_ids_ref, kv_ids_ref, seed_ref, dq_ref, q_smem2,
+               do_smem2,
                ready, *, mask: Mask, scores: Scores, blocks: BlockSizes,
                group: int, kv_len: int):
   """q/do/dq [B, T, N, H], k/v [B, S, K, H], lse/delta [B, N, T]; keys at
   or past kv_len (<= S: XLA's padding) are masked. Each None when absent:
   table_ref, the range table of the CTA's query rows (`range_table`);
   slopes_ref, ALiBi slopes [B, N]; q_ids_ref / kv_ids_ref, ids [B, T] /
-  [B, S] padded past the kernel's tiles."""
+  [B, S] padded past the kernel's tiles; seed_ref, dropout seed words [2]."""
   wgs = dq_warpgroups(q_ref.shape[3])
   bq, bkv = blocks.block_q_dq, blocks.block_kv_dq
   head_dim = q_ref.shape[3]
@@ -263,7 +271,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
   lo, full_lo, full_hi, hi = table_ranges(
       kv_block_ranges(mask, tile_start, wgs * bq, bkv, kv_len), table_ref,
       batch, lax.axis_index("q_seq"))
-  coords = mask.mod is not None or scores.mod is not None or scores.alibi
+  coords = needs_positions(mask, scores)
   last_tile = cdiv(kv_len, bkv) - 1
   steps = jnp.maximum(hi - lo, 1)  # A row that sees nothing: dQ = 0.
   q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
@@ -304,13 +312,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
       ids = dict(q_ids=lax.broadcast_in_dim(q_ids, shape, [0]),
                  kv_ids=lax.broadcast_in_dim(kv_ids, shape, [1]))
 
+    def positions():
+      return q_start + _iota(shape, 0), kv_tile(j) * bkv + _iota(shape, 1)
+    rows_cols = positions() if coords else None
+
     def s_dp(s_acc, dp_acc):
       plgpu.wgmma(s_acc, q_smem, k_smem.T)
       plgpu.wgmma(dp_acc, do_smem, v_smem.T)
       s = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)  # dP still runs.
-      def positions():
-        return q_start + _iota(shape, 0), kv_tile(j) * bkv + _iota(shape, 1)
-      rows_cols = positions() if coords else None
       s, aux = scores.logits2(
           s, *(rows_cols or (None, None)),
           slope=None if slopes_ref is None else slopes_ref[batch, head],
@@ -327,6 +336,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
     p, aux, dp = pl.run_scoped(s_dp, plgpu.ACC(shape, jnp.float32),
                                plgpu.ACC(shape, jnp.float32))
     plgpu.barrier_arrive(v_free)
+    dp = dropped(dp, scores, seed_ref, batch, head,
+                 *(rows_cols or (None, None)))
     ds = scores.dqk(p * (dp - lax.broadcast_in_dim(delta, shape, [0])), aux)
     plgpu.wgmma(dq_acc, ds.astype(dtype), k_smem)
     plgpu.wgmma_wait(0)
@@ -346,12 +357,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
 
 def flash_backward(q, k, v, o, lse, do, dlse, *, mask: Mask, scores: Scores,
                    block_sizes: BlockSizes, tile_kinds=None,
-                   alibi_slopes=None, q_ids=None, kv_ids=None):
+                   alibi_slopes=None, q_ids=None, kv_ids=None,
+                   dropout_seed=None):
   """(dq, dk, dv) of the forward's o and lse (natural log, [B, N, T]).
 
   tile_kinds: a mask_mod's kinds (with `mask.mod`); alibi_slopes: float32
   [B, N] (with `scores.alibi`); q_ids, kv_ids: int32 [B, T], [B, S] (with
-  `mask.has_ids`).
+  `mask.has_ids`); dropout_seed: int32 [2] (with `scores.dropout`: the
+  forward's keep bits scale P in dV and dP).
 
   q/o/do [B, T, N, H], k/v [B, S, K, H] (K divides N), bf16 or fp16, any T
   and S: XLA pads the queries (zeros, L = +inf: they add nothing) to the
@@ -400,7 +413,7 @@ def flash_backward(q, k, v, o, lse, do, dlse, *, mask: Mask, scores: Scores,
     return inputs + extra_refs + outputs
 
   dq_rows = blocks.block_q_dq
-  dq_extras = (tables(False), alibi_slopes, *ids)
+  dq_extras = (tables(False), alibi_slopes, *ids, dropout_seed)
   dq = plgpu.kernel(
       lambda *refs, q_smem, do_smem, ready: _dq_kernel(
           *flat(refs, dq_extras), q_smem, do_smem, ready, **kernel_args),
@@ -419,7 +432,7 @@ def flash_backward(q, k, v, o, lse, do, dlse, *, mask: Mask, scores: Scores,
 
   dkv_rows, copies = blocks.block_kv_dkv, 1 if split else COMPUTE_WGS
   kv_out = jax.ShapeDtypeStruct(k.shape, k.dtype)
-  dkv_extras = (tables(True), alibi_slopes, *ids)
+  dkv_extras = (tables(True), alibi_slopes, *ids, dropout_seed)
   dk, dv = plgpu.kernel(
       lambda *refs, k_smem, v_smem, ready, done=None: _dkv_kernel(
           *flat(refs, dkv_extras), k_smem, v_smem, ready, done,

@@ -31,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jax_flash.spec import softmax
+from jax_flash.spec import dropout, softmax
 from jax_flash.spec.mask import (KV_PAD_ID, Q_PAD_ID, Mask, id_block_table,
                                   intersect_ranges, kinds_block_table,
                                   kv_block_ranges)
@@ -90,6 +90,25 @@ def load_ids(ids_ref, batch, start, size: int, layout):
                     optimized=False)
 
 
+def needs_positions(mask: Mask, scores: Scores) -> bool:
+  """Whether every tile (not only boundary ones) needs its rows' and
+  columns' positions: for a mask_mod, a score_mod, ALiBi or dropout."""
+  return (mask.mod is not None or scores.mod is not None or scores.alibi
+          or scores.dropout)
+
+
+def dropped(x, scores: Scores, seed_ref, batch, head, rows, cols):
+  """x * keep / (1 - rate) (`dropout.dropped`, the bits of every backend)
+  for query head `head`, or x without dropout; seed_ref: int32 [2] in
+  global memory."""
+  if not scores.dropout:
+    return x
+  if scores.dropout_broadcast:
+    batch = head = jnp.int32(0)
+  return dropout.dropped(x, seed_ref[0], seed_ref[1], scores.dropout_rate,
+                         batch, head, rows, cols)
+
+
 def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
                     *, mask: Mask, scores: Scores, blocks: BlockSizes,
                     group: int, kv_len: int):
@@ -97,8 +116,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
   keys at or past kv_len (<= S: XLA's padding) are masked. extra_refs
   (each None when absent): the range table of block_q-row query tiles
   (`range_table`), ALiBi slopes [B, N], query and key ids [B, T], [B, S]
-  (padded past the kernel's tiles), sink logits [N]."""
-  table_ref, slopes_ref, q_ids_ref, kv_ids_ref, sinks_ref = extra_refs
+  (padded past the kernel's tiles), sink logits [N], dropout seed words
+  [2]."""
+  table_ref, slopes_ref, q_ids_ref, kv_ids_ref, sinks_ref, seed_ref = (
+      extra_refs)
   (q_smem2, k_smem, v_smem, lse_smem2), ready, free, schedule = scratch
   k_ready, v_ready, q_ready = ready
   k_free, v_free = free
@@ -138,7 +159,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
       lo, full_lo, full_hi, hi = (jnp.where(empty, first, x)
                                   for x in (lo, full_lo, full_hi, hi))
     slope = None if slopes_ref is None else slopes_ref[batch, head]
-    coords = mask.mod is not None or scores.mod is not None or scores.alibi
+    coords = needs_positions(mask, scores)
     plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, block_q), head],
                             q_smem, q_ready.at[wg])
     plgpu.barrier_wait(q_ready.at[wg])
@@ -183,7 +204,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
       p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
       l = l * alpha + p.sum(axis=1)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      p16 = p.astype(dtype)
+      # l sums the undropped p; only P V sees the dropout.
+      p16 = dropped(p, scores, seed_ref, batch, head, rows, cols).astype(dtype)
       plgpu.barrier_arrive(schedule)  # Softmax done: the other may compute.
       plgpu.barrier_wait(v_ready.at[slot])
       plgpu.barrier_wait(schedule)  # The tensor cores are ours again.
@@ -260,7 +282,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
 
 def flash_forward(q, k, v, *, mask: Mask, scores: Scores,
                   block_sizes: BlockSizes, tile_kinds=None,
-                  alibi_slopes=None, q_ids=None, kv_ids=None, sinks=None):
+                  alibi_slopes=None, q_ids=None, kv_ids=None, sinks=None,
+                  dropout_seed=None):
   """Runs the forward kernel.
 
   q [B, T, N, H], k/v [B, S, K, H] (K divides N), bf16 or fp16, H in
@@ -270,7 +293,8 @@ def flash_forward(q, k, v, *, mask: Mask, scores: Scores,
   kv_ids: int32 [B, T], [B, S] (with `mask.has_ids`: segments and lengths,
   `mask.make_ids`); sinks: float32 [N], a sink logit per query head in each
   row's denominator (with `scores.sinks`; their gradient comes from the
-  logsumexp, in `jax_flash.attention`). Any T and S: XLA pads Q to a multiple of 2 * block_q
+  logsumexp, in `jax_flash.attention`); dropout_seed: int32 [2] (with
+  `scores.dropout`). Any T and S: XLA pads Q to a multiple of 2 * block_q
   rows and K/V to a multiple of 8 (what TMA needs), and the kernel masks
   keys past S (a copy only for lengths that are not such multiples).
   GPU only: the Pallas interpreter cannot run a wgmma whose left operand is
@@ -288,7 +312,7 @@ def flash_forward(q, k, v, *, mask: Mask, scores: Scores,
       q_len, kv_len, padded_len // blocks.block_q)
   extras = (table, alibi_slopes,
             *pad_ids(q_ids, kv_ids, padded_len,
-                     round_up(kv_len, blocks.block_kv)), sinks)
+                     round_up(kv_len, blocks.block_kv)), sinks, dropout_seed)
   transforms = smem_transforms(q.dtype, head_dim)
   stages = blocks.num_stages
   scratch = dict(

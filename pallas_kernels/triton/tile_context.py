@@ -171,24 +171,20 @@ class TileContext:
                               0) != 0)
     return ok
 
-  def keep(self, q_start, k_start, head):
-    """Dropout keep tile for query head `head` (a global head index)."""
-    seed = self.refs.dropout_seed
-    rows, cols = self._coords(q_start, k_start)
-    batch, head = self.batch, head
-    if self.scores.dropout_broadcast:
-      batch = head = 0
-    return dropout.keep(seed[0], seed[1], self.scores.dropout_rate,
-                        jnp.asarray(batch, jnp.int32),
-                        jnp.asarray(head, jnp.int32), rows.astype(jnp.int32),
-                        cols.astype(jnp.int32))
-
   def dropped(self, x, q_start, k_start, head):
-    """x * keep / (1 - rate): dropout applied to a tile of P or dP."""
+    """x * keep / (1 - rate): dropout applied to a tile of P or dP, for
+    query head `head` (a global head index)."""
     if not self.scores.dropout:
       return x
-    keep = self.keep(q_start, k_start, head)
-    return jnp.where(keep, x * (1.0 / (1.0 - self.scores.dropout_rate)), 0.0)
+    seed = self.refs.dropout_seed
+    rows, cols = self._coords(q_start, k_start)
+    batch = self.batch
+    if self.scores.dropout_broadcast:
+      batch = head = 0
+    return dropout.dropped(x, seed[0], seed[1], self.scores.dropout_rate,
+                           jnp.asarray(batch, jnp.int32),
+                           jnp.asarray(head, jnp.int32),
+                           rows.astype(jnp.int32), cols.astype(jnp.int32))
 
   def q_ids(self, q_start):
     ids = load_ids(self.refs.q_ids, q_start, self.block_q,
