@@ -212,8 +212,10 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
       Pallas backend for the device and call (GPU only): the Mosaic GPU
       kernels on an H100/H200 where they take the call, else the Triton
       kernels. "mosaic": the Mosaic GPU kernels, forward and backward
-      (Hopper only; bf16/fp16, head dims 64/128/256, causal, no mask or a
-      sliding window).
+      (Hopper only; bf16/fp16, head dims 64/128/256, causal, sliding
+      windows, soft-cap, ALiBi, flex mods; lowered but not yet run on a GPU,
+      so only when named: head dims 96/192, lengths, segment ids, sinks,
+      dropout).
       "triton": the Triton-lowered kernels (GPU only). "interpret": the same
       kernels run by the Pallas interpreter (any machine, slow; for tests).
       "xla": FlashAttention in plain jnp (`jax_flash.blockwise`: loops
@@ -236,7 +238,8 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
 
   The Triton kernels take float32, bfloat16 and float16 with float32
   accumulation (float32 inputs use full-precision float32 dots), head dims 16
-  to 256 (any, padded internally to a power of two) and any T and S.
+  to 256 (any, padded internally to a power of two; up to 512 when named
+  "triton", not yet compiled for a GPU) and any T and S.
   Gradients with respect to query, key and value are deterministic (no
   atomics). Errors in the arguments are raised at trace time as ValueError.
   """

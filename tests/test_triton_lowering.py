@@ -38,7 +38,9 @@ def _lower(dtype, head_dim, version=2, bias_shape=None, **kwargs):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
-@pytest.mark.parametrize("head_dim", [40, 64, 128, 256])
+# 320 and 512: lowered here and interpreted (tests/test_correctness.py), not
+# yet compiled for a GPU, so only implementation="triton" picks them.
+@pytest.mark.parametrize("head_dim", [40, 64, 128, 256, 320, 512])
 def test_core_kernels_lower(dtype, head_dim):
   text = _lower(dtype, head_dim, is_causal=True)
   for name in ("flash_attention_forward", "flash_attention_backward_dkdv",
@@ -177,3 +179,16 @@ def test_flex_attention_kernels_lower(dtype):
   for name in ("flash_attention_forward", "flash_attention_backward_dkdv",
                "flash_attention_backward_dq"):
     assert name in text
+
+
+def test_head_dim_512_runs_triton_only_when_named():
+  """Until a GPU compiles them, the default on a GPU runs head dims above
+  256 on "xla" (blockwise); implementation="triton" runs the kernels."""
+  q = jax.ShapeDtypeStruct((B, T, N, 512), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((B, S, K, 512), jnp.bfloat16)
+  f = lambda q, k, v: jax_flash.flash_attention(q, k, v, is_causal=True)
+  with jax.sharding.use_abstract_mesh(
+      mesh_lib.AbstractMesh((1,), ("x",), abstract_device=H200)):
+    text = jax.jit(f).trace(q, kv, kv).lower(
+        lowering_platforms=("cuda",)).as_text()
+  assert "flash_attention_forward" not in text and "mosaic_gpu" not in text

@@ -14,7 +14,10 @@ import numpy as np
 from jax_flash.spec.checks import check_block_field
 
 MIN_HEAD_DIM = 16
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 512
+# Head dims above this are interpreted and lowered on the CPU but not yet
+# compiled for a GPU (`TritonBackend.awaiting_gpu_check`).
+MAX_GPU_CHECKED_HEAD_DIM = 256
 DTYPES = ("float32", "bfloat16", "float16")
 # H100/H200 multiprocessors: decode fills them with (split, batch, head).
 NUM_SMS = 132
@@ -72,6 +75,15 @@ class BlockSizes:
                   version: int = 2) -> "BlockSizes":
     """Defaults for an H100/H200-class GPU (bf16/fp16 measured on the H200)."""
     hp = padded_head_dim(head_dim)
+    if hp > 256:
+      # Head dims 257..512 (padded to 512; Gemma-style global layers): the
+      # smallest tiles, one stage, so Q/K/V tiles (16-32 rows of 512) fit
+      # shared memory and the [rows, 512] accumulators the registers of 8
+      # warps. Not yet compiled for a GPU: a guess, untimed.
+      return cls(block_q=32 if np.dtype(dtype).itemsize < 4 else 16,
+                 block_k=16, num_warps=8, num_stages=1, block_q_dkv=16,
+                 block_k_dkv=16, block_q_dq=16, block_k_dq=16,
+                 num_warps_bwd=8, num_stages_bwd=1)
     if np.dtype(dtype).itemsize >= 4:
       # float32 runs full-precision dots on CUDA cores: small tiles that fit
       # shared memory. Not tuned: they pass the H200 suite
@@ -141,7 +153,8 @@ def decode_block_k(head_dim: int, kv_len: int, page_size: int | None = None
   tile 0.76 / 1.07x, gathers of 64 / 128 rows 0.86 / 0.78x and 0.65 /
   0.73x; 16-token pages one a tile 0.53 / 0.75x, gathers of 32 / 64 / 128
   rows 0.66 / 0.88x, 0.83 / 0.79x, 0.62 / 0.73x."""
-  tile = min(128 if padded_head_dim(head_dim) <= 128 else 64,
+  hp = padded_head_dim(head_dim)
+  tile = min(128 if hp <= 128 else 64 if hp <= 256 else 32,
              max(16, 1 << (kv_len - 1).bit_length()))
   if page_size is None:
     return tile
