@@ -42,11 +42,8 @@ def main(argv=None):
     for shape in args.shapes:
       batch, cache_len = map(int, shape.split("x"))
       keys = jax.random.split(jax.random.key(batch), 3)
-      q = jax.random.normal(keys[0], (batch, 1, heads, head_dim), dtype)
-      kc = jax.random.normal(keys[1], (batch, cache_len, kv_heads, head_dim),
-                             dtype)
-      vc = jax.random.normal(keys[2], kc.shape, dtype)
-      lengths = jnp.full((batch,), cache_len, jnp.int32)
+      q, kc, vc, lengths = benchmark.decode_inputs(
+          keys, batch, cache_len, heads, kv_heads, head_dim, dtype)
       nbytes = 2 * kc.size * kc.dtype.itemsize
       contiguous = benchmark._time(jax.jit(
           lambda q, k, v: jax_flash.flash_decode(

@@ -281,6 +281,17 @@ def run_prefill(head_dim, hidden, kv_heads, cache_len, chunks, dtype, calls,
   return rows
 
 
+def decode_inputs(keys, batch, cache_len, num_heads, kv_heads, head_dim,
+                  dtype):
+  """(one new query [B, 1, N, H], full caches [B, S, K, H], lengths [B]),
+  standard normal from three PRNG keys."""
+  q = jax.random.normal(keys[0], (batch, 1, num_heads, head_dim), dtype)
+  kc = jax.random.normal(keys[1], (batch, cache_len, kv_heads, head_dim),
+                         dtype)
+  vc = jax.random.normal(keys[2], kc.shape, dtype)
+  return q, kc, vc, jnp.full((batch,), cache_len, jnp.int32)
+
+
 def run_decode(head_dim, hidden, kv_heads, cache_lens, batches, dtype, calls,
                repeats, log=None):
   """One new token per sequence against a full cache: achieved bandwidth.
@@ -300,11 +311,8 @@ def run_decode(head_dim, hidden, kv_heads, cache_lens, batches, dtype, calls,
   for batch in batches:
     for cache_len in cache_lens:
       keys = jax.random.split(jax.random.key(cache_len + batch), 3)
-      q = jax.random.normal(keys[0], (batch, 1, num_heads, head_dim), dtype)
-      kc = jax.random.normal(keys[1], (batch, cache_len, kv_heads, head_dim),
-                             dtype)
-      vc = jax.random.normal(keys[2], kc.shape, dtype)
-      lengths = jnp.full((batch,), cache_len, jnp.int32)
+      q, kc, vc, lengths = decode_inputs(keys, batch, cache_len, num_heads,
+                                         kv_heads, head_dim, dtype)
       nbytes = 2 * kc.size * kc.dtype.itemsize
       paged_decode = _paged_decode(lengths)
       # name: (function, its arguments)

@@ -58,15 +58,19 @@ MOSAIC_CASES = {
     "h96_causal_gqa": Case(2, 1000, 1003, 8, 2, 96, "bfloat16", True),
     "h192_f16": Case(1, 512, 777, 4, 2, 192, "float16", False),
 }
-MOSAIC_WINDOWS = {  # name: (case, local_window_size)
+def _packed(b, n, num, seed):
+  return jnp.sort(jax.random.randint(jax.random.key(seed), (b, n), 0, num),
+                  axis=1)
+
+
+# The masks and score modifications of the shared description in the Mosaic
+# kernels. name: (case, flash_attention's keyword arguments); NaN past the
+# lengths where there are lengths.
+MOSAIC_OPTIONS = {
     "causal_window_gqa": (Case(1, 1024, 1024, 8, 2, 128, "bfloat16", True),
-                          (200, 0)),
+                          dict(local_window_size=(200, 0))),
     "two_sided_window": (Case(1, 512, 768, 4, 4, 64, "float16", False),
-                         (100, 37)),
-}
-
-
-MOSAIC_SCORES = {  # name: (case, score modification)
+                         dict(local_window_size=(100, 37))),
     "soft_cap_causal_gqa_any_length": (
         Case(1, 1000, 1003, 8, 2, 128, "bfloat16", True),
         dict(logits_soft_cap=30.0)),
@@ -91,15 +95,6 @@ MOSAIC_SCORES = {  # name: (case, score modification)
         Case(1, 512, 512, 4, 2, 256, "bfloat16", True),
         dict(dropout_rate=0.1, dropout_rng=jax.random.key(9),
              logits_soft_cap=30.0)),
-}
-
-
-def _packed(b, n, num, seed):
-  return jnp.sort(jax.random.randint(jax.random.key(seed), (b, n), 0, num),
-                  axis=1)
-
-
-MOSAIC_IDS = {  # name: (case, lengths / segment ids); NaN past the lengths.
     "lengths_causal_gqa": (
         Case(2, 1000, 1003, 8, 2, 128, "bfloat16", True),
         dict(query_seq_lengths=jnp.array([1000, 17]),
@@ -122,28 +117,13 @@ def test_mosaic_matches_reference(name):
                          implementation="mosaic")
 
 
-@pytest.mark.parametrize("name", MOSAIC_WINDOWS)
-def test_mosaic_window_matches_reference(name):
-  case, window = MOSAIC_WINDOWS[name]
-  compare_with_reference(dict(is_causal=case.causal, local_window_size=window),
-                         case.dtype, shape=case.shape, block_sizes=None,
-                         implementation="mosaic")
-
-
-@pytest.mark.parametrize("name", MOSAIC_SCORES)
-def test_mosaic_score_modifications_match_reference(name):
-  case, scores = MOSAIC_SCORES[name]
-  compare_with_reference(dict(is_causal=case.causal, **scores), case.dtype,
+@pytest.mark.parametrize("name", MOSAIC_OPTIONS)
+def test_mosaic_masks_and_scores_match_reference(name):
+  case, options = MOSAIC_OPTIONS[name]
+  lengths = {"query_seq_lengths", "key_value_seq_lengths"} & set(options)
+  compare_with_reference(dict(is_causal=case.causal, **options), case.dtype,
                          shape=case.shape, block_sizes=None,
-                         implementation="mosaic")
-
-
-@pytest.mark.parametrize("name", MOSAIC_IDS)
-def test_mosaic_lengths_and_segments_match_reference(name):
-  case, ids = MOSAIC_IDS[name]
-  compare_with_reference(dict(is_causal=case.causal, **ids), case.dtype,
-                         shape=case.shape, block_sizes=None,
-                         implementation="mosaic", garbage=True)
+                         implementation="mosaic", garbage=bool(lengths))
 
 
 def test_default_on_h200_is_mosaic_where_it_takes_the_call():
