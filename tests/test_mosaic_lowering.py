@@ -238,3 +238,44 @@ def test_mosaic_head_dims_96_and_192_lower_unpadded(head_dim, causal):
   assert "flash_attention_forward_mosaic" in text
   assert all(name in text for name in MOSAIC_BACKWARD)
   assert f"{head_dim}xbf16" in text  # The kernels' operands are unpadded.
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_mosaic_range_table_of_a_mask_mod_and_ids(transposed):
+  """`flash_fwd.range_table` (the Mosaic kernels' tile ranges, on the CPU:
+  plain XLA): a mask_mod's kinds intersected with segment ids' ranges; every
+  visible pair's tile is visited, every tile of the full range is wholly
+  visible, the rows the kernel pads with are empty."""
+  import numpy as np
+  from jax_flash.spec import mask as mask_lib
+  from pallas_kernels.mosaic_gpu.flash_fwd import range_table
+  b, t, s, rows, cols = 2, 200, 300, 64, 32
+  mod = lambda _b, _h, q, k: (q >= k) | (k < 40)
+  block_mask = jax_flash.create_block_mask(mod, None, None, t, s,
+                                           block_size=(16, 16))
+  kinds = block_mask.kinds[:, 0].astype(jnp.int8)
+  q_ids = jnp.sort(jax.random.randint(jax.random.key(0), (b, t), 0, 3), 1)
+  kv_ids = jnp.sort(jax.random.randint(jax.random.key(1), (b, s), 0, 3), 1)
+  mask = mask_lib.Mask(has_ids=True, mod=mod, mod_tiles=(16, 16))
+  padded = 8  # Row tiles the kernel runs: more than the lengths need.
+  table = np.asarray(range_table(mask, kinds, q_ids, kv_ids, rows, cols, t,
+                                 s, padded, transposed=transposed))
+  assert table.shape == (b, padded, 4)
+  qi, ki = np.arange(t)[:, None], np.arange(s)[None, :]
+  vis = (np.asarray(mod(0, 0, qi, ki)) &
+         (np.asarray(q_ids)[:, :, None] == np.asarray(kv_ids)[:, None, :]))
+  if transposed:
+    vis = vis.transpose(0, 2, 1)
+  for batch in range(b):
+    for r in range(padded):
+      lo, full_lo, full_hi, hi = table[batch, r]
+      tile = vis[batch, r * rows:(r + 1) * rows]
+      if not tile.size:  # Past the length: nothing to visit.
+        assert lo == hi, (batch, r)
+        continue
+      seen = np.nonzero(tile.any(axis=0))[0] // cols
+      assert all(lo <= c < hi for c in seen), (batch, r)
+      for c in range(full_lo, full_hi):
+        assert tile[:, c * cols:(c + 1) * cols].all(), (batch, r, c)
+  if not transposed:  # Some query tiles skip the predicate on some keys.
+    assert (table[..., 2] > table[..., 1]).any()
