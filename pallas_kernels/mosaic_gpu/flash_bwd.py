@@ -17,10 +17,11 @@ its own arrival); both matmuls of a step are wgmma.
   dQ += dS K.
 
 Tiles come from the shared mask description (`mask.q_block_ranges` /
-`kv_block_ranges`, the CTA's rows, and a mask_mod's range table); tiles
-inside its full range skip the predicate. Scores go through the shared
-`Scores.logits2` and their derivative through `Scores.dqk` (soft-cap, ALiBi,
-a score_mod). D = rowsum(dO * O) - dlse (`softmax.backward_delta`) and the
+`kv_block_ranges`, the CTA's rows, and the range table of a mask_mod or of
+ids; ids are compared on boundary tiles); tiles inside its full range skip
+the predicate. Scores go through the shared `Scores.logits2` and their
+derivative through `Scores.dqk` (soft-cap, ALiBi, a score_mod); dropout
+scales P^T in dV and dP with the forward's keep bits (`dropout.dropped`). D = rowsum(dO * O) - dlse (`softmax.backward_delta`) and the
 logsumexp in base 2 come from XLA (a row that sees no key gets L = +inf, so
 its P is 0, never NaN). Every gradient is written once, by one CTA, in a
 fixed order: bitwise deterministic.
@@ -62,8 +63,7 @@ def split_dkv(head_dim: int) -> bool:
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
                 slopes_ref, q_ids_ref, kv_ids_ref, seed_ref, dk_ref, dv_ref,
-                k_smem2,
-                v_smem2, ready, done, *, mask: Mask, scores: Scores,
+                k_smem2, v_smem2, ready, done, *, mask: Mask, scores: Scores,
                 blocks: BlockSizes, group: int, kv_len: int):
   """q/do [B, T, N, H], k/v and dk/dv [B, S, K, H], lse/delta [B, N, T];
   keys at or past kv_len (<= S: XLA's padding) are masked. Each None when
@@ -252,9 +252,8 @@ def dq_warpgroups(head_dim: int) -> int:
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
                slopes_ref, q_ids_ref, kv_ids_ref, seed_ref, dq_ref, q_smem2,
-               do_smem2,
-               ready, *, mask: Mask, scores: Scores, blocks: BlockSizes,
-               group: int, kv_len: int):
+               do_smem2, ready, *, mask: Mask, scores: Scores,
+               blocks: BlockSizes, group: int, kv_len: int):
   """q/do/dq [B, T, N, H], k/v [B, S, K, H], lse/delta [B, N, T]; keys at
   or past kv_len (<= S: XLA's padding) are masked. Each None when absent:
   table_ref, the range table of the CTA's query rows (`range_table`);
