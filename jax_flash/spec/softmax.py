@@ -21,7 +21,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 NEG_INF = float("-inf")
 LOG2E = math.log2(math.e)
@@ -66,12 +65,6 @@ def logsumexp(m, l):
   return jnp.where(l == 0.0, NEG_INF, (m + jnp.log2(safe_divisor(l))) * LN2)
 
 
-def _rows(x, shape):
-  """A per-row [rows] statistic broadcast over a [rows, cols] tile (written
-  with broadcast_in_dim, which every kernel lowering takes)."""
-  return lax.broadcast_in_dim(x, shape, [0])
-
-
 def finalize(acc, m, l, sink2=None):
   """Normalizes once at the end: returns (o, lse), lse in natural log.
 
@@ -81,10 +74,10 @@ def finalize(acc, m, l, sink2=None):
   if sink2 is not None:
     m_new = jnp.maximum(m, sink2)
     alpha = jnp.exp2(m - m_new)  # 0 for rows that saw no key (m = -inf).
-    acc = acc * _rows(alpha, acc.shape)
+    acc = acc * alpha[:, None]
     l = l * alpha + jnp.exp2(sink2 - m_new)
     m = m_new
-  return acc / _rows(safe_divisor(l), acc.shape), logsumexp(m, l)
+  return acc / safe_divisor(l)[:, None], logsumexp(m, l)
 
 
 def with_sink(o, lse, sink):
