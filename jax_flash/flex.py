@@ -27,7 +27,7 @@ learned bias table) run on the blockwise plain-JAX FlashAttention loops
 (`blockwise`, the "xla" implementation), on any device, their arrays passed
 as operands (`Operands.mask_consts` / `score_consts`); so does every call
 off the GPU with implementation=None. Either way the call goes through
-`flash_attention`'s custom_vjp with the same `Mask.mod` / `Scores.mod`.
+`flash_attention`'s primitive (`attention._FlashPrim`) with the same `Mask.mod` / `Scores.mod`.
 """
 from __future__ import annotations
 
@@ -53,10 +53,16 @@ def _examples(num_args: int, float_first: bool):
 
 def _elementwise(fn: Callable, num_args: int, float_first: bool):
   """(fn as an `ElementwiseMod` of its closure-converted form, the arrays it
-  closes over)."""
-  converted, consts = jax.closure_convert(fn, *_examples(num_args,
-                                                         float_first))
-  return ElementwiseMod(converted), tuple(consts)
+  closes over). Every array is hoisted into an argument, integer ones too
+  (`jax.closure_convert` keeps those closed over): traced under jit, they
+  must travel as operands, since the attention primitive's rules run after
+  the trace that made them."""
+  closed = jax.make_jaxpr(fn)(*_examples(num_args, float_first))
+
+  def converted(*args):
+    return jax.core.eval_jaxpr(closed.jaxpr, args[num_args:],
+                               *args[:num_args])[0]
+  return ElementwiseMod(converted), tuple(closed.consts)
 
 
 @jax.tree_util.register_pytree_node_class

@@ -20,6 +20,7 @@ PY
 .venv-newest/bin/python -c 'import jax; print("newest jax in range:", jax.__version__)'
 .venv-newest/bin/python -m pytest -q -n auto -p no:cacheprovider \
   tests/test_layout.py tests/test_testing.py tests/test_bad_inputs.py \
+  tests/test_transforms.py \
   tests/test_mosaic_lowering.py tests/test_triton_lowering.py \
   "tests/test_correctness.py::test_matches_reference[f32_mha_causal]" \
   "tests/test_correctness.py::test_matches_reference[bf16_gqa_small_tiles]" \

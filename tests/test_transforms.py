@@ -1,4 +1,5 @@
-"""jit, grad, vmap, checkpoint, value_and_grad in a model; determinism."""
+"""jit, grad, vmap, checkpoint, value_and_grad in a model; forward mode
+(jvp, linearize) and its compositions; determinism."""
 import chex
 import jax
 import jax.numpy as jnp
@@ -100,9 +101,59 @@ def test_second_order_is_a_clear_error_and_the_reference_gives_it(
     f = lambda q: jnp.sum(attention(q, k, v, is_causal=True, **kwargs) ** 2)
     return lambda q: jnp.sum(jax.grad(f)(q) ** 2)
 
-  with pytest.raises(NotImplementedError, match="cannot itself be "
+  with pytest.raises(NotImplementedError, match="cannot themselves be "
                      "differentiated .* use jax_flash.reference_attention"):
     jax.grad(grad_norm(jax_flash.flash_attention,
                        implementation=implementation))(q)
+  tangent_norm = lambda q: jnp.sum(jax.jvp(
+      lambda q: _flash(q, k, v), (q,), (jnp.ones_like(q),))[1] ** 2)
+  with pytest.raises(NotImplementedError, match="grad of jvp"):
+    jax.grad(tangent_norm)(q)
   hessian_vector = jax.grad(grad_norm(jax_flash.reference_attention))(q)
   assert np.isfinite(np.asarray(hessian_vector)).all()
+
+
+# Forward mode: the tangents of the output and the logsumexp against the
+# reference's, for tangents of every input at once; a mask, a score
+# modification and an operand (bias) that gets a tangent too.
+@pytest.mark.parametrize("implementation", [KERNEL_IMPL, "xla"])
+@pytest.mark.parametrize("kwargs", [
+    dict(is_causal=True),
+    dict(local_window_size=(20, 5), logits_soft_cap=5.0,
+         key_value_seq_lengths=jnp.array([70, 33])),
+], ids=["causal", "window_softcap_lengths"])
+def test_jvp_and_linearize_match_the_reference(implementation, kwargs):
+  q, k, v, _ = inputs(CASE)
+  bias = jax.random.normal(jax.random.key(3), (1, 4, 100, 70))
+  tangents = tuple(jax.random.normal(jax.random.key(10 + i), x.shape)
+                   for i, x in enumerate((q, k, v, bias)))
+
+  def run(attention):
+    f = lambda q, k, v, bias: attention(q, k, v, bias, return_residual=True,
+                                        **kwargs)
+    _, (t_out, t_lse) = jax.jvp(f, (q, k, v, bias), tangents)
+    linear = jax.linearize(lambda q: f(q, k, v, bias)[0], q)[1]
+    return {"out": t_out, "lse": t_lse, "dq": linear(tangents[0])}
+
+  got = jax.jit(lambda: run(lambda *a, **kw: jax_flash.flash_attention(
+      *a, implementation=implementation, **kw)))()
+  assert_attention_close(got, run(jax_flash.reference_attention))
+
+
+def test_forward_mode_composes_with_vmap_jit_and_checkpoint():
+  """vmap of jvp, jvp of vmap (the mapped axis folded into the batch), and
+  reverse mode under jax.checkpoint (which JAX derives from forward mode:
+  its transpose runs the kernels' backward)."""
+  q, k, v, do = inputs(CASE)
+  qs = jnp.stack([q, 2 * q])
+  dq = jnp.cos(q)
+
+  def both(attention):
+    tangent = lambda q: jax.jvp(lambda q: attention(q, k, v), (q,), (dq,))[1]
+    grad = jax.grad(jax.checkpoint(_loss(attention, do)), argnums=(0, 1, 2))
+    return {"out": jax.jit(jax.vmap(tangent))(qs),
+            "lse": jax.jvp(jax.vmap(lambda q: attention(q, k, v)), (qs,),
+                           (jnp.stack([dq, dq]),))[1],
+            "dq": jax.jit(grad)(q, k, v)}
+
+  assert_attention_close(both(_flash), both(_ref))
