@@ -48,6 +48,41 @@ def test_vmap_over_extra_leading_axis():
   assert_attention_close(grads, ref_grads)
 
 
+@pytest.mark.parametrize("mapped", ["bias", "lengths", "dropout", "sinks"])
+def test_vmap_with_operands_equals_each_slice(mapped):
+  """The batching rule: the mapped axis folds into the batch axis with the
+  per-batch operands tiled or folded along (bias, lengths), or the call
+  runs once per slice (dropout, whose bits depend on the batch index; sinks
+  mapped along the axis). Each slice of the vmapped value and gradient
+  equals the call on that slice alone."""
+  q, k, v, do = inputs(CASE)
+  qs = jnp.stack([q, 2 * q])
+  options = dict(bias=jax.random.normal(jax.random.key(4), (1, 4, 100, 70)),
+                 key_value_seq_lengths=jnp.array([70, 20]),
+                 dropout_rate=0.3, dropout_rng=jax.random.key(5),
+                 sinks=jnp.linspace(-1.0, 1.0, 4))
+  if mapped != "dropout":
+    del options["dropout_rate"], options["dropout_rng"]
+  stacked = {"bias": jnp.stack([options["bias"], -options["bias"]]),
+             "lengths": jnp.array([[70, 20], [5, 70]]),
+             "sinks": jnp.stack([options["sinks"], 2 * options["sinks"]])}
+  name = {"lengths": "key_value_seq_lengths"}.get(mapped, mapped)
+  axis = stacked.get(mapped)
+
+  def f(q, x):
+    kwargs = dict(options, **({name: x} if x is not None else {}))
+    return jnp.sum(jax_flash.flash_attention(
+        q, k, v, is_causal=True, implementation=KERNEL_IMPL,
+        block_sizes=SMALL_BLOCKS, **kwargs) * do)
+
+  value_and_grad = jax.value_and_grad(f)
+  got = jax.jit(jax.vmap(value_and_grad))(qs, axis)
+  for i in range(2):
+    want = value_and_grad(qs[i], None if axis is None else axis[i])
+    assert_attention_close({"out": got[0][i], "dq": got[1][i]},
+                           {"out": want[0], "dq": want[1]})
+
+
 def test_checkpoint():
   q, k, v, do = inputs(CASE)
   f = jax.checkpoint(_loss(_flash, do))
