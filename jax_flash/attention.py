@@ -127,10 +127,9 @@ class _FlashPrim(hijax.HiPrim):
   def batch(self, axis_data, args, dims):
     size = axis_data.size
     q, k, v, operands = args
+    # (Unmapped leaves have dim None, which jax.tree.leaves drops.)
     if self.cfg.scores.dropout or any(
-        jax.tree.leaves(getattr(dims[3], name)) != [None] * len(
-            jax.tree.leaves(getattr(operands, name)))
-        for name in _UNFOLDABLE):
+        jax.tree.leaves(getattr(dims[3], name)) for name in _UNFOLDABLE):
       return _map_slices(
           lambda q, k, v, operands: _FlashPrim(q, k, v, operands, self.cfg)(
               q, k, v, operands), args, dims, size), (0, 0)

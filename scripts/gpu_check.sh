@@ -108,7 +108,8 @@ for mode in "$@"; do
       # the Mosaic cases a time limit cut (built-in soft-cap, flex
       # prefix-LM, shapes that passed before the score modifications
       # landed), then the rest of the suite with Mosaic as Hopper's default
-      # (the sweep, dropout, Flax modules and examples, linen sinks).
+      # (the sweep, dropout, Flax modules and examples, linen sinks), and
+      # the autodiff wiring (a hijax primitive since then) on the kernels.
       JAX_FLASH_FAILURE_LOG="$OUT/failures.log" timeout 200 \
         python3 -m pytest -v -n 16 -rfE -p no:cacheprovider tests/test_flex.py \
         tests/test_gpu.py -k mosaic > "$OUT/pending_mosaic.log" 2>&1
@@ -116,7 +117,8 @@ for mode in "$@"; do
         "$OUT/pending_mosaic.log" | sed 's/.*\] //' | tail -25
       JAX_FLASH_FAILURE_LOG="$OUT/failures.log" timeout "${TESTS_LIMIT:-340}" \
         python3 -m pytest -v -n 16 -rfE -p no:cacheprovider tests/test_flax.py \
-        tests/test_examples.py tests/test_dropout.py tests/test_gpu.py -k "not mosaic" \
+        tests/test_examples.py tests/test_dropout.py tests/test_transforms.py \
+        tests/test_gpu.py -k "not mosaic" \
         > "$OUT/pending_tests.log" 2>&1
       echo "pytest exit: $?; passed: $(grep -c ' PASSED ' "$OUT/pending_tests.log")"
       grep -E " FAILED |^(FAILED|ERROR)| passed| failed" "$OUT/pending_tests.log" | tail -20

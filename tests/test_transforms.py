@@ -76,6 +76,8 @@ def test_vmap_with_operands_equals_each_slice(mapped):
         block_sizes=SMALL_BLOCKS, **kwargs) * do)
 
   value_and_grad = jax.value_and_grad(f)
+  per_slice = "scan" in str(jax.make_jaxpr(jax.vmap(f))(qs, axis))
+  assert per_slice == (mapped in ("dropout", "sinks")), mapped
   got = jax.jit(jax.vmap(value_and_grad))(qs, axis)
   for i in range(2):
     want = value_and_grad(qs[i], None if axis is None else axis[i])
