@@ -28,11 +28,14 @@ import jax_flash
 from jax_flash.testing import relative_error
 
 
+SOFT_CAP = 30.0  # The "_softcap" rows' logits_soft_cap (Gemma 2's).
+
+
 def _impls(causal: bool):
-  def ours(version, implementation="triton"):
+  def ours(version, implementation="triton", soft_cap=None):
     return lambda q, k, v: jax_flash.flash_attention(
         q, k, v, is_causal=causal, implementation=implementation,
-        version=version)
+        version=version, logits_soft_cap=soft_cap)
 
   def jax_nn(impl):
     return lambda q, k, v: jax.nn.dot_product_attention(
@@ -62,6 +65,10 @@ def _impls(causal: bool):
       "flash_v1": (ours(1), ("fwd",)),
       # The Mosaic GPU kernels (the backward is flash_v2's at head dim 256).
       "flash_mosaic": (ours(2, "mosaic"), modes),
+      # The same with a tanh soft-cap (its cost: a tanh per score, forward
+      # and backward); nothing else in the table computes this function.
+      "flash_mosaic_softcap": (ours(2, "mosaic", SOFT_CAP), modes),
+      "flash_v2_softcap": (ours(2, soft_cap=SOFT_CAP), modes),
       "cudnn": (jax_nn("cudnn"), modes),
       "xla": (jax_nn("xla"), modes),
       "jax_pallas": (jax_pallas, modes),
@@ -156,7 +163,9 @@ def run(head_dims, seq_lens, causals, tokens, hidden, dtype, calls, repeats,
                        dtype=jnp.dtype(dtype).name)
             row.update(_measure(fn, mode, q, k, v, do, fwd_flops, calls,
                                 repeats))
-            if mode == "fwd" and "error" not in row:
+            # (The soft-capped rows compute another function.)
+            if (mode == "fwd" and "error" not in row and
+                not name.endswith("_softcap")):
               out = jax.jit(fn)(q, k, v)  # Compiled already: a cache hit.
               if reference_out is None:
                 reference_out = out
@@ -531,6 +540,8 @@ def main(argv=None):
   parser.add_argument("--impls", nargs="+",
                       help="implementations, side by side: flash_mosaic "
                       "(Mosaic GPU forward), flash_v2 and flash_v1 (Triton), "
+                      "flash_mosaic_softcap and flash_v2_softcap (the same "
+                      f"with logits_soft_cap={SOFT_CAP}), "
                       "cudnn and xla (jax.nn), jax_pallas (jax's own Pallas "
                       "attention), tokamax (its Mosaic GPU attention; needs "
                       "its wheels: scripts/tokamax_wheels.sh)",

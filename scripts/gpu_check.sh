@@ -11,6 +11,7 @@
 #   bash scripts/gpu_check.sh tune      # head-dim-256 block-size sweep
 #   bash scripts/gpu_check.sh train     # train_lm at GPT-2-small size: flash, cuDNN, flax
 #   bash scripts/gpu_check.sh pending   # what no GPU run has checked yet (~9 min)
+#   bash scripts/gpu_check.sh softcap   # the soft-cap's cost, Mosaic and Triton, 8k
 #   bash scripts/gpu_check.sh mosaic    # the Mosaic kernels: correctness sweep + 8k benchmark
 #                                       # (with tokamax if .whl/ is carried: scripts/tokamax_wheels.sh)
 # TESTS="tests/a.py::b ..." limits `tests` to those; BENCH_ARGS replaces
@@ -122,6 +123,12 @@ for mode in "$@"; do
         > "$OUT/pending_tests.log" 2>&1
       echo "pytest exit: $?; passed: $(grep -c ' PASSED ' "$OUT/pending_tests.log")"
       grep -E " FAILED |^(FAILED|ERROR)| passed| failed" "$OUT/pending_tests.log" | tail -20
+      ;;
+    softcap)
+      # The soft-cap's cost: Mosaic and Triton with logits_soft_cap=30
+      # beside plain Mosaic and cuDNN (which takes no soft-cap), 8k.
+      bench softcap "${BENCH_LIMIT:-240}" --seq-lens 8192 --head-dims 128 64 \
+        --impls flash_mosaic flash_mosaic_softcap flash_v2_softcap cudnn
       ;;
     mosaic)
       timeout "${MOSAIC_LIMIT:-300}" python3 benchmarks/mosaic_check.py \
