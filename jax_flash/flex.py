@@ -18,11 +18,11 @@ linear in the lengths); attention never visits an empty tile and evaluates
 mask_mod only on partial ones. A query row that sees no key outputs 0 with
 zero gradients, as in `flash_attention`.
 
-Backends: the Triton kernels (and the Pallas interpreter) take mask_mods and
-score_mods that close over no array (only Python numbers: causal, prefix-LM,
-windows and slopes written as formulas of the indices, soft-caps): the
-functions are traced into the kernels, the tile kinds become their tile
-ranges. Functions that close over arrays (document ids, per-head tensors, a
+Backends: the Mosaic GPU kernels (Hopper) and the Triton kernels (and the
+Pallas interpreter) take mask_mods and score_mods that close over no array
+(only Python numbers: causal, prefix-LM, windows and slopes written as
+formulas of the indices, soft-caps): the functions are traced into the
+kernels, the tile kinds become their tile ranges. Functions that close over arrays (document ids, per-head tensors, a
 learned bias table) run on the blockwise plain-JAX FlashAttention loops
 (`blockwise`, the "xla" implementation), on any device, their arrays passed
 as operands (`Operands.mask_consts` / `score_consts`); so does every call
@@ -167,10 +167,10 @@ def flex_attention(query, key, value, score_mod: Callable | None = None,
       None: every key visible.
     scale: default 1 / sqrt(H).
     return_residual: also return the natural-log logsumexp [B, T, N].
-    implementation: None: the Triton kernels on a GPU where they take the
-      call (mask_mod and score_mod close over no array), else "xla" (the
-      blockwise plain-JAX loops; any device). "pallas"/"triton": the GPU
-      kernels; "interpret": the same kernels interpreted (any machine,
+    implementation: None: the GPU kernels where they take the call
+      (mask_mod and score_mod close over no array: the Mosaic kernels on an
+      H100/H200, else Triton), else "xla" (the blockwise plain-JAX loops;
+      any device). "pallas", "mosaic", "triton": the GPU kernels; "interpret": the same kernels interpreted (any machine,
       slow); a named implementation that cannot take the call raises
       ValueError saying why.
   Returns:
@@ -212,9 +212,13 @@ def _problem(query, p, block_mask: BlockMask, score_mod, scale: float,
   functions and their arrays as operands. ValueError if a named kernel
   backend cannot take it."""
   pow2 = lambda x: x > 0 and x & (x - 1) == 0
+  score_fn, score_consts = None, ()
+  if score_mod is not None:
+    score_fn, score_consts = _elementwise(score_mod, 5, float_first=True)
   why = None
-  if _closes_over_arrays(block_mask.mask_mod, 4, False) or (
-      score_mod is not None and _closes_over_arrays(score_mod, 5, True)):
+  # The arrays a function closes over, hoisted (`_elementwise`): a kernel
+  # cannot capture one (Python numbers become literals and are fine).
+  if block_mask.consts or score_consts:
     why = ("mask_mod and score_mod must close over no array for the "
            "kernels (this one does: implementation=None or 'xla' runs it)")
   elif not (pow2(block_mask.block_q) and pow2(block_mask.block_k)):
@@ -238,19 +242,7 @@ def _problem(query, p, block_mask: BlockMask, score_mod, scale: float,
       return backend, mask, scores, Operands(tile_kinds=tile_kinds)
   elif implementation not in (None, "xla"):
     raise ValueError(f"implementation={implementation!r}: {why}")
-  score_fn, score_consts = None, ()
-  if score_mod is not None:
-    score_fn, score_consts = _elementwise(score_mod, 5, float_first=True)
   return (backend, Mask(mod=block_mask.mask_fn, mod_tiles=tiles),
           Scores(scale=scale, mod=score_fn),
           Operands(tile_kinds=tile_kinds, mask_consts=block_mask.consts,
                    score_consts=score_consts))
-
-
-def _closes_over_arrays(fn, num_args: int, float_first: bool) -> bool:
-  """Whether fn's trace holds any array (or traced) constant: a kernel
-  cannot capture one (Python numbers become literals and are fine)."""
-  if fn is None:
-    return False
-  closed = jax.make_jaxpr(fn)(*_examples(num_args, float_first))
-  return bool(closed.consts)

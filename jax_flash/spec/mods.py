@@ -15,9 +15,9 @@ class ElementwiseMod:
   h, q_idx, kv_idx, *consts)) applied elementwise: the index arguments
   broadcast against each other, so a function written for scalars works on
   the index tiles of a kernel or a block. `consts` are the arrays the user's
-  function closed over, as `jax.closure_convert` hoists them (they travel in
-  `Operands.mask_consts` / `score_consts`: the score_mod's get gradients);
-  kernels take only functions without any."""
+  function closed over, hoisted into arguments (`flex._elementwise`; they
+  travel in `Operands.mask_consts` / `score_consts`: the score_mod's
+  floating ones get gradients); kernels take only functions without any."""
   fn: Callable
 
   def __call__(self, *args, consts=()):
