@@ -153,18 +153,25 @@ def compare_with_reference(kwargs, dtype=jnp.float32, version=2,
   poisoned = fill(jnp.nan) if garbage else clean
 
   def run(attention, up, inputs=clean, **extra):
-    def f(q, k, v, bias):
-      return attention(up(q), up(k), up(v), bias, return_residual=True,
-                       **kwargs, **extra)
-    (out, lse), vjp = jax.vjp(f, *inputs, bias)
-    dlse = jnp.cos(jnp.arange(lse.size, dtype=jnp.float32)).reshape(lse.shape)
-    results = (out, lse) + vjp((do.astype(out.dtype), dlse))
-    return {n: x for n, x in zip(names, results) if x is not None}
+    """The results of `attention`, jitted with the arrays as arguments:
+    closed over, jit would embed them in the program as constants and XLA
+    would fold the whole computation while compiling (over a minute for
+    the reference at the GPU tests' sizes)."""
+    def results(q, k, v, bias, do):
+      def f(q, k, v, bias):
+        return attention(up(q), up(k), up(v), bias, return_residual=True,
+                         **kwargs, **extra)
+      (out, lse), vjp = jax.vjp(f, q, k, v, bias)
+      dlse = jnp.cos(jnp.arange(lse.size, dtype=jnp.float32)).reshape(
+          lse.shape)
+      grads = vjp((do.astype(out.dtype), dlse))
+      return {n: x for n, x in zip(names, (out, lse) + grads)
+              if x is not None}
+    return jax.jit(results)(*inputs, bias, do)
 
-  got = jax.jit(lambda: run(
-      jax_flash.flash_attention, lambda x: x, poisoned,
-      implementation=implementation, block_sizes=block_sizes,
-      version=version))()
+  got = run(jax_flash.flash_attention, lambda x: x, poisoned,
+            implementation=implementation, block_sizes=block_sizes,
+            version=version)
   ref = run(jax_flash.reference_attention, lambda x: x.astype(jnp.float32))
   baseline = None
   if jnp.dtype(dtype) != jnp.float32:
