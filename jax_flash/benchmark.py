@@ -184,7 +184,9 @@ def run_sparse(scenario, head_dim, hidden, seq_len, sizes, dtype, calls,
   3.5x that forward+backward. The full causal problem is timed alongside, so
   time / full-causal time can be read against visible / full-causal pairs.
   "flex" rows are the same masks written as mask_mods for `flex_attention`
-  (formulas of the indices, no array: the kernels take them).
+  (formulas of the indices, no array); "flex_ids" (documents) reads the
+  documents' ids from an array the mask_mod closes over (the Triton kernels
+  read it element by element).
   """
   num_heads = hidden // head_dim
   keys = jax.random.split(jax.random.key(seq_len), 4)
@@ -214,6 +216,11 @@ def run_sparse(scenario, head_dim, hidden, seq_len, sizes, dtype, calls,
         q, k, v, implementation="pallas", **kw),
              "flex": lambda q, k, v, bm=block_mask: jax_flash.flex_attention(
                  q, k, v, block_mask=bm)}
+    if "segment_ids" in kwargs:
+      by_ids = lambda b, h, qi, ki, i=ids[0]: (qi >= ki) & (i[qi] == i[ki])
+      impls["flex_ids"] = lambda q, k, v, bm=jax_flash.create_block_mask(
+          by_ids, None, None, seq_len, seq_len): jax_flash.flex_attention(
+              q, k, v, block_mask=bm)
     if "segment_ids" not in kwargs:
       impls["cudnn"] = lambda q, k, v, kw=kwargs: jax.nn.dot_product_attention(
           q, k, v, implementation="cudnn", **kw)

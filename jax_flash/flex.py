@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_flash import _dispatch, attention
-from jax_flash.spec import checks
+from jax_flash.spec import checks, mods
 from jax_flash.spec.mask import EMPTY, FULL, PARTIAL, Mask
 from jax_flash.spec.mods import ElementwiseMod
 from jax_flash.spec.operands import Operands
@@ -52,16 +52,16 @@ def _examples(num_args: int, float_first: bool):
 
 
 def _elementwise(fn: Callable, num_args: int, float_first: bool):
-  """(fn as an `ElementwiseMod` of its closure-converted form, the arrays it
-  closes over). Every array is hoisted into an argument, integer ones too
+  """(fn as an `ElementwiseMod` of its jaxpr, the arrays it closes over).
+  Every array is hoisted into an argument, integer ones too
   (`jax.closure_convert` keeps those closed over): traced under jit, they
   must travel as operands, since the attention primitive's rules run after
-  the trace that made them."""
+  the trace that made them; a kernel reads them through its refs
+  (`mods.evaluate`)."""
   closed = jax.make_jaxpr(fn)(*_examples(num_args, float_first))
 
   def converted(*args):
-    return jax.core.eval_jaxpr(closed.jaxpr, args[num_args:],
-                               *args[:num_args])[0]
+    return mods.evaluate(closed.jaxpr, args[num_args:], *args[:num_args])[0]
   return ElementwiseMod(converted), tuple(closed.consts)
 
 
@@ -75,16 +75,14 @@ class BlockMask:
   """
 
   def __init__(self, kinds, consts, mask_fn, q_len, kv_len, block_q,
-               block_k, mask_mod=None):
+               block_k):
     self.kinds, self.consts, self.mask_fn = kinds, tuple(consts), mask_fn
     self.q_len, self.kv_len = q_len, kv_len
     self.block_q, self.block_k = block_q, block_k
-    self.mask_mod = mask_mod  # The user's function (the kernels trace it).
 
   def tree_flatten(self):
     return (self.kinds, self.consts), (self.mask_fn, self.q_len, self.kv_len,
-                                       self.block_q, self.block_k,
-                                       self.mask_mod)
+                                       self.block_q, self.block_k)
 
   @classmethod
   def tree_unflatten(cls, aux, children):
@@ -137,8 +135,7 @@ def create_block_mask(mask_mod: Callable, B: int | None, N: int | None,
         jnp.int8)
 
   kinds = lax.map(tile_kinds, jnp.arange(num_q))  # [nq, Bm, Nm, nk]
-  return BlockMask(kinds.transpose(1, 2, 0, 3), consts, mask_fn, T, S, bq, bk,
-                   mask_mod)
+  return BlockMask(kinds.transpose(1, 2, 0, 3), consts, mask_fn, T, S, bq, bk)
 
 
 def and_masks(*mask_mods: Callable) -> Callable:
@@ -206,22 +203,27 @@ def flex_attention(query, key, value, score_mod: Callable | None = None,
 
 def _problem(query, p, block_mask: BlockMask, score_mod, scale: float,
              implementation):
-  """(backend, Mask, Scores, Operands) of a flex call: a kernel backend with
-  the user's functions traced in, when they close over no array and one
-  takes the call; else the blockwise backend with the closure-converted
-  functions and their arrays as operands. ValueError if a named kernel
-  backend cannot take it."""
+  """(backend, Mask, Scores, Operands) of a flex call: the kernels when one
+  takes it (a score_mod closes over no array; a mask_mod's arrays are read
+  element by element, `mods.unsupported_reads`), else the blockwise loops;
+  either way the functions' jaxprs with their arrays as operands.
+  ValueError if a named kernel backend cannot take it."""
   pow2 = lambda x: x > 0 and x & (x - 1) == 0
   score_fn, score_consts = None, ()
   if score_mod is not None:
     score_fn, score_consts = _elementwise(score_mod, 5, float_first=True)
   why = None
-  # The arrays a function closes over, hoisted (`_elementwise`): a kernel
-  # cannot capture one (Python numbers become literals and are fine).
-  if block_mask.consts or score_consts:
-    why = ("mask_mod and score_mod must close over no array for the "
-           "kernels (this one does: implementation=None or 'xla' runs it)")
-  elif not (pow2(block_mask.block_q) and pow2(block_mask.block_k)):
+  if score_consts:  # Their gradients come from the blockwise loops only.
+    why = ("score_mod must close over no array for the kernels (this one "
+           "does: implementation=None or 'xla' runs it)")
+  elif block_mask.consts:
+    bad = mods.unsupported_reads(block_mask.mask_fn, block_mask.consts, 4)
+    if bad:
+      why = ("the kernels read a mask_mod's arrays one element at a time "
+             f"(a[i], a[b, i]); this one uses {bad}: implementation=None "
+             "or 'xla' runs it")
+  if why is None and not (pow2(block_mask.block_q) and
+                          pow2(block_mask.block_k)):
     why = ("the kernels need a block_mask of power-of-two block sizes from "
            "create_block_mask")
   tiles = (block_mask.block_q, block_mask.block_k)
@@ -230,19 +232,17 @@ def _problem(query, p, block_mask: BlockMask, score_mod, scale: float,
   kinds = block_mask.kinds
   tile_kinds = jnp.where(jnp.all(kinds == FULL, axis=1), FULL, jnp.where(
       jnp.all(kinds == EMPTY, axis=1), EMPTY, PARTIAL)).astype(jnp.int8)
+  mask = Mask(mod=block_mask.mask_fn, mod_tiles=tiles,
+              mod_arrays=len(block_mask.consts))
+  scores = Scores(scale=scale, mod=score_fn)
+  operands = Operands(tile_kinds=tile_kinds,
+                      mask_consts=block_mask.consts or None,
+                      score_consts=score_consts or None)
   backend = _dispatch.XLA
   if implementation != "xla" and why is None and (
       implementation is not None or _dispatch.on_gpu(query)):
-    mask = Mask(mod=ElementwiseMod(block_mask.mask_mod), mod_tiles=tiles)
-    scores = Scores(scale=scale, mod=None if score_mod is None else
-                    ElementwiseMod(score_mod))
     backend = _dispatch.select(implementation, query, p, query.dtype,
                                mask=mask, scores=scores)
-    if backend is not _dispatch.XLA:
-      return backend, mask, scores, Operands(tile_kinds=tile_kinds)
   elif implementation not in (None, "xla"):
     raise ValueError(f"implementation={implementation!r}: {why}")
-  return (backend, Mask(mod=block_mask.mask_fn, mod_tiles=tiles),
-          Scores(scale=scale, mod=score_fn),
-          Operands(tile_kinds=tile_kinds, mask_consts=block_mask.consts,
-                   score_consts=score_consts))
+  return backend, mask, scores, operands

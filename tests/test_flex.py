@@ -1,7 +1,10 @@
 """flex_attention: user-written mask_mod / score_mod against dense
 references, gradients to closed-over arrays, and the block classification;
-on the blockwise loops and, for functions that close over no array, on the
-Triton kernels (interpreted on the CPU, real on a GPU)."""
+on the blockwise loops and on the Triton kernels (interpreted on the CPU,
+real on a GPU: every mask_mod whose arrays are read element by element,
+score_mods that close over no array)."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +13,7 @@ import pytest
 import jax_flash
 from jax_flash.testing import assert_attention_close
 from jax_flash.spec import mask as mask_lib
+from jax_flash.spec import mods
 from tests.cases import plain_attention, random_inputs
 from tests.conftest import KERNEL_IMPL
 
@@ -78,8 +82,10 @@ EXAMPLES = {
     "alibi_formula": (causal, alibi_formula, dict(
         is_causal=True, alibi_slopes=0.1 * (jnp.arange(N) + 1.0)), S),
 }
-# The examples whose functions close over no array: the kernels take them.
-KERNEL_EXAMPLES = ("causal", "prefix_lm", "soft_cap", "or_masks",
+# What the kernels take: every example but those whose score_mod closes
+# over an array (a mask_mod's arrays are read element by element).
+KERNEL_EXAMPLES = ("causal", "prefix_lm", "document_causal",
+                   "per_head_sliding_window", "soft_cap", "or_masks",
                    "per_head_window_formula", "alibi_formula")
 
 
@@ -180,13 +186,14 @@ def test_row_that_sees_no_key_gives_zero_and_zero_gradients():
 @pytest.mark.parametrize("call, match", [
     (lambda q, k, v, bm: jax_flash.flex_attention(
         q, k, v, block_mask=jax_flash.create_block_mask(
-            lambda b, h, qi, ki: qi - ki <= WINDOWS[h], None, N, T, S),
+            lambda b, h, qi, ki: qi - ki <= WINDOWS.sum(), None, N, T, S),
         implementation="interpret"),
-     "must close over no array for the kernels"),
+     r"one element at a time .* whole closed-over array used at once "
+     r"\(by `reduce_sum`\)"),
     (lambda q, k, v, bm: jax_flash.flex_attention(
         q, k, v, lambda s, b, h, qi, ki: s * SLOPES[h], bm,
         implementation="interpret"),
-     "must close over no array for the kernels"),
+     "score_mod must close over no array for the kernels"),
     (lambda q, k, v, bm: jax_flash.flex_attention(
         q, k, v, block_mask=jax_flash.create_block_mask(
             causal, None, None, T, S, block_size=24),
@@ -307,3 +314,51 @@ def test_mosaic_flex_matches_dense_reference(name):
   plain = run(lambda *x: plain_attention(dtype)(
       *x, return_residual=True, **ref_kwargs), (q, k, v))
   assert_attention_close(got, ref, dtype, baseline=plain)
+
+
+DOCS = jnp.arange(64, dtype=jnp.int32) // 10
+DOCS2 = jnp.stack([DOCS, DOCS[::-1]])
+PERM = jax.random.permutation(jax.random.key(5), 64).astype(jnp.int32)
+
+
+# mask_mods reading closed-over arrays as a kernel does (one element per
+# index), against plain evaluation on the arrays; indices past the ends too.
+@pytest.mark.parametrize("fn", [
+    lambda b, h, q, k: DOCS[q] == DOCS[k],
+    lambda b, h, q, k: DOCS2[b, q] >= DOCS2[b, k],
+    lambda b, h, q, k: DOCS2[b][q] == DOCS2[b][k],
+    lambda b, h, q, k: jnp.take(DOCS, q) == jnp.take(DOCS, k),  # Fill mode.
+    lambda b, h, q, k: DOCS[PERM[q % 64]] <= DOCS[k] + WINDOWS[h],
+    lambda b, h, q, k: (q >= k) & (q - k <= WINDOWS[h]),
+], ids=["ids", "batch_ids", "row_then_ids", "take", "nested", "per_head"])
+def test_element_reads_equal_plain_evaluation(fn):
+  mod, consts = jax_flash.flex._elementwise(fn, 4, float_first=False)
+  readers = tuple(mods.ArrayReader(c.shape, c.dtype,
+                                   lambda idx, c=c: c[idx]) for c in consts)
+  rows = jnp.arange(-3, 70, dtype=jnp.int32)[:, None]
+  cols = jnp.arange(-2, 68, dtype=jnp.int32)[None, :]
+  for b, h in ((0, 0), (1, 3)):
+    want = mod(jnp.int32(b), jnp.int32(h), rows, cols, consts=consts)
+    got = mod(jnp.int32(b), jnp.int32(h), rows, cols, consts=readers)
+    np.testing.assert_array_equal(got, want)
+  assert mods.unsupported_reads(mod, consts, 4) is None
+
+
+@pytest.mark.parametrize("fn, match", [
+    (lambda b, h, q, k: q - k <= DOCS.max(), "whole closed-over array used "
+     "at once \\(by `reduce_max`\\)"),
+    (lambda b, h, q, k: jax.lax.dynamic_slice(DOCS, (q,), (2,))[1] == k,
+     "a slice of 2 of 64 entries"),
+    (lambda b, h, q, k: jnp.take(DOCS, jnp.stack([q, k])).sum() > 3,
+     "a gather of more than one element"),
+])
+def test_reads_a_kernel_cannot_make_are_named(fn, match):
+  mod, consts = jax_flash.flex._elementwise(fn, 4, float_first=False)
+  assert re.search(match, mods.unsupported_reads(mod, consts, 4))
+  # The blockwise loops still run it.
+  q, k, v, _ = random_inputs(1, 64, 64, 2, 1, 16, jnp.float32)
+  bm = jax_flash.create_block_mask(fn, None, None, 64, 64, block_size=16)
+  dense_mask = dense(lambda *idx: mod(*idx, consts=consts), 1, 1, 64, 64)
+  out = jax_flash.flex_attention(q, k, v, block_mask=bm)
+  ref = jax_flash.reference_attention(q, k, v, mask=dense_mask)
+  assert_attention_close(out, ref)

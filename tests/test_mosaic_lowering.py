@@ -195,6 +195,18 @@ def test_flex_mod_the_mosaic_lowering_lacks_runs_triton():
     _lower_flex("mosaic", mod)
 
 
+def test_flex_mask_mod_reading_an_array_runs_triton():
+  """Document ids closed over by the mask_mod: the Mosaic kernels cannot
+  read them, so the default picks Triton; naming Mosaic says why."""
+  ids = jnp.arange(300) // 70
+  mod = lambda b, h, q, k: ids[q] == ids[jnp.minimum(k, 299)]
+  text = _lower_flex(None, mod)
+  assert MOSAIC_CALL not in text and TRITON_FORWARD in text
+  with pytest.raises(ValueError, match="cannot read the arrays a mask_mod "
+                     "closes over"):
+    _lower_flex("mosaic", mod)
+
+
 @pytest.mark.parametrize("kwargs", [
     dict(sinks=jnp.zeros((8,))),
     dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)),

@@ -181,6 +181,29 @@ def test_flex_attention_kernels_lower(dtype):
     assert name in text
 
 
+def test_flex_mask_mod_reading_a_traced_array_lowers():
+  """Document ids closed over by the mask_mod (a traced argument, [B, T]):
+  the kernels read them through a ref, one gather per index tile."""
+  q = jax.ShapeDtypeStruct((B, T, N, 64), jnp.bfloat16)
+  ids = jax.ShapeDtypeStruct((B, T), jnp.int32)
+
+  def loss(q, k, v, ids):
+    block_mask = jax_flash.create_block_mask(
+        lambda b, h, qi, ki: (qi >= ki) & (ids[b, qi] == ids[b, ki]), B, None,
+        T, T, block_size=64)
+    out = jax_flash.flex_attention(q, k, v, block_mask=block_mask,
+                                   implementation="triton")
+    return jnp.sum(out.astype(jnp.float32))
+
+  with jax.sharding.use_abstract_mesh(
+      mesh_lib.AbstractMesh((1,), ("x",), abstract_device=H200)):
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(
+        q, q, q, ids).lower(lowering_platforms=("cuda",)).as_text()
+  for name in ("flash_attention_forward", "flash_attention_backward_dkdv",
+               "flash_attention_backward_dq"):
+    assert name in text
+
+
 def test_head_dim_512_runs_triton_only_when_named():
   """Until a GPU compiles them, the default on a GPU runs head dims above
   256 on "xla" (blockwise); implementation="triton" runs the kernels."""

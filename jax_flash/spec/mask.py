@@ -64,6 +64,8 @@ class Mask:
   # tiles its kinds table (`Operands.tile_kinds`) classifies.
   mod: Callable | None = None
   mod_tiles: tuple[int, int] | None = None
+  # How many arrays the mask_mod reads (`Operands.mask_consts`).
+  mod_arrays: int = 0
 
   @property
   def has_table(self) -> bool:

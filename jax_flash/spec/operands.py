@@ -29,7 +29,9 @@ class Operands:
     (`Mask.mod`; flex attention). Kernels get the tile ranges made of it.
   mask_consts, score_consts: tuples of the arrays a mask_mod / score_mod
     closes over (`mods.ElementwiseMod`); the score_mod's are
-    differentiable. Only the blockwise backend takes them.
+    differentiable. The Triton kernels read a mask_mod's element by
+    element (`mods.evaluate`); only the blockwise backend takes a
+    score_mod's.
   """
   q_ids: jax.Array | None = None
   kv_ids: jax.Array | None = None

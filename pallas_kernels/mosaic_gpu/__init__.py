@@ -96,6 +96,9 @@ class MosaicGpuBackend:
               "offsets yet)")
     if scores.bias:
       return "the Mosaic GPU kernels take no bias yet"
+    if mask.mod_arrays:
+      return ("the Mosaic GPU kernels cannot read the arrays a mask_mod "
+              "closes over (the Triton kernels do)")
     missing = mod_primitives_missing(mask, scores)
     if missing:
       return (f"the Mosaic GPU kernels cannot run a mask_mod/score_mod made "

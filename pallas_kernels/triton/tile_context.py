@@ -23,6 +23,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jax_flash.spec import dropout
 from jax_flash.spec import mask as mask_lib
+from jax_flash.spec.mods import ArrayReader
 from jax_flash.spec.operands import Operands
 from jax_flash.spec.scores import Scores
 from pallas_kernels.triton.tiles import load_ids, load_table_row
@@ -164,7 +165,9 @@ class TileContext:
       if kv_ids is None:
         kv_ids = self.kv_ids(k_start)
     ok = self.mask.visible(rows, cols, self.kv_len, q_ids, kv_ids,
-                           self.q_offset, self.batch, self._query_head(head))
+                           self.q_offset, self.batch, self._query_head(head),
+                           mod_consts=tuple(map(ArrayReader.of_ref,
+                                                self.refs.mask_consts or ())))
     if self.mask.has_dense:
       ok = jnp.logical_and(
           ok, self._pair_tile(self.refs.dense_mask, head, q_start, k_start,
