@@ -18,16 +18,20 @@ linear in the lengths); attention never visits an empty tile and evaluates
 mask_mod only on partial ones. A query row that sees no key outputs 0 with
 zero gradients, as in `flash_attention`.
 
-Backends: the Mosaic GPU kernels (Hopper) and the Triton kernels (and the
-Pallas interpreter) take mask_mods and score_mods that close over no array
-(only Python numbers: causal, prefix-LM, windows and slopes written as
-formulas of the indices, soft-caps): the functions are traced into the
-kernels, the tile kinds become their tile ranges. Functions that close over arrays (document ids, per-head tensors, a
-learned bias table) run on the blockwise plain-JAX FlashAttention loops
+Backends: the GPU kernels (and the Pallas interpreter) take every
+mask_mod and the score_mods that close over no array; the functions' jaxprs
+are evaluated in the kernels, the tile kinds become their tile ranges. A
+mask_mod's arrays (document ids, per-head windows) are read element by
+element there (`a[i]`, `a[b, i]`, `jnp.take(a, i)`; `spec.mods.evaluate`):
+the Triton kernels take them, the Mosaic GPU kernels (Hopper) take mods
+that close over no array. A score_mod that closes over arrays (a learned
+bias table, whose gradient it needs) and a mask_mod that uses a whole array
+at once (`a.max()`) run on the blockwise plain-JAX FlashAttention loops
 (`blockwise`, the "xla" implementation), on any device, their arrays passed
 as operands (`Operands.mask_consts` / `score_consts`); so does every call
 off the GPU with implementation=None. Either way the call goes through
-`flash_attention`'s primitive (`attention._FlashPrim`) with the same `Mask.mod` / `Scores.mod`.
+`flash_attention`'s primitive (`attention._FlashPrim`) with the same
+`Mask.mod` / `Scores.mod`.
 """
 from __future__ import annotations
 
@@ -164,12 +168,12 @@ def flex_attention(query, key, value, score_mod: Callable | None = None,
       None: every key visible.
     scale: default 1 / sqrt(H).
     return_residual: also return the natural-log logsumexp [B, T, N].
-    implementation: None: the GPU kernels where they take the call
-      (mask_mod and score_mod close over no array: the Mosaic kernels on an
-      H100/H200, else Triton), else "xla" (the blockwise plain-JAX loops;
-      any device). "pallas", "mosaic", "triton": the GPU kernels; "interpret": the same kernels interpreted (any machine,
-      slow); a named implementation that cannot take the call raises
-      ValueError saying why.
+    implementation: None: the GPU kernels where they take the call (see
+      the module doc: the Mosaic kernels on an H100/H200, else Triton),
+      else "xla" (the blockwise plain-JAX loops; any device). "pallas",
+      "mosaic", "triton": the GPU kernels; "interpret": the same kernels
+      interpreted (any machine, slow); a named implementation that cannot
+      take the call raises ValueError saying why.
   Returns:
     out [B, T, N, H] in query.dtype, or (out, logsumexp).
   """
