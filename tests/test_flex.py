@@ -362,3 +362,30 @@ def test_reads_a_kernel_cannot_make_are_named(fn, match):
   out = jax_flash.flex_attention(q, k, v, block_mask=bm)
   ref = jax_flash.reference_attention(q, k, v, mask=dense_mask)
   assert_attention_close(out, ref)
+
+
+PREFIX = jnp.array(20)  # A 0-d array.
+ALLOWED = jnp.arange(S) % 3 != 0  # Boolean.
+THRESHOLDS = jnp.linspace(0.0, 50.0, N)  # Float, per head.
+
+
+@pytest.mark.parametrize("mask_mod", [
+    lambda b, h, q, k: (k < PREFIX) | (q >= k),
+    lambda b, h, q, k: ALLOWED[k] & (q >= k),
+    lambda b, h, q, k: (q - k).astype(jnp.float32) <= THRESHOLDS[h],
+], ids=["zero_d", "bool", "float_per_head"])
+def test_kernels_read_arrays_of_any_rank_and_dtype(mask_mod):
+  q, k, v, do = random_inputs(B, T, S, N, K, H, jnp.float32)
+  block_mask = jax_flash.create_block_mask(mask_mod, None, N, T, S,
+                                           block_size=BLOCK)
+  mod, consts = jax_flash.flex._elementwise(mask_mod, 4, float_first=False)
+  ref_mask = dense(lambda *idx: mod(*idx, consts=consts))
+
+  def run(attention):
+    out, vjp = jax.vjp(attention, q, k, v)
+    return dict(zip(("out", "dq", "dk", "dv"), (out,) + vjp(do)))
+  got = jax.jit(lambda q, k, v: run(lambda q, k, v: jax_flash.flex_attention(
+      q, k, v, block_mask=block_mask, implementation=KERNEL_IMPL)))(q, k, v)
+  ref = run(lambda q, k, v: jax_flash.reference_attention(q, k, v,
+                                                          mask=ref_mask))
+  assert_attention_close(got, ref)
