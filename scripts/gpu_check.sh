@@ -109,7 +109,8 @@ for mode in "$@"; do
       # dropout and the hijax autodiff wiring passed on the H200 at its
       # start): the Mosaic cases (built-in soft-cap, flex prefix-LM,
       # lengths/segments/sinks/dropout, head dims 96/192), then the sweep
-      # with Mosaic as Hopper's default and Triton at head dims above 256.
+      # with Mosaic as Hopper's default, flex on Triton (mask_mods reading
+      # closed-over arrays) and Triton at head dims above 256.
       JAX_FLASH_FAILURE_LOG="$OUT/failures.log" timeout "${MOSAIC_LIMIT:-200}" \
         python3 -m pytest -v -n 16 -rfE -p no:cacheprovider tests/test_flex.py \
         tests/test_gpu.py -k mosaic > "$OUT/pending_mosaic.log" 2>&1
@@ -117,7 +118,8 @@ for mode in "$@"; do
         "$OUT/pending_mosaic.log" | sed 's/.*\] //' | tail -40
       JAX_FLASH_FAILURE_LOG="$OUT/failures.log" timeout "${TESTS_LIMIT:-280}" \
         python3 -m pytest -v -n 16 -rfE -p no:cacheprovider tests/test_gpu.py \
-        tests/test_correctness.py::test_head_dims_above_256 -k "not mosaic" \
+        tests/test_flex.py tests/test_correctness.py::test_head_dims_above_256 \
+        -k "not mosaic" \
         > "$OUT/pending_tests.log" 2>&1
       echo "pytest exit: $?; passed: $(grep -c ' PASSED ' "$OUT/pending_tests.log")"
       grep -E " FAILED |^(FAILED|ERROR)| passed| failed" "$OUT/pending_tests.log" | tail -20
