@@ -330,7 +330,10 @@ PERM = jax.random.permutation(jax.random.key(5), 64).astype(jnp.int32)
     lambda b, h, q, k: jnp.take(DOCS, q) == jnp.take(DOCS, k),  # Fill mode.
     lambda b, h, q, k: DOCS[PERM[q % 64]] <= DOCS[k] + WINDOWS[h],
     lambda b, h, q, k: (q >= k) & (q - k <= WINDOWS[h]),
-], ids=["ids", "batch_ids", "row_then_ids", "take", "nested", "per_head"])
+    lambda b, h, q, k: jnp.take(DOCS2[b], q) == DOCS2[b, k],
+    lambda b, h, q, k: DOCS2.at[b, q].get(mode="fill", fill_value=-1) >= k % 7,
+], ids=["ids", "batch_ids", "row_then_ids", "take", "nested", "per_head",
+        "take_of_a_row", "fill_past_the_end"])
 def test_element_reads_equal_plain_evaluation(fn):
   mod, consts = jax_flash.flex._elementwise(fn, 4, float_first=False)
   readers = tuple(mods.ArrayReader(c.shape, c.dtype,

@@ -129,15 +129,16 @@ def _gather(view: _View, indices, *, dimension_numbers, slice_sizes, mode,
     raise UnsupportedRead("a gather of more than one element of a "
                           "closed-over array")
   axes = list(view.axes)
+  for axis in dims:  # Every dimension collapses; unindexed ones start at 0.
+    axes[axis] = (jnp.int32(0) if axes[axis] is None else axes[axis][0],
+                  False)
   valid = True
   for k, d in enumerate(dn.start_index_map):
     axis, index = dims[d], indices[k]
-    if axes[axis] is None:
+    if view.axes[axis] is None:
       n = view.reader.shape[axis]
       valid = valid & (index >= 0) & (index < n)
       axes[axis] = (_clamp(index, n), False)
-    else:
-      axes[axis] = (axes[axis][0], False)
   out = _View(view.reader, tuple(axes)).value()
   if mode == lax.GatherScatterMode.FILL_OR_DROP:
     out = jnp.where(valid, out, jnp.asarray(
