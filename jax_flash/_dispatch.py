@@ -15,8 +15,9 @@ backend is an object with:
             bias, score_consts; None where not computed)
     decode(q, k, v, kv_lengths, *, mask, scores, num_splits, page_table,
            sinks) -> (o [B, T, N, H], lse [B, N, T])
-    awaiting_gpu_check(problem, *, mask, scores) -> str | None  (optional: features
-        lowered but not yet run on a GPU; picked only when named alone)
+    awaiting_gpu_check(problem, *, mask, scores, decode) -> str | None
+        (optional: features lowered but not yet run on a GPU; picked only
+        when named alone)
 
 with lse the natural-log logsumexp, float32, everywhere. Backends:
 "mosaic" (Pallas Mosaic GPU kernels, forward and backward; Hopper GPUs),
@@ -37,7 +38,7 @@ import jax
 from jax_flash import blockwise
 from jax_flash.spec.checks import Problem
 from jax_flash.spec.mask import Mask
-from jax_flash.spec.problem import gather_pages, prepare_decode
+from jax_flash.spec.problem import decode_as_forward
 from jax_flash.spec.scores import Scores
 
 IMPLEMENTATIONS = ("pallas", "mosaic", "triton", "interpret", "xla")
@@ -74,11 +75,9 @@ class XlaBackend:
   def decode(self, q, k, v, kv_lengths, *, mask, scores, num_splits=None,
              page_table=None, sinks=None):
     del num_splits  # A kernel's launch choice.
-    if page_table is not None:  # Gather the pages into a contiguous cache.
-      k, v = gather_pages(k, page_table), gather_pages(v, page_table)
     # Keys past a length may hold anything: blockwise zeroes them.
-    mask, operands = prepare_decode(mask, q.shape[1], k.shape[1], kv_lengths,
-                                    sinks)
+    k, v, mask, operands, _ = decode_as_forward(q, k, v, kv_lengths, mask,
+                                                page_table, sinks)
     return blockwise.forward(q, k, v, operands, mask=mask, scores=scores,
                              config=blockwise.BlockSizes())
 
@@ -156,7 +155,8 @@ def select(implementation, query, problem: Problem, dtype, *, mask: Mask,
     why = backend.unsupported(problem, dtype, mask=mask, scores=scores,
                               version=version, decode=decode)
     if why is None and picking and hasattr(backend, "awaiting_gpu_check"):
-      why = backend.awaiting_gpu_check(problem, mask=mask, scores=scores)
+      why = backend.awaiting_gpu_check(problem, mask=mask, scores=scores,
+                                       decode=decode)
     return why
 
   if implementation is None:

@@ -108,12 +108,14 @@ for mode in "$@"; do
       # Not yet checked on a GPU (2026-11-30, sixth session; Flax, examples,
       # dropout and the hijax autodiff wiring passed on the H200 at its
       # start): the Mosaic cases (built-in soft-cap, flex prefix-LM,
-      # lengths/segments/sinks/dropout, head dims 96/192), then the sweep
+      # lengths/segments/sinks/dropout, head dims 96/192, decode's prompt
+      # chunks), then the sweep
       # with Mosaic as Hopper's default, flex on Triton (mask_mods reading
       # closed-over arrays) and Triton at head dims above 256.
       JAX_FLASH_FAILURE_LOG="$OUT/failures.log" timeout "${MOSAIC_LIMIT:-200}" \
         python3 -m pytest -v -n 16 -rfE -p no:cacheprovider tests/test_flex.py \
-        tests/test_gpu.py -k mosaic > "$OUT/pending_mosaic.log" 2>&1
+        tests/test_gpu.py tests/test_decode.py -k mosaic \
+        > "$OUT/pending_mosaic.log" 2>&1
       echo "pytest exit: $?"; grep -E "(PASSED|FAILED|ERROR) tests|passed|failed" \
         "$OUT/pending_mosaic.log" | sed 's/.*\] //' | tail -40
       JAX_FLASH_FAILURE_LOG="$OUT/failures.log" timeout "${TESTS_LIMIT:-280}" \

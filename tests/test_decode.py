@@ -181,3 +181,31 @@ def test_any_number_of_new_tokens(implementation, q_len, paged):
   ref, ref_lse = _reference(q, kc, vc, lengths, sinks=sinks, window_left=150)
   assert_attention_close({"out": out, "lse": lse},
                          {"out": ref, "lse": ref_lse})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_len", [65, 300])
+@pytest.mark.parametrize("paged", [False, True])
+def test_mosaic_decodes_a_prompt_chunk(q_len, paged):
+  """The Mosaic forward with query offsets (an H100/H200): ragged lengths,
+  NaN past them and in unused pages, GQA, sinks, a window, a soft-cap."""
+  s = 1000
+  q, kc, vc = _cache(2, q_len, s, 8, 2, 128, jnp.bfloat16, seed=q_len)
+  lengths = jnp.array([s, q_len + 37])
+  kwargs = dict(key_cache=kc, value_cache=vc)
+  if paged:
+    kp, table = _paginate(kc, 16, 160, 4, lengths)
+    vp, _ = _paginate(vc, 16, 160, 4, lengths)
+    kwargs = dict(key_pages=kp, value_pages=vp, page_table=table)
+  else:
+    live = (jnp.arange(s)[None] < lengths[:, None])[:, :, None, None]
+    kwargs = {n: jnp.where(live, x, jnp.nan) for n, x in kwargs.items()}
+  sinks = jnp.linspace(-1.0, 1.0, 8)
+  out, lse = jax_flash.flash_decode(
+      q, kv_lengths=lengths, implementation="mosaic", sinks=sinks,
+      local_window_size=150, logits_soft_cap=30.0, return_residual=True,
+      **kwargs)
+  ref, ref_lse = _reference(q, kc, vc, lengths, sinks=sinks, window_left=150,
+                            logits_soft_cap=30.0)
+  assert_attention_close({"out": out, "lse": lse},
+                         {"out": ref, "lse": ref_lse}, jnp.bfloat16)

@@ -120,8 +120,53 @@ def test_mosaic_named_for_a_call_it_cannot_take_says_why():
   with pytest.raises(ValueError, match="head_dim must be one of .* for the "
                      "Mosaic GPU kernels, got 80"):
     _lower_grad("mosaic", (2, 256, 512, 8, 2, 80))
-  with pytest.raises(ValueError, match="no dense masks or query offsets"):
+  with pytest.raises(ValueError, match="no dense masks yet"):
     _lower_grad("mosaic", mask=jnp.ones((1, 1, 256, 512), bool))
+
+
+def _lower_decode(implementation, q_len, page_size=None, **kwargs):
+  q = jax.ShapeDtypeStruct((2, q_len, 8, 128), jnp.bfloat16)
+  lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+  if page_size is None:
+    cache = jax.ShapeDtypeStruct((2, 2048, 2, 128), jnp.bfloat16)
+    f = lambda q, n, c: jax_flash.flash_decode(
+        q, c, c, kv_lengths=n, implementation=implementation, **kwargs)
+    args = (q, lengths, cache)
+  else:
+    pages = jax.ShapeDtypeStruct((4096 // page_size, page_size, 2, 128),
+                                 jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((2, 2048 // page_size), jnp.int32)
+    f = lambda q, n, p, t: jax_flash.flash_decode(
+        q, kv_lengths=n, key_pages=p, value_pages=p, page_table=t,
+        implementation=implementation, **kwargs)
+    args = (q, lengths, pages, table)
+  with jax.sharding.use_abstract_mesh(
+      mesh_lib.AbstractMesh((1,), ("x",), abstract_device=H200)):
+    return jax.jit(f).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("page_size", [None, 16])
+@pytest.mark.parametrize("kwargs", [
+    dict(), dict(local_window_size=100, sinks=jnp.zeros((8,)),
+                 logits_soft_cap=30.0)], ids=["causal", "window_sinks_cap"])
+def test_mosaic_decodes_a_prompt_chunk(page_size, kwargs):
+  """65 or more new tokens: the Mosaic forward with query offsets and key
+  ids (a paged cache gathered first); awaiting a GPU check, so the default
+  still runs Triton's kernel."""
+  text = _lower_decode("mosaic", 300, page_size, **kwargs)
+  assert "flash_attention_forward_mosaic" in text
+  default = _lower_decode(None, 300, page_size, **kwargs)
+  assert MOSAIC_CALL not in default and TRITON_FORWARD in default
+
+
+def test_mosaic_decode_of_a_few_tokens_says_why():
+  """Short chunks are the split-KV kernel's (Triton): "pallas" picks it,
+  naming Mosaic says why."""
+  assert MOSAIC_CALL not in _lower_decode("pallas", 8)
+  with pytest.raises(ValueError, match="prompt chunks of 65 or more new "
+                     "tokens .* got 8"):
+    _lower_decode("mosaic", 8)
 
 
 def test_mosaic_without_a_gpu_is_a_clear_error():

@@ -84,6 +84,21 @@ def prepare_decode(mask: Mask, q_len: int, kv_len: int, kv_lengths,
                         sinks=sinks)
 
 
+def decode_as_forward(q, k, v, kv_lengths, mask: Mask, page_table=None,
+                      sinks=None):
+  """A decode call as a training forward problem (what a backend's `decode`
+  runs for a prompt chunk): (k, v, mask, operands, problem), a paged cache
+  first gathered into a contiguous one by XLA (a copy, linear in its
+  length), the mask and operands of `prepare_decode`."""
+  if page_table is not None:
+    k, v = gather_pages(k, page_table), gather_pages(v, page_table)
+  mask, operands = prepare_decode(mask, q.shape[1], k.shape[1], kv_lengths,
+                                  sinks)
+  problem = checks.Problem(q.shape[0], q.shape[1], k.shape[1], q.shape[2],
+                           k.shape[2], q.shape[3], False, v.shape[3])
+  return k, v, mask, operands, problem
+
+
 def gather_pages(pages, page_table):
   """A paged cache [num_pages, page_size, K, H] and its page table
   [B, pages_per_seq] as a contiguous cache [B, pages_per_seq * page_size,

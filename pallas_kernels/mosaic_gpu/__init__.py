@@ -4,16 +4,17 @@ and warp specialization.
 A forward kernel (`flash_fwd`) and a backward of two kernels (`flash_bwd`:
 dK/dV and dQ). What it takes is narrower than the Triton backend
 (`unsupported` says what, and the dispatch then runs Triton): bf16/fp16,
-head dims 64/96/128/192/256 (96 and 192 awaiting a GPU check), any lengths
-(XLA pads them to the tiles; the kernels
-mask keys past the length), causal masks, sliding windows, flex attention's
-mask_mods and, lowered but not yet run on a GPU (`awaiting_gpu_check`),
-lengths and segment ids (the band and the tile-range tables of the shared
-mask description), soft-cap, ALiBi and score_mods (`Scores.logits2`); no
-dense masks, no query offsets, no bias; sinks and dropout (awaiting a GPU
-check too: the forward adds the sinks to each row's denominator, their
-gradient comes from the logsumexp; dropout's keep bits are
-`spec.dropout`'s, the same as every backend's).
+head dims 64/96/128/192/256, any lengths (XLA pads them to the tiles; the
+kernels mask keys past the length), causal masks, sliding windows, flex
+attention's mask_mods that close over no array, lengths and segment ids
+(the band and the tile-range tables of the shared mask description),
+soft-cap, ALiBi and score_mods (`Scores.logits2`), sinks (in each row's
+denominator; their gradient comes from the logsumexp) and dropout (the keep
+bits of `spec.dropout`, every backend's); `flash_decode`'s prompt chunks of
+`config.MIN_DECODE_QUERIES` or more tokens (the forward with query offsets).
+No dense masks, no bias, no split-KV decode. Lowered for an H200 on the CPU
+but not yet run on one, so picked only when named (`awaiting_gpu_check`):
+head dims 96/192, lengths, segment ids, sinks, dropout, decode.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 from jax_flash.spec.checks import Problem
 from jax_flash.spec.mask import KV_PAD_ID, Q_PAD_ID, Mask
 from jax_flash.spec.operands import Operands
+from jax_flash.spec.problem import decode_as_forward
 from jax_flash.spec.scores import Scores
 from pallas_kernels.mosaic_gpu import config
 from pallas_kernels.mosaic_gpu.config import BlockSizes
@@ -78,8 +80,11 @@ class MosaicGpuBackend:
                   scores: Scores, version: int = 2,
                   decode: bool = False) -> str | None:
     """Why the Mosaic GPU kernels cannot take the call, or None."""
-    if decode:
-      return "the Mosaic GPU backend has no decode kernel yet"
+    if decode and problem.q_len < config.MIN_DECODE_QUERIES:
+      return (f"the Mosaic GPU kernels decode prompt chunks of "
+              f"{config.MIN_DECODE_QUERIES} or more new tokens (fewer leave "
+              f"most of a CTA's rows idle; Triton's split-KV kernel takes "
+              f"them), got {problem.q_len}")
     if version != 2:
       return "the Mosaic GPU backend runs only the FlashAttention-2 forward"
     if jnp.dtype(dtype).name not in config.DTYPES:
@@ -90,10 +95,9 @@ class MosaicGpuBackend:
     if problem.head_dim not in config.HEAD_DIMS:
       return (f"head_dim must be one of {config.HEAD_DIMS} for the Mosaic GPU "
               f"kernels, got {problem.head_dim}")
-    if mask.has_dense or mask.has_q_offsets:
+    if mask.has_dense:
       return ("the Mosaic GPU kernels take causal masks, windows, lengths, "
-              "segment ids and mask_mods only (no dense masks or query "
-              "offsets yet)")
+              "segment ids and mask_mods only (no dense masks yet)")
     if scores.bias:
       return "the Mosaic GPU kernels take no bias yet"
     if mask.mod_arrays:
@@ -106,7 +110,7 @@ class MosaicGpuBackend:
     return None
 
   def awaiting_gpu_check(self, problem: Problem, *, mask: Mask,
-                         scores: Scores) -> str | None:
+                         scores: Scores, decode: bool = False) -> str | None:
     """Features lowered for an H200 on the CPU but not yet run on one: the
     dispatch picks another backend for them unless implementation="mosaic"
     names this one (the GPU tests do; `scripts/gpu_check.sh pending`)."""
@@ -114,6 +118,10 @@ class MosaicGpuBackend:
       return (f"head dim {problem.head_dim} in the Mosaic GPU kernels is "
               "lowered but not yet checked on a GPU (implementation='mosaic' "
               "runs it)")
+    if decode:
+      return ("prompt chunks in decode (query offsets) in the Mosaic GPU "
+              "kernels are lowered but not yet checked on a GPU "
+              "(implementation='mosaic' runs them)")
     if mask.has_ids or scores.sinks or scores.dropout:
       return ("lengths, segment ids, sinks and dropout in the Mosaic GPU "
               "kernels are lowered but not yet checked on a GPU "
@@ -148,7 +156,22 @@ class MosaicGpuBackend:
                          alibi_slopes=operands.alibi_slopes,
                          q_ids=operands.q_ids, kv_ids=operands.kv_ids,
                          sinks=operands.sinks,
-                         dropout_seed=operands.dropout_seed)
+                         dropout_seed=operands.dropout_seed,
+                         q_offsets=operands.q_offsets)
+
+  def decode(self, q, k, v, kv_lengths, *, mask: Mask, scores: Scores,
+             num_splits=None, page_table=None, sinks=None):
+    """(o [B, T, N, Hv], lse [B, N, T]) of a prompt chunk (T >=
+    `config.MIN_DECODE_QUERIES` new tokens, at positions kv_lengths[b] - T
+    + t) against a contiguous or paged cache: the forward kernel with
+    query offsets and key ids (`spec.problem.decode_as_forward`; pages
+    gathered by XLA first, positions past a length zeroed)."""
+    del num_splits  # A CTA per 2 * block_q queries; the cache is not split.
+    k, v, mask, operands, problem = decode_as_forward(
+        q, k, v, kv_lengths, mask, page_table, sinks)
+    return self.forward(q, k, v, operands, mask=mask, scores=scores,
+                        config=self.config(None, problem, q.dtype,
+                                           is_causal=True))
 
   def backward(self, q, k, v, operands: Operands, o, lse, do, dlse, *,
                mask: Mask, scores: Scores, config: BlockSizes):

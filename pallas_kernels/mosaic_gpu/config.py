@@ -13,6 +13,10 @@ HEAD_DIMS = (64, 96, 128, 192, 256)
 # awaiting_gpu_check`).
 HEAD_DIMS_AWAITING_GPU_CHECK = (96, 192)
 SMEM_BYTES = 227 * 1024  # Shared memory of one Hopper CTA.
+# flash_decode: prompt chunks of at least this many new tokens run the
+# forward kernel (a CTA takes 2 * block_q >= 128 query rows); fewer go to
+# Triton's split-KV kernel.
+MIN_DECODE_QUERIES = 65
 
 
 def _aligned(nbytes: int) -> int:

@@ -117,9 +117,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
   (each None when absent): the range table of block_q-row query tiles
   (`range_table`), ALiBi slopes [B, N], query and key ids [B, T], [B, S]
   (padded past the kernel's tiles), sink logits [N], dropout seed words
-  [2]."""
-  table_ref, slopes_ref, q_ids_ref, kv_ids_ref, sinks_ref, seed_ref = (
-      extra_refs)
+  [2], query offsets [B] (row i of sequence b sits at position
+  i + q_offsets[b]; `mask.has_q_offsets`)."""
+  (table_ref, slopes_ref, q_ids_ref, kv_ids_ref, sinks_ref, seed_ref,
+   offsets_ref) = extra_refs
   (q_smem2, k_smem, v_smem, lse_smem2), ready, free, schedule = scratch
   k_ready, v_ready, q_ready = ready
   k_free, v_free = free
@@ -128,19 +129,20 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
   wg = lax.axis_index("wg")
   tile_start = lax.axis_index("q_seq") * (COMPUTE_WGS * block_q)
+  q_offset = 0 if offsets_ref is None else offsets_ref[batch]
 
   def consumer_ranges(w):
     """Key tiles of warpgroup w's rows: the band's and the table's."""
     return table_ranges(
         kv_block_ranges(mask, tile_start + w * block_q, block_q, block_kv,
-                        kv_len),
+                        kv_len, q_offset),
         table_ref, batch, lax.div(tile_start, block_q) + w)
 
   # Key tiles [first, steps) the producer loads: what either consumer needs.
   if table_ref is None:  # The band of the CTA's rows.
     first, _, _, steps = kv_block_ranges(mask, tile_start,
                                          COMPUTE_WGS * block_q, block_kv,
-                                         kv_len)
+                                         kv_len, q_offset)
   else:
     first, steps = _union(consumer_ranges(0), consumer_ranges(1))
 
@@ -196,8 +198,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
           kv_ids = load_ids(kv_ids_ref, batch, j * block_kv, block_kv, COL)
           ids = dict(q_ids=lax.broadcast_in_dim(q_ids, shape, [0]),
                      kv_ids=lax.broadcast_in_dim(kv_ids, shape, [1]))
-        s = jnp.where(mask.visible(rows, cols, kv_len, batch=batch,
-                                   head=head, **ids), s, -jnp.inf)
+        s = jnp.where(mask.visible(rows, cols, kv_len, q_offset=q_offset,
+                                   batch=batch, head=head, **ids), s,
+                      -jnp.inf)
       m_new = jnp.maximum(m, s.max(axis=1))
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
       alpha = jnp.exp2(m - m_safe)
@@ -283,7 +286,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
 def flash_forward(q, k, v, *, mask: Mask, scores: Scores,
                   block_sizes: BlockSizes, tile_kinds=None,
                   alibi_slopes=None, q_ids=None, kv_ids=None, sinks=None,
-                  dropout_seed=None):
+                  dropout_seed=None, q_offsets=None):
   """Runs the forward kernel.
 
   q [B, T, N, H], k/v [B, S, K, H] (K divides N), bf16 or fp16, H in
@@ -294,7 +297,9 @@ def flash_forward(q, k, v, *, mask: Mask, scores: Scores,
   `mask.make_ids`); sinks: float32 [N], a sink logit per query head in each
   row's denominator (with `scores.sinks`; their gradient comes from the
   logsumexp, in `jax_flash.attention`); dropout_seed: int32 [2] (with
-  `scores.dropout`). Any T and S: XLA pads Q to a multiple of 2 * block_q
+  `scores.dropout`); q_offsets: int32 [B], the position of each sequence's
+  first query (with `mask.has_q_offsets`: a prompt chunk against a cache,
+  `flash_decode`; forward only). Any T and S: XLA pads Q to a multiple of 2 * block_q
   rows and K/V to a multiple of 8 (what TMA needs), and the kernel masks
   keys past S (a copy only for lengths that are not such multiples).
   GPU only: the Pallas interpreter cannot run a wgmma whose left operand is
@@ -312,7 +317,8 @@ def flash_forward(q, k, v, *, mask: Mask, scores: Scores,
       q_len, kv_len, padded_len // blocks.block_q)
   extras = (table, alibi_slopes,
             *pad_ids(q_ids, kv_ids, padded_len,
-                     round_up(kv_len, blocks.block_kv)), sinks, dropout_seed)
+                     round_up(kv_len, blocks.block_kv)), sinks, dropout_seed,
+            q_offsets)
   transforms = smem_transforms(q.dtype, head_dim)
   stages = blocks.num_stages
   scratch = dict(

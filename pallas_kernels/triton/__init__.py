@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax_flash.spec.checks import Problem
 from jax_flash.spec.mask import Mask
 from jax_flash.spec.operands import Operands
-from jax_flash.spec.problem import gather_pages, prepare_decode
+from jax_flash.spec.problem import decode_as_forward
 from jax_flash.spec.scores import Scores
 from pallas_kernels.triton import config
 from pallas_kernels.triton.config import BlockSizes
@@ -64,11 +64,11 @@ class TritonBackend:
     return None
 
   def awaiting_gpu_check(self, problem: Problem, *, mask: Mask,
-                         scores: Scores) -> str | None:
+                         scores: Scores, decode: bool = False) -> str | None:
     """Head dims above 256 are interpreted and lowered on the CPU but not
     yet compiled for a GPU: the dispatch picks another backend for them
     unless implementation="triton" names this one."""
-    del mask, scores
+    del mask, scores, decode
     if self.interpret:
       return None
     h = max(problem.head_dim, problem.value_head_dim)
@@ -115,13 +115,8 @@ class TritonBackend:
     2048-token chunk against 32k, results/2026-11-30-h200-session5/).
     """
     if q.shape[1] > config.SPLIT_KV_MAX_QUERIES:
-      if page_table is not None:
-        k, v = gather_pages(k, page_table), gather_pages(v, page_table)
-      kv_len = k.shape[1]
-      mask, operands = prepare_decode(mask, q.shape[1], kv_len, kv_lengths,
-                                      sinks)
-      problem = Problem(q.shape[0], q.shape[1], kv_len, q.shape[2],
-                        k.shape[2], q.shape[3], False, v.shape[3])
+      k, v, mask, operands, problem = decode_as_forward(
+          q, k, v, kv_lengths, mask, page_table, sinks)
       return flash_forward(q, k, v, operands, mask=mask, scores=scores,
                            block_sizes=self.config(None, problem, q.dtype,
                                                    is_causal=True),
