@@ -262,8 +262,9 @@ def _paged_decode(lengths, implementation="pallas"):
 def run_prefill(head_dim, hidden, kv_heads, cache_len, chunks, dtype, calls,
                 repeats, log=None):
   """A prompt chunk of T tokens against a cache of `cache_len` (the chunk's
-  own keys last): contiguous and paged (16 / 64 tokens a page, shuffled);
-  TFLOP/s on the visible pairs (query t sees S - T + t + 1 keys), forward."""
+  own keys last): contiguous and paged (16 / 64 tokens a page, shuffled),
+  and contiguous on the Mosaic forward; TFLOP/s on the visible pairs (query
+  t sees S - T + t + 1 keys), forward."""
   num_heads = hidden // head_dim
   kv_heads = kv_heads or max(1, num_heads // 4)
   keys = jax.random.split(jax.random.key(cache_len), 4)
@@ -282,6 +283,11 @@ def run_prefill(head_dim, hidden, kv_heads, cache_len, chunks, dtype, calls,
                      (q, *_paged_cache(kc, vc, 16, keys[3]))),
         "paged_64": (_paged_decode(lengths),
                      (q, *_paged_cache(kc, vc, 64, keys[3]))),
+        # The Mosaic forward with query offsets (Hopper; an error row
+        # elsewhere or for chunks it does not take).
+        "contiguous_mosaic": (lambda q, k, v: jax_flash.flash_decode(
+            q, k, v, kv_lengths=lengths, implementation="mosaic"),
+                              (q, kc, vc)),
     }
     for name, (fn, args) in impls.items():
       row = dict(scenario="prefill", impl=name, chunk=chunk,

@@ -12,6 +12,7 @@
 #   bash scripts/gpu_check.sh train     # train_lm at GPT-2-small size: flash, cuDNN, flax
 #   bash scripts/gpu_check.sh pending   # what no GPU run has checked yet (~9 min)
 #   bash scripts/gpu_check.sh softcap   # the soft-cap's cost, Mosaic and Triton, 8k
+#   bash scripts/gpu_check.sh prefill   # prompt chunks vs a 32k cache (Triton, paged, Mosaic)
 #   bash scripts/gpu_check.sh mosaic    # the Mosaic kernels: correctness sweep + 8k benchmark
 #                                       # (with tokamax if .whl/ is carried: scripts/tokamax_wheels.sh)
 # TESTS="tests/a.py::b ..." limits `tests` to those; BENCH_ARGS replaces
@@ -125,6 +126,12 @@ for mode in "$@"; do
         > "$OUT/pending_tests.log" 2>&1
       echo "pytest exit: $?; passed: $(grep -c ' PASSED ' "$OUT/pending_tests.log")"
       grep -E " FAILED |^(FAILED|ERROR)| passed| failed" "$OUT/pending_tests.log" | tail -20
+      ;;
+    prefill)
+      # Prompt chunks against a 32k cache: contiguous, paged, and on the
+      # Mosaic forward with query offsets.
+      bench prefill "${BENCH_LIMIT:-150}" --scenario prefill --head-dims 128 \
+        --seq-lens 32768 --sizes 2048 256
       ;;
     softcap)
       # The soft-cap's cost: Mosaic and Triton with logits_soft_cap=30
