@@ -13,7 +13,7 @@ from jax_flash import _dispatch, _sharding, blockwise
 from jax_flash.spec import softmax
 from jax_flash.spec.mask import Mask
 from jax_flash.spec.operands import Operands
-from jax_flash.spec.problem import prepare
+from jax_flash.spec.problem import masks_as_ids, prepare
 from jax_flash.spec.scores import Scores
 
 
@@ -331,7 +331,10 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
     bias: float, broadcastable to [B, N, T, S] (dims of 1 broadcast), added
       to the logits; read tile by tile. Its gradient has the bias's shape.
     mask: bool, broadcastable to [B, N, T, S]; True = attend. Read tile by
-      tile (never expanded in memory).
+      tile (never expanded in memory). A padding mask, varying along one
+      sequence axis only ([B, 1, 1, S] or [B, 1, T, 1]), becomes ids as
+      lengths do: its masked tiles are skipped, and masked keys or queries
+      may hold NaN.
     scale: multiplies the scores; default 1 / sqrt(H). A static number.
     is_causal: query i attends to keys j <= i, aligned top-left when T != S
       (as jax.nn does). For T=3, S=5 the visible pairs are::
@@ -412,7 +415,7 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
               logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
               dropout_rate=dropout_rate, dropout_rng=dropout_rng,
               dropout_broadcast=dropout_broadcast, sinks=sinks)
-  spec = prepare(query, key, value, **args)
+  spec = masks_as_ids(prepare(query, key, value, **args))
   p = spec.problem
   _dispatch.check_options(block_sizes, version)
   backend = _dispatch.select(implementation, query, p, query.dtype,

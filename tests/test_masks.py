@@ -2,6 +2,8 @@
 against the reference for every mask kind, their combinations, and rows that
 see no key."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,7 @@ import pytest
 import jax_flash
 from jax_flash.testing import assert_attention_close
 from jax_flash.spec import mask as mask_lib
+from jax_flash.spec.problem import masks_as_ids, prepare
 from tests.cases import compare_with_reference, jax_nn_attention, random_inputs
 from tests.conftest import KERNEL_IMPL
 
@@ -205,3 +208,60 @@ def test_mask_matches_jax_nn_where_rows_see_keys():
     assert sees.sum() > sees.size // 2
     assert_attention_close(jnp.where(sees, ours, 0),
                            jnp.where(sees, theirs, 0))
+
+
+# Padding masks (varying along one sequence axis only) become ids
+# (`spec.problem.masks_as_ids`): tile skipping instead of a mask tile read
+# everywhere. The reference keeps them dense: the two must agree.
+_KEEP_KEYS = jax.random.bernoulli(jax.random.key(21), 0.7, (B, 1, 1, S))
+_KEEP_ROWS = jax.random.bernoulli(jax.random.key(22), 0.8, (B, 1, T, 1))
+PADDING_MASKS = {
+    "keys": dict(mask=_KEEP_KEYS),
+    "keys_broadcast_batch": dict(mask=_KEEP_KEYS[:1], is_causal=True),
+    "rows": dict(mask=_KEEP_ROWS),
+    "one_per_batch": dict(mask=jnp.array([True, False]).reshape(B, 1, 1, 1)),
+    "keys_with_segments_lengths": dict(
+        mask=_KEEP_KEYS, segment_ids=(Q_SEG, KV_SEG), is_causal=True,
+        key_value_seq_lengths=jnp.array([33, 90])),
+}
+
+
+@pytest.mark.parametrize("implementation", [KERNEL_IMPL, "xla"])
+@pytest.mark.parametrize("name", PADDING_MASKS)
+def test_padding_masks_match_the_dense_reference(name, implementation):
+  compare_with_reference(PADDING_MASKS[name], implementation=implementation)
+
+
+def test_padding_masks_become_ids_and_others_stay_dense():
+  q, k, v, _ = random_inputs(B, T, S, N, K, H, jnp.float32)
+  spec = masks_as_ids(prepare(q, k, v, mask=_KEEP_KEYS))
+  assert spec.mask.has_ids and not spec.mask.has_dense
+  assert spec.operands.dense_mask is None
+  np.testing.assert_array_equal(
+      np.asarray(spec.operands.kv_ids) == mask_lib.KV_PAD_ID,
+      ~np.asarray(_KEEP_KEYS[:, 0, 0, :]))
+  for shape in ((B, 1, T, S), (1, N, 1, S)):  # Per pair, or per head.
+    dense = jnp.ones(shape, bool)
+    spec = masks_as_ids(prepare(q, k, v, mask=dense))
+    assert spec.mask.has_dense and not spec.mask.has_ids
+
+
+@pytest.mark.parametrize("implementation", [KERNEL_IMPL, "xla"])
+def test_nan_at_masked_keys_reaches_nothing(implementation):
+  """A key padding mask over keys holding NaN (a padded batch): outputs and
+  gradients finite and equal to the reference's on zeros there."""
+  q, k, v, do = random_inputs(B, T, S, N, K, H, jnp.float32)
+  masked = ~_KEEP_KEYS[:, 0, 0, :, None, None]
+  poison = lambda x: jnp.where(masked, jnp.nan, x)
+
+  def grads(attention, k, v):
+    return jax.grad(lambda q, k, v: jnp.sum(attention(
+        q, k, v, mask=_KEEP_KEYS) * do), argnums=(0, 1, 2))(q, k, v)
+  got = grads(functools.partial(jax_flash.flash_attention,
+                                implementation=implementation),
+              poison(k), poison(v))
+  ref = grads(jax_flash.reference_attention, k, v)
+  for g in got:
+    assert np.isfinite(np.asarray(g)).all()
+  assert_attention_close(dict(zip(("dq", "dk", "dv"), got)),
+                         dict(zip(("dq", "dk", "dv"), ref)))

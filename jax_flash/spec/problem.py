@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_flash.spec import checks, dropout
-from jax_flash.spec.mask import Mask, make_ids
+from jax_flash.spec.mask import KV_PAD_ID, Q_PAD_ID, Mask, make_ids
 from jax_flash.spec.operands import Operands
 from jax_flash.spec.scores import Scores
 
@@ -69,6 +69,40 @@ def prepare(query, key, value, *, bias=None, mask=None, scale=None,
       dropout_seed=dropout.seed_words(dropout_rng) if rate > 0 else None,
       sinks=sinks)
   return Spec(p, mask_spec, scores, operands)
+
+
+def masks_as_ids(spec: Spec) -> Spec:
+  """`spec` with a dense mask that varies along one sequence axis only
+  (shape [Bm, 1, T, 1] or [Bm, 1, 1, S]: padding masks) folded into the
+  query or key ids: a masked row or column gets the id that matches nothing
+  (`mask.Q_PAD_ID` / `KV_PAD_ID`). Same attention: a query sees a key iff
+  both the ids and the mask allow it. What the kernels gain: tile ranges
+  from the id table (tiles of masked keys skipped, the rest spared the
+  predicate) instead of a mask tile read for every tile, and masked
+  positions zeroed (NaN there reaches nothing). Other masks unchanged."""
+  dense = spec.operands.dense_mask
+  if dense is None or dense.shape[1] != 1 or (dense.shape[2] > 1 and
+                                              dense.shape[3] > 1):
+    return spec
+  p = spec.problem
+  ops = spec.operands
+  if ops.q_ids is None:
+    q_ids, kv_ids = make_ids(p.batch, p.q_len, p.kv_len, q_segment_ids=
+                             jnp.zeros((1, p.q_len), jnp.int32))
+  else:
+    q_ids, kv_ids = ops.q_ids, ops.kv_ids
+  visible = dense != 0
+  if dense.shape[3] == 1:  # Per query (or one value): the rows.
+    rows = jnp.broadcast_to(visible[:, 0, :, 0], (p.batch, p.q_len))
+    q_ids = jnp.where(rows, q_ids, Q_PAD_ID)
+  else:  # Per key: the columns.
+    cols = jnp.broadcast_to(visible[:, 0, 0, :], (p.batch, p.kv_len))
+    kv_ids = jnp.where(cols, kv_ids, KV_PAD_ID)
+  return Spec(p, dataclasses.replace(spec.mask, has_ids=True,
+                                     has_dense=False),
+              spec.scores, dataclasses.replace(ops, q_ids=q_ids,
+                                               kv_ids=kv_ids,
+                                               dense_mask=None))
 
 
 def prepare_decode(mask: Mask, q_len: int, kv_len: int, kv_lengths,
