@@ -13,6 +13,7 @@
 #   bash scripts/gpu_check.sh pending   # what no GPU run has checked yet (~9 min)
 #   bash scripts/gpu_check.sh softcap   # the soft-cap's cost, Mosaic and Triton, 8k
 #   bash scripts/gpu_check.sh prefill   # prompt chunks vs a 32k cache (Triton, paged, Mosaic)
+#   bash scripts/gpu_check.sh h512      # head dim 512: Triton vs cuDNN and XLA, 8k
 #   bash scripts/gpu_check.sh mosaic    # the Mosaic kernels: correctness sweep + 8k benchmark
 #                                       # (with tokamax if .whl/ is carried: scripts/tokamax_wheels.sh)
 # TESTS="tests/a.py::b ..." limits `tests` to those; BENCH_ARGS replaces
@@ -132,6 +133,12 @@ for mode in "$@"; do
       # Mosaic forward with query offsets.
       bench prefill "${BENCH_LIMIT:-150}" --scenario prefill --head-dims 128 \
         --seq-lens 32768 --sizes 2048 256
+      ;;
+    h512)
+      # Head dim 512 (Gemma-style global layers): the Triton kernels (named:
+      # flash_v2) beside cuDNN and XLA where they take it, 8k.
+      bench h512 "${BENCH_LIMIT:-200}" --seq-lens 8192 --head-dims 512 \
+        --impls flash_v2 cudnn xla
       ;;
     softcap)
       # The soft-cap's cost: Mosaic and Triton with logits_soft_cap=30
