@@ -179,7 +179,10 @@ def run_sparse(scenario, head_dim, hidden, seq_len, sizes, dtype, calls,
   """Sliding windows or packed documents: time against the visible pairs.
 
   scenario "window": causal, local_window_size=(w, 0) for w in `sizes`;
-  "documents": causal within each of d equal packed documents, d in `sizes`.
+  "documents": causal within each of d equal packed documents, d in `sizes`;
+  "padding": causal, the last p keys padding, p in `sizes`: as lengths
+  (flash_v2, cudnn), a [1, 1, 1, S] key mask (flash_key_mask: folded into
+  ids) and the same mask as [1, 1, T, S] (flash_dense_mask: read per tile).
   FLOPs count only the visible (query, key) pairs: 4*N*H per pair forward,
   3.5x that forward+backward. The full causal problem is timed alongside, so
   time / full-causal time can be read against visible / full-causal pairs.
@@ -203,6 +206,12 @@ def run_sparse(scenario, head_dim, hidden, seq_len, sizes, dtype, calls,
       visible = sum(min(i, size) + 1 for i in range(seq_len))
       label = f"window {size}"
       mask_mod = lambda b, h, qi, ki, w=size: (qi >= ki) & (qi - ki <= w)
+    elif size is not None and scenario == "padding":
+      keep = seq_len - size
+      kwargs["key_value_seq_lengths"] = jnp.array([keep])
+      visible = sum(min(i + 1, keep) for i in range(seq_len))
+      label = f"last {size} keys padding"
+      mask_mod = lambda b, h, qi, ki, n=keep: (qi >= ki) & (ki < n)
     elif size is not None:
       doc = seq_len // size
       ids = (positions // doc)[None]
@@ -216,6 +225,12 @@ def run_sparse(scenario, head_dim, hidden, seq_len, sizes, dtype, calls,
         q, k, v, implementation="pallas", **kw),
              "flex": lambda q, k, v, bm=block_mask: jax_flash.flex_attention(
                  q, k, v, block_mask=bm)}
+    if "key_value_seq_lengths" in kwargs:  # The same keys hidden by masks.
+      keys = (positions < kwargs["key_value_seq_lengths"][0])[None, None, None]
+      pairs = jnp.broadcast_to(keys, (1, 1, seq_len, seq_len))
+      for name, m in (("flash_key_mask", keys), ("flash_dense_mask", pairs)):
+        impls[name] = lambda q, k, v, m=m: jax_flash.flash_attention(
+            q, k, v, mask=m, is_causal=True, implementation="pallas")
     if "segment_ids" in kwargs:
       by_ids = lambda b, h, qi, ki, i=ids[0]: (qi >= ki) & (i[qi] == i[ki])
       impls["flex_ids"] = lambda q, k, v, bm=jax_flash.create_block_mask(
@@ -572,18 +587,21 @@ def main(argv=None):
   parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64],
                       help="decode: batch sizes")
   parser.add_argument("--scenario",
-                      choices=["dense", "window", "documents", "decode",
-                               "prefill"],
+                      choices=["dense", "window", "documents", "padding",
+                               "decode", "prefill"],
                       default="dense",
                       help="window: causal sliding windows of --sizes over "
                       "one --seq-lens[0] sequence; documents: --sizes packed "
-                      "documents (segment ids); decode: one new token against "
+                      "documents (segment ids); padding: the last --sizes "
+                      "keys padding (lengths, a key mask, a dense mask); "
+                      "decode: one new token against "
                       "caches of --seq-lens, --batches; prefill: chunks of "
                       "--sizes tokens against a --seq-lens[0] cache, "
                       "contiguous and paged")
   parser.add_argument("--sizes", type=int, nargs="+",
                       default=[1024, 2048, 4096],
-                      help="window sizes, or numbers of documents")
+                      help="window sizes, numbers of documents, or padding "
+                      "keys")
   args = parser.parse_args(argv)
   if args.render:
     with open(args.render) as f:

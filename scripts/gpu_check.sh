@@ -70,6 +70,8 @@ for mode in "$@"; do
         --sizes 1024 2048 4096 --head-dims 128
       bench documents 120 --scenario documents --seq-lens 16384 --sizes 16 \
         --head-dims 128
+      bench padding 120 --scenario padding --seq-lens 8192 --sizes 2048 \
+        --head-dims 128
       ;;
     decode)
       bench decode 200 --scenario decode --head-dims 128 \
