@@ -156,56 +156,51 @@ def test_decode_with_a_value_head_dim_of_its_own(implementation, paged):
   assert_attention_close(out, ref)
 
 
+def _poisoned_cache(kc, vc, lengths, paged: bool, num_pages: int):
+  """flash_decode's cache arguments holding NaN past each length: the
+  contiguous cache, or 16-token pages in random order (unused ones NaN)."""
+  if paged:
+    kp, table = _paginate(kc, 16, num_pages, 4, lengths)
+    vp, _ = _paginate(vc, 16, num_pages, 4, lengths)
+    return dict(key_pages=kp, value_pages=vp, page_table=table)
+  live = (jnp.arange(kc.shape[1])[None] < lengths[:, None])[:, :, None, None]
+  return dict(key_cache=jnp.where(live, kc, jnp.nan),
+              value_cache=jnp.where(live, vc, jnp.nan))
+
+
+def _check_new_tokens(implementation, q_len, paged, *, s, head_dim, dtype,
+                      num_pages, **options):
+  """flash_decode of q_len new tokens (ragged lengths, NaN past them, GQA,
+  sinks, a window of 150, `options`) against the dense reference."""
+  q, kc, vc = _cache(2, q_len, s, 8, 2, head_dim, dtype, seed=q_len)
+  lengths = jnp.array([s, q_len + 37])
+  kwargs = _poisoned_cache(kc, vc, lengths, paged, num_pages)
+  sinks = jnp.linspace(-1.0, 1.0, 8)
+  out, lse = jax_flash.flash_decode(
+      q, kv_lengths=lengths, implementation=implementation, sinks=sinks,
+      local_window_size=150, return_residual=True, **options, **kwargs)
+  ref, ref_lse = _reference(q, kc, vc, lengths, sinks=sinks, window_left=150,
+                            **options)
+  assert_attention_close({"out": out, "lse": lse},
+                         {"out": ref, "lse": ref_lse}, dtype)
+
+
 @pytest.mark.parametrize("implementation", [KERNEL_IMPL, "xla"])
 @pytest.mark.parametrize("q_len", [1, 7, 64, 65, 300])
 @pytest.mark.parametrize("paged", [False, True])
 def test_any_number_of_new_tokens(implementation, q_len, paged):
   """One token to a prompt chunk (split-KV kernel up to 64, the training
   kernel with query offsets past it), contiguous or paged (pages in random
-  order, NaN in every unused slot), ragged lengths, GQA, sinks, a window."""
-  s = 400
-  q, kc, vc = _cache(2, q_len, s, 8, 2, 32, jnp.float32, seed=q_len)
-  lengths = jnp.array([s, q_len + 37])
-  kwargs = dict(key_cache=kc, value_cache=vc)
-  if paged:
-    kp, table = _paginate(kc, 16, 64, 4, lengths)
-    vp, _ = _paginate(vc, 16, 64, 4, lengths)
-    kwargs = dict(key_pages=kp, value_pages=vp, page_table=table)
-  else:  # Positions past a length are garbage here too.
-    live = (jnp.arange(s)[None] < lengths[:, None])[:, :, None, None]
-    kwargs = {n: jnp.where(live, x, jnp.nan) for n, x in kwargs.items()}
-  sinks = jnp.linspace(-1.0, 1.0, 8)
-  out, lse = jax_flash.flash_decode(
-      q, kv_lengths=lengths, implementation=implementation, sinks=sinks,
-      local_window_size=150, return_residual=True, **kwargs)
-  ref, ref_lse = _reference(q, kc, vc, lengths, sinks=sinks, window_left=150)
-  assert_attention_close({"out": out, "lse": lse},
-                         {"out": ref, "lse": ref_lse})
+  order, NaN in every unused slot)."""
+  _check_new_tokens(implementation, q_len, paged, s=400, head_dim=32,
+                    dtype=jnp.float32, num_pages=64)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("q_len", [65, 300])
 @pytest.mark.parametrize("paged", [False, True])
 def test_mosaic_decodes_a_prompt_chunk(q_len, paged):
-  """The Mosaic forward with query offsets (an H100/H200): ragged lengths,
-  NaN past them and in unused pages, GQA, sinks, a window, a soft-cap."""
-  s = 1000
-  q, kc, vc = _cache(2, q_len, s, 8, 2, 128, jnp.bfloat16, seed=q_len)
-  lengths = jnp.array([s, q_len + 37])
-  kwargs = dict(key_cache=kc, value_cache=vc)
-  if paged:
-    kp, table = _paginate(kc, 16, 160, 4, lengths)
-    vp, _ = _paginate(vc, 16, 160, 4, lengths)
-    kwargs = dict(key_pages=kp, value_pages=vp, page_table=table)
-  else:
-    live = (jnp.arange(s)[None] < lengths[:, None])[:, :, None, None]
-    kwargs = {n: jnp.where(live, x, jnp.nan) for n, x in kwargs.items()}
-  sinks = jnp.linspace(-1.0, 1.0, 8)
-  out, lse = jax_flash.flash_decode(
-      q, kv_lengths=lengths, implementation="mosaic", sinks=sinks,
-      local_window_size=150, logits_soft_cap=30.0, return_residual=True,
-      **kwargs)
-  ref, ref_lse = _reference(q, kc, vc, lengths, sinks=sinks, window_left=150,
-                            logits_soft_cap=30.0)
-  assert_attention_close({"out": out, "lse": lse},
-                         {"out": ref, "lse": ref_lse}, jnp.bfloat16)
+  """The Mosaic forward with query offsets (an H100/H200), bf16, a
+  soft-cap too."""
+  _check_new_tokens("mosaic", q_len, paged, s=1000, head_dim=128,
+                    dtype=jnp.bfloat16, num_pages=160, logits_soft_cap=30.0)

@@ -12,6 +12,7 @@ import pytest
 from jax._src import mesh as mesh_lib
 
 import jax_flash
+from tests.test_mosaic_lowering import _lower_decode
 
 H200 = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
                                platform="gpu")
@@ -133,25 +134,7 @@ def test_decode_of_a_prompt_chunk_lowers(page_size):
   """More than 64 new tokens: the training kernel with query offsets; a
   paged cache gathered into a contiguous one first (pages smaller and
   larger than the kernel's key tile)."""
-  q = jax.ShapeDtypeStruct((2, 256, 8, 128), jnp.bfloat16)
-  lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
-  if page_size is None:
-    cache = jax.ShapeDtypeStruct((2, 2048, 2, 128), jnp.bfloat16)
-    f = lambda q, n, c: jax_flash.flash_decode(q, c, c, kv_lengths=n,
-                                               implementation="triton")
-    args = (q, lengths, cache)
-  else:
-    pages = jax.ShapeDtypeStruct((4096 // page_size, page_size, 2, 128),
-                                 jnp.bfloat16)
-    table = jax.ShapeDtypeStruct((2, 2048 // page_size), jnp.int32)
-    f = lambda q, n, p, t: jax_flash.flash_decode(
-        q, kv_lengths=n, key_pages=p, value_pages=p, page_table=t,
-        implementation="triton")
-    args = (q, lengths, pages, table)
-  with jax.sharding.use_abstract_mesh(
-      mesh_lib.AbstractMesh((1,), ("x",), abstract_device=H200)):
-    text = jax.jit(f).trace(*args).lower(
-        lowering_platforms=("cuda",)).as_text()
+  text = _lower_decode("triton", 256, page_size)
   assert "flash_attention_forward" in text
   assert ("stablehlo.gather" in text) == (page_size is not None)
 
