@@ -148,11 +148,8 @@ def _gather(view: _View, indices, *, dimension_numbers, slice_sizes, mode,
 
 def _bind(eqn, ins) -> list:
   """The equation's primitive applied to `ins` (as `jax.core.eval_jaxpr`
-  does: jax 0.11 returns the bind parameters alone, older versions with
-  sub-functions)."""
-  params = eqn.primitive.get_bind_params(eqn.params)
-  subfuns, params = params if isinstance(params, tuple) else ((), params)
-  outs = eqn.primitive.bind(*subfuns, *ins, **params)
+  does)."""
+  outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
   return outs if eqn.primitive.multiple_results else [outs]
 
 

@@ -86,11 +86,10 @@ def masks_as_ids(spec: Spec) -> Spec:
     return spec
   p = spec.problem
   ops = spec.operands
-  if ops.q_ids is None:
-    q_ids, kv_ids = make_ids(p.batch, p.q_len, p.kv_len, q_segment_ids=
-                             jnp.zeros((1, p.q_len), jnp.int32))
-  else:
-    q_ids, kv_ids = ops.q_ids, ops.kv_ids
+  q_ids, kv_ids = ops.q_ids, ops.kv_ids
+  if q_ids is None:  # One segment: the mask alone hides rows or columns.
+    q_ids = jnp.zeros((p.batch, p.q_len), jnp.int32)
+    kv_ids = jnp.zeros((p.batch, p.kv_len), jnp.int32)
   visible = dense != 0
   if dense.shape[3] == 1:  # Per query (or one value): the rows.
     rows = jnp.broadcast_to(visible[:, 0, :, 0], (p.batch, p.q_len))
