@@ -29,6 +29,13 @@ BACKWARD = [(32, 64, 64, 32, 4, 1), (32, 64, 64, 32, 8, 1),
             (32, 32, 32, 32, 8, 1), (32, 32, 32, 32, 4, 2),
             (16, 64, 64, 16, 8, 1), (64, 64, 64, 64, 8, 1),
             (32, 64, 64, 32, 8, 2), (64, 32, 32, 64, 8, 1)]
+# Head dims 257..512 (padded to 512): [rows, 512] tiles, one or two stages.
+FORWARD_512 = [(32, 16, 8, 1), (32, 32, 8, 1), (64, 16, 8, 1), (64, 32, 8, 1),
+               (64, 64, 8, 1), (32, 32, 4, 1), (64, 32, 8, 2), (128, 32, 8, 1)]
+BACKWARD_512 = [(16, 16, 16, 16, 8, 1), (16, 32, 32, 16, 8, 1),
+                (32, 32, 32, 32, 8, 1), (32, 16, 16, 32, 8, 1),
+                (16, 32, 32, 16, 4, 1), (32, 64, 64, 32, 8, 1),
+                (16, 64, 64, 16, 8, 1)]
 
 
 def main():
@@ -56,10 +63,12 @@ def main():
     print(json.dumps(row), flush=True)
     rows.append(row)
 
-  for bq, bk, w, s in FORWARD:
+  forward, backward = (FORWARD_512, BACKWARD_512) if h > 256 else (
+      FORWARD, BACKWARD)
+  for bq, bk, w, s in forward:
     run("fwd", dataclasses.replace(default, block_q=bq, block_k=bk,
                                    num_warps=w, num_stages=s), "fwd")
-  for qd, kd, qq, kq, w, s in BACKWARD:
+  for qd, kd, qq, kq, w, s in backward:
     run("bwd", dataclasses.replace(
         default, block_q_dkv=qd, block_k_dkv=kd, block_q_dq=qq, block_k_dq=kq,
         num_warps_bwd=w, num_stages_bwd=s), "bwd")

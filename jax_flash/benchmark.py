@@ -71,6 +71,9 @@ def _impls(causal: bool):
       "flash_v2_softcap": (ours(2, soft_cap=SOFT_CAP), modes),
       "cudnn": (jax_nn("cudnn"), modes),
       "xla": (jax_nn("xla"), modes),
+      # Our blockwise FlashAttention in plain JAX (memory linear in the
+      # sequence; what the dispatch runs where no kernel takes the call).
+      "flash_xla": (ours(2, "xla"), modes),
       "jax_pallas": (jax_pallas, modes),
       "tokamax": (tokamax_mosaic, modes),
   }
@@ -423,12 +426,14 @@ def markdown(rows) -> str:
   cols = [c for c in [
       ("flash_mosaic", "fwd"), ("flash_v2", "fwd"), ("flash_v1", "fwd"),
       ("cudnn", "fwd"), ("tokamax", "fwd"),
-      ("jax_pallas", "fwd"), ("xla", "fwd"), ("flash_mosaic", "bwd"),
+      ("jax_pallas", "fwd"), ("xla", "fwd"), ("flash_xla", "fwd"),
+      ("flash_mosaic", "bwd"),
       ("flash_v2", "bwd"), ("cudnn", "bwd"), ("tokamax", "bwd"),
       ("jax_pallas", "bwd"),
       ("flash_mosaic", "fwd+bwd"), ("flash_v2", "fwd+bwd"),
       ("tokamax", "fwd+bwd"),
-      ("cudnn", "fwd+bwd"), ("jax_pallas", "fwd+bwd"), ("xla", "fwd+bwd")]
+      ("cudnn", "fwd+bwd"), ("jax_pallas", "fwd+bwd"), ("xla", "fwd+bwd"),
+      ("flash_xla", "fwd+bwd")]
           if c in present]
   # (ours, theirs, mode): the ratios of TFLOP/s shown, where both ran.
   short = {"flash_mosaic": "mosaic", "flash_v2": "v2", "cudnn": "cuDNN",
@@ -570,7 +575,8 @@ def main(argv=None):
                       "(Mosaic GPU forward), flash_v2 and flash_v1 (Triton), "
                       "flash_mosaic_softcap and flash_v2_softcap (the same "
                       f"with logits_soft_cap={SOFT_CAP}), "
-                      "cudnn and xla (jax.nn), jax_pallas (jax's own Pallas "
+                      "cudnn and xla (jax.nn), flash_xla (ours in plain JAX, "
+                      "blockwise), jax_pallas (jax's own Pallas "
                       "attention), tokamax (its Mosaic GPU attention; needs "
                       "its wheels: scripts/tokamax_wheels.sh)",
                       default=["flash_mosaic", "flash_v2", "flash_v1", "cudnn",

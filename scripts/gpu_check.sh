@@ -14,6 +14,7 @@
 #   bash scripts/gpu_check.sh softcap   # the soft-cap's cost, Mosaic and Triton, 8k
 #   bash scripts/gpu_check.sh prefill   # prompt chunks vs a 32k cache (Triton, paged, Mosaic)
 #   bash scripts/gpu_check.sh h512      # head dim 512: Triton vs cuDNN and XLA, 8k
+#   bash scripts/gpu_check.sh dims      # head dims 96/192: Mosaic vs Triton and cuDNN, 8k
 #   bash scripts/gpu_check.sh mosaic    # the Mosaic kernels: correctness sweep + 8k benchmark
 #                                       # (with tokamax if .whl/ is carried: scripts/tokamax_wheels.sh)
 # TESTS="tests/a.py::b ..." limits `tests` to those; BENCH_ARGS replaces
@@ -24,6 +25,11 @@ set -uo pipefail
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 PYTHONPATH=.
+# The tests compile XLA's own programs (the float32 reference, its gradient)
+# without autotuning their matmuls: with it, one Mosaic test took 30.8 s
+# against 5.9 s without (H200, 2026-11-30, session 7), and 16 workers
+# autotuning on one GPU cut every run short. Benchmarks keep autotuning.
+TEST_XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0"
 if [ -d .whl ]; then  # tokamax for the benchmark (scripts/tokamax_wheels.sh).
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --upgrade --target /tmp/site .whl/*.whl && \
@@ -50,7 +56,8 @@ for mode in "$@"; do
       # Triton lowering for an abstract GPU, 8 simulated host devices).
       # Each failure goes to failures.log as it happens.
       # shellcheck disable=SC2086
-      JAX_FLASH_FAILURE_LOG="$OUT/failures.log" timeout "${TESTS_LIMIT:-560}" \
+      XLA_FLAGS=$TEST_XLA_FLAGS JAX_FLASH_FAILURE_LOG="$OUT/failures.log" \
+        timeout "${TESTS_LIMIT:-560}" \
         python3 -m pytest -v -n 16 -rfE -p no:cacheprovider ${TESTS:-tests/} \
         --ignore=tests/test_triton_lowering.py --ignore=tests/test_sharding.py \
         --ignore=tests/test_ring.py > "$OUT/gpu_tests.log" 2>&1
@@ -89,9 +96,11 @@ for mode in "$@"; do
       grep '^{' /tmp/ring.log
       ;;
     tune)
-      # Head dim 256 (the slowest shape), non-causal, on one GPU.
+      # Head dim 256 (the slowest shape; TUNE_HEAD_DIM=512 for 257..512),
+      # non-causal, on one GPU.
       CUDA_VISIBLE_DEVICES=0 timeout "${TUNE_LIMIT:-200}" python3 \
-        benchmarks/tune.py --head-dim 256 --out "$OUT/tune" > /tmp/tune.log \
+        benchmarks/tune.py --head-dim "${TUNE_HEAD_DIM:-256}" --out "$OUT/tune" \
+        > /tmp/tune.log \
         2>&1 || tail -n 30 /tmp/tune.log
       grep '^{' /tmp/tune.log | cut -c1-400
       ;;
@@ -116,13 +125,15 @@ for mode in "$@"; do
       # chunks), then the sweep
       # with Mosaic as Hopper's default, flex on Triton (mask_mods reading
       # closed-over arrays) and Triton at head dims above 256.
-      JAX_FLASH_FAILURE_LOG="$OUT/failures.log" timeout "${MOSAIC_LIMIT:-200}" \
+      XLA_FLAGS=$TEST_XLA_FLAGS JAX_FLASH_FAILURE_LOG="$OUT/failures.log" \
+        timeout "${MOSAIC_LIMIT:-200}" \
         python3 -m pytest -v -n 16 -rfE -p no:cacheprovider tests/test_flex.py \
         tests/test_gpu.py tests/test_decode.py -k mosaic \
         > "$OUT/pending_mosaic.log" 2>&1
       echo "pytest exit: $?"; grep -E "(PASSED|FAILED|ERROR) tests|passed|failed" \
         "$OUT/pending_mosaic.log" | sed 's/.*\] //' | tail -40
-      JAX_FLASH_FAILURE_LOG="$OUT/failures.log" timeout "${TESTS_LIMIT:-280}" \
+      XLA_FLAGS=$TEST_XLA_FLAGS JAX_FLASH_FAILURE_LOG="$OUT/failures.log" \
+        timeout "${TESTS_LIMIT:-280}" \
         python3 -m pytest -v -n 16 -rfE -p no:cacheprovider tests/test_gpu.py \
         tests/test_flex.py tests/test_correctness.py::test_head_dims_above_256 \
         -k "not mosaic" \
@@ -138,9 +149,16 @@ for mode in "$@"; do
       ;;
     h512)
       # Head dim 512 (Gemma-style global layers): the Triton kernels (named:
-      # flash_v2) beside cuDNN and XLA where they take it, 8k.
+      # flash_v2) beside our blockwise XLA path (flash_xla), cuDNN and
+      # jax.nn's XLA where they take it, 8k.
       bench h512 "${BENCH_LIMIT:-200}" --seq-lens 8192 --head-dims 512 \
-        --impls flash_v2 cudnn xla
+        --impls flash_v2 flash_xla cudnn xla
+      ;;
+    dims)
+      # Head dims 96 and 192: the Mosaic kernels (unpadded) beside Triton
+      # (padded to 128/256) and cuDNN, 8k.
+      bench dims "${BENCH_LIMIT:-200}" --seq-lens 8192 --head-dims 96 192 \
+        --impls flash_mosaic flash_v2 cudnn
       ;;
     softcap)
       # The soft-cap's cost: Mosaic and Triton with logits_soft_cap=30

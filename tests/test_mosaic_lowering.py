@@ -84,9 +84,8 @@ def test_mosaic_takes_any_length(head_dim, q_len, kv_len):
      dict(is_causal=True), True),
     ("odd_q_len", (2, 300, 512, 8, 2, 128), jnp.bfloat16, {}, True),
     ("odd_kv_len", (2, 256, 300, 8, 2, 128), jnp.bfloat16, {}, True),
-    # Lowered but not yet run on a GPU: the default picks Triton.
-    ("head_dim_96", (2, 256, 512, 8, 2, 96), jnp.bfloat16, {}, False),
-    ("head_dim_192", (2, 256, 512, 8, 2, 192), jnp.bfloat16, {}, False),
+    ("head_dim_96", (2, 256, 512, 8, 2, 96), jnp.bfloat16, {}, True),
+    ("head_dim_192", (2, 256, 512, 8, 2, 192), jnp.bfloat16, {}, True),
     ("float32", (2, 256, 512, 8, 2, 128), jnp.float32, {}, False),
     ("window", (2, 256, 512, 8, 2, 128), jnp.bfloat16,
      dict(local_window_size=64), True),
@@ -98,13 +97,15 @@ def test_mosaic_takes_any_length(head_dim, q_len, kv_len):
      dict(is_causal=True, alibi_slopes=jnp.ones((2, 8))), True),
     ("bias", (2, 256, 512, 8, 2, 128), jnp.bfloat16,
      dict(bias=jnp.zeros((1, 1, 256, 512))), False),
-    ("sinks_awaiting_a_gpu_check", (2, 256, 512, 8, 2, 128), jnp.bfloat16,
-     dict(sinks=jnp.zeros((8,))), False),
-    ("dropout_awaiting_a_gpu_check", (2, 256, 512, 8, 2, 128), jnp.bfloat16,
-     dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), False),
-    # Lowered but not yet run on a GPU: the default picks Triton.
+    ("sinks", (2, 256, 512, 8, 2, 128), jnp.bfloat16,
+     dict(sinks=jnp.zeros((8,))), True),
+    ("dropout", (2, 256, 512, 8, 2, 128), jnp.bfloat16,
+     dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), True),
     ("lengths", (2, 256, 512, 8, 2, 128), jnp.bfloat16,
-     dict(key_value_seq_lengths=jnp.array([512, 3])), False),
+     dict(key_value_seq_lengths=jnp.array([512, 3])), True),
+    ("segment_ids", (2, 256, 512, 8, 2, 128), jnp.bfloat16,
+     dict(segment_ids=(jnp.zeros((2, 256), jnp.int32),
+                       jnp.zeros((2, 512), jnp.int32))), True),
     ("version_1", (2, 256, 512, 8, 2, 128), jnp.bfloat16,
      dict(version=1), False),
 ])
@@ -152,12 +153,10 @@ def _lower_decode(implementation, q_len, page_size=None, **kwargs):
                  logits_soft_cap=30.0)], ids=["causal", "window_sinks_cap"])
 def test_mosaic_decodes_a_prompt_chunk(page_size, kwargs):
   """65 or more new tokens: the Mosaic forward with query offsets and key
-  ids (a paged cache gathered first); awaiting a GPU check, so the default
-  still runs Triton's kernel."""
-  text = _lower_decode("mosaic", 300, page_size, **kwargs)
-  assert "flash_attention_forward_mosaic" in text
-  default = _lower_decode(None, 300, page_size, **kwargs)
-  assert MOSAIC_CALL not in default and TRITON_FORWARD in default
+  ids (a paged cache gathered first), named or by default on an H200."""
+  for implementation in ("mosaic", None):
+    text = _lower_decode(implementation, 300, page_size, **kwargs)
+    assert "flash_attention_forward_mosaic" in text, implementation
 
 
 def test_mosaic_decode_of_a_few_tokens_says_why():
@@ -259,9 +258,8 @@ def test_flex_mask_mod_reading_an_array_runs_triton():
          dropout_broadcast=True, logits_soft_cap=30.0)],
     ids=["sinks", "dropout", "dropout_broadcast_soft_cap"])
 @pytest.mark.parametrize("head_dim", [64, 256])
-def test_mosaic_takes_sinks_and_dropout_when_named(kwargs, head_dim):
-  """Not yet run on a GPU: only implementation="mosaic" picks them (the
-  default runs Triton: test_pallas_picks_mosaic_where_it_takes_the_call)."""
+def test_mosaic_takes_sinks_and_dropout(kwargs, head_dim):
+  """Sinks and dropout in the forward, dK/dV and dQ kernels."""
   text = _lower_grad("mosaic", (1, 300, 1003, 8, 2, head_dim), jnp.bfloat16,
                      is_causal=True, **kwargs)
   assert "flash_attention_forward_mosaic" in text
@@ -269,10 +267,9 @@ def test_mosaic_takes_sinks_and_dropout_when_named(kwargs, head_dim):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_mosaic_takes_lengths_and_segment_ids_when_named(head_dim):
+def test_mosaic_takes_lengths_and_segment_ids(head_dim):
   """Ids (lengths, segments) in the forward, dK/dV and dQ kernels: their
-  range tables and the id predicate on boundary tiles. Not yet run on a
-  GPU, so only implementation="mosaic" picks them."""
+  range tables and the id predicate on boundary tiles."""
   ids = (jnp.zeros((1, 300), jnp.int32), jnp.zeros((1, 1003), jnp.int32))
   text = _lower_grad("mosaic", (1, 300, 1003, 4, 2, head_dim), jnp.bfloat16,
                      is_causal=True, segment_ids=ids,
@@ -288,8 +285,7 @@ def test_mosaic_takes_lengths_and_segment_ids_when_named(head_dim):
 def test_mosaic_head_dims_96_and_192_lower_unpadded(head_dim, causal):
   """No padding to a power of two: 96 (64-byte swizzle, the 128 kernels'
   structure) and 192 (the 256 kernels': dK and dV split, one dQ
-  warpgroup). Not yet run on a GPU: only implementation="mosaic" picks
-  them."""
+  warpgroup)."""
   text = _lower_grad("mosaic", (1, 300, 1003, 4, 2, head_dim), jnp.bfloat16,
                      is_causal=causal)
   assert "flash_attention_forward_mosaic" in text

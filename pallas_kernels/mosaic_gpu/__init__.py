@@ -12,9 +12,8 @@ soft-cap, ALiBi and score_mods (`Scores.logits2`), sinks (in each row's
 denominator; their gradient comes from the logsumexp) and dropout (the keep
 bits of `spec.dropout`, every backend's); `flash_decode`'s prompt chunks of
 `config.MIN_DECODE_QUERIES` or more tokens (the forward with query offsets).
-No dense masks, no bias, no split-KV decode. Lowered for an H200 on the CPU
-but not yet run on one, so picked only when named (`awaiting_gpu_check`):
-head dims 96/192, lengths, segment ids, sinks, dropout, decode.
+No dense masks, no bias, no split-KV decode. Everything it takes has run on
+an H200 (tests/test_gpu.py, test_flex.py, test_decode.py).
 """
 from __future__ import annotations
 
@@ -107,25 +106,6 @@ class MosaicGpuBackend:
     if missing:
       return (f"the Mosaic GPU kernels cannot run a mask_mod/score_mod made "
               f"of {sorted(missing)}")
-    return None
-
-  def awaiting_gpu_check(self, problem: Problem, *, mask: Mask,
-                         scores: Scores, decode: bool = False) -> str | None:
-    """Features lowered for an H200 on the CPU but not yet run on one: the
-    dispatch picks another backend for them unless implementation="mosaic"
-    names this one (the GPU tests do; `scripts/gpu_check.sh pending`)."""
-    if problem.head_dim in config.HEAD_DIMS_AWAITING_GPU_CHECK:
-      return (f"head dim {problem.head_dim} in the Mosaic GPU kernels is "
-              "lowered but not yet checked on a GPU (implementation='mosaic' "
-              "runs it)")
-    if decode:
-      return ("prompt chunks in decode (query offsets) in the Mosaic GPU "
-              "kernels are lowered but not yet checked on a GPU "
-              "(implementation='mosaic' runs them)")
-    if mask.has_ids or scores.sinks or scores.dropout:
-      return ("lengths, segment ids, sinks and dropout in the Mosaic GPU "
-              "kernels are lowered but not yet checked on a GPU "
-              "(implementation='mosaic' runs them)")
     return None
 
   def config(self, block_sizes, problem: Problem, dtype, *, is_causal: bool,

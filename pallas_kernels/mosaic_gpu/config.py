@@ -9,9 +9,6 @@ DTYPES = ("bfloat16", "float16")
 # Head dims the kernels take: multiples of 32 within wgmma's N <= 256 whose
 # rows TMA and wgmma swizzle (96: 64-byte swizzle), each unpadded.
 HEAD_DIMS = (64, 96, 128, 192, 256)
-# Lowered for an H200 on the CPU, not yet run on one (`MosaicGpuBackend.
-# awaiting_gpu_check`).
-HEAD_DIMS_AWAITING_GPU_CHECK = (96, 192)
 SMEM_BYTES = 227 * 1024  # Shared memory of one Hopper CTA.
 # flash_decode: prompt chunks of at least this many new tokens run the
 # forward kernel (a CTA takes 2 * block_q >= 128 query rows); fewer go to
