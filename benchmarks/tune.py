@@ -56,7 +56,7 @@ def main():
 
   def run(kind, bs, mode):
     fn = lambda q, k, v: jax_flash.flash_attention(
-        q, k, v, is_causal=causal, implementation="pallas", block_sizes=bs)
+        q, k, v, is_causal=causal, implementation="triton", block_sizes=bs)
     row = dict(kind=kind, head_dim=h, seq_len=t, causal=causal,
                block_sizes=dataclasses.asdict(bs))
     row.update(_measure(fn, mode, q, k, v, do, flops, 10, 3))

@@ -90,6 +90,12 @@ class _Problem:
                       preferred_element_type=jnp.float32)
 
 
+def _pad_pairs(x, tp: int, sp: int):
+  """A [B|1, N|1, T|1, S|1] mask or bias padded to [.., tp, sp] where it
+  does not broadcast."""
+  return pad_to(pad_to(x, 2, tp, broadcast=True), 3, sp, broadcast=True)
+
+
 def _setup(q, k, operands: Operands, mask: Mask, scores: Scores,
            config: BlockSizes):
   b, t, n, _ = q.shape
@@ -103,8 +109,8 @@ def _setup(q, k, operands: Operands, mask: Mask, scores: Scores,
       operands,
       q_ids=pad_to(operands.q_ids, 1, tp, mask_lib.Q_PAD_ID),
       kv_ids=pad_to(operands.kv_ids, 1, sp, mask_lib.KV_PAD_ID),
-      dense_mask=pad_to(pad_to(operands.dense_mask, 2, tp), 3, sp),
-      bias=pad_to(pad_to(operands.bias, 2, tp), 3, sp))
+      dense_mask=_pad_pairs(operands.dense_mask, tp, sp),
+      bias=_pad_pairs(operands.bias, tp, sp))
   return p, tp, sp, ops
 
 

@@ -25,16 +25,14 @@ def test_matches_reference(name):
 
 
 # Head dims above 256 (Gemma-style global layers: 512; 320 is padded to
-# it), with their default tiles. Not yet compiled for a GPU, so there only
-# implementation="triton" runs them (the default picks "xla").
+# it), with their default tiles.
 @pytest.mark.parametrize("case", [
     Case(1, 100, 130, 4, 2, 512, "bfloat16", True),
     Case(1, 40, 37, 2, 1, 320, "float32", False)], ids=str)
 def test_head_dims_above_256(case):
   compare_with_reference(
       dict(is_causal=case.causal), case.dtype, shape=case.shape,
-      block_sizes=None,
-      implementation="triton" if KERNEL_IMPL == "pallas" else KERNEL_IMPL)
+      block_sizes=None, implementation=KERNEL_IMPL)
 
 
 @pytest.mark.parametrize("name", V1_CASES)

@@ -70,9 +70,11 @@ def test_mosaic_backward_tiles_by_keyword():
 
 
 @pytest.mark.parametrize("head_dim", [64, 256])
-@pytest.mark.parametrize("q_len, kv_len", [(77, 77), (300, 1003)])
+@pytest.mark.parametrize("q_len, kv_len", [(77, 77), (300, 1003), (1, 1),
+                                          (1, 300), (300, 1)])
 def test_mosaic_takes_any_length(head_dim, q_len, kv_len):
-  """XLA pads to the tiles; the kernels mask keys past kv_len."""
+  """XLA pads to the tiles, a length of 1 too (TMA's strides: 16-byte
+  multiples); the kernels mask keys past kv_len."""
   text = _lower_grad("mosaic", (1, q_len, kv_len, 4, 2, head_dim),
                      jnp.bfloat16, is_causal=True)
   assert "flash_attention_forward_mosaic" in text

@@ -12,7 +12,8 @@ import pytest
 from jax._src import mesh as mesh_lib
 
 import jax_flash
-from tests.test_mosaic_lowering import _lower_decode
+from tests.test_mosaic_lowering import (TRITON_BACKWARD, _lower_decode,
+                                        _lower_grad)
 
 H200 = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
                                platform="gpu")
@@ -187,14 +188,11 @@ def test_flex_mask_mod_reading_a_traced_array_lowers():
     assert name in text
 
 
-def test_head_dim_512_runs_triton_only_when_named():
-  """Until a GPU compiles them, the default on a GPU runs head dims above
-  256 on "xla" (blockwise); implementation="triton" runs the kernels."""
-  q = jax.ShapeDtypeStruct((B, T, N, 512), jnp.bfloat16)
-  kv = jax.ShapeDtypeStruct((B, S, K, 512), jnp.bfloat16)
-  f = lambda q, k, v: jax_flash.flash_attention(q, k, v, is_causal=True)
-  with jax.sharding.use_abstract_mesh(
-      mesh_lib.AbstractMesh((1,), ("x",), abstract_device=H200)):
-    text = jax.jit(f).trace(q, kv, kv).lower(
-        lowering_platforms=("cuda",)).as_text()
-  assert "flash_attention_forward" not in text and "mosaic_gpu" not in text
+@pytest.mark.parametrize("head_dim", [320, 512])
+def test_head_dims_above_256_run_triton_by_default(head_dim):
+  """The default on an H200 runs head dims 257..512 on the Triton kernels,
+  forward and backward (the Mosaic kernels stop at 256)."""
+  text = _lower_grad(None, (B, T, S, N, K, head_dim), is_causal=True)
+  assert "mosaic_gpu" not in text
+  assert all(name in text for name in ("flash_attention_forward",)
+             + TRITON_BACKWARD)

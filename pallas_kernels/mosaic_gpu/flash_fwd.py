@@ -395,6 +395,5 @@ def pad_ids(q_ids, kv_ids, q_rows: int, kv_rows: int):
   nothing (`mask.Q_PAD_ID`, `KV_PAD_ID`); (None, None) without ids."""
   if q_ids is None:
     return None, None
-  pad = lambda ids, rows, value: jnp.pad(  # Even a length of 1 (not pad_to).
-      ids, ((0, 0), (0, rows - ids.shape[1])), constant_values=value)
-  return pad(q_ids, q_rows, Q_PAD_ID), pad(kv_ids, kv_rows, KV_PAD_ID)
+  return (pad_to(q_ids, 1, q_rows, Q_PAD_ID),
+          pad_to(kv_ids, 1, kv_rows, KV_PAD_ID))

@@ -63,20 +63,6 @@ class TritonBackend:
                 f"{config.MAX_HEAD_DIM}] for the Triton kernels, got {h}")
     return None
 
-  def awaiting_gpu_check(self, problem: Problem, *, mask: Mask,
-                         scores: Scores, decode: bool = False) -> str | None:
-    """Head dims above 256 are interpreted and lowered on the CPU but not
-    yet compiled for a GPU: the dispatch picks another backend for them
-    unless implementation="triton" names this one."""
-    del mask, scores, decode
-    if self.interpret:
-      return None
-    h = max(problem.head_dim, problem.value_head_dim)
-    if h > config.MAX_GPU_CHECKED_HEAD_DIM:
-      return (f"head dim {h} in the Triton kernels is not yet compiled for a "
-              "GPU (implementation='triton' runs it)")
-    return None
-
   def config(self, block_sizes: BlockSizes | None, problem: Problem, dtype,
              *, is_causal: bool, version: int = 2) -> BlockSizes:
     if block_sizes is None:

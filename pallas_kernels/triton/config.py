@@ -15,9 +15,6 @@ from jax_flash.spec.checks import check_block_field
 
 MIN_HEAD_DIM = 16
 MAX_HEAD_DIM = 512
-# Head dims above this are interpreted and lowered on the CPU but not yet
-# compiled for a GPU (`TritonBackend.awaiting_gpu_check`).
-MAX_GPU_CHECKED_HEAD_DIM = 256
 DTYPES = ("float32", "bfloat16", "float16")
 # H100/H200 multiprocessors: decode fills them with (split, batch, head).
 NUM_SMS = 132
@@ -76,14 +73,21 @@ class BlockSizes:
     """Defaults for an H100/H200-class GPU (bf16/fp16 measured on the H200)."""
     hp = padded_head_dim(head_dim)
     if hp > 256:
-      # Head dims 257..512 (padded to 512; Gemma-style global layers): the
-      # smallest tiles, one stage, so Q/K/V tiles (16-32 rows of 512) fit
-      # shared memory and the [rows, 512] accumulators the registers of 8
-      # warps. Not yet compiled for a GPU: a guess, untimed.
-      return cls(block_q=32 if np.dtype(dtype).itemsize < 4 else 16,
-                 block_k=16, num_warps=8, num_stages=1, block_q_dkv=16,
-                 block_k_dkv=16, block_q_dq=16, block_k_dq=16,
-                 num_warps_bwd=8, num_stages_bwd=1)
+      # Head dims 257..512 (padded to 512; Gemma-style global layers), 8k
+      # non-causal bf16 (results/2026-11-30-h200-session7/tune_h512.json):
+      # forward 64x32 tiles, 8 warps, 2 stages, 173 TFLOP/s against 55 for
+      # 32x16 in one stage; backward 32x32 tiles with 8 warps, 68 against
+      # 29 for 16x16. float32 and the FlashAttention-1 forward (more tiles
+      # in shared memory) keep the smallest tiles in one stage (they pass
+      # the H200's tests; untimed).
+      if np.dtype(dtype).itemsize >= 4 or version == 1:
+        return cls(block_q=32 if np.dtype(dtype).itemsize < 4 else 16,
+                   block_k=16, num_warps=8, num_stages=1, block_q_dkv=16,
+                   block_k_dkv=16, block_q_dq=16, block_k_dq=16,
+                   num_warps_bwd=8, num_stages_bwd=1)
+      return cls(block_q=64, block_k=32, num_warps=8, num_stages=2,
+                 block_q_dkv=32, block_k_dkv=32, block_q_dq=32,
+                 block_k_dq=32, num_warps_bwd=8, num_stages_bwd=1)
     if np.dtype(dtype).itemsize >= 4:
       # float32 runs full-precision dots on CUDA cores: small tiles that fit
       # shared memory. Not tuned: they pass the H200 suite
