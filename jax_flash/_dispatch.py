@@ -15,6 +15,9 @@ backend is an object with:
             bias, score_consts; None where not computed)
     decode(q, k, v, kv_lengths, *, mask, scores, num_splits, page_table,
            sinks) -> (o [B, T, N, H], lse [B, N, T])
+    awaiting_gpu_check(problem, *, mask, scores, decode) -> str | None
+        (optional: features lowered but not yet run on a GPU; picked only
+        when named alone)
 
 with lse the natural-log logsumexp, float32, everywhere. Backends:
 "mosaic" (Pallas Mosaic GPU kernels, forward and backward; Hopper GPUs),
@@ -141,13 +144,20 @@ def check_options(block_sizes, version) -> None:
 def select(implementation, query, problem: Problem, dtype, *, mask: Mask,
            scores: Scores, version: int = 2, decode: bool = False):
   """The backend that runs this call; ValueError if the one named cannot."""
-  def reason(name):
-    """Why backend `name` cannot take the call (None if it can)."""
+  def reason(name, picking=True):
+    """Why backend `name` cannot take the call (None if it can). When
+    picking among several, features a backend has lowered but not yet run
+    on a GPU (its `awaiting_gpu_check`) count as a reason too; naming the
+    backend alone runs them (the GPU tests do)."""
     if name in HOPPER_ONLY and not hopper_target():
       return f"implementation {name!r} needs a Hopper GPU (H100/H200)"
-    return backends()[name].unsupported(problem, dtype, mask=mask,
-                                        scores=scores, version=version,
-                                        decode=decode)
+    backend = backends()[name]
+    why = backend.unsupported(problem, dtype, mask=mask, scores=scores,
+                              version=version, decode=decode)
+    if why is None and picking and hasattr(backend, "awaiting_gpu_check"):
+      why = backend.awaiting_gpu_check(problem, mask=mask, scores=scores,
+                                       decode=decode)
+    return why
 
   if implementation is None:
     if on_gpu(query):
@@ -166,7 +176,7 @@ def select(implementation, query, problem: Problem, dtype, *, mask: Mask,
         "kernels, interpreted) or 'xla'")
   reasons = []
   for name in names:
-    why = reason(name)
+    why = reason(name, picking=len(names) > 1)
     if why is None:
       return backends()[name]
     reasons.append(why)

@@ -185,7 +185,8 @@ def run_sparse(scenario, head_dim, hidden, seq_len, sizes, dtype, calls,
   "documents": causal within each of d equal packed documents, d in `sizes`;
   "padding": causal, the last p keys padding, p in `sizes`: as lengths
   (flash_v2, cudnn), a [1, 1, 1, S] key mask (flash_key_mask: folded into
-  ids) and the same mask as [1, 1, T, S] (flash_dense_mask: read per tile).
+  ids) and the same mask as [1, 1, T, S] (flash_dense_mask: read per tile;
+  mosaic_dense_mask: the same on the Mosaic kernels, named).
   FLOPs count only the visible (query, key) pairs: 4*N*H per pair forward,
   3.5x that forward+backward. The full causal problem is timed alongside, so
   time / full-causal time can be read against visible / full-causal pairs.
@@ -234,6 +235,10 @@ def run_sparse(scenario, head_dim, hidden, seq_len, sizes, dtype, calls,
       for name, m in (("flash_key_mask", keys), ("flash_dense_mask", pairs)):
         impls[name] = lambda q, k, v, m=m: jax_flash.flash_attention(
             q, k, v, mask=m, is_causal=True, implementation="pallas")
+      # The dense mask on the Mosaic kernels (named: gated until checked).
+      impls["mosaic_dense_mask"] = lambda q, k, v, m=pairs: (
+          jax_flash.flash_attention(q, k, v, mask=m, is_causal=True,
+                                    implementation="mosaic"))
     if "segment_ids" in kwargs:
       by_ids = lambda b, h, qi, ki, i=ids[0]: (qi >= ki) & (i[qi] == i[ki])
       impls["flex_ids"] = lambda q, k, v, bm=jax_flash.create_block_mask(

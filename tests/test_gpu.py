@@ -58,6 +58,13 @@ MOSAIC_CASES = {
     "h96_causal_gqa": Case(2, 1000, 1003, 8, 2, 96, "bfloat16", True),
     "h192_f16": Case(1, 512, 777, 4, 2, 192, "float16", False),
 }
+def _random_mask(shape, seed, visible=0.7):
+  """A random boolean mask, each pair visible with probability `visible`,
+  and the first query row hidden from every key (a row that sees nothing)."""
+  m = jax.random.bernoulli(jax.random.key(seed), visible, shape)
+  return m.at[..., 0, :].set(False)
+
+
 def _packed(b, n, num, seed):
   return jnp.sort(jax.random.randint(jax.random.key(seed), (b, n), 0, num),
                   axis=1)
@@ -102,6 +109,21 @@ MOSAIC_OPTIONS = {
     "segments_h64_f16": (
         Case(2, 1024, 1024, 4, 4, 64, "float16", False),
         dict(segment_ids=(_packed(2, 1024, 5, 1), _packed(2, 1024, 5, 1)))),
+    # Dense masks (lowered, gated until these pass on the H200).
+    "dense_mask_causal_gqa": (
+        Case(1, 1000, 1003, 8, 2, 128, "bfloat16", True),
+        dict(mask=_random_mask((1, 1, 1000, 1003), 10))),
+    "dense_mask_per_head_h64_f16": (
+        Case(2, 512, 640, 4, 4, 64, "float16", False),
+        dict(mask=_random_mask((2, 4, 512, 640), 11))),
+    "dense_mask_h256_lengths": (
+        Case(1, 512, 600, 4, 2, 256, "bfloat16", True),
+        dict(mask=_random_mask((1, 4, 512, 600), 12, visible=0.9),
+             key_value_seq_lengths=jnp.array([550]))),
+    "dense_mask_h96_window": (
+        Case(1, 700, 700, 4, 2, 96, "bfloat16", False),
+        dict(mask=_random_mask((1, 1, 700, 700), 13),
+             local_window_size=(128, 64))),
     "segments_lengths_h256_causal": (
         Case(1, 512, 600, 4, 2, 256, "bfloat16", True),
         dict(segment_ids=(_packed(1, 512, 3, 2), _packed(1, 600, 3, 3)),

@@ -115,6 +115,15 @@ def clamp_ranges(lo, full_lo, full_hi, hi):
   return lo, full_lo, full_hi, hi
 
 
+def without_full_tiles(mask: Mask, ranges):
+  """`ranges` (lo, full_lo, full_hi, hi) with no full tile when a dense mask
+  is read tile by tile (no tile is known wholly visible)."""
+  if not mask.has_dense:
+    return ranges
+  lo, _, _, hi = ranges
+  return lo, hi, hi, hi
+
+
 def intersect_ranges(a, b):
   """Tiles visited by both, fully visible under both."""
   lo, full_lo = jnp.maximum(a[0], b[0]), jnp.maximum(a[1], b[1])

@@ -42,8 +42,9 @@ from jax_flash.spec.padding import pad_to, round_up
 from jax_flash.spec.scores import Scores
 from pallas_kernels.mosaic_gpu.config import BlockSizes
 from pallas_kernels.mosaic_gpu.flash_fwd import (COL, COMPUTE_WGS, ROW,
-                                                 dropped, load_ids,
-                                                 needs_positions, pad_ids,
+                                                 dense_tile, dropped,
+                                                 load_ids, needs_positions,
+                                                 pad_dense, pad_ids,
                                                  range_table, smem_transforms,
                                                  split_refs, table_ranges)
 
@@ -62,7 +63,8 @@ def split_dkv(head_dim: int) -> bool:
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
-                slopes_ref, q_ids_ref, kv_ids_ref, seed_ref, dk_ref, dv_ref,
+                slopes_ref, q_ids_ref, kv_ids_ref, seed_ref, dense_ref,
+                dk_ref, dv_ref,
                 k_smem2, v_smem2, ready, done, *, mask: Mask, scores: Scores,
                 blocks: BlockSizes, group: int, kv_len: int):
   """q/do [B, T, N, H], k/v and dk/dv [B, S, K, H], lse/delta [B, N, T];
@@ -70,7 +72,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
   absent: table_ref, the range table of the CTA's key rows (transposed,
   `range_table`); slopes_ref, ALiBi slopes [B, N]; q_ids_ref / kv_ids_ref,
   ids [B, T] / [B, S] padded past the kernel's tiles; seed_ref, dropout
-  seed words [2].
+  seed words [2]; dense_ref, a dense mask transposed (`pad_dense`).
 
   Head dims above 128 (`split_dkv`): dK and dV together would need H
   registers a thread, so the CTA owns block_kv_dkv key rows that both
@@ -87,8 +89,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
   tile_start = lax.axis_index("kv_seq") * cta_rows
   kv_start = tile_start if split else tile_start + wg * bkv
   lo, full_lo, full_hi, hi = table_ranges(
-      q_block_ranges(mask, tile_start, cta_rows, bq, q_len), table_ref, batch,
-      lax.axis_index("kv_seq"))
+      mask, q_block_ranges(mask, tile_start, cta_rows, bq, q_len), table_ref,
+      batch, lax.axis_index("kv_seq"))
   coords = needs_positions(mask, scores)
   last_tile = cdiv(q_len, bq) - 1
   # One step at least: keys no query sees get a fully masked tile (P = 0),
@@ -178,11 +180,16 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
         slope=None if slopes_ref is None else slopes_ref[batch, head],
         batch=batch, head=head)
     tile = lo + i
-    s = lax.cond(
-        (tile < full_lo) | (tile >= full_hi),
-        lambda: _masked(s, mask.visible(*(rows_cols or positions()), kv_len,
-                                        batch=batch, head=head, **ids)),
-        lambda: s)
+
+    def visible():
+      ok = mask.visible(*(rows_cols or positions()), kv_len, batch=batch,
+                        head=head, **ids)
+      if dense_ref is None:
+        return ok
+      return ok & dense_tile(dense_ref, batch, head, rows,
+                             pl.ds(q_tile(i) * bq, bq))
+    s = lax.cond((tile < full_lo) | (tile >= full_hi),
+                 lambda: _masked(s, visible()), lambda: s)
     p = jnp.exp2(s - lax.broadcast_in_dim(lse, shape, [1]))
 
     def drop(x):  # P^T or dP^T with dropout (the forward's bits).
@@ -251,14 +258,16 @@ def dq_warpgroups(head_dim: int) -> int:
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
-               slopes_ref, q_ids_ref, kv_ids_ref, seed_ref, dq_ref, q_smem2,
+               slopes_ref, q_ids_ref, kv_ids_ref, seed_ref, dense_ref, dq_ref,
+               q_smem2,
                do_smem2, ready, *, mask: Mask, scores: Scores,
                blocks: BlockSizes, group: int, kv_len: int):
   """q/do/dq [B, T, N, H], k/v [B, S, K, H], lse/delta [B, N, T]; keys at
   or past kv_len (<= S: XLA's padding) are masked. Each None when absent:
   table_ref, the range table of the CTA's query rows (`range_table`);
   slopes_ref, ALiBi slopes [B, N]; q_ids_ref / kv_ids_ref, ids [B, T] /
-  [B, S] padded past the kernel's tiles; seed_ref, dropout seed words [2]."""
+  [B, S] padded past the kernel's tiles; seed_ref, dropout seed words [2];
+  dense_ref, a dense mask (`pad_dense`)."""
   wgs = dq_warpgroups(q_ref.shape[3])
   bq, bkv = blocks.block_q_dq, blocks.block_kv_dq
   head_dim = q_ref.shape[3]
@@ -268,8 +277,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
   tile_start = lax.axis_index("q_seq") * (wgs * bq)
   q_start = tile_start + wg * bq
   lo, full_lo, full_hi, hi = table_ranges(
-      kv_block_ranges(mask, tile_start, wgs * bq, bkv, kv_len), table_ref,
-      batch, lax.axis_index("q_seq"))
+      mask, kv_block_ranges(mask, tile_start, wgs * bq, bkv, kv_len),
+      table_ref, batch, lax.axis_index("q_seq"))
   coords = needs_positions(mask, scores)
   last_tile = cdiv(kv_len, bkv) - 1
   steps = jnp.maximum(hi - lo, 1)  # A row that sees nothing: dQ = 0.
@@ -324,12 +333,16 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
           slope=None if slopes_ref is None else slopes_ref[batch, head],
           batch=batch, head=head)
       tile = lo + j
-      s = lax.cond(
-          (tile < full_lo) | (tile >= full_hi),
-          lambda: _masked(s, mask.visible(*(rows_cols or positions()),
-                                          kv_len, batch=batch, head=head,
-                                          **ids)),
-          lambda: s)
+
+      def visible():
+        ok = mask.visible(*(rows_cols or positions()), kv_len, batch=batch,
+                          head=head, **ids)
+        if dense_ref is None:
+          return ok
+        return ok & dense_tile(dense_ref, batch, head, rows,
+                               pl.ds(kv_tile(j) * bkv, bkv))
+      s = lax.cond((tile < full_lo) | (tile >= full_hi),
+                   lambda: _masked(s, visible()), lambda: s)
       p = jnp.exp2(s - lax.broadcast_in_dim(lse, shape, [0]))
       return p, aux, dp_acc[...]
     p, aux, dp = pl.run_scoped(s_dp, plgpu.ACC(shape, jnp.float32),
@@ -357,13 +370,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
 def flash_backward(q, k, v, o, lse, do, dlse, *, mask: Mask, scores: Scores,
                    block_sizes: BlockSizes, tile_kinds=None,
                    alibi_slopes=None, q_ids=None, kv_ids=None,
-                   dropout_seed=None):
+                   dropout_seed=None, dense_mask=None):
   """(dq, dk, dv) of the forward's o and lse (natural log, [B, N, T]).
 
   tile_kinds: a mask_mod's kinds (with `mask.mod`); alibi_slopes: float32
   [B, N] (with `scores.alibi`); q_ids, kv_ids: int32 [B, T], [B, S] (with
   `mask.has_ids`); dropout_seed: int32 [2] (with `scores.dropout`: the
-  forward's keep bits scale P in dV and dP).
+  forward's keep bits scale P in dV and dP); dense_mask: int8 [Bm, Nm, Tm,
+  Sm] (with `mask.has_dense`).
 
   q/o/do [B, T, N, H], k/v [B, S, K, H] (K divides N), bf16 or fp16, any T
   and S: XLA pads the queries (zeros, L = +inf: they add nothing) to the
@@ -412,7 +426,9 @@ def flash_backward(q, k, v, o, lse, do, dlse, *, mask: Mask, scores: Scores,
     return inputs + extra_refs + outputs
 
   dq_rows = blocks.block_q_dq
-  dq_extras = (tables(False), alibi_slopes, *ids, dropout_seed)
+  dq_extras = (tables(False), alibi_slopes, *ids, dropout_seed,
+               pad_dense(dense_mask, q_len, kv_len, tp,
+                         round_up(sp, blocks.block_kv_dq)))
   dq = plgpu.kernel(
       lambda *refs, q_smem, do_smem, ready: _dq_kernel(
           *flat(refs, dq_extras), q_smem, do_smem, ready, **kernel_args),
@@ -431,7 +447,8 @@ def flash_backward(q, k, v, o, lse, do, dlse, *, mask: Mask, scores: Scores,
 
   dkv_rows, copies = blocks.block_kv_dkv, 1 if split else COMPUTE_WGS
   kv_out = jax.ShapeDtypeStruct(k.shape, k.dtype)
-  dkv_extras = (tables(True), alibi_slopes, *ids, dropout_seed)
+  dkv_extras = (tables(True), alibi_slopes, *ids, dropout_seed,
+                pad_dense(dense_mask, q_len, kv_len, tp, sp, transposed=True))
   dk, dv = plgpu.kernel(
       lambda *refs, k_smem, v_smem, ready, done=None: _dkv_kernel(
           *flat(refs, dkv_extras), k_smem, v_smem, ready, done,

@@ -34,7 +34,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax_flash.spec import dropout, softmax
 from jax_flash.spec.mask import (KV_PAD_ID, Q_PAD_ID, Mask, id_block_table,
                                   intersect_ranges, kinds_block_table,
-                                  kv_block_ranges)
+                                  kv_block_ranges, without_full_tiles)
 from jax_flash.spec.padding import pad_to, round_up
 from jax_flash.spec.scores import Scores
 from pallas_kernels.mosaic_gpu.config import BlockSizes
@@ -51,15 +51,40 @@ def smem_transforms(dtype, minor_dim: int):
   return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
 
 
-def table_ranges(ranges, table_ref, batch, row_tile):
+def table_ranges(mask: Mask, ranges, table_ref, batch, row_tile):
   """`ranges` (lo, full_lo, full_hi, hi) intersected with row `row_tile` of
   a range table ref [Bm, row tiles, 4] (`range_table`; Bm is 1 or B), read
-  as scalars from global memory; `ranges` itself without a table."""
-  if table_ref is None:
-    return ranges
-  b = batch if table_ref.shape[0] > 1 else 0
-  return intersect_ranges(ranges, tuple(table_ref[b, row_tile, c]
-                                        for c in range(4)))
+  as scalars from global memory (`ranges` itself without a table); no tile
+  full with a dense mask."""
+  if table_ref is not None:
+    b = batch if table_ref.shape[0] > 1 else 0
+    ranges = intersect_ranges(ranges, tuple(table_ref[b, row_tile, c]
+                                            for c in range(4)))
+  return without_full_tiles(mask, ranges)
+
+
+def pad_dense(dense, q_len: int, kv_len: int, q_rows: int, kv_rows: int, *,
+              transposed: bool = False):
+  """A dense mask (`Operands.dense_mask`, int8 [Bm, Nm, Tm, Sm], Tm and Sm
+  1 or full) as int8 [Bm, Nm, q_rows, kv_rows], 0 (hidden) past q_len and
+  kv_len; [Bm, Nm, kv_rows, q_rows] if `transposed` (the dK/dV kernel's
+  keys-down tiles); None without one."""
+  if dense is None:
+    return None
+  dense = jnp.broadcast_to(dense, dense.shape[:2] + (q_len, kv_len))
+  dense = jnp.pad(dense, ((0, 0), (0, 0), (0, q_rows - q_len),
+                          (0, kv_rows - kv_len)))
+  return dense.swapaxes(2, 3) if transposed else dense
+
+
+def dense_tile(dense_ref, batch, head, rows, cols):
+  """The boolean tile dense_ref[batch, head, rows, cols] (an int8 ref in
+  global memory from `pad_dense`; a dim of 1 broadcasts) in the wgmma
+  layout."""
+  b = batch if dense_ref.shape[0] > 1 else 0
+  h = head if dense_ref.shape[1] > 1 else 0
+  return plgpu.load(dense_ref.at[b, h, rows, cols],
+                    layout=plgpu.Layout.WGMMA, optimized=False) != 0
 
 
 def split_refs(refs, num_inputs: int, extras):
@@ -118,9 +143,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
   (`range_table`), ALiBi slopes [B, N], query and key ids [B, T], [B, S]
   (padded past the kernel's tiles), sink logits [N], dropout seed words
   [2], query offsets [B] (row i of sequence b sits at position
-  i + q_offsets[b]; `mask.has_q_offsets`)."""
+  i + q_offsets[b]; `mask.has_q_offsets`), a dense mask (`pad_dense`;
+  `mask.has_dense`)."""
   (table_ref, slopes_ref, q_ids_ref, kv_ids_ref, sinks_ref, seed_ref,
-   offsets_ref) = extra_refs
+   offsets_ref, dense_ref) = extra_refs
   (q_smem2, k_smem, v_smem, lse_smem2), ready, free, schedule = scratch
   k_ready, v_ready, q_ready = ready
   k_free, v_free = free
@@ -134,8 +160,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
   def consumer_ranges(w):
     """Key tiles of warpgroup w's rows: the band's and the table's."""
     return table_ranges(
-        kv_block_ranges(mask, tile_start + w * block_q, block_q, block_kv,
-                        kv_len, q_offset),
+        mask, kv_block_ranges(mask, tile_start + w * block_q, block_q,
+                              block_kv, kv_len, q_offset),
         table_ref, batch, lax.div(tile_start, block_q) + w)
 
   # Key tiles [first, steps) the producer loads: what either consumer needs.
@@ -198,9 +224,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
           kv_ids = load_ids(kv_ids_ref, batch, j * block_kv, block_kv, COL)
           ids = dict(q_ids=lax.broadcast_in_dim(q_ids, shape, [0]),
                      kv_ids=lax.broadcast_in_dim(kv_ids, shape, [1]))
-        s = jnp.where(mask.visible(rows, cols, kv_len, q_offset=q_offset,
-                                   batch=batch, head=head, **ids), s,
-                      -jnp.inf)
+        ok = mask.visible(rows, cols, kv_len, q_offset=q_offset, batch=batch,
+                          head=head, **ids)
+        if dense_ref is not None:
+          ok = ok & dense_tile(dense_ref, batch, head,
+                               pl.ds(q_start, block_q),
+                               pl.ds(j * block_kv, block_kv))
+        s = jnp.where(ok, s, -jnp.inf)
       m_new = jnp.maximum(m, s.max(axis=1))
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
       alpha = jnp.exp2(m - m_safe)
@@ -286,7 +316,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
 def flash_forward(q, k, v, *, mask: Mask, scores: Scores,
                   block_sizes: BlockSizes, tile_kinds=None,
                   alibi_slopes=None, q_ids=None, kv_ids=None, sinks=None,
-                  dropout_seed=None, q_offsets=None):
+                  dropout_seed=None, q_offsets=None, dense_mask=None):
   """Runs the forward kernel.
 
   q [B, T, N, H], k/v [B, S, K, H] (K divides N), bf16 or fp16, H in
@@ -299,7 +329,9 @@ def flash_forward(q, k, v, *, mask: Mask, scores: Scores,
   logsumexp, in `jax_flash.attention`); dropout_seed: int32 [2] (with
   `scores.dropout`); q_offsets: int32 [B], the position of each sequence's
   first query (with `mask.has_q_offsets`: a prompt chunk against a cache,
-  `flash_decode`; forward only). Any T and S: XLA pads Q to a multiple of 2 * block_q
+  `flash_decode`; forward only); dense_mask: int8 [Bm, Nm, Tm, Sm]
+  (`Operands.dense_mask`, with `mask.has_dense`: read tile by tile, no tile
+  skipped for it). Any T and S: XLA pads Q to a multiple of 2 * block_q
   rows and K/V to a multiple of 8 (what TMA needs), and the kernel masks
   keys past S (a copy only for lengths that are not such multiples).
   GPU only: the Pallas interpreter cannot run a wgmma whose left operand is
@@ -315,10 +347,10 @@ def flash_forward(q, k, v, *, mask: Mask, scores: Scores,
   table = range_table(  # One row per consumer's query tile.
       mask, tile_kinds, q_ids, kv_ids, blocks.block_q, blocks.block_kv,
       q_len, kv_len, padded_len // blocks.block_q)
-  extras = (table, alibi_slopes,
-            *pad_ids(q_ids, kv_ids, padded_len,
-                     round_up(kv_len, blocks.block_kv)), sinks, dropout_seed,
-            q_offsets)
+  kv_rows = round_up(kv_len, blocks.block_kv)
+  extras = (table, alibi_slopes, *pad_ids(q_ids, kv_ids, padded_len, kv_rows),
+            sinks, dropout_seed, q_offsets,
+            pad_dense(dense_mask, q_len, kv_len, padded_len, kv_rows))
   transforms = smem_transforms(q.dtype, head_dim)
   stages = blocks.num_stages
   scratch = dict(

@@ -103,10 +103,7 @@ class TileContext:
     if self.mask.has_table:
       ranges = mask_lib.intersect_ranges(
           ranges, load_table_row(self.id_table, tile))
-    if self.mask.has_dense:  # Read tile by tile: no tile is known full.
-      lo, _, _, hi = ranges
-      ranges = (lo, hi, hi, hi)
-    return ranges
+    return mask_lib.without_full_tiles(self.mask, ranges)
 
   @staticmethod
   def visit(ranges, body, carry):
