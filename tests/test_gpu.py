@@ -124,6 +124,19 @@ MOSAIC_OPTIONS = {
         Case(1, 700, 700, 4, 2, 96, "bfloat16", False),
         dict(mask=_random_mask((1, 1, 700, 700), 13),
              local_window_size=(128, 64))),
+    # A bias (with its gradient, from the Triton dbias kernel; gated too).
+    "bias_causal_gqa": (
+        Case(1, 1000, 1003, 8, 2, 128, "bfloat16", True),
+        dict(bias=jax.random.normal(jax.random.key(14), (1, 8, 1000, 1003)))),
+    "bias_keys_h64_f16_head_mask": (
+        Case(2, 512, 640, 4, 4, 64, "float16", False),
+        dict(bias=jax.random.normal(jax.random.key(15), (2, 4, 1, 640)),
+             mask=jax.random.bernoulli(jax.random.key(16), 0.8,
+                                       (1, 4, 1, 640)))),
+    "bias_rows_h256_lengths": (
+        Case(1, 512, 600, 4, 2, 256, "bfloat16", True),
+        dict(bias=jax.random.normal(jax.random.key(17), (1, 1, 512, 1)),
+             key_value_seq_lengths=jnp.array([550]))),
     "segments_lengths_h256_causal": (
         Case(1, 512, 600, 4, 2, 256, "bfloat16", True),
         dict(segment_ids=(_packed(1, 512, 3, 2), _packed(1, 600, 3, 3)),

@@ -99,7 +99,8 @@ def test_mosaic_takes_any_length(head_dim, q_len, kv_len):
      dict(is_causal=True, alibi_slopes=jnp.ones((2, 8))), True),
     ("bias", (2, 256, 512, 8, 2, 128), jnp.bfloat16,
      dict(bias=jnp.zeros((1, 1, 256, 512))), False),
-    # Lowered but not yet run on a GPU: the default picks Triton.
+    # Bias and dense masks: lowered but not yet run on a GPU, so the default
+    # picks Triton.
     ("dense_mask", (2, 256, 512, 8, 2, 128), jnp.bfloat16,
      dict(mask=jnp.ones((2, 1, 256, 512), bool)), False),
     ("sinks", (2, 256, 512, 8, 2, 128), jnp.bfloat16,
@@ -126,8 +127,9 @@ def test_mosaic_named_for_a_call_it_cannot_take_says_why():
   with pytest.raises(ValueError, match="head_dim must be one of .* for the "
                      "Mosaic GPU kernels, got 80"):
     _lower_grad("mosaic", (2, 256, 512, 8, 2, 80))
-  with pytest.raises(ValueError, match="take no bias yet"):
-    _lower_grad("mosaic", bias=jnp.ones((1, 1, 256, 512)))
+  with pytest.raises(ValueError, match="query dtype must be bfloat16 or "
+                     "float16 for the Mosaic GPU kernels, got float32"):
+    _lower_grad("mosaic", dtype=jnp.float32)
 
 
 def _lower_decode(implementation, q_len, page_size=None, **kwargs):
@@ -283,6 +285,36 @@ def test_mosaic_takes_dense_masks_when_named(head_dim, num_mask_heads):
   assert "flash_attention_forward_mosaic" in text
   assert all(name in text for name in MOSAIC_BACKWARD)
   assert not any(name in text for name in TRITON_BACKWARD)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("bias_shape", [(1, 1, 300, 1003), (1, 4, 300, 1003),
+                                        (1, 4, 1, 1003), (1, 1, 300, 1),
+                                        (1, 1, 1, 1)],
+                         ids=["shared", "per_head", "keys", "rows", "scalar"])
+def test_mosaic_takes_a_bias_when_named(head_dim, bias_shape):
+  """A bias in the forward, dK/dV and dQ kernels (a tile, or a row or
+  column vector broadcast in registers), with a dense mask; its gradient
+  from the Triton dbias kernel. Not yet run on a GPU: only
+  implementation="mosaic" picks it."""
+  b, t, s, n, k = 1, 300, 1003, 4, 2
+  q = jax.ShapeDtypeStruct((b, t, n, head_dim), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((b, s, k, head_dim), jnp.bfloat16)
+  bias = jax.ShapeDtypeStruct(bias_shape, jnp.float32)
+  mask = jnp.ones((1, n, 1, s), bool)  # Per head, so it stays dense.
+
+  def loss(q, k, v, bias):
+    out = jax_flash.flash_attention(q, k, v, bias=bias, mask=mask,
+                                    is_causal=True, implementation="mosaic")
+    return jnp.sum(out.astype(jnp.float32))
+
+  with jax.sharding.use_abstract_mesh(
+      mesh_lib.AbstractMesh((1,), ("x",), abstract_device=H200)):
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(
+        q, kv, kv, bias).lower(lowering_platforms=("cuda",)).as_text()
+  assert "flash_attention_forward_mosaic" in text
+  assert all(name in text for name in MOSAIC_BACKWARD)
+  assert "flash_attention_backward_dbias" in text
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

@@ -42,9 +42,9 @@ from jax_flash.spec.padding import pad_to, round_up
 from jax_flash.spec.scores import Scores
 from pallas_kernels.mosaic_gpu.config import BlockSizes
 from pallas_kernels.mosaic_gpu.flash_fwd import (COL, COMPUTE_WGS, ROW,
-                                                 dense_tile, dropped,
-                                                 load_ids, needs_positions,
-                                                 pad_dense, pad_ids,
+                                                 dropped, load_ids,
+                                                 needs_positions, pad_ids,
+                                                 pad_pairs, pair_tile,
                                                  range_table, smem_transforms,
                                                  split_refs, table_ranges)
 
@@ -64,7 +64,7 @@ def split_dkv(head_dim: int) -> bool:
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
                 slopes_ref, q_ids_ref, kv_ids_ref, seed_ref, dense_ref,
-                dk_ref, dv_ref,
+                bias_ref, dk_ref, dv_ref,
                 k_smem2, v_smem2, ready, done, *, mask: Mask, scores: Scores,
                 blocks: BlockSizes, group: int, kv_len: int):
   """q/do [B, T, N, H], k/v and dk/dv [B, S, K, H], lse/delta [B, N, T];
@@ -72,7 +72,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
   absent: table_ref, the range table of the CTA's key rows (transposed,
   `range_table`); slopes_ref, ALiBi slopes [B, N]; q_ids_ref / kv_ids_ref,
   ids [B, T] / [B, S] padded past the kernel's tiles; seed_ref, dropout
-  seed words [2]; dense_ref, a dense mask transposed (`pad_dense`).
+  seed words [2]; dense_ref, bias_ref: a dense mask and a bias, transposed
+  (`pad_pairs`).
 
   Head dims above 128 (`split_dkv`): dK and dV together would need H
   registers a thread, so the CTA owns block_kv_dkv key rows that both
@@ -175,9 +176,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
       q_ids = load_ids(q_ids_ref, batch, q_tile(i) * bq, bq, COL)
       ids = dict(q_ids=lax.broadcast_in_dim(q_ids, shape, [1]),
                  kv_ids=lax.broadcast_in_dim(carry[-1], shape, [0]))
+    pair = (rows, pl.ds(q_tile(i) * bq, bq))  # Keys down, queries across.
     s, aux = scores.logits2(
         s, *(rows_cols or (None, None)),
         slope=None if slopes_ref is None else slopes_ref[batch, head],
+        bias=(None if bias_ref is None else
+              pair_tile(bias_ref, batch, head, *pair).astype(jnp.float32)),
         batch=batch, head=head)
     tile = lo + i
 
@@ -186,8 +190,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
                         head=head, **ids)
       if dense_ref is None:
         return ok
-      return ok & dense_tile(dense_ref, batch, head, rows,
-                             pl.ds(q_tile(i) * bq, bq))
+      return ok & (pair_tile(dense_ref, batch, head, *pair) != 0)
     s = lax.cond((tile < full_lo) | (tile >= full_hi),
                  lambda: _masked(s, visible()), lambda: s)
     p = jnp.exp2(s - lax.broadcast_in_dim(lse, shape, [1]))
@@ -258,8 +261,8 @@ def dq_warpgroups(head_dim: int) -> int:
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
-               slopes_ref, q_ids_ref, kv_ids_ref, seed_ref, dense_ref, dq_ref,
-               q_smem2,
+               slopes_ref, q_ids_ref, kv_ids_ref, seed_ref, dense_ref,
+               bias_ref, dq_ref, q_smem2,
                do_smem2, ready, *, mask: Mask, scores: Scores,
                blocks: BlockSizes, group: int, kv_len: int):
   """q/do/dq [B, T, N, H], k/v [B, S, K, H], lse/delta [B, N, T]; keys at
@@ -267,7 +270,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
   table_ref, the range table of the CTA's query rows (`range_table`);
   slopes_ref, ALiBi slopes [B, N]; q_ids_ref / kv_ids_ref, ids [B, T] /
   [B, S] padded past the kernel's tiles; seed_ref, dropout seed words [2];
-  dense_ref, a dense mask (`pad_dense`)."""
+  dense_ref, bias_ref: a dense mask and a bias (`pad_pairs`)."""
   wgs = dq_warpgroups(q_ref.shape[3])
   bq, bkv = blocks.block_q_dq, blocks.block_kv_dq
   head_dim = q_ref.shape[3]
@@ -324,6 +327,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
       return q_start + _iota(shape, 0), kv_tile(j) * bkv + _iota(shape, 1)
     rows_cols = positions() if coords else None
 
+    pair = (rows, pl.ds(kv_tile(j) * bkv, bkv))
+
     def s_dp(s_acc, dp_acc):
       plgpu.wgmma(s_acc, q_smem, k_smem.T)
       plgpu.wgmma(dp_acc, do_smem, v_smem.T)
@@ -331,6 +336,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
       s, aux = scores.logits2(
           s, *(rows_cols or (None, None)),
           slope=None if slopes_ref is None else slopes_ref[batch, head],
+          bias=(None if bias_ref is None else
+                pair_tile(bias_ref, batch, head, *pair).astype(jnp.float32)),
           batch=batch, head=head)
       tile = lo + j
 
@@ -339,8 +346,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
                           head=head, **ids)
         if dense_ref is None:
           return ok
-        return ok & dense_tile(dense_ref, batch, head, rows,
-                               pl.ds(kv_tile(j) * bkv, bkv))
+        return ok & (pair_tile(dense_ref, batch, head, *pair) != 0)
       s = lax.cond((tile < full_lo) | (tile >= full_hi),
                    lambda: _masked(s, visible()), lambda: s)
       p = jnp.exp2(s - lax.broadcast_in_dim(lse, shape, [0]))
@@ -370,14 +376,15 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
 def flash_backward(q, k, v, o, lse, do, dlse, *, mask: Mask, scores: Scores,
                    block_sizes: BlockSizes, tile_kinds=None,
                    alibi_slopes=None, q_ids=None, kv_ids=None,
-                   dropout_seed=None, dense_mask=None):
+                   dropout_seed=None, dense_mask=None, bias=None):
   """(dq, dk, dv) of the forward's o and lse (natural log, [B, N, T]).
 
   tile_kinds: a mask_mod's kinds (with `mask.mod`); alibi_slopes: float32
   [B, N] (with `scores.alibi`); q_ids, kv_ids: int32 [B, T], [B, S] (with
   `mask.has_ids`); dropout_seed: int32 [2] (with `scores.dropout`: the
   forward's keep bits scale P in dV and dP); dense_mask: int8 [Bm, Nm, Tm,
-  Sm] (with `mask.has_dense`).
+  Sm] (with `mask.has_dense`); bias [Bm, Nm, Tm, Sm] (with `scores.bias`;
+  its gradient is not computed here).
 
   q/o/do [B, T, N, H], k/v [B, S, K, H] (K divides N), bf16 or fp16, any T
   and S: XLA pads the queries (zeros, L = +inf: they add nothing) to the
@@ -427,8 +434,8 @@ def flash_backward(q, k, v, o, lse, do, dlse, *, mask: Mask, scores: Scores,
 
   dq_rows = blocks.block_q_dq
   dq_extras = (tables(False), alibi_slopes, *ids, dropout_seed,
-               pad_dense(dense_mask, q_len, kv_len, tp,
-                         round_up(sp, blocks.block_kv_dq)))
+               *(pad_pairs(x, tp, round_up(sp, blocks.block_kv_dq))
+                 for x in (dense_mask, bias)))
   dq = plgpu.kernel(
       lambda *refs, q_smem, do_smem, ready: _dq_kernel(
           *flat(refs, dq_extras), q_smem, do_smem, ready, **kernel_args),
@@ -448,7 +455,8 @@ def flash_backward(q, k, v, o, lse, do, dlse, *, mask: Mask, scores: Scores,
   dkv_rows, copies = blocks.block_kv_dkv, 1 if split else COMPUTE_WGS
   kv_out = jax.ShapeDtypeStruct(k.shape, k.dtype)
   dkv_extras = (tables(True), alibi_slopes, *ids, dropout_seed,
-                pad_dense(dense_mask, q_len, kv_len, tp, sp, transposed=True))
+                *(pad_pairs(x, tp, sp, transposed=True)
+                  for x in (dense_mask, bias)))
   dk, dv = plgpu.kernel(
       lambda *refs, k_smem, v_smem, ready, done=None: _dkv_kernel(
           *flat(refs, dkv_extras), k_smem, v_smem, ready, done,

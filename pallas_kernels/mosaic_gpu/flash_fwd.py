@@ -63,28 +63,36 @@ def table_ranges(mask: Mask, ranges, table_ref, batch, row_tile):
   return without_full_tiles(mask, ranges)
 
 
-def pad_dense(dense, q_len: int, kv_len: int, q_rows: int, kv_rows: int, *,
-              transposed: bool = False):
-  """A dense mask (`Operands.dense_mask`, int8 [Bm, Nm, Tm, Sm], Tm and Sm
-  1 or full) as int8 [Bm, Nm, q_rows, kv_rows], 0 (hidden) past q_len and
-  kv_len; [Bm, Nm, kv_rows, q_rows] if `transposed` (the dK/dV kernel's
-  keys-down tiles); None without one."""
-  if dense is None:
+def pad_pairs(x, q_rows: int, kv_rows: int, *, transposed: bool = False):
+  """A per-pair operand (`Operands.dense_mask`, int8, or `Operands.bias`;
+  [Bm, Nm, Tm, Sm], each dim 1 or full) padded with 0 to q_rows queries
+  and kv_rows keys, a dim of 1 kept (`pair_tile` broadcasts it); the last
+  two dims swapped if `transposed` (the dK/dV kernel's keys-down tiles);
+  None for None."""
+  if x is None:
     return None
-  dense = jnp.broadcast_to(dense, dense.shape[:2] + (q_len, kv_len))
-  dense = jnp.pad(dense, ((0, 0), (0, 0), (0, q_rows - q_len),
-                          (0, kv_rows - kv_len)))
-  return dense.swapaxes(2, 3) if transposed else dense
+  x = pad_to(pad_to(x, 2, q_rows, broadcast=True), 3, kv_rows, broadcast=True)
+  return x.swapaxes(2, 3) if transposed else x
 
 
-def dense_tile(dense_ref, batch, head, rows, cols):
-  """The boolean tile dense_ref[batch, head, rows, cols] (an int8 ref in
-  global memory from `pad_dense`; a dim of 1 broadcasts) in the wgmma
-  layout."""
-  b = batch if dense_ref.shape[0] > 1 else 0
-  h = head if dense_ref.shape[1] > 1 else 0
-  return plgpu.load(dense_ref.at[b, h, rows, cols],
-                    layout=plgpu.Layout.WGMMA, optimized=False) != 0
+def pair_tile(ref, batch, head, rows, cols):
+  """ref[batch, head, rows, cols] (a `pad_pairs` ref in global memory) as a
+  [rows, cols] tile in the wgmma layout: each dim of 1 broadcast, a row or
+  column vector loaded once and broadcast in registers."""
+  b = batch if ref.shape[0] > 1 else 0
+  h = head if ref.shape[1] > 1 else 0
+  shape = (rows.size, cols.size)
+  if ref.shape[2] > 1 and ref.shape[3] > 1:
+    return plgpu.load(ref.at[b, h, rows, cols], layout=plgpu.Layout.WGMMA,
+                      optimized=False)
+  if ref.shape[2] > 1:  # One value per row.
+    x = plgpu.load(ref.at[b, h, rows, 0], layout=ROW, optimized=False)
+    return lax.broadcast_in_dim(x, shape, [0])
+  if ref.shape[3] > 1:  # One value per column.
+    x = plgpu.load(ref.at[b, h, 0, cols], layout=COL, optimized=False)
+    return lax.broadcast_in_dim(x, shape, [1])
+  return plgpu.layout_cast(jnp.full(shape, ref[b, h, 0, 0]),
+                           plgpu.Layout.WGMMA)
 
 
 def split_refs(refs, num_inputs: int, extras):
@@ -143,10 +151,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
   (`range_table`), ALiBi slopes [B, N], query and key ids [B, T], [B, S]
   (padded past the kernel's tiles), sink logits [N], dropout seed words
   [2], query offsets [B] (row i of sequence b sits at position
-  i + q_offsets[b]; `mask.has_q_offsets`), a dense mask (`pad_dense`;
-  `mask.has_dense`)."""
+  i + q_offsets[b]; `mask.has_q_offsets`), a dense mask and a bias
+  (`pad_pairs`; `mask.has_dense`, `scores.bias`)."""
   (table_ref, slopes_ref, q_ids_ref, kv_ids_ref, sinks_ref, seed_ref,
-   offsets_ref, dense_ref) = extra_refs
+   offsets_ref, dense_ref, bias_ref) = extra_refs
   (q_smem2, k_smem, v_smem, lse_smem2), ready, free, schedule = scratch
   k_ready, v_ready, q_ready = ready
   k_free, v_free = free
@@ -216,8 +224,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
                                                 layout=plgpu.Layout.WGMMA)
         cols = j * block_kv + plgpu.broadcasted_iota(
             jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-      s, _ = scores.logits2(s, rows, cols, slope=slope, batch=batch,
-                            head=head)
+      tile = (pl.ds(q_start, block_q), pl.ds(j * block_kv, block_kv))
+      bias = (None if bias_ref is None else
+              pair_tile(bias_ref, batch, head, *tile).astype(jnp.float32))
+      s, _ = scores.logits2(s, rows, cols, slope=slope, bias=bias,
+                            batch=batch, head=head)
       if masked:
         ids = {}
         if mask.has_ids:
@@ -227,9 +238,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
         ok = mask.visible(rows, cols, kv_len, q_offset=q_offset, batch=batch,
                           head=head, **ids)
         if dense_ref is not None:
-          ok = ok & dense_tile(dense_ref, batch, head,
-                               pl.ds(q_start, block_q),
-                               pl.ds(j * block_kv, block_kv))
+          ok = ok & (pair_tile(dense_ref, batch, head, *tile) != 0)
         s = jnp.where(ok, s, -jnp.inf)
       m_new = jnp.maximum(m, s.max(axis=1))
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -316,7 +325,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
 def flash_forward(q, k, v, *, mask: Mask, scores: Scores,
                   block_sizes: BlockSizes, tile_kinds=None,
                   alibi_slopes=None, q_ids=None, kv_ids=None, sinks=None,
-                  dropout_seed=None, q_offsets=None, dense_mask=None):
+                  dropout_seed=None, q_offsets=None, dense_mask=None,
+                  bias=None):
   """Runs the forward kernel.
 
   q [B, T, N, H], k/v [B, S, K, H] (K divides N), bf16 or fp16, H in
@@ -331,7 +341,8 @@ def flash_forward(q, k, v, *, mask: Mask, scores: Scores,
   first query (with `mask.has_q_offsets`: a prompt chunk against a cache,
   `flash_decode`; forward only); dense_mask: int8 [Bm, Nm, Tm, Sm]
   (`Operands.dense_mask`, with `mask.has_dense`: read tile by tile, no tile
-  skipped for it). Any T and S: XLA pads Q to a multiple of 2 * block_q
+  skipped for it); bias: [Bm, Nm, Tm, Sm] (with `scores.bias`), each dim 1
+  or full. Any T and S: XLA pads Q to a multiple of 2 * block_q
   rows and K/V to a multiple of 8 (what TMA needs), and the kernel masks
   keys past S (a copy only for lengths that are not such multiples).
   GPU only: the Pallas interpreter cannot run a wgmma whose left operand is
@@ -350,7 +361,7 @@ def flash_forward(q, k, v, *, mask: Mask, scores: Scores,
   kv_rows = round_up(kv_len, blocks.block_kv)
   extras = (table, alibi_slopes, *pad_ids(q_ids, kv_ids, padded_len, kv_rows),
             sinks, dropout_seed, q_offsets,
-            pad_dense(dense_mask, q_len, kv_len, padded_len, kv_rows))
+            *(pad_pairs(x, padded_len, kv_rows) for x in (dense_mask, bias)))
   transforms = smem_transforms(q.dtype, head_dim)
   stages = blocks.num_stages
   scratch = dict(
