@@ -53,8 +53,29 @@ def _iota(shape, dim):
                                 layout=plgpu.Layout.WGMMA)
 
 
-def _masked(s, visible):
-  return jnp.where(visible, s, -jnp.inf)
+def _logits(s, masked, *, mask: Mask, scores: Scores, kv_len: int,
+            positions, rows_cols, ids, pair, refs, batch, head):
+  """(base-2 logits, aux) of a raw score tile `s` (`Scores.logits2`, with
+  the bias tile `pair` of bias_ref), hidden pairs at -inf where `masked`
+  (traced: a boundary tile): the mask description's predicate and the
+  dense mask's tile. refs: (slopes_ref, bias_ref, dense_ref), each None
+  when absent; rows_cols: the tile's positions or None (then `positions()`
+  computes them for the predicate)."""
+  slopes_ref, bias_ref, dense_ref = refs
+  s, aux = scores.logits2(
+      s, *(rows_cols or (None, None)),
+      slope=None if slopes_ref is None else slopes_ref[batch, head],
+      bias=(None if bias_ref is None else
+            pair_tile(bias_ref, batch, head, *pair).astype(jnp.float32)),
+      batch=batch, head=head)
+
+  def hidden():
+    ok = mask.visible(*(rows_cols or positions()), kv_len, batch=batch,
+                      head=head, **ids)
+    if dense_ref is not None:
+      ok = ok & (pair_tile(dense_ref, batch, head, *pair) != 0)
+    return jnp.where(ok, s, -jnp.inf)
+  return lax.cond(masked, hidden, lambda: s), aux
 
 
 def split_dkv(head_dim: int) -> bool:
@@ -176,23 +197,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
       q_ids = load_ids(q_ids_ref, batch, q_tile(i) * bq, bq, COL)
       ids = dict(q_ids=lax.broadcast_in_dim(q_ids, shape, [1]),
                  kv_ids=lax.broadcast_in_dim(carry[-1], shape, [0]))
-    pair = (rows, pl.ds(q_tile(i) * bq, bq))  # Keys down, queries across.
-    s, aux = scores.logits2(
-        s, *(rows_cols or (None, None)),
-        slope=None if slopes_ref is None else slopes_ref[batch, head],
-        bias=(None if bias_ref is None else
-              pair_tile(bias_ref, batch, head, *pair).astype(jnp.float32)),
-        batch=batch, head=head)
     tile = lo + i
-
-    def visible():
-      ok = mask.visible(*(rows_cols or positions()), kv_len, batch=batch,
-                        head=head, **ids)
-      if dense_ref is None:
-        return ok
-      return ok & (pair_tile(dense_ref, batch, head, *pair) != 0)
-    s = lax.cond((tile < full_lo) | (tile >= full_hi),
-                 lambda: _masked(s, visible()), lambda: s)
+    s, aux = _logits(
+        s, (tile < full_lo) | (tile >= full_hi), mask=mask, scores=scores,
+        kv_len=kv_len, positions=positions, rows_cols=rows_cols, ids=ids,
+        pair=(rows, pl.ds(q_tile(i) * bq, bq)),  # Keys down, queries across.
+        refs=(slopes_ref, bias_ref, dense_ref), batch=batch, head=head)
     p = jnp.exp2(s - lax.broadcast_in_dim(lse, shape, [1]))
 
     def drop(x):  # P^T or dP^T with dropout (the forward's bits).
@@ -327,28 +337,16 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
       return q_start + _iota(shape, 0), kv_tile(j) * bkv + _iota(shape, 1)
     rows_cols = positions() if coords else None
 
-    pair = (rows, pl.ds(kv_tile(j) * bkv, bkv))
-
     def s_dp(s_acc, dp_acc):
       plgpu.wgmma(s_acc, q_smem, k_smem.T)
       plgpu.wgmma(dp_acc, do_smem, v_smem.T)
       s = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)  # dP still runs.
-      s, aux = scores.logits2(
-          s, *(rows_cols or (None, None)),
-          slope=None if slopes_ref is None else slopes_ref[batch, head],
-          bias=(None if bias_ref is None else
-                pair_tile(bias_ref, batch, head, *pair).astype(jnp.float32)),
-          batch=batch, head=head)
       tile = lo + j
-
-      def visible():
-        ok = mask.visible(*(rows_cols or positions()), kv_len, batch=batch,
-                          head=head, **ids)
-        if dense_ref is None:
-          return ok
-        return ok & (pair_tile(dense_ref, batch, head, *pair) != 0)
-      s = lax.cond((tile < full_lo) | (tile >= full_hi),
-                   lambda: _masked(s, visible()), lambda: s)
+      s, aux = _logits(
+          s, (tile < full_lo) | (tile >= full_hi), mask=mask, scores=scores,
+          kv_len=kv_len, positions=positions, rows_cols=rows_cols, ids=ids,
+          pair=(rows, pl.ds(kv_tile(j) * bkv, bkv)),
+          refs=(slopes_ref, bias_ref, dense_ref), batch=batch, head=head)
       p = jnp.exp2(s - lax.broadcast_in_dim(lse, shape, [0]))
       return p, aux, dp_acc[...]
     p, aux, dp = pl.run_scoped(s_dp, plgpu.ACC(shape, jnp.float32),
