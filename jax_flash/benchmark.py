@@ -449,10 +449,9 @@ def markdown(rows) -> str:
                                    ("flash_mosaic", "flash_v2"))
             for m in ("fwd", "bwd", "fwd+bwd")
             if (a, m) in present and (b, m) in present]
-  head = ("| H | seq | causal | " +
-          " | ".join(f"{i} {m}" for i, m in cols) + " | " +
-          " | ".join(f"{short[a]}/{short[b]} {m}" for a, b, m in ratios) +
-          " |")
+  names = ([f"{i} {m}" for i, m in cols] +
+           [f"{short[a]}/{short[b]} {m}" for a, b, m in ratios])
+  head = "| H | seq | causal | " + " | ".join(names) + " |"
   lines = [head, "|" + "---|" * (head.count("|") - 1)]
 
   def fmt(r):
