@@ -94,6 +94,29 @@ def backends() -> dict:
   return {"mosaic": mosaic_gpu.MosaicGpuBackend(),
           "triton": triton.TRITON, "interpret": triton.INTERPRET, "xla": XLA}
 
+def missing_gradients(q, k, v, operands, o, lse, do, dlse, grads, *,
+                      mask: Mask, scores: Scores):
+  """`grads` (a backend's operand gradients, `Operands`) with those it
+  leaves out (None) computed by a backend that gives them: a bias's by the
+  Triton backend's dbias kernel (the Mosaic kernels read a bias but give no
+  gradient), a score_mod's arrays' by the blockwise loops (the kernels read
+  them element by element). Same inputs and residuals; XLA drops the rest
+  of that backward (unused), and all of it when nothing uses the gradient."""
+  changes = {}
+  if operands.bias is not None and grads.bias is None:
+    triton = backends()["triton"]
+    blocks = triton.config_type.get_default(
+        q.shape[-1], q.dtype, mask.is_causal).clipped(q.shape[1], k.shape[1])
+    changes["bias"] = triton.backward(
+        q, k, v, operands, o, lse, do, dlse, mask=mask, scores=scores,
+        config=blocks)[3].bias
+  if operands.score_consts and grads.score_consts is None:
+    changes["score_consts"] = XLA.backward(
+        q, k, v, operands, o, lse, do, dlse, mask=mask, scores=scores,
+        config=blockwise.BlockSizes())[3].score_consts
+  return dataclasses.replace(grads, **changes)
+
+
 # The Pallas backends for a GPU, best first: on an H100/H200 the Mosaic GPU
 # forward measured 1.15-1.52x the Triton one at 8k (every head dim, causal
 # and not; benchmarks/results/2026-11-30-h200-session3/mosaic_8k.md), its

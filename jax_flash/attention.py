@@ -268,6 +268,8 @@ def _backward(cfg: _Config, residuals, cotangents):
   dq, dk, dv, grads = cfg.backend.backward(
       q, k, v, operands, o, lse, do, dlse, mask=cfg.mask, scores=cfg.scores,
       config=cfg.block_sizes)
+  grads = _dispatch.missing_gradients(q, k, v, operands, o, lse, do, dlse,
+                                      grads, mask=cfg.mask, scores=cfg.scores)
   # Ids, the dense mask, the ALiBi slopes, the seed, the tile kinds and the
   # mask_mod's arrays get no gradient; the backend gives the bias's and the
   # score_mod's arrays'.

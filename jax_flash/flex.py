@@ -19,15 +19,17 @@ mask_mod only on partial ones. A query row that sees no key outputs 0 with
 zero gradients, as in `flash_attention`.
 
 Backends: the GPU kernels (and the Pallas interpreter) take every
-mask_mod and the score_mods that close over no array; the functions' jaxprs
-are evaluated in the kernels, the tile kinds become their tile ranges. A
-mask_mod's arrays (document ids, per-head windows) are read element by
-element there (`a[i]`, `a[b, i]`, `jnp.take(a, i)`; `spec.mods.evaluate`):
-the Triton kernels take them, the Mosaic GPU kernels (Hopper) take mods
-that close over no array. A score_mod that closes over arrays (a learned
-bias table, whose gradient it needs) and a mask_mod that uses a whole array
-at once (`a.max()`) run on the blockwise plain-JAX FlashAttention loops
-(`blockwise`, the "xla" implementation), on any device, their arrays passed
+mask_mod and score_mod whose arrays they can read; the functions' jaxprs
+are evaluated in the kernels, the tile kinds become their tile ranges. The
+arrays a mod closes over (document ids, per-head windows, a relative-bias
+table) are read element by element there (`a[i]`, `a[b, i]`,
+`jnp.take(a, i)`; `spec.mods.evaluate`): the Triton kernels take them, the
+Mosaic GPU kernels (Hopper) take mods that close over no array. The
+gradient of a score_mod's floating arrays comes from the blockwise loops'
+backward (`attention._backward`; XLA drops it when nothing uses it), the
+rest of the gradient from the kernels. A mod that uses a whole array at
+once (`a.max()`) runs on the blockwise plain-JAX FlashAttention loops
+(`blockwise`, the "xla" implementation), on any device, its arrays passed
 as operands (`Operands.mask_consts` / `score_consts`); so does every call
 off the GPU with implementation=None. Either way the call goes through
 `flash_attention`'s primitive (`attention._FlashPrim`) with the same
@@ -217,13 +219,12 @@ def _problem(query, p, block_mask: BlockMask, score_mod, scale: float,
   if score_mod is not None:
     score_fn, score_consts = _elementwise(score_mod, 5, float_first=True)
   why = None
-  if score_consts:  # Their gradients come from the blockwise loops only.
-    why = ("score_mod must close over no array for the kernels (this one "
-           "does: implementation=None or 'xla' runs it)")
-  elif block_mask.consts:
-    bad = mods.unsupported_reads(block_mask.mask_fn, block_mask.consts, 4)
-    if bad:
-      why = ("the kernels read a mask_mod's arrays one element at a time "
+  for name, fn, consts, num_args in (
+      ("score_mod", score_fn, score_consts, 5),
+      ("mask_mod", block_mask.mask_fn, block_mask.consts, 4)):
+    bad = consts and mods.unsupported_reads(fn, consts, num_args)
+    if bad and why is None:
+      why = (f"the kernels read a {name}'s arrays one element at a time "
              f"(a[i], a[b, i]); this one uses {bad}: implementation=None "
              "or 'xla' runs it")
   if why is None and not (pow2(block_mask.block_q) and
@@ -238,7 +239,7 @@ def _problem(query, p, block_mask: BlockMask, score_mod, scale: float,
       jnp.all(kinds == EMPTY, axis=1), EMPTY, PARTIAL)).astype(jnp.int8)
   mask = Mask(mod=block_mask.mask_fn, mod_tiles=tiles,
               mod_arrays=len(block_mask.consts))
-  scores = Scores(scale=scale, mod=score_fn)
+  scores = Scores(scale=scale, mod=score_fn, mod_arrays=len(score_consts))
   operands = Operands(tile_kinds=tile_kinds,
                       mask_consts=block_mask.consts or None,
                       score_consts=score_consts or None)

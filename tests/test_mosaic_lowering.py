@@ -254,8 +254,24 @@ def test_flex_mask_mod_reading_an_array_runs_triton():
   text = _lower_flex(None, mod)
   assert MOSAIC_CALL not in text and TRITON_FORWARD in text
   with pytest.raises(ValueError, match="cannot read the arrays a mask_mod "
-                     "closes over"):
+                     "or score_mod closes over"):
     _lower_flex("mosaic", mod)
+
+
+def test_flex_score_mod_reading_a_table_runs_triton():
+  """A relative-bias table closed over by the score_mod: the default on an
+  H200 runs Triton's forward, dK/dV and dQ kernels, which read the table
+  element by element, and the blockwise loops for the table's gradient
+  (here unused: XLA drops them); naming Mosaic says why."""
+  table = jnp.linspace(-1.0, 1.0, 300 + 520 + 1)
+  mod = lambda s, b, h, q, k: s + table[q - k + 520]
+  causal = lambda b, h, q, k: q >= k
+  text = _lower_flex(None, causal, mod)
+  assert MOSAIC_CALL not in text
+  assert all(name in text for name in (TRITON_FORWARD,) + TRITON_BACKWARD)
+  with pytest.raises(ValueError, match="cannot read the arrays a mask_mod "
+                     "or score_mod closes over"):
+    _lower_flex("mosaic", causal, mod)
 
 
 @pytest.mark.parametrize("kwargs", [

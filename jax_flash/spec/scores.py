@@ -43,8 +43,10 @@ class Scores:
   dropout_broadcast: bool = False
   # A sink logit per head in the softmax's denominator (`Operands.sinks`).
   sinks: bool = False
-  # A user's score_mod (`mods.ElementwiseMod`, flex attention).
+  # A user's score_mod (`mods.ElementwiseMod`, flex attention), and how many
+  # arrays it reads (`Operands.score_consts`).
   mod: Callable | None = None
+  mod_arrays: int = 0
 
   @property
   def dropout(self) -> bool:

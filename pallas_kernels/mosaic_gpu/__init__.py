@@ -13,8 +13,8 @@ denominator; their gradient comes from the logsumexp) and dropout (the keep
 bits of `spec.dropout`, every backend's); `flash_decode`'s prompt chunks of
 `config.MIN_DECODE_QUERIES` or more tokens (the forward with query offsets).
 Dense masks and bias (a [Bm, Nm, T, S] tile read from global memory on
-every tile, a row or column vector where it broadcasts; the bias gradient
-from the Triton backend's dbias kernel): lowered for an H200 on the CPU,
+every tile, a row or column vector where it broadcasts; the dispatch takes
+the bias gradient from the Triton backend's dbias kernel): lowered for an H200 on the CPU,
 not yet run on one, so picked only when named (`awaiting_gpu_check`). No
 split-KV decode. Everything else it takes has run on an H200
 (tests/test_gpu.py, test_flex.py, test_decode.py).
@@ -36,8 +36,6 @@ from pallas_kernels.mosaic_gpu import config
 from pallas_kernels.mosaic_gpu.config import BlockSizes
 from pallas_kernels.mosaic_gpu.flash_bwd import flash_backward
 from pallas_kernels.mosaic_gpu.flash_fwd import flash_forward
-from pallas_kernels.triton import TritonBackend
-from pallas_kernels.triton.config import BlockSizes as TritonBlockSizes
 
 
 # What a user's mask_mod or score_mod may be made of in these kernels:
@@ -100,9 +98,9 @@ class MosaicGpuBackend:
     if problem.head_dim not in config.HEAD_DIMS:
       return (f"head_dim must be one of {config.HEAD_DIMS} for the Mosaic GPU "
               f"kernels, got {problem.head_dim}")
-    if mask.mod_arrays:
-      return ("the Mosaic GPU kernels cannot read the arrays a mask_mod "
-              "closes over (the Triton kernels do)")
+    if mask.mod_arrays or scores.mod_arrays:
+      return ("the Mosaic GPU kernels cannot read the arrays a mask_mod or "
+              "score_mod closes over (the Triton kernels do)")
     missing = mod_primitives_missing(mask, scores)
     if missing:
       return (f"the Mosaic GPU kernels cannot run a mask_mod/score_mod made "
@@ -168,20 +166,10 @@ class MosaicGpuBackend:
 
   def backward(self, q, k, v, operands: Operands, o, lse, do, dlse, *,
                mask: Mask, scores: Scores, config: BlockSizes):
-    """(dq, dk, dv, Operands(bias=dbias or None)): dq, dk, dv from these
-    kernels; the bias gradient (dS, summed as the bias broadcasts) from the
-    Triton backend's dbias kernel, on the same inputs (XLA drops that
-    backward's dq/dk/dv kernels, unused, and the dbias one too when the
-    bias gets no gradient). No arrays a score_mod closes over (see
-    `unsupported`)."""
+    """(dq, dk, dv, Operands()): no operand's gradient (a bias's comes from
+    the Triton backend's dbias kernel: `_dispatch.missing_gradients`; no
+    arrays a score_mod closes over, see `unsupported`)."""
     q, k, v, do = _without_padding(operands, q, k, v, do)
-    dbias = None
-    if operands.bias is not None:
-      triton = TritonBackend()
-      blocks = TritonBlockSizes.get_default(
-          q.shape[-1], q.dtype, mask.is_causal).clipped(q.shape[1], k.shape[1])
-      dbias = triton.backward(q, k, v, operands, o, lse, do, dlse, mask=mask,
-                              scores=scores, config=blocks)[3].bias
     dq, dk, dv = flash_backward(q, k, v, o, lse, do, dlse, mask=mask,
                                 scores=scores, block_sizes=config,
                                 tile_kinds=operands.tile_kinds,
@@ -190,7 +178,7 @@ class MosaicGpuBackend:
                                 dropout_seed=operands.dropout_seed,
                                 dense_mask=operands.dense_mask,
                                 bias=operands.bias)
-    return dq, dk, dv, Operands(bias=dbias)
+    return dq, dk, dv, Operands()
 
 
 def _without_padding(operands: Operands, q, k, v, do=None):

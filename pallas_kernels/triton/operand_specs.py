@@ -58,13 +58,15 @@ def _build(operands: Operands, batch_head, group: int | None, table):
       return pl.BlockSpec((None, group), lambda *g: batch_head(*g))
     return pl.BlockSpec((None, x.shape[1]), lambda *g: (batch_head(*g)[0], 0))
 
-  def whole(x):  # The seed, the sinks, the offsets, a mask_mod's arrays.
+  def whole(x):  # The seed, the sinks, the offsets, a mod's arrays.
     return pl.BlockSpec(x.shape, lambda *g: (0,) * x.ndim)
+
+  def wholes(xs):
+    return tuple(whole(x) for x in xs)
 
   make = dict(q_ids=ids, kv_ids=ids, dense_mask=pair, bias=pair,
               alibi_slopes=slopes, dropout_seed=whole, sinks=whole,
-              q_offsets=whole,
-              mask_consts=lambda xs: tuple(whole(x) for x in xs))
+              q_offsets=whole, mask_consts=wholes, score_consts=wholes)
   specs = Operands(**{
       f.name: None if getattr(operands, f.name) is None else
       make[f.name](getattr(operands, f.name))

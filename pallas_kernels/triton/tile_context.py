@@ -146,8 +146,10 @@ class TileContext:
     if self.scores.bias:
       bias = self._pair_tile(self.refs.bias, head, q_start, k_start, 0.0)
       bias = bias.astype(jnp.float32)
-    return self.scores.logits2(qk, rows, cols, slope, bias, self.batch,
-                               self._query_head(head))
+    return self.scores.logits2(
+        qk, rows, cols, slope, bias, self.batch, self._query_head(head),
+        mod_consts=tuple(map(ArrayReader.of_ref,
+                             self.refs.score_consts or ())))
 
   def _query_head(self, head):
     """The global query head of `head` (within this program's group)."""
