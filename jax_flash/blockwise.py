@@ -114,21 +114,6 @@ def _setup(q, k, operands: Operands, mask: Mask, scores: Scores,
   return p, tp, sp, ops
 
 
-def _without_padding(x, ids, pad_id):
-  """x [B, L, heads, H] with positions at or past a length (ids == pad_id)
-  zeroed: padding may hold anything (NaN, inf), and 0 * NaN would reach a
-  result. Without lengths (ids None) x itself."""
-  if ids is None:
-    return x
-  return jnp.where((ids != pad_id)[:, :, None, None], x, jnp.zeros((), x.dtype))
-
-
-def _unpadded(q, k, v, operands: Operands):
-  return (_without_padding(q, operands.q_ids, mask_lib.Q_PAD_ID),
-          _without_padding(k, operands.kv_ids, mask_lib.KV_PAD_ID),
-          _without_padding(v, operands.kv_ids, mask_lib.KV_PAD_ID))
-
-
 def _kv_ranges(p: _Problem, ops: Operands):
   """(lo, hi) [num_q_blocks] int32: the key blocks each query block visits,
   by the band and by the tile tables (ids, a mask_mod's kinds) of any
@@ -236,7 +221,8 @@ def forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
   b, t, n, h = q.shape
   hv = v.shape[-1]
   kh, g = p.num_kv_heads, n // p.num_kv_heads
-  q, k, v = _unpadded(q, k, v, operands)
+  (q,), (k, v) = mask_lib.without_padding(mask, operands.q_ids,
+                                          operands.kv_ids, (q,), (k, v))
   k, v = pad_to(k, 1, sp), pad_to(v, 1, sp)
   lo, hi = _kv_ranges(p, ops)
   rows = b * kh * g * p.block_q
@@ -282,8 +268,8 @@ def backward(q, k, v, operands: Operands, o, lse, do, dlse, *, mask: Mask,
   p, tp, sp, ops = _setup(q, k, operands, mask, scores, config)
   b, t, n, h = q.shape
   kh, g = p.num_kv_heads, n // p.num_kv_heads
-  q, k, v = _unpadded(q, k, v, operands)
-  do = _without_padding(do, operands.q_ids, mask_lib.Q_PAD_ID)
+  (q, do), (k, v) = mask_lib.without_padding(
+      mask, operands.q_ids, operands.kv_ids, (q, do), (k, v))
   k, v = pad_to(k, 1, sp), pad_to(v, 1, sp)
   lo, hi = _kv_ranges(p, ops)
   delta = softmax.backward_delta(o, do, dlse)

@@ -265,3 +265,32 @@ def test_nan_at_masked_keys_reaches_nothing(implementation):
     assert np.isfinite(np.asarray(g)).all()
   assert_attention_close(dict(zip(("dq", "dk", "dv"), got)),
                          dict(zip(("dq", "dk", "dv"), ref)))
+
+
+@pytest.mark.parametrize("kwargs, segments_only", [
+    (dict(segment_ids=jnp.zeros((B, T), jnp.int32)), True),
+    (dict(segment_ids=jnp.zeros((B, T), jnp.int32),
+          key_value_seq_lengths=jnp.full((B,), T - 10)), False),
+    (dict(query_seq_lengths=jnp.full((B,), T - 10),
+          key_value_seq_lengths=jnp.full((B,), T - 10)), False),
+    (dict(segment_ids=jnp.zeros((B, T), jnp.int32),
+          mask=jnp.arange(T)[None, None, None] < T - 10), False),
+], ids=["segments", "segments_lengths", "lengths", "segments_key_mask"])
+def test_padding_is_zeroed_only_where_ids_mark_it(kwargs, segments_only):
+  """Segment ids alone mark no position as padding: q, k, v pass through
+  untouched (no elementwise pass over them); with lengths or a padding mask
+  folded into the ids, exactly the keys past them are zeroed."""
+  q, k, v, _ = random_inputs(B, T, T, N, K, H, jnp.float32)
+  spec = masks_as_ids(prepare(q, k, v, **kwargs))
+  assert spec.mask.segments_only == segments_only
+  ops = spec.operands
+  nan = jnp.full_like(k, jnp.nan)
+  (q2,), (k2, v2) = mask_lib.without_padding(spec.mask, ops.q_ids,
+                                             ops.kv_ids, (q,), (nan, v))
+  if segments_only:
+    assert q2 is q and k2 is nan and v2 is v
+  else:
+    pad = np.asarray(ops.kv_ids == mask_lib.KV_PAD_ID)
+    assert pad.any() and not pad.all()
+    k2 = np.asarray(k2)
+    assert (k2[pad] == 0).all() and np.isnan(k2[~pad]).all()

@@ -54,6 +54,9 @@ class Mask:
   window_left: int | None = None
   window_right: int | None = None
   has_ids: bool = False  # Per-row / per-column ids (segments, lengths).
+  # The ids are segment ids alone (no lengths, no padding mask): no position
+  # is padding, so none needs zeroing (`without_padding`).
+  segments_only: bool = False
   # Per-sequence query offsets (`Operands.q_offsets`): decode, chunked
   # prefill. Without them every offset is 0.
   has_q_offsets: bool = False
@@ -113,6 +116,22 @@ def clamp_ranges(lo, full_lo, full_hi, hi):
   full_lo = jnp.minimum(jnp.maximum(full_lo, lo), hi)
   full_hi = jnp.minimum(jnp.maximum(full_hi, full_lo), hi)
   return lo, full_lo, full_hi, hi
+
+
+def without_padding(mask: Mask, q_ids, kv_ids, q_rows=(), kv_rows=()):
+  """(q_rows, kv_rows): arrays [B, T, heads, H] of query rows (q, dO) and
+  [B, S, heads, H] of key rows (k, v), zeroed at positions at or past a
+  length (ids Q_PAD_ID / KV_PAD_ID). Padding may hold anything (NaN, inf),
+  and a hidden score's zero probability times NaN would still reach a
+  result. Unchanged without ids or with segment ids alone
+  (`mask.segments_only`)."""
+  if q_ids is None or mask.segments_only:
+    return tuple(q_rows), tuple(kv_rows)
+
+  def zero(x, pad):
+    return jnp.where(pad[:, :, None, None], jnp.zeros((), x.dtype), x)
+  return (tuple(zero(x, q_ids == Q_PAD_ID) for x in q_rows),
+          tuple(zero(x, kv_ids == KV_PAD_ID) for x in kv_rows))
 
 
 def without_full_tiles(mask: Mask, ranges):

@@ -55,6 +55,8 @@ def prepare(query, key, value, *, bias=None, mask=None, scale=None,
       q_lengths=q_lengths, kv_lengths=kv_lengths)
   mask_spec = Mask(is_causal=bool(is_causal), window_left=left,
                    window_right=right, has_ids=q_ids is not None,
+                   segments_only=(segments is not None and q_lengths is None
+                                  and kv_lengths is None),
                    has_dense=dense is not None)
   scores = Scores(scale=scale, soft_cap=cap, alibi=slopes is not None,
                   bias=bias is not None, dropout_rate=rate,
@@ -98,7 +100,7 @@ def masks_as_ids(spec: Spec) -> Spec:
     cols = jnp.broadcast_to(visible[:, 0, 0, :], (p.batch, p.kv_len))
     kv_ids = jnp.where(cols, kv_ids, KV_PAD_ID)
   return Spec(p, dataclasses.replace(spec.mask, has_ids=True,
-                                     has_dense=False),
+                                     segments_only=False, has_dense=False),
               spec.scores, dataclasses.replace(ops, q_ids=q_ids,
                                                kv_ids=kv_ids,
                                                dense_mask=None))

@@ -28,7 +28,7 @@ import jax.extend.core
 import jax.numpy as jnp
 
 from jax_flash.spec.checks import Problem
-from jax_flash.spec.mask import KV_PAD_ID, Q_PAD_ID, Mask
+from jax_flash.spec.mask import Mask, without_padding
 from jax_flash.spec.operands import Operands
 from jax_flash.spec.problem import decode_as_forward
 from jax_flash.spec.scores import Scores
@@ -140,7 +140,8 @@ class MosaicGpuBackend:
   def forward(self, q, k, v, operands: Operands, *, mask: Mask,
               scores: Scores, config: BlockSizes, version: int = 2):
     del version  # Only 2 (see `unsupported`).
-    q, k, v = _without_padding(operands, q, k, v)
+    (q,), (k, v) = without_padding(mask, operands.q_ids, operands.kv_ids,
+                                   (q,), (k, v))
     return flash_forward(q, k, v, mask=mask, scores=scores,
                          block_sizes=config, tile_kinds=operands.tile_kinds,
                          alibi_slopes=operands.alibi_slopes,
@@ -169,7 +170,8 @@ class MosaicGpuBackend:
     """(dq, dk, dv, Operands()): no operand's gradient (a bias's comes from
     the Triton backend's dbias kernel: `_dispatch.missing_gradients`; no
     arrays a score_mod closes over, see `unsupported`)."""
-    q, k, v, do = _without_padding(operands, q, k, v, do)
+    (q, do), (k, v) = without_padding(mask, operands.q_ids, operands.kv_ids,
+                                      (q, do), (k, v))
     dq, dk, dv = flash_backward(q, k, v, o, lse, do, dlse, mask=mask,
                                 scores=scores, block_sizes=config,
                                 tile_kinds=operands.tile_kinds,
@@ -179,17 +181,3 @@ class MosaicGpuBackend:
                                 dense_mask=operands.dense_mask,
                                 bias=operands.bias)
     return dq, dk, dv, Operands()
-
-
-def _without_padding(operands: Operands, q, k, v, do=None):
-  """q (and do) zeroed at rows past a query length, k and v at rows past a
-  key length (their ids, `mask.Q_PAD_ID` / `KV_PAD_ID`): padding may hold
-  NaN, and a masked score's zero probability times NaN would still be NaN
-  in P V, dS K and dS^T Q. Unchanged without ids."""
-  if operands.q_ids is None:
-    return (q, k, v) if do is None else (q, k, v, do)
-  q_pad = (operands.q_ids == Q_PAD_ID)[:, :, None, None]
-  kv_pad = (operands.kv_ids == KV_PAD_ID)[:, :, None, None]
-  zero = lambda x, pad: jnp.where(pad, jnp.zeros((), x.dtype), x)
-  out = (zero(q, q_pad), zero(k, kv_pad), zero(v, kv_pad))
-  return out if do is None else out + (zero(do, q_pad),)
