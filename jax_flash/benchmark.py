@@ -193,7 +193,8 @@ def run_sparse(scenario, head_dim, hidden, seq_len, sizes, dtype, calls,
   "flex" rows are the same masks written as mask_mods for `flex_attention`
   (formulas of the indices, no array); "flex_ids" (documents) reads the
   documents' ids from an array the mask_mod closes over (the Triton kernels
-  read it element by element).
+  read it element by element); "flex_table" (documents, full causal only)
+  adds a relative-bias table read by a score_mod.
   """
   num_heads = hidden // head_dim
   keys = jax.random.split(jax.random.key(seq_len), 4)
@@ -239,6 +240,14 @@ def run_sparse(scenario, head_dim, hidden, seq_len, sizes, dtype, calls,
       impls["mosaic_dense_mask"] = lambda q, k, v, m=pairs: (
           jax_flash.flash_attention(q, k, v, mask=m, is_causal=True,
                                     implementation="mosaic"))
+    if size is None and scenario == "documents":
+      # A relative-bias table read by a score_mod (T5-style, frozen here:
+      # the kernels run it; a trained table's gradient would add the
+      # blockwise backward).
+      table = jnp.linspace(-1.0, 1.0, 2 * seq_len)
+      impls["flex_table"] = lambda q, k, v, bm=block_mask, t=table: (
+          jax_flash.flex_attention(
+              q, k, v, lambda s, b, h, qi, ki: s + t[qi - ki + seq_len], bm))
     if "segment_ids" in kwargs:
       by_ids = lambda b, h, qi, ki, i=ids[0]: (qi >= ki) & (i[qi] == i[ki])
       impls["flex_ids"] = lambda q, k, v, bm=jax_flash.create_block_mask(
