@@ -94,6 +94,7 @@ def backends() -> dict:
   return {"mosaic": mosaic_gpu.MosaicGpuBackend(),
           "triton": triton.TRITON, "interpret": triton.INTERPRET, "xla": XLA}
 
+
 def missing_gradients(q, k, v, operands, o, lse, do, dlse, grads, *,
                       mask: Mask, scores: Scores):
   """`grads` (a backend's operand gradients, `Operands`) with those it

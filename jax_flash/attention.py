@@ -271,8 +271,8 @@ def _backward(cfg: _Config, residuals, cotangents):
   grads = _dispatch.missing_gradients(q, k, v, operands, o, lse, do, dlse,
                                       grads, mask=cfg.mask, scores=cfg.scores)
   # Ids, the dense mask, the ALiBi slopes, the seed, the tile kinds and the
-  # mask_mod's arrays get no gradient; the backend gives the bias's and the
-  # score_mod's arrays'.
+  # mask_mod's arrays get no gradient; the backend (or missing_gradients)
+  # gives the bias's and the score_mod's arrays'.
   d_operands = jax.tree.map(jnp.zeros_like, operands)
   for name in ("bias", "score_consts"):
     if getattr(grads, name) is not None:
@@ -381,7 +381,8 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
       kernels. "mosaic": the Mosaic GPU kernels, forward and backward
       (Hopper only; bf16/fp16, head dims 64/96/128/192/256, causal,
       sliding windows, lengths, segment ids, soft-cap, ALiBi, sinks,
-      dropout, flex mods that close over no array; no dense mask or bias).
+      dropout, flex mods that close over no array; dense masks and bias are
+      lowered but not yet run on a GPU, so only this name picks them).
       "triton": the Triton-lowered kernels (GPU only). "interpret": the same
       kernels run by the Pallas interpreter (any machine, slow; for tests).
       "xla": FlashAttention in plain jnp (`jax_flash.blockwise`: loops
