@@ -41,9 +41,11 @@ class _Ring:
 
 
 def _masks(ids):
-  """The full and the causal mask of a pair (with segment ids if given)."""
+  """The full and the causal mask of a pair (with segment ids if given: the
+  ring takes no lengths, so no id marks padding)."""
   has_ids = ids[0] is not None
-  return Mask(has_ids=has_ids), Mask(is_causal=True, has_ids=has_ids)
+  return (Mask(has_ids=has_ids, segments_only=has_ids),
+          Mask(is_causal=True, has_ids=has_ids, segments_only=has_ids))
 
 
 def _pair_forward(kind, q, k, v, ids, ring: _Ring):
@@ -237,7 +239,8 @@ def ring_attention(query, key, value, *, mesh, axis_name, is_causal=False,
   sinks = checks.check_sinks(sinks, p)
   # Sinks join the merge of the pairs' partials, not a pair's kernel.
   scores = Scores(scale=checks.check_scale(scale, p.head_dim))
-  mask = Mask(is_causal=bool(is_causal), has_ids=segment_ids is not None)
+  mask = Mask(is_causal=bool(is_causal), has_ids=segment_ids is not None,
+              segments_only=segment_ids is not None)
   backend = _dispatch.select(implementation, query, pair, query.dtype,
                              mask=mask, scores=scores)
   ring = _Ring(axis=axis_name, size=size, causal=bool(is_causal),
