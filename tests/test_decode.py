@@ -197,6 +197,16 @@ def test_any_number_of_new_tokens(implementation, q_len, paged):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True])
+def test_long_prompt_chunk_by_default(paged):
+  """2048 new tokens against a 4096-token cache (16-token pages in random
+  order, NaN in unused slots), bf16, the default dispatch: the Mosaic
+  forward with query offsets on an H100/H200, Triton's elsewhere."""
+  _check_new_tokens("pallas", 2048, paged, s=4096, head_dim=128,
+                    dtype=jnp.bfloat16, num_pages=600)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("q_len", [65, 300])
 @pytest.mark.parametrize("paged", [False, True])
 def test_mosaic_decodes_a_prompt_chunk(q_len, paged):
