@@ -399,3 +399,20 @@ def test_mosaic_range_table_of_a_mask_mod_and_ids(transposed):
         assert tile[:, c * cols:(c + 1) * cols].all(), (batch, r, c)
   if not transposed:  # Some query tiles skip the predicate on some keys.
     assert (table[..., 2] > table[..., 1]).any()
+
+
+def test_pad_pairs_keeps_broadcast_dims_and_hides_the_padding():
+  """`flash_fwd.pad_pairs` (plain XLA, what the Mosaic kernels read a dense
+  mask or bias from): full dims padded with 0 to the kernels' rows, dims of
+  1 kept (broadcast in registers), the last two swapped for dK/dV."""
+  from pallas_kernels.mosaic_gpu.flash_fwd import pad_pairs
+  x = jnp.arange(2 * 3 * 5 * 7, dtype=jnp.float32).reshape(2, 3, 5, 7) + 1
+  padded = pad_pairs(x, 8, 16)
+  assert padded.shape == (2, 3, 8, 16)
+  assert (padded[:, :, :5, :7] == x).all()
+  assert not padded[:, :, 5:].any() and not padded[:, :, :, 7:].any()
+  assert (pad_pairs(x, 8, 16, transposed=True) == padded.swapaxes(2, 3)).all()
+  assert pad_pairs(x[:, :, :1], 8, 16).shape == (2, 3, 1, 16)
+  assert pad_pairs(x[:1, :, :, :1], 8, 16, transposed=True).shape == (
+      1, 3, 1, 8)
+  assert pad_pairs(None, 8, 16) is None
