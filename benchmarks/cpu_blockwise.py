@@ -17,7 +17,6 @@ import os
 import platform
 
 import jax
-import jax.numpy as jnp
 
 import jax_flash
 from jax_flash import blockwise
