@@ -26,7 +26,7 @@ from jax_flash.spec import mask as mask_lib
 from jax_flash.spec.checks import check_block_field
 from jax_flash.spec.mask import Mask
 from jax_flash.spec.operands import Operands
-from jax_flash.spec.padding import pad_to
+from jax_flash.spec.padding import pad_pairs, pad_to
 from jax_flash.spec.scores import Scores
 
 
@@ -90,12 +90,6 @@ class _Problem:
                       preferred_element_type=jnp.float32)
 
 
-def _pad_pairs(x, tp: int, sp: int):
-  """A [B|1, N|1, T|1, S|1] mask or bias padded to [.., tp, sp] where it
-  does not broadcast."""
-  return pad_to(pad_to(x, 2, tp, broadcast=True), 3, sp, broadcast=True)
-
-
 def _setup(q, k, operands: Operands, mask: Mask, scores: Scores,
            config: BlockSizes):
   b, t, n, _ = q.shape
@@ -109,8 +103,8 @@ def _setup(q, k, operands: Operands, mask: Mask, scores: Scores,
       operands,
       q_ids=pad_to(operands.q_ids, 1, tp, mask_lib.Q_PAD_ID),
       kv_ids=pad_to(operands.kv_ids, 1, sp, mask_lib.KV_PAD_ID),
-      dense_mask=_pad_pairs(operands.dense_mask, tp, sp),
-      bias=_pad_pairs(operands.bias, tp, sp))
+      dense_mask=pad_pairs(operands.dense_mask, tp, sp),
+      bias=pad_pairs(operands.bias, tp, sp))
   return p, tp, sp, ops
 
 

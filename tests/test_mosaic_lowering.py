@@ -402,10 +402,10 @@ def test_mosaic_range_table_of_a_mask_mod_and_ids(transposed):
 
 
 def test_pad_pairs_keeps_broadcast_dims_and_hides_the_padding():
-  """`flash_fwd.pad_pairs` (plain XLA, what the Mosaic kernels read a dense
-  mask or bias from): full dims padded with 0 to the kernels' rows, dims of
-  1 kept (broadcast in registers), the last two swapped for dK/dV."""
-  from pallas_kernels.mosaic_gpu.flash_fwd import pad_pairs
+  """`spec.padding.pad_pairs` (plain XLA, what the Mosaic kernels read a
+  dense mask or bias from): full dims padded with 0 to the kernels' rows,
+  dims of 1 kept (broadcast in registers), the last two swapped for dK/dV."""
+  from jax_flash.spec.padding import pad_pairs
   x = jnp.arange(2 * 3 * 5 * 7, dtype=jnp.float32).reshape(2, 3, 5, 7) + 1
   padded = pad_pairs(x, 8, 16)
   assert padded.shape == (2, 3, 8, 16)

@@ -21,3 +21,14 @@ def pad_to(x, axis: int, size: int, value=0, *, broadcast: bool = False):
   widths = [(0, 0)] * x.ndim
   widths[axis] = (0, size - x.shape[axis])
   return jnp.pad(x, widths, constant_values=value)
+
+
+def pad_pairs(x, q_rows: int, kv_rows: int, *, transposed: bool = False):
+  """A per-pair operand (`Operands.dense_mask`, int8, or `Operands.bias`;
+  [Bm, Nm, Tm, Sm], each dim 1 or full) padded with 0 to q_rows queries
+  and kv_rows keys, a dim of 1 kept (the kernels broadcast it); the last
+  two dims swapped if `transposed` (keys-down tiles); None for None."""
+  if x is None:
+    return None
+  x = pad_to(pad_to(x, 2, q_rows, broadcast=True), 3, kv_rows, broadcast=True)
+  return x.swapaxes(2, 3) if transposed else x

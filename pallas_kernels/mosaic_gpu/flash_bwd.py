@@ -38,13 +38,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_flash.spec import softmax
 from jax_flash.spec.mask import Mask, cdiv, kv_block_ranges, q_block_ranges
-from jax_flash.spec.padding import pad_to, round_up
+from jax_flash.spec.padding import pad_pairs, pad_to, round_up
 from jax_flash.spec.scores import Scores
 from pallas_kernels.mosaic_gpu.config import BlockSizes
 from pallas_kernels.mosaic_gpu.flash_fwd import (COL, COMPUTE_WGS, ROW,
                                                  dropped, load_ids,
                                                  needs_positions, pad_ids,
-                                                 pad_pairs, pair_tile,
+                                                 pair_tile,
                                                  range_table, smem_transforms,
                                                  split_refs, table_ranges)
 
@@ -423,7 +423,10 @@ def flash_backward(q, k, v, o, lse, do, dlse, *, mask: Mask, scores: Scores,
     return range_table(mask, tile_kinds, q_ids, kv_ids, rows,
                        blocks.block_kv_dq, q_len, kv_len, tp // rows)
 
-  ids = pad_ids(q_ids, kv_ids, tp, round_up(sp, blocks.block_kv_dq))
+  # Ids and per-pair operands padded once to both kernels' rows (the dK/dV
+  # kernel reads the per-pair ones transposed).
+  kv_cols = round_up(sp, blocks.block_kv_dq)
+  ids = pad_ids(q_ids, kv_ids, tp, kv_cols)
 
   def flat(refs, extras):
     """A kernel's refs (6 inputs, extras, outputs), None for absent extras."""
@@ -432,8 +435,7 @@ def flash_backward(q, k, v, o, lse, do, dlse, *, mask: Mask, scores: Scores,
 
   dq_rows = blocks.block_q_dq
   dq_extras = (tables(False), alibi_slopes, *ids, dropout_seed,
-               *(pad_pairs(x, tp, round_up(sp, blocks.block_kv_dq))
-                 for x in (dense_mask, bias)))
+               *(pad_pairs(x, tp, kv_cols) for x in (dense_mask, bias)))
   dq = plgpu.kernel(
       lambda *refs, q_smem, do_smem, ready: _dq_kernel(
           *flat(refs, dq_extras), q_smem, do_smem, ready, **kernel_args),
@@ -453,7 +455,7 @@ def flash_backward(q, k, v, o, lse, do, dlse, *, mask: Mask, scores: Scores,
   dkv_rows, copies = blocks.block_kv_dkv, 1 if split else COMPUTE_WGS
   kv_out = jax.ShapeDtypeStruct(k.shape, k.dtype)
   dkv_extras = (tables(True), alibi_slopes, *ids, dropout_seed,
-                *(pad_pairs(x, tp, sp, transposed=True)
+                *(pad_pairs(x, tp, kv_cols, transposed=True)
                   for x in (dense_mask, bias)))
   dk, dv = plgpu.kernel(
       lambda *refs, k_smem, v_smem, ready, done=None: _dkv_kernel(

@@ -35,7 +35,7 @@ from jax_flash.spec import dropout, softmax
 from jax_flash.spec.mask import (KV_PAD_ID, Q_PAD_ID, Mask, id_block_table,
                                   intersect_ranges, kinds_block_table,
                                   kv_block_ranges, without_full_tiles)
-from jax_flash.spec.padding import pad_to, round_up
+from jax_flash.spec.padding import pad_pairs, pad_to, round_up
 from jax_flash.spec.scores import Scores
 from pallas_kernels.mosaic_gpu.config import BlockSizes
 
@@ -61,18 +61,6 @@ def table_ranges(mask: Mask, ranges, table_ref, batch, row_tile):
     ranges = intersect_ranges(ranges, tuple(table_ref[b, row_tile, c]
                                             for c in range(4)))
   return without_full_tiles(mask, ranges)
-
-
-def pad_pairs(x, q_rows: int, kv_rows: int, *, transposed: bool = False):
-  """A per-pair operand (`Operands.dense_mask`, int8, or `Operands.bias`;
-  [Bm, Nm, Tm, Sm], each dim 1 or full) padded with 0 to q_rows queries
-  and kv_rows keys, a dim of 1 kept (`pair_tile` broadcasts it); the last
-  two dims swapped if `transposed` (the dK/dV kernel's keys-down tiles);
-  None for None."""
-  if x is None:
-    return None
-  x = pad_to(pad_to(x, 2, q_rows, broadcast=True), 3, kv_rows, broadcast=True)
-  return x.swapaxes(2, 3) if transposed else x
 
 
 def pair_tile(ref, batch, head, rows, cols):
