@@ -15,9 +15,6 @@ backend is an object with:
             bias, score_consts; None where not computed)
     decode(q, k, v, kv_lengths, *, mask, scores, num_splits, page_table,
            sinks) -> (o [B, T, N, H], lse [B, N, T])
-    awaiting_gpu_check(problem, *, mask, scores, decode) -> str | None
-        (optional: features lowered but not yet run on a GPU; picked only
-        when named alone)
 
 with lse the natural-log logsumexp, float32, everywhere. Backends:
 "mosaic" (Pallas Mosaic GPU kernels, forward and backward; Hopper GPUs),
@@ -168,20 +165,13 @@ def check_options(block_sizes, version) -> None:
 def select(implementation, query, problem: Problem, dtype, *, mask: Mask,
            scores: Scores, version: int = 2, decode: bool = False):
   """The backend that runs this call; ValueError if the one named cannot."""
-  def reason(name, picking=True):
-    """Why backend `name` cannot take the call (None if it can). When
-    picking among several, features a backend has lowered but not yet run
-    on a GPU (its `awaiting_gpu_check`) count as a reason too; naming the
-    backend alone runs them (the GPU tests do)."""
+  def reason(name):
+    """Why backend `name` cannot take the call (None if it can)."""
     if name in HOPPER_ONLY and not hopper_target():
       return f"implementation {name!r} needs a Hopper GPU (H100/H200)"
     backend = backends()[name]
-    why = backend.unsupported(problem, dtype, mask=mask, scores=scores,
-                              version=version, decode=decode)
-    if why is None and picking and hasattr(backend, "awaiting_gpu_check"):
-      why = backend.awaiting_gpu_check(problem, mask=mask, scores=scores,
-                                       decode=decode)
-    return why
+    return backend.unsupported(problem, dtype, mask=mask, scores=scores,
+                               version=version, decode=decode)
 
   if implementation is None:
     if on_gpu(query):

@@ -380,9 +380,8 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
       kernels on an H100/H200 where they take the call, else the Triton
       kernels. "mosaic": the Mosaic GPU kernels, forward and backward
       (Hopper only; bf16/fp16, head dims 64/96/128/192/256, causal,
-      sliding windows, lengths, segment ids, soft-cap, ALiBi, sinks,
-      dropout, flex mods that close over no array; dense masks and bias are
-      lowered but not yet run on a GPU, so only this name picks them).
+      sliding windows, lengths, segment ids, dense masks, bias, soft-cap,
+      ALiBi, sinks, dropout, flex mods that close over no array).
       "triton": the Triton-lowered kernels (GPU only). "interpret": the same
       kernels run by the Pallas interpreter (any machine, slow; for tests).
       "xla": FlashAttention in plain jnp (`jax_flash.blockwise`: loops

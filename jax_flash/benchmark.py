@@ -186,7 +186,9 @@ def run_sparse(scenario, head_dim, hidden, seq_len, sizes, dtype, calls,
   "padding": causal, the last p keys padding, p in `sizes`: as lengths
   (flash_v2, cudnn), a [1, 1, 1, S] key mask (flash_key_mask: folded into
   ids) and the same mask as [1, 1, T, S] (flash_dense_mask: read per tile;
-  mosaic_dense_mask: the same on the Mosaic kernels, named).
+  triton_/mosaic_dense_mask: the same on each backend, named), and beside
+  the lengths a float32 bias per (head, pair) (triton_/mosaic_bias) or per
+  key (triton_/mosaic_key_bias).
   FLOPs count only the visible (query, key) pairs: 4*N*H per pair forward,
   3.5x that forward+backward. The full causal problem is timed alongside, so
   time / full-causal time can be read against visible / full-causal pairs.
@@ -236,10 +238,19 @@ def run_sparse(scenario, head_dim, hidden, seq_len, sizes, dtype, calls,
       for name, m in (("flash_key_mask", keys), ("flash_dense_mask", pairs)):
         impls[name] = lambda q, k, v, m=m: jax_flash.flash_attention(
             q, k, v, mask=m, is_causal=True, implementation="pallas")
-      # The dense mask on the Mosaic kernels (named: gated until checked).
-      impls["mosaic_dense_mask"] = lambda q, k, v, m=pairs: (
-          jax_flash.flash_attention(q, k, v, mask=m, is_causal=True,
-                                    implementation="mosaic"))
+      # The dense mask, and a float32 bias per (head, pair) or per key
+      # beside the same lengths, on each backend by name.
+      b1, b2 = jax.random.split(jax.random.key(seq_len + 1))
+      pair_bias = jax.random.normal(b1, (1, num_heads, seq_len, seq_len))
+      key_bias = jax.random.normal(b2, (1, 1, 1, seq_len))
+      for backend in ("triton", "mosaic"):
+        impls[f"{backend}_dense_mask"] = lambda q, k, v, m=pairs, i=backend: (
+            jax_flash.flash_attention(q, k, v, mask=m, is_causal=True,
+                                      implementation=i))
+        for name, bias in (("bias", pair_bias), ("key_bias", key_bias)):
+          impls[f"{backend}_{name}"] = (
+              lambda q, k, v, b=bias, i=backend, kw=kwargs:
+              jax_flash.flash_attention(q, k, v, b, implementation=i, **kw))
     if size is None and scenario == "documents":
       # A relative-bias table read by a score_mod (T5-style, frozen here:
       # the kernels run it; a trained table's gradient would add the

@@ -274,6 +274,9 @@ def backward(q, k, v, operands: Operands, o, lse, do, dlse, *, mask: Mask,
         3, 0, 1, 2, 4)
 
   bias_shape = None if ops.bias is None else ops.bias.shape
+  # A bias over queries only: its gradient from sums over each row's keys.
+  key_sum = bias_shape is not None and bias_shape[3] == 1
+  dlse = jnp.zeros_like(delta) if dlse is None else dlse.astype(jnp.float32)
   # The score_mod's floating arrays get gradients (dL/dS through its vjp).
   consts = ops.score_consts or ()
   trained = [jnp.issubdtype(c.dtype, jnp.inexact) for c in consts]
@@ -289,11 +292,11 @@ def backward(q, k, v, operands: Operands, o, lse, do, dlse, *, mask: Mask,
     return vjp(ds / softmax.LOG2E)[0]  # s2 is s * log2(e).
 
   def q_block(carry, args):
-    i, qb, dob, lse2_b, delta_b = args
+    i, qb, dob, lse2_b, delta_b, dlse_b = args
     q0 = i * p.block_q
 
     def body(j, inner):
-      dq, dk, dv, dbias, dconsts = inner
+      dq, dk, dv, dbias, dconsts, sums = inner
       k0 = j * p.block_k
       kb = lax.dynamic_slice_in_dim(k, k0, p.block_k, 1)
       vb = lax.dynamic_slice_in_dim(v, k0, p.block_k, 1)
@@ -304,7 +307,10 @@ def backward(q, k, v, operands: Operands, o, lse, do, dlse, *, mask: Mask,
       dv_b = p.dot("bkgqs,bqkgh->bskh",
                    _dropped(p, ops, prob, q0, k0).astype(do.dtype), dob)
       ds = prob * (dp - delta_b[..., None])
-      if dbias is not None:
+      if key_sum:  # sum P * dP and sum P (softmax.key_sum_of_ds).
+        sums = (sums[0] + jnp.sum(prob * dp, axis=-1),
+                sums[1] + jnp.sum(prob, axis=-1))
+      elif dbias is not None:
         dbias = _add_dbias(dbias, ds, q0, k0, p)
       if dconsts:
         dconsts = jax.tree.map(jnp.add, dconsts,
@@ -316,11 +322,16 @@ def backward(q, k, v, operands: Operands, o, lse, do, dlse, *, mask: Mask,
           dk, lax.dynamic_slice_in_dim(dk, k0, p.block_k, 1) + dk_b, k0, 1)
       dv = lax.dynamic_update_slice_in_dim(
           dv, lax.dynamic_slice_in_dim(dv, k0, p.block_k, 1) + dv_b, k0, 1)
-      return dq, dk, dv, dbias, dconsts
+      return dq, dk, dv, dbias, dconsts, sums
 
     dq = jnp.zeros(qb.shape, jnp.float32)
-    dq, *carry = lax.fori_loop(lo[i], hi[i], body, (dq, *carry))
-    return tuple(carry), (dq * p.scores.scale).astype(q.dtype)
+    zeros = jnp.zeros(lse2_b.shape, jnp.float32)
+    dq, dk, dv, dbias, dconsts, sums = lax.fori_loop(
+        lo[i], hi[i], body, (dq, *carry, (zeros, zeros)))
+    if key_sum:
+      rows = softmax.key_sum_of_ds(*sums, dlse_b)
+      dbias = _add_dbias(dbias, rows[..., None], q0, 0, p)
+    return (dk, dv, dbias, dconsts), (dq * p.scores.scale).astype(q.dtype)
 
   split = lambda x: _blocks(pad_to(x, 1, tp), p.num_q_blocks, p.block_q, kh)
   dk0 = jnp.zeros((b, sp, kh, h), jnp.float32)
@@ -331,7 +342,7 @@ def backward(q, k, v, operands: Operands, o, lse, do, dlse, *, mask: Mask,
   (dk, dv, dbias, dconsts), dq = lax.scan(
       q_block, (dk0, dv0, dbias0, dconsts0),
       (jnp.arange(p.num_q_blocks), split(q), split(do), stats(lse2),
-       stats(pad_to(delta, 2, tp))))
+       stats(pad_to(delta, 2, tp)), stats(pad_to(dlse, 2, tp))))
   dq = dq.transpose(1, 0, 2, 3, 4, 5).reshape(b, tp, n, h)[:, :t]
   dk = (dk[:, :p.kv_len] * p.scores.scale).astype(k.dtype)
   dv = dv[:, :p.kv_len].astype(v.dtype)

@@ -109,7 +109,7 @@ MOSAIC_OPTIONS = {
     "segments_h64_f16": (
         Case(2, 1024, 1024, 4, 4, 64, "float16", False),
         dict(segment_ids=(_packed(2, 1024, 5, 1), _packed(2, 1024, 5, 1)))),
-    # Dense masks (lowered, gated until these pass on the H200).
+    # Dense masks.
     "dense_mask_causal_gqa": (
         Case(1, 1000, 1003, 8, 2, 128, "bfloat16", True),
         dict(mask=_random_mask((1, 1, 1000, 1003), 10))),
@@ -124,7 +124,7 @@ MOSAIC_OPTIONS = {
         Case(1, 700, 700, 4, 2, 96, "bfloat16", False),
         dict(mask=_random_mask((1, 1, 700, 700), 13),
              local_window_size=(128, 64))),
-    # A bias (with its gradient, from the Triton dbias kernel; gated too).
+    # A bias (with its gradient, from the Triton dbias kernel).
     "bias_causal_gqa": (
         Case(1, 1000, 1003, 8, 2, 128, "bfloat16", True),
         dict(bias=jax.random.normal(jax.random.key(14), (1, 8, 1000, 1003)))),

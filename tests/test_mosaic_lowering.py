@@ -98,11 +98,9 @@ def test_mosaic_takes_any_length(head_dim, q_len, kv_len):
     ("alibi", (2, 256, 512, 8, 2, 64), jnp.bfloat16,
      dict(is_causal=True, alibi_slopes=jnp.ones((2, 8))), True),
     ("bias", (2, 256, 512, 8, 2, 128), jnp.bfloat16,
-     dict(bias=jnp.zeros((1, 1, 256, 512))), False),
-    # Bias and dense masks: lowered but not yet run on a GPU, so the default
-    # picks Triton.
+     dict(bias=jnp.zeros((1, 1, 256, 512))), True),
     ("dense_mask", (2, 256, 512, 8, 2, 128), jnp.bfloat16,
-     dict(mask=jnp.ones((2, 1, 256, 512), bool)), False),
+     dict(mask=jnp.ones((2, 1, 256, 512), bool)), True),
     ("sinks", (2, 256, 512, 8, 2, 128), jnp.bfloat16,
      dict(sinks=jnp.zeros((8,))), True),
     ("dropout", (2, 256, 512, 8, 2, 128), jnp.bfloat16,
@@ -294,7 +292,7 @@ def test_mosaic_takes_sinks_and_dropout(kwargs, head_dim):
 def test_mosaic_takes_dense_masks_when_named(head_dim, num_mask_heads):
   """A dense mask read tile by tile in the forward, dK/dV (transposed) and
   dQ kernels, a broadcast head dim kept in global memory; lengths no tile
-  divides. Not yet run on a GPU: only implementation="mosaic" picks it."""
+  divides."""
   mask = jnp.ones((1, num_mask_heads, 300, 1003), bool)
   text = _lower_grad("mosaic", (1, 300, 1003, 4, 2, head_dim), jnp.bfloat16,
                      is_causal=True, mask=mask)
@@ -308,11 +306,10 @@ def test_mosaic_takes_dense_masks_when_named(head_dim, num_mask_heads):
                                         (1, 4, 1, 1003), (1, 1, 300, 1),
                                         (1, 1, 1, 1)],
                          ids=["shared", "per_head", "keys", "rows", "scalar"])
-def test_mosaic_takes_a_bias_when_named(head_dim, bias_shape):
+def test_mosaic_takes_a_bias(head_dim, bias_shape):
   """A bias in the forward, dK/dV and dQ kernels (a tile, or a row or
   column vector broadcast in registers), with a dense mask; its gradient
-  from the Triton dbias kernel. Not yet run on a GPU: only
-  implementation="mosaic" picks it."""
+  from the Triton dbias kernel."""
   b, t, s, n, k = 1, 300, 1003, 4, 2
   q = jax.ShapeDtypeStruct((b, t, n, head_dim), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((b, s, k, head_dim), jnp.bfloat16)

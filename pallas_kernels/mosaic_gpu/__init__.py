@@ -14,10 +14,9 @@ bits of `spec.dropout`, every backend's); `flash_decode`'s prompt chunks of
 `config.MIN_DECODE_QUERIES` or more tokens (the forward with query offsets).
 Dense masks and bias (a [Bm, Nm, T, S] tile read from global memory on
 every tile, a row or column vector where it broadcasts; the dispatch takes
-the bias gradient from the Triton backend's dbias kernel): lowered for an H200 on the CPU,
-not yet run on one, so picked only when named (`awaiting_gpu_check`). No
-split-KV decode. Everything else it takes has run on an H200
-(tests/test_gpu.py, test_flex.py, test_decode.py).
+the bias gradient from the Triton backend's dbias kernel). No split-KV
+decode. Everything it takes has run on an H200 (tests/test_gpu.py,
+test_flex.py, test_decode.py).
 """
 from __future__ import annotations
 
@@ -105,17 +104,6 @@ class MosaicGpuBackend:
     if missing:
       return (f"the Mosaic GPU kernels cannot run a mask_mod/score_mod made "
               f"of {sorted(missing)}")
-    return None
-
-  def awaiting_gpu_check(self, problem: Problem, *, mask: Mask,
-                         scores: Scores, decode: bool = False) -> str | None:
-    """Features lowered for an H200 on the CPU but not yet run on one: the
-    dispatch picks another backend for them unless implementation="mosaic"
-    names this one (the GPU tests do; `scripts/gpu_check.sh pending`)."""
-    del problem, decode
-    if mask.has_dense or scores.bias:
-      return ("dense masks and bias in the Mosaic GPU kernels are lowered but "
-              "not yet checked on a GPU (implementation='mosaic' runs them)")
     return None
 
   def config(self, block_sizes, problem: Problem, dtype, *, is_causal: bool,

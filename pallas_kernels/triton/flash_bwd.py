@@ -149,6 +149,11 @@ class _QueryTile:
 
   def ds(self, j, masked: bool):
     """(dS, the soft-cap tanh or None, K) of key tile j."""
+    p, dp, tanh, k = self.probs(j, masked)
+    return p * (dp - self.delta[:, None]), tanh, k
+
+  def probs(self, j, masked: bool):
+    """(P, dP, the soft-cap tanh or None, K) of key tile j."""
     ctx, k_start = self.ctx, j * self.block_k
     bound = ctx.kv_len if masked else None
     k = load_tile(self.k_ref, k_start, self.block_k, row_bound=bound,
@@ -166,7 +171,7 @@ class _QueryTile:
                     0.0)
     dp = ctx.dropped(dot(self.do, v, trans_b=True), self.q_start, k_start,
                      self.head)
-    return p * (dp - self.delta[:, None]), tanh, k
+    return p, dp, tanh, k
 
 
 def _dq_kernel(*refs, scores: Scores, mask: Mask, head_dim: int,
@@ -195,8 +200,9 @@ def _dbias_kernel(*refs, scores: Scores, mask: Mask, head_dim: int,
                   sum_keys: bool, sum_queries: bool):
   """One (query tile, batch, head): dBias = dS, summed as the bias broadcasts.
 
-  refs: as `_QueryTile`, then dbias_ref: [T, 1] row sums when the bias
-  broadcasts over keys (`sum_keys`); [num_q_tiles, S] this tile's column sums
+  refs: as `_QueryTile` (but delta_ref holds the logsumexp's cotangent when
+  `sum_keys`), then dbias_ref: [T, 1] row sums when the bias broadcasts over
+  keys (`sum_keys`: `softmax.key_sum_of_ds`); [num_q_tiles, S] this tile's column sums
   when it broadcasts over queries only (`sum_queries`; XLA sums the tiles);
   else [T, S], dS itself. Tiles the mask hides have dS = 0.
   """
@@ -209,10 +215,12 @@ def _dbias_kernel(*refs, scores: Scores, mask: Mask, head_dim: int,
 
   if sum_keys:
     def rowsum_body(j, acc, *, masked):
-      return acc + jnp.sum(prog.ds(j, masked)[0], axis=1)
-    acc = ctx.visit(prog.ranges, rowsum_body,
-                    jnp.zeros((block_q,), jnp.float32))
-    plgpu.store(dbias_ref.at[pl.ds(q_start, block_q), jnp.int32(0)], acc,
+      p, dp, _, _ = prog.probs(j, masked)
+      return acc[0] + jnp.sum(p * dp, axis=1), acc[1] + jnp.sum(p, axis=1)
+    zeros = jnp.zeros((block_q,), jnp.float32)
+    p_dp, p_sum = ctx.visit(prog.ranges, rowsum_body, (zeros, zeros))
+    plgpu.store(dbias_ref.at[pl.ds(q_start, block_q), jnp.int32(0)],
+                softmax.key_sum_of_ds(p_dp, p_sum, prog.delta),
                 mask=rows < ctx.q_len)
     return
 
@@ -238,6 +246,12 @@ def _dbias_kernel(*refs, scores: Scores, mask: Mask, head_dim: int,
   lax.fori_loop(0, lo, zero_body, None)
   ctx.visit(prog.ranges, ds_body, None)
   lax.fori_loop(hi, pl.cdiv(ctx.kv_len, block_k), zero_body, None)
+
+
+def _key_sum_stat(delta, dlse):
+  """What the dbias kernel's row sums read in delta's place: the logsumexp's
+  cotangent, float32 [B, N, T] (zeros without one)."""
+  return jnp.zeros_like(delta) if dlse is None else dlse.astype(jnp.float32)
 
 
 def flash_backward(q, k, v, operands: Operands, o, lse, do, dlse, *,
@@ -307,7 +321,7 @@ def flash_backward(q, k, v, operands: Operands, o, lse, do, dlse, *,
   extra = operand_specs.for_query_tiles(operands, mask, bq, bk, q_len,
                                         kv_len)
 
-  def query_tile_call(kernel, name, out_spec, out_shape):
+  def query_tile_call(kernel, name, out_spec, out_shape, row_stat=delta):
     return pl.pallas_call(
         functools.partial(kernel, block_q=bq, block_k=bk, **static),
         grid=(num_q_tiles, batch, num_heads),
@@ -318,7 +332,7 @@ def flash_backward(q, k, v, operands: Operands, o, lse, do, dlse, *,
         compiler_params=compiler_params,
         interpret=interpret,
         name=name,
-    )(q, k, v, do, lse, delta, *extra.args())
+    )(q, k, v, do, lse, row_stat, *extra.args())
 
   dq = query_tile_call(_dq_kernel, "flash_attention_backward_dq", q_spec(hp),
                        jax.ShapeDtypeStruct(q.shape, q.dtype))
@@ -333,7 +347,8 @@ def flash_backward(q, k, v, operands: Operands, o, lse, do, dlse, *,
                           sum_queries=sum_queries),
         "flash_attention_backward_dbias",
         pl.BlockSpec((None, None) + shape[2:], lambda i, b, n: (b, n, 0, 0)),
-        jax.ShapeDtypeStruct(shape, jnp.float32))
+        jax.ShapeDtypeStruct(shape, jnp.float32),
+        row_stat=_key_sum_stat(delta, dlse) if sum_keys else delta)
     axes = tuple(a for a, d in enumerate((bm, nm, tm, sm)) if d == 1)
     dbias = jnp.sum(buf, axis=axes, keepdims=True)
   return dq, dk, dv, dbias
