@@ -4,7 +4,9 @@
 #   bash scripts/gpu_check.sh tests     # the tests with the real kernels (~5 min)
 #   bash scripts/gpu_check.sh diagnose  # the small-shape error sweep
 #   bash scripts/gpu_check.sh bench     # dense: ours v2/v1, cuDNN, jax's Pallas, XLA
-#   bash scripts/gpu_check.sh sparse    # sliding windows and packed documents
+#   bash scripts/gpu_check.sh sparse    # sliding windows, then `masks`
+#   bash scripts/gpu_check.sh masks     # packed documents; padding as lengths,
+#                                       # dense masks and bias on each backend
 #   bash scripts/gpu_check.sh decode    # flash_decode bandwidth vs cache length
 #   bash scripts/gpu_check.sh long      # one 128k-token causal sequence
 #   bash scripts/gpu_check.sh ring      # ring_attention on every local GPU
@@ -47,6 +49,13 @@ bench() {  # bench NAME TIMEOUT ARGS...: one benchmark run into $OUT/NAME.
   tail -n 25 "$OUT/$name"/*.md
 }
 
+masks() {  # Packed documents; padding as lengths, masks and bias.
+  bench documents 120 --scenario documents --seq-lens 16384 --sizes 16 \
+    --head-dims 128
+  bench padding 240 --scenario padding --seq-lens 8192 --sizes 2048 \
+    --head-dims 128
+}
+
 for mode in "$@"; do
   echo "=== $mode ($(date -u +%H:%M:%S))"
   case "$mode" in
@@ -75,11 +84,9 @@ for mode in "$@"; do
     sparse)
       bench window 150 --scenario window --seq-lens 32768 \
         --sizes 1024 2048 4096 --head-dims 128
-      bench documents 120 --scenario documents --seq-lens 16384 --sizes 16 \
-        --head-dims 128
-      bench padding 120 --scenario padding --seq-lens 8192 --sizes 2048 \
-        --head-dims 128
+      masks
       ;;
+    masks) masks ;;
     decode)
       bench decode 200 --scenario decode --head-dims 128 \
         --seq-lens 1024 8192 32768 131072 --batches 1 8 64
