@@ -190,7 +190,7 @@ def select(implementation, query, problem: Problem, dtype, *, mask: Mask,
         "kernels, interpreted) or 'xla'")
   reasons = []
   for name in names:
-    why = reason(name, picking=len(names) > 1)
+    why = reason(name)
     if why is None:
       return backends()[name]
     reasons.append(why)
