@@ -47,6 +47,8 @@ bench() {  # bench NAME TIMEOUT ARGS...: one benchmark run into $OUT/NAME.
     echo "$name: exit $?"; tail -n 30 "/tmp/$name.log"
   fi
   tail -n 25 "$OUT/$name"/*.md
+  grep -h '"error"' "/tmp/$name.log" | sed 's/.*"impl": \("[^"]*"\).*"mode": \("[^"]*"\).*"error": /\1 \2 /' \
+    | cut -c1-400 | sort -u | head -n 12
 }
 
 masks() {  # Packed documents; padding as lengths, masks and bias.
