@@ -7,7 +7,8 @@ backend is an object with:
     name, needs_gpu, config_type
     unsupported(problem, dtype, *, mask, scores, version, decode)
         -> str | None (why it cannot take the call)
-    config(block_sizes, problem, dtype, *, is_causal, version) -> config
+    config(block_sizes, problem, dtype, *, is_causal, version, scores)
+        -> config (scores: optional, `Scores`, for tiles that depend on them)
     forward(q, k, v, operands, *, mask, scores, config, version)
         -> (o [B, T, N, H], lse [B, N, T])
     backward(q, k, v, operands, o, lse, do, dlse, *, mask, scores, config)
@@ -55,7 +56,8 @@ class XlaBackend:
                   decode=False):
     return None
 
-  def config(self, block_sizes, problem, dtype, *, is_causal, version=2):
+  def config(self, block_sizes, problem, dtype, *, is_causal, version=2,
+             scores=None):
     if isinstance(block_sizes, blockwise.BlockSizes):
       return block_sizes
     return blockwise.BlockSizes()

@@ -11,6 +11,7 @@ Writes `<out>/benchmark.json` and `<out>/benchmark.md`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import itertools
 import json
@@ -20,6 +21,7 @@ import statistics
 import sys
 import time
 import traceback
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -94,15 +96,29 @@ def _time(fn, args, calls: int, repeats: int) -> float:
 _FLOPS = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}  # x forward FLOPs
 
 
+@dataclasses.dataclass(frozen=True)
+class _WithArrays:
+  """fn(q, k, v, *arrays), timed with the arrays as arguments of the jitted
+  program: closed over, a large one (a bias per head and pair) would be
+  embedded in it as a constant. Gradients are taken for q, k, v only."""
+  fn: Callable
+  arrays: tuple
+
+
 def _jitted(fn, mode, q, k, v, do):
   """(jitted function, its arguments) running `fn` forward, backward or both."""
+  arrays = ()
+  if isinstance(fn, _WithArrays):
+    fn, arrays = fn.fn, fn.arrays
   if mode == "fwd":
-    return jax.jit(fn), (q, k, v)
+    return jax.jit(fn), (q, k, v, *arrays)
   if mode == "bwd":  # The vjp closure (residuals included) is a pytree.
-    _, vjp_fn = jax.vjp(jax.jit(fn), q, k, v)
+    jitted = jax.jit(fn)
+    _, vjp_fn = jax.vjp(lambda q, k, v: jitted(q, k, v, *arrays), q, k, v)
     return jax.jit(lambda vjp_fn, do: vjp_fn(do)), (vjp_fn, do)
-  return (jax.jit(lambda q, k, v, do: jax.vjp(fn, q, k, v)[1](do)),
-          (q, k, v, do))
+  return (jax.jit(lambda q, k, v, do, *arrays: jax.vjp(
+      lambda q, k, v: fn(q, k, v, *arrays), q, k, v)[1](do)),
+          (q, k, v, do, *arrays))
 
 
 def compiled_gib(jitted, *args) -> float:
@@ -235,22 +251,27 @@ def run_sparse(scenario, head_dim, hidden, seq_len, sizes, dtype, calls,
     if "key_value_seq_lengths" in kwargs:  # The same keys hidden by masks.
       keys = (positions < kwargs["key_value_seq_lengths"][0])[None, None, None]
       pairs = jnp.broadcast_to(keys, (1, 1, seq_len, seq_len))
-      for name, m in (("flash_key_mask", keys), ("flash_dense_mask", pairs)):
-        impls[name] = lambda q, k, v, m=m: jax_flash.flash_attention(
-            q, k, v, mask=m, is_causal=True, implementation="pallas")
+      impls["flash_key_mask"] = lambda q, k, v, m=keys: (
+          jax_flash.flash_attention(q, k, v, mask=m, is_causal=True,
+                                    implementation="pallas"))
+      impls["flash_dense_mask"] = _WithArrays(
+          lambda q, k, v, m: jax_flash.flash_attention(
+              q, k, v, mask=m, is_causal=True, implementation="pallas"),
+          (pairs,))
       # The dense mask, and a float32 bias per (head, pair) or per key
       # beside the same lengths, on each backend by name.
       b1, b2 = jax.random.split(jax.random.key(seq_len + 1))
       pair_bias = jax.random.normal(b1, (1, num_heads, seq_len, seq_len))
       key_bias = jax.random.normal(b2, (1, 1, 1, seq_len))
       for backend in ("triton", "mosaic"):
-        impls[f"{backend}_dense_mask"] = lambda q, k, v, m=pairs, i=backend: (
-            jax_flash.flash_attention(q, k, v, mask=m, is_causal=True,
-                                      implementation=i))
+        impls[f"{backend}_dense_mask"] = _WithArrays(
+            lambda q, k, v, m, i=backend: jax_flash.flash_attention(
+                q, k, v, mask=m, is_causal=True, implementation=i), (pairs,))
         for name, bias in (("bias", pair_bias), ("key_bias", key_bias)):
-          impls[f"{backend}_{name}"] = (
-              lambda q, k, v, b=bias, i=backend, kw=kwargs:
-              jax_flash.flash_attention(q, k, v, b, implementation=i, **kw))
+          impls[f"{backend}_{name}"] = _WithArrays(
+              lambda q, k, v, b, i=backend, kw=kwargs:
+              jax_flash.flash_attention(q, k, v, b, implementation=i, **kw),
+              (bias,))
     if size is None and scenario == "documents":
       # A relative-bias table read by a score_mod (T5-style, frozen here:
       # the kernels run it; a trained table's gradient would add the

@@ -188,6 +188,32 @@ def test_flex_mask_mod_reading_a_traced_array_lowers():
     assert name in text
 
 
+def test_score_mod_reading_a_table_gets_tiles_that_fit():
+  """A relative-bias table read by a score_mod (a float32 tile gathered per
+  key tile): key tiles of 64 in 2 stages on the Triton kernels; head dim
+  128's non-causal 128 x 128 tiles in 3 stages asked the H200 for 360448
+  bytes of shared memory at 16k (2026-12-01). Without a table, the default."""
+  t = 4096
+  q = jax.ShapeDtypeStruct((1, t, 4, 128), jnp.bfloat16)
+  table = jnp.linspace(-1.0, 1.0, 2 * t)
+  block_mask = jax_flash.create_block_mask(lambda b, h, qi, ki: qi >= ki,
+                                           None, None, t, t)
+
+  def tiles(score_mod):
+    f = lambda q, k, v: jax_flash.flex_attention(q, k, v, score_mod,
+                                                 block_mask,
+                                                 implementation="triton")
+    with jax.sharding.use_abstract_mesh(
+        mesh_lib.AbstractMesh((1,), ("x",), abstract_device=H200)):
+      jaxpr = jax.make_jaxpr(f)(q, q, q)
+    (cfg,) = [e.params["_prim"].cfg for e in jaxpr.eqns
+              if "_prim" in e.params]
+    return cfg.block_sizes.block_k, cfg.block_sizes.num_stages
+
+  assert tiles(lambda s, b, h, qi, ki: s + table[qi - ki + t]) == (64, 2)
+  assert tiles(lambda s, b, h, qi, ki: s * 0.5) == (128, 3)
+
+
 @pytest.mark.parametrize("head_dim", [320, 512])
 def test_head_dims_above_256_run_triton_by_default(head_dim):
   """The default on an H200 runs head dims 257..512 on the Triton kernels,

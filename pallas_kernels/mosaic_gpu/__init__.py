@@ -107,8 +107,8 @@ class MosaicGpuBackend:
     return None
 
   def config(self, block_sizes, problem: Problem, dtype, *, is_causal: bool,
-             version: int = 2) -> BlockSizes:
-    del version  # Only 2 (see `unsupported`).
+             version: int = 2, scores: Scores | None = None) -> BlockSizes:
+    del version, scores  # Only 2 (see `unsupported`); the tiles take any.
     blocks = (block_sizes if isinstance(block_sizes, BlockSizes) else
               BlockSizes.get_default(problem.head_dim, is_causal))
     smem = blocks.smem_bytes(problem.head_dim, jnp.dtype(dtype).itemsize)

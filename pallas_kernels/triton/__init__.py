@@ -64,10 +64,13 @@ class TritonBackend:
     return None
 
   def config(self, block_sizes: BlockSizes | None, problem: Problem, dtype,
-             *, is_causal: bool, version: int = 2) -> BlockSizes:
+             *, is_causal: bool, version: int = 2,
+             scores: Scores | None = None) -> BlockSizes:
     if block_sizes is None:
       block_sizes = BlockSizes.get_default(problem.head_dim, dtype, is_causal,
                                            version)
+      if scores is not None and scores.mod_arrays:
+        block_sizes = block_sizes.for_array_reads()
     return block_sizes.clipped(problem.q_len, problem.kv_len)
 
   def forward(self, q, k, v, operands: Operands, *, mask: Mask,

@@ -128,6 +128,16 @@ class BlockSizes:
                  **backward)
     return cls(block_q=128, block_k=64, num_warps=8, num_stages=2, **backward)
 
+  def for_array_reads(self) -> "BlockSizes":
+    """These tiles for a score_mod that reads arrays (a float32 tile gathered
+    per key tile, converted through shared memory): key tiles of at most 64
+    in at most 2 stages. Head dim 128's non-causal default (128 x 128, 3
+    stages) asked for 360448 bytes of shared memory with a relative-bias
+    table, against the H200's 232448 (2026-12-01); 128 x 64 in 2 stages is
+    the causal default, which fits without one."""
+    return dataclasses.replace(self, block_k=min(self.block_k, 64),
+                               num_stages=min(self.num_stages, 2))
+
   def clipped(self, q_len: int, kv_len: int) -> "BlockSizes":
     """Shrinks tiles for short sequences (never below 16), keeping the rest."""
     def clip(b, n):
