@@ -17,6 +17,7 @@
 #   bash scripts/gpu_check.sh prefill   # prompt chunks vs a 32k cache (Triton, paged, Mosaic)
 #   bash scripts/gpu_check.sh h512      # head dim 512: Triton vs cuDNN and XLA, 8k
 #   bash scripts/gpu_check.sh dims      # head dims 96/192: Mosaic vs Triton and cuDNN, 8k
+#   bash scripts/gpu_check.sh ptxas     # the Mosaic kernels' register/spill report
 #   bash scripts/gpu_check.sh mosaic    # the Mosaic kernels: correctness sweep + 8k benchmark
 #                                       # (with tokamax if .whl/ is carried: scripts/tokamax_wheels.sh)
 # TESTS="tests/a.py::b ..." limits `tests` to those; BENCH_ARGS replaces
@@ -174,6 +175,20 @@ for mode in "$@"; do
       # shellcheck disable=SC2086
       bench mosaic_8k "${BENCH_LIMIT:-240}" --seq-lens 8192 \
         --head-dims 128 64 256 --impls $impls
+      ;;
+    ptxas)
+      # ptxas's register and spill report of the Mosaic forward and backward
+      # kernels (issue 12's attribution), 8k, bf16, per head dim.
+      for h in 64 128 192 256; do
+        MOSAIC_GPU_DUMP_PTXAS=1 timeout 120 python3 -c "
+import jax, jax.numpy as jnp, jax_flash
+q = jnp.ones((1, 8192, 2048 // $h, $h), jnp.bfloat16)
+f = lambda q: jax_flash.flash_attention(q, q, q, implementation='mosaic').sum()
+jax.jit(jax.grad(f)).lower(q).compile()" > "$OUT/ptxas_h$h.log" 2>&1
+        echo "head dim $h: exit $?"
+        grep -iE "Function properties|registers|spill" "$OUT/ptxas_h$h.log" \
+          | sort | uniq -c | head -n 12
+      done
       ;;
     *) echo "unknown mode $mode"; exit 2 ;;
   esac
