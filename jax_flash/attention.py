@@ -265,9 +265,9 @@ def _backward(cfg: _Config, residuals, cotangents):
   if _partitioned(operands):
     dq, dk, dv = _sharded_backward(q, k, v, o, lse, do, dlse, cfg)
     return dq, dk, dv, jax.tree.map(jnp.zeros_like, operands)
-  dq, dk, dv, grads = cfg.backend.backward(
-      q, k, v, operands, o, lse, do, dlse, mask=cfg.mask, scores=cfg.scores,
-      config=cfg.block_sizes)
+  dq, dk, dv, grads = _dispatch.backward(
+      cfg.backend, q, k, v, operands, o, lse, do, dlse, mask=cfg.mask,
+      scores=cfg.scores, config=cfg.block_sizes)
   grads = _dispatch.missing_gradients(q, k, v, operands, o, lse, do, dlse,
                                       grads, mask=cfg.mask, scores=cfg.scores)
   # Ids, the dense mask, the ALiBi slopes, the seed, the tile kinds and the

@@ -307,9 +307,11 @@ def test_mosaic_takes_dense_masks_when_named(head_dim, num_mask_heads):
                                         (1, 1, 1, 1)],
                          ids=["shared", "per_head", "keys", "rows", "scalar"])
 def test_mosaic_takes_a_bias(head_dim, bias_shape):
-  """A bias in the forward, dK/dV and dQ kernels (a tile, or a row or
-  column vector broadcast in registers), with a dense mask; its gradient
-  from the Triton dbias kernel."""
+  """A bias in the forward, dK/dV and dQ kernels (a row or column vector
+  broadcast in registers, a scalar), with a dense mask; its gradient from
+  the Triton dbias kernel. A bias per (query, key) pair: the Mosaic forward,
+  then the Triton backward (`_dispatch.backward`: the Mosaic dK/dV kernel
+  would need a transposed copy of it)."""
   b, t, s, n, k = 1, 300, 1003, 4, 2
   q = jax.ShapeDtypeStruct((b, t, n, head_dim), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((b, s, k, head_dim), jnp.bfloat16)
@@ -326,7 +328,10 @@ def test_mosaic_takes_a_bias(head_dim, bias_shape):
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(
         q, kv, kv, bias).lower(lowering_platforms=("cuda",)).as_text()
   assert "flash_attention_forward_mosaic" in text
-  assert all(name in text for name in MOSAIC_BACKWARD)
+  per_pair = bias_shape[2] > 1 and bias_shape[3] > 1
+  backward = TRITON_BACKWARD if per_pair else MOSAIC_BACKWARD
+  assert all(name in text for name in backward)
+  assert not any(name in text for name in MOSAIC_BACKWARD if per_pair)
   assert "flash_attention_backward_dbias" in text
 
 

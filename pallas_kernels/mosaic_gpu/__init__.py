@@ -14,7 +14,9 @@ bits of `spec.dropout`, every backend's); `flash_decode`'s prompt chunks of
 `config.MIN_DECODE_QUERIES` or more tokens (the forward with query offsets).
 Dense masks and bias (a [Bm, Nm, T, S] tile read from global memory on
 every tile, a row or column vector where it broadcasts; the dispatch takes
-the bias gradient from the Triton backend's dbias kernel). No split-KV
+the bias gradient from the Triton backend's dbias kernel, and the whole
+backward from the Triton kernels for a bias per (query, key) pair:
+`_dispatch.backward`). No split-KV
 decode. Everything it takes has run on an H200 (tests/test_gpu.py,
 test_flex.py, test_decode.py).
 """
