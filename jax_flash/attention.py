@@ -381,7 +381,8 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
       kernels. "mosaic": the Mosaic GPU kernels, forward and backward
       (Hopper only; bf16/fp16, head dims 64/96/128/192/256, causal,
       sliding windows, lengths, segment ids, dense masks, bias, soft-cap,
-      ALiBi, sinks, dropout, flex mods that close over no array).
+      ALiBi, sinks, dropout, flex mods that close over no array; with a
+      bias per (query, key) pair the backward runs on the Triton kernels).
       "triton": the Triton-lowered kernels (GPU only). "interpret": the same
       kernels run by the Pallas interpreter (any machine, slow; for tests).
       "xla": FlashAttention in plain jnp (`jax_flash.blockwise`: loops
