@@ -18,6 +18,7 @@
 #   bash scripts/gpu_check.sh h512      # head dim 512: Triton vs cuDNN and XLA, 8k
 #   bash scripts/gpu_check.sh dims      # head dims 96/192: Mosaic vs Triton and cuDNN, 8k
 #   bash scripts/gpu_check.sh ptxas     # the Mosaic kernels' register/spill report
+#   bash scripts/gpu_check.sh sass      # their static instruction mix
 #   bash scripts/gpu_check.sh mosaic    # the Mosaic kernels: correctness sweep + 8k benchmark
 #                                       # (with tokamax if .whl/ is carried: scripts/tokamax_wheels.sh)
 # TESTS="tests/a.py::b ..." limits `tests` to those; BENCH_ARGS replaces
@@ -188,6 +189,20 @@ jax.jit(jax.grad(f)).lower(q).compile()" > "$OUT/ptxas_h$h.log" 2>&1
         echo "head dim $h: exit $?"
         grep -iE "Function properties|registers|spill" "$OUT/ptxas_h$h.log" \
           | sort | uniq -c | head -n 12
+      done
+      ;;
+    sass)
+      # The Mosaic kernels' static instruction mix (benchmarks/sass_mix.py),
+      # 8k, bf16, head dims 128 and 64 (issue 12's attribution).
+      for h in 128 64; do
+        MOSAIC_GPU_DUMP_SASS=1 timeout 120 python3 -c "
+import jax, jax.numpy as jnp, jax_flash
+q = jnp.ones((1, 8192, 2048 // $h, $h), jnp.bfloat16)
+f = lambda q: jax_flash.flash_attention(q, q, q, implementation='mosaic').sum()
+jax.jit(jax.grad(f)).lower(q).compile()" > "/tmp/sass_h$h.log" 2>&1
+        echo "head dim $h: exit $?"
+        python3 benchmarks/sass_mix.py "/tmp/sass_h$h.log" \
+          | tee "$OUT/sass_mix_h$h.jsonl" | cut -c1-600
       done
       ;;
     *) echo "unknown mode $mode"; exit 2 ;;

@@ -23,3 +23,28 @@ def test_dense_table_has_one_cell_per_column(rows, ratio):
   assert "" not in names
   assert dict(zip(names, cells))["flash_v2 fwd"] == "300"
   assert dict(zip(names, cells)).get("v2/cuDNN fwd") == ratio
+
+
+SASS = """
+        Function : flash_attention_forward_mosaic_mosaic_gpu_kernel
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0010*/              @!P0 BRA 0x120 ;
+        /*0020*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24 ;
+        /*0030*/                   MUFU.EX2 R5, R5 ;
+        /*0040*/               @P1 MUFU.EX2 R6, R6 ;
+        /*0050*/                   FFMA R7, R5, R6, R7 ;
+        Function : flash_attention_dq_mosaic_mosaic_gpu_kernel
+        /*0000*/                   SYNCS.ARRIVE.TRANS64.RED.A1T0 RZ, [UR4], RZ ;
+        /*0010*/                   FOO R1, R2 ;
+"""
+
+
+def test_sass_mix_counts_opcodes_per_function():
+  from benchmarks.sass_mix import classify, instruction_mix
+  mixes = instruction_mix(SASS)
+  fwd = mixes["flash_attention_forward_mosaic_mosaic_gpu_kernel"]
+  assert fwd == {"LDC": 1, "BRA": 1, "HGMMA": 1, "MUFU": 2, "FFMA": 1}
+  assert classify(fwd) == {"memory": 1, "control": 1, "tensor": 1,
+                           "special": 2, "float": 1}
+  dq = mixes["flash_attention_dq_mosaic_mosaic_gpu_kernel"]
+  assert classify(dq) == {"control": 1, "other": 1}
