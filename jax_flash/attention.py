@@ -13,7 +13,7 @@ from jax_flash import _dispatch, _sharding, blockwise
 from jax_flash.spec import softmax
 from jax_flash.spec.mask import Mask
 from jax_flash.spec.operands import Operands
-from jax_flash.spec.problem import masks_as_ids, prepare
+from jax_flash.spec.problem import masks_as_ids, prepare, with_dense_kinds
 from jax_flash.spec.scores import Scores
 
 
@@ -417,7 +417,7 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
               logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
               dropout_rate=dropout_rate, dropout_rng=dropout_rng,
               dropout_broadcast=dropout_broadcast, sinks=sinks)
-  spec = masks_as_ids(prepare(query, key, value, **args))
+  spec = with_dense_kinds(masks_as_ids(prepare(query, key, value, **args)))
   p = spec.problem
   _dispatch.check_options(block_sizes, version)
   backend = _dispatch.select(implementation, query, p, query.dtype,

@@ -110,7 +110,7 @@ def _setup(q, k, operands: Operands, mask: Mask, scores: Scores,
 
 def _kv_ranges(p: _Problem, ops: Operands):
   """(lo, hi) [num_q_blocks] int32: the key blocks each query block visits,
-  by the band and by the tile tables (ids, a mask_mod's kinds) of any
+  by the band and by the tile tables (ids, tile kinds) of any
   batch element."""
   starts = jnp.arange(p.num_q_blocks, dtype=jnp.int32) * p.block_q
   if p.mask.has_q_offsets:  # The union over the sequences' offsets.
@@ -122,11 +122,11 @@ def _kv_ranges(p: _Problem, ops: Operands):
   else:
     lo, _, _, hi = jax.vmap(lambda s: mask_lib.kv_block_ranges(
         p.mask, s, p.block_q, p.block_k, p.kv_len))(starts)
-  tables = []  # [B, nq, 4] each: by the ids, by a mask_mod's tile kinds.
+  tables = []  # [B, nq, 4] each: by the ids, by the tile kinds.
   if p.mask.has_ids:
     tables.append(mask_lib.id_block_table(ops.q_ids, ops.kv_ids, p.block_q,
                                           p.block_k))
-  if p.mask.mod is not None:
+  if ops.tile_kinds is not None:
     tables.append(mask_lib.kinds_block_table(
         ops.tile_kinds, p.mask, p.block_q, p.block_k, p.q_len, p.kv_len))
   for table in tables:

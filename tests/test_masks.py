@@ -12,7 +12,7 @@ import pytest
 import jax_flash
 from jax_flash.testing import assert_attention_close
 from jax_flash.spec import mask as mask_lib
-from jax_flash.spec.problem import masks_as_ids, prepare
+from jax_flash.spec.problem import masks_as_ids, prepare, with_dense_kinds
 from tests.cases import compare_with_reference, jax_nn_attention, random_inputs
 from tests.conftest import KERNEL_IMPL
 
@@ -294,3 +294,83 @@ def test_padding_is_zeroed_only_where_ids_mark_it(kwargs, segments_only):
     assert pad.any() and not pad.all()
     k2 = np.asarray(k2)
     assert (k2[pad] == 0).all() and np.isnan(k2[~pad]).all()
+
+
+def _brute_kinds(dense, q_len, kv_len, tile):
+  """Brute force of `mask.dense_tile_kinds`: [Bm, R, C] kinds."""
+  dense = np.broadcast_to(np.asarray(dense) != 0,
+                          np.asarray(dense).shape[:2] + (q_len, kv_len))
+  rows, cols = -(-q_len // tile), -(-kv_len // tile)
+  kinds = np.zeros((dense.shape[0], rows, cols), np.int8)
+  for b in range(dense.shape[0]):
+    for r in range(rows):
+      for c in range(cols):
+        block = np.zeros((dense.shape[1], tile, tile), bool)
+        part = dense[b, :, r * tile:(r + 1) * tile, c * tile:(c + 1) * tile]
+        block[:, :part.shape[1], :part.shape[2]] = part
+        kinds[b, r, c] = (mask_lib.FULL if block.all() else
+                          mask_lib.PARTIAL if block.any() else mask_lib.EMPTY)
+  return kinds
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 100, 90), (1, 3, 100, 90),
+                                   (2, 2, 1, 90), (1, 2, 100, 1),
+                                   (1, 1, 1, 1)])
+def test_dense_tile_kinds_match_brute_force(shape):
+  """Causal-with-padding-like structure (empty, full and partial tiles),
+  per head, broadcast rows or columns; tiles past the end are partial."""
+  q_len, kv_len, tile = 100, 90, 16
+  rows = jnp.arange(shape[2])[:, None] * (shape[2] > 1)
+  cols = jnp.arange(shape[3])[None] * (shape[3] > 1)
+  heads = jnp.arange(shape[1])[:, None, None]
+  dense = jnp.broadcast_to((cols <= rows + 7 * heads) & (cols < 70), shape)
+  got = mask_lib.dense_tile_kinds(dense, q_len, kv_len, tile)
+  np.testing.assert_array_equal(got, _brute_kinds(dense, q_len, kv_len, tile))
+  if shape == (2, 1, 100, 90):
+    assert {int(x) for x in np.unique(got)} == {mask_lib.EMPTY,
+                                                 mask_lib.PARTIAL,
+                                                 mask_lib.FULL}
+
+
+# A dense mask with structure: its empty tiles skipped, its full ones
+# spared the mask tile (`spec.problem.with_dense_kinds`). Long enough for
+# whole 64 x 64 tiles of each kind.
+T2, S2 = 256, 200
+_CAUSAL_PADDED = (jnp.arange(S2)[None] <= jnp.arange(T2)[:, None] + 10) & (
+    jnp.arange(S2)[None] < 150)
+STRUCTURED_MASKS = {
+    "causal_padding": dict(mask=_CAUSAL_PADDED[None, None]),
+    "per_batch_with_lengths": dict(
+        mask=jnp.stack([_CAUSAL_PADDED, ~_CAUSAL_PADDED])[:, None],
+        key_value_seq_lengths=jnp.array([200, 130]), is_causal=True),
+    "per_head_with_window": dict(
+        mask=jnp.stack([_CAUSAL_PADDED, ~_CAUSAL_PADDED,
+                        jnp.ones((T2, S2), bool), _CAUSAL_PADDED])[None],
+        local_window_size=(100, 100)),
+}
+
+
+@pytest.mark.parametrize("implementation", [KERNEL_IMPL, "xla"])
+@pytest.mark.parametrize("name", STRUCTURED_MASKS)
+def test_structured_dense_masks_match_the_reference(name, implementation):
+  compare_with_reference(STRUCTURED_MASKS[name], shape=(B, T2, S2, N, K, H),
+                         implementation=implementation)
+
+
+def test_dense_masks_carry_their_tile_kinds():
+  q, k, v, _ = random_inputs(B, T2, S2, N, K, H, jnp.float32)
+  spec = with_dense_kinds(masks_as_ids(prepare(
+      q, k, v, mask=_CAUSAL_PADDED[None, None])))
+  assert spec.mask.has_dense and spec.mask.has_kinds
+  assert spec.mask.mod is None
+  kinds = np.asarray(spec.operands.tile_kinds)
+  tile = mask_lib.DENSE_KINDS_TILE
+  np.testing.assert_array_equal(
+      kinds, _brute_kinds(_CAUSAL_PADDED[None, None], T2, S2, tile))
+  # Every kind occurs: the kernels skip tiles and spare others the mask.
+  assert set(np.unique(kinds)) == {mask_lib.EMPTY, mask_lib.PARTIAL,
+                                   mask_lib.FULL}
+  # Padding masks become ids first and get no kinds table.
+  q, k, v, _ = random_inputs(B, T, S, N, K, H, jnp.float32)
+  spec = with_dense_kinds(masks_as_ids(prepare(q, k, v, mask=_KEEP_KEYS)))
+  assert not spec.mask.has_kinds and spec.operands.tile_kinds is None

@@ -26,7 +26,9 @@ last three positions of a 5-token cache)::
 A user's mask_mod (flex attention, `mod`: `mod(b, h, q_idx, kv_idx)`, h the
 query head) joins the predicate; its tiles' kinds (empty, partial, full, from
 `create_block_mask`) come as a table (`Operands.tile_kinds`, of `mod_tiles`
-tiles).
+tiles). A dense mask's kinds come the same way (`dense_tile_kinds`, read
+from the mask on every call): its empty tiles are skipped and its full
+ones spared the mask tile's load.
 
 Tiles are classified into skipped (never loaded), fully visible (no predicate)
 and partial (predicate evaluated), from the band statically and from per-block
@@ -63,17 +65,23 @@ class Mask:
   # A dense boolean mask read tile by tile (its predicate is the caller's:
   # `visible` covers the band and the ids).
   has_dense: bool = False
-  # A user's mask_mod (`mods.ElementwiseMod`) and the (rows, columns) of the
-  # tiles its kinds table (`Operands.tile_kinds`) classifies.
+  # A user's mask_mod (`mods.ElementwiseMod`), and the (rows, columns) of the
+  # tiles a kinds table (`Operands.tile_kinds`: the mask_mod's, or the
+  # dense mask's) classifies.
   mod: Callable | None = None
   mod_tiles: tuple[int, int] | None = None
   # How many arrays the mask_mod reads (`Operands.mask_consts`).
   mod_arrays: int = 0
 
   @property
+  def has_kinds(self) -> bool:
+    """Whether a table of tile kinds comes with the call (`mod_tiles`)."""
+    return self.mod_tiles is not None
+
+  @property
   def has_table(self) -> bool:
-    """Whether tile ranges come from a table (ids or a mask_mod's kinds)."""
-    return self.has_ids or self.mod is not None
+    """Whether tile ranges come from a table (ids or tile kinds)."""
+    return self.has_ids or self.has_kinds
 
   def band(self) -> tuple[int | None, int | None]:
     """(left, right): position p sees columns [p - left, p + right]."""
@@ -136,8 +144,9 @@ def without_padding(mask: Mask, q_ids, kv_ids, q_rows=(), kv_rows=()):
 
 def without_full_tiles(mask: Mask, ranges):
   """`ranges` (lo, full_lo, full_hi, hi) with no full tile when a dense mask
-  is read tile by tile (no tile is known wholly visible)."""
-  if not mask.has_dense:
+  is read tile by tile without its tile kinds (no tile is known wholly
+  visible)."""
+  if not mask.has_dense or mask.has_kinds:
     return ranges
   lo, _, _, hi = ranges
   return lo, hi, hi, hi
@@ -257,7 +266,53 @@ def _range_table(visit, full):
   return jnp.stack([lo, full_lo, full_hi, hi], axis=-1).astype(jnp.int32)
 
 
-EMPTY, PARTIAL, FULL = 0, 1, 2  # Tile kinds of a mask_mod (`create_block_mask`).
+def intersect_tables(tables):
+  """Range tables (int32 [Bm, R, 4] each, Bm 1 or B) intersected: the tiles
+  every table visits, full where every table has them full; None for
+  none."""
+  if not tables:
+    return None
+  table = tables[0]
+  for other in tables[1:]:
+    table, other = jnp.broadcast_arrays(table, other)
+    table = jnp.stack(intersect_ranges(
+        tuple(table[..., c] for c in range(4)),
+        tuple(other[..., c] for c in range(4))), axis=-1)
+  return table
+
+
+EMPTY, PARTIAL, FULL = 0, 1, 2  # Tile kinds (`create_block_mask`, dense masks).
+
+# The tiles of a dense mask's kinds table: rows and columns (kernels regrid
+# it to their own tiles, `kinds_block_table`).
+DENSE_KINDS_TILE = 64
+
+
+def dense_tile_kinds(dense, q_len: int, kv_len: int,
+                     tile: int = DENSE_KINDS_TILE):
+  """int8 [Bm, R, C] kinds of a dense mask's (tile x tile) tiles: EMPTY if
+  no head sees a pair of it, FULL if every head sees every pair, else
+  PARTIAL. dense: [Bm, Nm, Tm, Sm] (Tm, Sm: q_len / kv_len or 1, broadcast).
+  Tiles past the end count their missing pairs as hidden (partial)."""
+  visible = dense != 0
+  bm, nm, tm, sm = visible.shape
+  num_rows, num_cols = -(-q_len // tile), -(-kv_len // tile)
+  rows, row_tile = (1, 1) if tm == 1 else (num_rows, tile)
+  cols, col_tile = (1, 1) if sm == 1 else (num_cols, tile)
+  visible = jnp.pad(visible, ((0, 0), (0, 0), (0, rows * row_tile - tm),
+                              (0, cols * col_tile - sm)))
+  visible = visible.reshape(bm, nm, rows, row_tile, cols, col_tile)
+  any_ = jnp.any(visible, axis=(1, 3, 5))  # Over heads and within tiles.
+  all_ = jnp.all(visible, axis=(1, 3, 5))
+  kinds = jnp.where(all_, FULL, jnp.where(any_, PARTIAL, EMPTY))
+  kinds = jnp.broadcast_to(kinds, (bm, num_rows, num_cols)).astype(jnp.int8)
+  # A broadcast axis's last tile, when it runs past the end, as padded ones.
+  partial = lambda x: jnp.where(x == FULL, jnp.int8(PARTIAL), x)
+  if tm == 1 and q_len % tile:
+    kinds = kinds.at[:, -1, :].set(partial(kinds[:, -1, :]))
+  if sm == 1 and kv_len % tile:
+    kinds = kinds.at[:, :, -1].set(partial(kinds[:, :, -1]))
+  return kinds
 
 
 def _regrid(kinds, axis: int, block: int, tile: int, length: int):

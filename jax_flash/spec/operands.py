@@ -24,9 +24,10 @@ class Operands:
   sinks: float32 [N], a sink logit per query head; differentiable.
   q_offsets: int32 [B], the position of each sequence's first query
     (`Mask.has_q_offsets`; decode and chunked prefill).
-  tile_kinds: int8 [Bm, R, C], a mask_mod's kinds (empty, partial, full) of
-    (query block, key block) pairs of `Mask.mod_tiles`, combined over heads
-    (`Mask.mod`; flex attention). Kernels get the tile ranges made of it.
+  tile_kinds: int8 [Bm, R, C], the kinds (empty, partial, full) of (query
+    block, key block) pairs of `Mask.mod_tiles`, combined over heads: a
+    mask_mod's (`Mask.mod`; flex attention) or a dense mask's
+    (`mask.dense_tile_kinds`). Kernels get the tile ranges made of it.
   mask_consts, score_consts: tuples of the arrays a mask_mod / score_mod
     closes over (`mods.ElementwiseMod`); the score_mod's are
     differentiable. The Triton kernels read a mask_mod's element by

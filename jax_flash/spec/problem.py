@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_flash.spec import checks, dropout
-from jax_flash.spec.mask import KV_PAD_ID, Q_PAD_ID, Mask, make_ids
+from jax_flash.spec.mask import (DENSE_KINDS_TILE, KV_PAD_ID, Q_PAD_ID, Mask,
+                                 dense_tile_kinds, make_ids)
 from jax_flash.spec.operands import Operands
 from jax_flash.spec.scores import Scores
 
@@ -104,6 +105,21 @@ def masks_as_ids(spec: Spec) -> Spec:
               spec.scores, dataclasses.replace(ops, q_ids=q_ids,
                                                kv_ids=kv_ids,
                                                dense_mask=None))
+
+
+def with_dense_kinds(spec: Spec) -> Spec:
+  """`spec` with its dense mask's tile kinds (`mask.dense_tile_kinds`, read
+  from the mask: one pass over it) as the kinds table of the call, so the
+  kernels skip the mask's empty tiles and spare its full ones the mask
+  tile's load. Without a dense mask, or with another kinds table, `spec`."""
+  dense = spec.operands.dense_mask
+  if dense is None or spec.mask.has_kinds:
+    return spec
+  p = spec.problem
+  kinds = dense_tile_kinds(dense, p.q_len, p.kv_len)
+  tiles = (DENSE_KINDS_TILE, DENSE_KINDS_TILE)
+  return Spec(p, dataclasses.replace(spec.mask, mod_tiles=tiles), spec.scores,
+              dataclasses.replace(spec.operands, tile_kinds=kinds))
 
 
 def prepare_decode(mask: Mask, q_len: int, kv_len: int, kv_lengths,

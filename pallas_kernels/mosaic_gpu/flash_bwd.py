@@ -377,7 +377,7 @@ def flash_backward(q, k, v, o, lse, do, dlse, *, mask: Mask, scores: Scores,
                    dropout_seed=None, dense_mask=None, bias=None):
   """(dq, dk, dv) of the forward's o and lse (natural log, [B, N, T]).
 
-  tile_kinds: a mask_mod's kinds (with `mask.mod`); alibi_slopes: float32
+  tile_kinds: tile kinds (a mask_mod's or a dense mask's); alibi_slopes: float32
   [B, N] (with `scores.alibi`); q_ids, kv_ids: int32 [B, T], [B, S] (with
   `mask.has_ids`); dropout_seed: int32 [2] (with `scores.dropout`: the
   forward's keep bits scale P in dV and dP); dense_mask: int8 [Bm, Nm, Tm,

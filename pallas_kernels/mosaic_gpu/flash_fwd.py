@@ -33,7 +33,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_flash.spec import dropout, softmax
 from jax_flash.spec.mask import (KV_PAD_ID, Q_PAD_ID, Mask, id_block_table,
-                                  intersect_ranges, kinds_block_table,
+                                  intersect_ranges, intersect_tables,
+                                  kinds_block_table,
                                   kv_block_ranges, without_full_tiles)
 from jax_flash.spec.padding import pad_pairs, pad_to, round_up
 from jax_flash.spec.scores import Scores
@@ -319,8 +320,8 @@ def flash_forward(q, k, v, *, mask: Mask, scores: Scores,
 
   q [B, T, N, H], k/v [B, S, K, H] (K divides N), bf16 or fp16, H in
   `config.HEAD_DIMS` (`pallas_kernels.mosaic_gpu.MosaicGpuBackend.unsupported`
-  checks). tile_kinds: a mask_mod's kinds (`Operands.tile_kinds`, with
-  `mask.mod`); alibi_slopes: float32 [B, N] (with `scores.alibi`); q_ids,
+  checks). tile_kinds: tile kinds (`Operands.tile_kinds`, a mask_mod's or
+  a dense mask's); alibi_slopes: float32 [B, N] (with `scores.alibi`); q_ids,
   kv_ids: int32 [B, T], [B, S] (with `mask.has_ids`: segments and lengths,
   `mask.make_ids`); sinks: float32 [N], a sink logit per query head in each
   row's denominator (with `scores.sinks`; their gradient comes from the
@@ -397,12 +398,12 @@ def range_table(mask: Mask, tile_kinds, q_ids, kv_ids, block_rows: int,
                 block_cols: int, q_len: int, kv_len: int, num_row_tiles: int,
                 *, transposed: bool = False):
   """The tile-range table of a kernel's row tiles (query tiles, or key
-  tiles with `transposed`), int32 [Bm, num_row_tiles, 4]: a mask_mod's
-  (`mask.kinds_block_table`) intersected with the ids' (`mask.id_block_table`),
-  padded with empty rows past the lengths (the kernel's padding reads
-  them); None without either."""
+  tiles with `transposed`), int32 [Bm, num_row_tiles, 4]: the tile kinds'
+  (a mask_mod's or a dense mask's: `mask.kinds_block_table`) intersected
+  with the ids' (`mask.id_block_table`), padded with empty rows past the
+  lengths (the kernel's padding reads them); None without either."""
   tables = []
-  if mask.mod is not None:
+  if tile_kinds is not None:
     tables.append(kinds_block_table(tile_kinds, mask, block_rows, block_cols,
                                     q_len, kv_len, transposed=transposed))
   if mask.has_ids:
@@ -410,15 +411,9 @@ def range_table(mask: Mask, tile_kinds, q_ids, kv_ids, block_rows: int,
     tables.append(id_block_table(rows, cols, block_rows, block_cols))
   if not tables:
     return None
-  tables = [jnp.pad(t, ((0, 0), (0, num_row_tiles - t.shape[1]), (0, 0)))
-            for t in tables]
-  table = tables[0]
-  for other in tables[1:]:
-    table, other = jnp.broadcast_arrays(table, other)
-    table = jnp.stack(intersect_ranges(
-        tuple(table[..., c] for c in range(4)),
-        tuple(other[..., c] for c in range(4))), axis=-1)
-  return table
+  return intersect_tables(
+      [jnp.pad(t, ((0, 0), (0, num_row_tiles - t.shape[1]), (0, 0)))
+       for t in tables])
 
 
 def pad_ids(q_ids, kv_ids, q_rows: int, kv_rows: int):

@@ -7,8 +7,8 @@ and (batch, head) for the FlashAttention-1 forward. Every array is passed
 whole per (batch, head): kernels load their tiles from it.
 
 Alongside the operands goes the tile-range table when the mask has one
-(`mask.id_block_table` of the ids, or `mask.kinds_block_table` of a
-mask_mod's tile kinds): for each row tile, the column tiles to visit.
+(`mask.id_block_table` of the ids, `mask.kinds_block_table` of tile kinds,
+both intersected): for each row tile, the column tiles to visit.
 """
 from __future__ import annotations
 
@@ -84,17 +84,18 @@ def _table(operands: Operands, mask: mask_lib.Mask, block_q: int,
            block_k: int, q_len: int, kv_len: int, *, by_keys: bool):
   """(the operands the kernels read, the tile-range table or None): rows of
   the table are query tiles, or key tiles with by_keys."""
+  blocks = (block_k, block_q) if by_keys else (block_q, block_k)
+  tables = []
   if operands.q_ids is not None:
     rows, cols = ((operands.kv_ids, operands.q_ids) if by_keys else
                   (operands.q_ids, operands.kv_ids))
-    blocks = (block_k, block_q) if by_keys else (block_q, block_k)
-    return operands, mask_lib.id_block_table(rows, cols, *blocks)
+    tables.append(mask_lib.id_block_table(rows, cols, *blocks))
   if operands.tile_kinds is not None:
-    blocks = (block_k, block_q) if by_keys else (block_q, block_k)
-    table = mask_lib.kinds_block_table(operands.tile_kinds, mask, *blocks,
-                                       q_len, kv_len, transposed=by_keys)
-    return dataclasses.replace(operands, tile_kinds=None), table
-  return operands, None
+    tables.append(mask_lib.kinds_block_table(
+        operands.tile_kinds, mask, *blocks, q_len, kv_len,
+        transposed=by_keys))
+  return (dataclasses.replace(operands, tile_kinds=None),
+          mask_lib.intersect_tables(tables))
 
 
 def for_query_tiles(operands: Operands, mask: mask_lib.Mask, block_q: int,
