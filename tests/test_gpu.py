@@ -65,6 +65,17 @@ def _random_mask(shape, seed, visible=0.7):
   return m.at[..., 0, :].set(False)
 
 
+def _structured_mask(heads, q_len, kv_len):
+  """A dense mask with empty, full and partial 64 x 64 tiles (its tile kinds
+  skip and spare them): head h sees keys <= its position + 64 * h, except
+  the last 200 keys, with a hole of hidden pairs."""
+  rows = jnp.arange(q_len)[:, None]
+  cols = jnp.arange(kv_len)[None]
+  h = jnp.arange(heads)[:, None, None]
+  m = (cols <= rows + 64 * h) & (cols < kv_len - 200)
+  return (m & ~((rows // 97 == 3) & (cols // 89 == 2)))[None]
+
+
 def _packed(b, n, num, seed):
   return jnp.sort(jax.random.randint(jax.random.key(seed), (b, n), 0, num),
                   axis=1)
@@ -124,6 +135,12 @@ MOSAIC_OPTIONS = {
         Case(1, 700, 700, 4, 2, 96, "bfloat16", False),
         dict(mask=_random_mask((1, 1, 700, 700), 13),
              local_window_size=(128, 64))),
+    "dense_mask_structured_gqa": (
+        Case(1, 1000, 1003, 8, 2, 128, "bfloat16", False),
+        dict(mask=_structured_mask(8, 1000, 1003))),
+    "dense_mask_structured_h64_causal": (
+        Case(2, 777, 900, 4, 4, 64, "float16", True),
+        dict(mask=_structured_mask(1, 777, 900))),
     # A bias (with its gradient, from the Triton dbias kernel).
     "bias_causal_gqa": (
         Case(1, 1000, 1003, 8, 2, 128, "bfloat16", True),
