@@ -90,7 +90,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, *refs, scores: Scores,
 
 def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
                  mask: Mask, num_splits: int, block_k: int, page_table=None,
-                 sinks=None, interpret: bool = False):
+                 sinks=None, num_stages: int = 2, interpret: bool = False):
   """Decode attention of q [B, T, N, H] against a cache.
 
   Contiguous cache: k_cache, v_cache [B, S_max, K, H]. Paged (page_table
@@ -99,6 +99,7 @@ def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
   page) or is a multiple of it (the pages of one key tile). `mask`: the
   band (causal, a left window) of queries at positions kv_lengths[b] - T + t.
   sinks: float32 [N] sink logits joining each head's denominator, or None.
+  num_stages: Triton's software-pipelining stages of the key-tile loop.
   Value may have a head dim Hv of its own. Returns (out [B, T, N, Hv] in
   q.dtype, lse [B, N, T] natural log).
   """
@@ -153,7 +154,8 @@ def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
           jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, rows),
                                jnp.float32),
       ],
-      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+      compiler_params=plgpu.CompilerParams(num_warps=4,
+                                           num_stages=num_stages),
       interpret=interpret,
       name="flash_attention_decode",
   )(*operands)
