@@ -8,6 +8,7 @@
 #   bash scripts/gpu_check.sh masks     # packed documents; padding as lengths,
 #                                       # dense masks and bias on each backend
 #   bash scripts/gpu_check.sh decode    # flash_decode bandwidth vs cache length
+#   bash scripts/gpu_check.sh decode_tune # paged decode: tile rows x stages
 #   bash scripts/gpu_check.sh long      # one 128k-token causal sequence
 #   bash scripts/gpu_check.sh ring      # ring_attention on every local GPU
 #   bash scripts/gpu_check.sh tune      # head-dim-256 block-size sweep
@@ -94,6 +95,13 @@ for mode in "$@"; do
     decode)
       bench decode 200 --scenario decode --head-dims 128 \
         --seq-lens 1024 8192 32768 131072 --batches 1 8 64
+      ;;
+    decode_tune)
+      # Paged decode: key tile rows and pipelining stages per page size.
+      timeout "${BENCH_LIMIT:-300}" python3 benchmarks/decode_tune.py \
+        --stages 2 3 4 --out "$OUT/decode_tune" > /tmp/decode_tune.log 2>&1 \
+        || tail -n 30 /tmp/decode_tune.log
+      grep '^{' /tmp/decode_tune.log | cut -c1-300
       ;;
     long)
       timeout 150 python3 benchmarks/long_context.py --out "$OUT/long" \
