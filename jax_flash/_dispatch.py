@@ -16,6 +16,9 @@ backend is an object with:
             bias, score_consts; None where not computed)
     decode(q, k, v, kv_lengths, *, mask, scores, num_splits, page_table,
            sinks) -> (o [B, T, N, H], lse [B, N, T])
+    backward_by(operands) -> str | None (optional: the backend whose
+        backward runs after this one's forward, from the same logsumexp,
+        when it is the better one; None: its own)
 
 with lse the natural-log logsumexp, float32, everywhere. Backends:
 "mosaic" (Pallas Mosaic GPU kernels, forward and backward; Hopper GPUs),
@@ -107,18 +110,14 @@ def _triton_backward(q, k, v, operands, o, lse, do, dlse, *, mask: Mask,
 def backward(backend, q, k, v, operands, o, lse, do, dlse, *, mask: Mask,
              scores: Scores, config):
   """(dq, dk, dv, operands' gradients) of a call that `backend` ran
-  forward: its own backward, except a bias per (query, key) pair on the
-  Mosaic kernels, whose backward runs on the Triton kernels (from the same
-  logsumexp). The Mosaic dK/dV kernel reads per-pair tiles keys-down, so
-  XLA makes a transposed copy of such a bias on every backward (4.3 GB at
-  8k tokens, 16 heads, float32): forward+backward 6.67 ms there against
-  Triton's 5.65, while the Mosaic forward takes 1.11 ms against 1.35 (H200,
-  2026-12-01, results/2026-12-01-h200-session8/call4/padding/)."""
-  bias = operands.bias
-  if backend.name == "mosaic" and bias is not None and bias.shape[2] > 1 \
-      and bias.shape[3] > 1:
+  forward: its own backward, or the one its `backward_by` names (only
+  "triton" so far), at that backend's default tiles."""
+  by = getattr(backend, "backward_by", lambda operands: None)(operands)
+  if by == "triton":
     return _triton_backward(q, k, v, operands, o, lse, do, dlse, mask=mask,
                             scores=scores)
+  if by is not None:
+    raise NotImplementedError(f"a backward by {by!r} after {backend.name!r}")
   return backend.backward(q, k, v, operands, o, lse, do, dlse, mask=mask,
                           scores=scores, config=config)
 
