@@ -274,9 +274,10 @@ def backward(q, k, v, operands: Operands, o, lse, do, dlse, *, mask: Mask,
         3, 0, 1, 2, 4)
 
   bias_shape = None if ops.bias is None else ops.bias.shape
-  # A bias over queries only: its gradient from sums over each row's keys.
+  # A bias over queries only: its gradient from sums over each row's keys
+  # (`softmax.key_sum_of_ds`), which read the logsumexp's cotangent.
   key_sum = bias_shape is not None and bias_shape[3] == 1
-  dlse = jnp.zeros_like(delta) if dlse is None else dlse.astype(jnp.float32)
+  dlse = softmax.lse_cotangent(dlse, delta) if key_sum else None
   # The score_mod's floating arrays get gradients (dL/dS through its vjp).
   consts = ops.score_consts or ()
   trained = [jnp.issubdtype(c.dtype, jnp.inexact) for c in consts]
@@ -325,9 +326,11 @@ def backward(q, k, v, operands: Operands, o, lse, do, dlse, *, mask: Mask,
       return dq, dk, dv, dbias, dconsts, sums
 
     dq = jnp.zeros(qb.shape, jnp.float32)
-    zeros = jnp.zeros(lse2_b.shape, jnp.float32)
+    sums = None
+    if key_sum:
+      sums = (jnp.zeros(lse2_b.shape, jnp.float32),) * 2
     dq, dk, dv, dbias, dconsts, sums = lax.fori_loop(
-        lo[i], hi[i], body, (dq, *carry, (zeros, zeros)))
+        lo[i], hi[i], body, (dq, *carry, sums))
     if key_sum:
       rows = softmax.key_sum_of_ds(*sums, dlse_b)
       dbias = _add_dbias(dbias, rows[..., None], q0, 0, p)
@@ -342,7 +345,8 @@ def backward(q, k, v, operands: Operands, o, lse, do, dlse, *, mask: Mask,
   (dk, dv, dbias, dconsts), dq = lax.scan(
       q_block, (dk0, dv0, dbias0, dconsts0),
       (jnp.arange(p.num_q_blocks), split(q), split(do), stats(lse2),
-       stats(pad_to(delta, 2, tp)), stats(pad_to(dlse, 2, tp))))
+       stats(pad_to(delta, 2, tp)),
+       None if dlse is None else stats(pad_to(dlse, 2, tp))))
   dq = dq.transpose(1, 0, 2, 3, 4, 5).reshape(b, tp, n, h)[:, :t]
   dk = (dk[:, :p.kv_len] * p.scores.scale).astype(k.dtype)
   dv = dv[:, :p.kv_len].astype(v.dtype)

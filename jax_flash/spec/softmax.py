@@ -122,6 +122,12 @@ def backward_delta(o, do, dlse=None):
   return delta if dlse is None else delta - dlse
 
 
+def lse_cotangent(dlse, like):
+  """The logsumexp's cotangent as float32 (zeros shaped like `like`, the
+  backward's D, when there is none): what `key_sum_of_ds` reads."""
+  return jnp.zeros_like(like) if dlse is None else dlse.astype(jnp.float32)
+
+
 def key_sum_of_ds(p_dp, p_sum, dlse):
   """sum over keys of dS = P (dP - D), for a bias that broadcasts over keys,
   from p_dp = sum P * dP and p_sum = sum P (float32, accumulated from the

@@ -248,12 +248,6 @@ def _dbias_kernel(*refs, scores: Scores, mask: Mask, head_dim: int,
   lax.fori_loop(hi, pl.cdiv(ctx.kv_len, block_k), zero_body, None)
 
 
-def _key_sum_stat(delta, dlse):
-  """What the dbias kernel's row sums read in delta's place: the logsumexp's
-  cotangent, float32 [B, N, T] (zeros without one)."""
-  return jnp.zeros_like(delta) if dlse is None else dlse.astype(jnp.float32)
-
-
 def flash_backward(q, k, v, operands: Operands, o, lse, do, dlse, *,
                    scores: Scores, mask: Mask, block_sizes: BlockSizes,
                    interpret: bool = False):
@@ -348,7 +342,7 @@ def flash_backward(q, k, v, operands: Operands, o, lse, do, dlse, *,
         "flash_attention_backward_dbias",
         pl.BlockSpec((None, None) + shape[2:], lambda i, b, n: (b, n, 0, 0)),
         jax.ShapeDtypeStruct(shape, jnp.float32),
-        row_stat=_key_sum_stat(delta, dlse) if sum_keys else delta)
+        row_stat=softmax.lse_cotangent(dlse, delta) if sum_keys else delta)
     axes = tuple(a for a, d in enumerate((bm, nm, tm, sm)) if d == 1)
     dbias = jnp.sum(buf, axis=axes, keepdims=True)
   return dq, dk, dv, dbias
