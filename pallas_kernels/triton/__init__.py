@@ -121,7 +121,7 @@ class TritonBackend:
     return flash_decode(q, k, v, kv_lengths, scores=scores, mask=mask,
                         num_splits=int(min(num_splits, num_tiles)),
                         block_k=block_k, page_table=page_table, sinks=sinks,
-                        num_stages=config.decode_stages(page_size),
+                        num_stages=config.DECODE_STAGES,
                         interpret=self.interpret)
 
 

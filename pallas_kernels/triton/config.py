@@ -176,14 +176,12 @@ def decode_block_k(head_dim: int, kv_len: int, page_size: int | None = None
   return min(tile, 64 if page_size < 32 else page_size)
 
 
-def decode_stages(page_size: int | None = None) -> int:
-  """Software-pipelining stages of the split-KV decode kernel: 2, what
-  every decode measurement so far ran. With a paged cache a key tile's
-  loads wait on its page-table read in the same iteration; a third stage
-  may let Triton's pipeliner overlap the two (untimed:
-  `benchmarks/decode_tune.py --stages 2 3 4` sweeps it)."""
-  del page_size
-  return 2
+# Software-pipelining stages of the split-KV decode kernel: 2, what every
+# decode measurement so far ran. With a paged cache a key tile's loads wait
+# on its page-table read in the same iteration; a third stage may let
+# Triton's pipeliner overlap the two (untimed: `benchmarks/decode_tune.py
+# --stages 2 3 4` sweeps it).
+DECODE_STAGES = 2
 
 
 def decode_splits(batch: int, num_kv_heads: int, num_tiles: int) -> int:
