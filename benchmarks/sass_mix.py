@@ -1,12 +1,14 @@
 """Static instruction mix of the kernels in a SASS dump (issue 12's
 attribution of the Mosaic forward against cuDNN).
 
-    MOSAIC_GPU_DUMP_SASS=1 python ... > dump.log 2>&1
-    python benchmarks/sass_mix.py dump.log [--top 30]
+    MOSAIC_GPU_DUMP_TO=/tmp/dump python ...   # one NAME.sass per module
+    python benchmarks/sass_mix.py /tmp/dump [--top 30]
 
-Reads the dump (nvdisasm's text: a "Function : name" header, then one
-instruction a line, `/*0a10*/  @P0 HGMMA.64x128x16.F32.BF16 ... ;`) and
-prints, per function, one JSON line: the instruction count, the count per
+Reads every `*.sass` file of a folder, or the files named (nvdisasm's text,
+as Mosaic GPU writes it: a function's section, `.text.NAME:`, or
+cuobjdump's `Function : NAME` header, then one instruction a line,
+`/*0a10*/  @P0 HGMMA.64x128x16.F32.BF16 ... ;`) and prints, per function
+(named `FILE/NAME` where a folder holds several modules), one JSON line: the instruction count, the count per
 opcode (the mnemonic before its first ".", predicates dropped) for the
 `--top` most frequent, and per class: tensor-core (HGMMA), special-function
 (MUFU: exp2, rcp), floating point (FADD/FMUL/FFMA/FMNMX...), integer,
@@ -19,9 +21,11 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
+import pathlib
 import re
 
-_FUNCTION = re.compile(r"Function\s*:\s*(\S+)")
+_FUNCTION = re.compile(r"Function\s*:\s*(\S+)|^\s*\.text\.(\S+):\s*$")
 _INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)"
                           r"((?:\.[A-Z0-9_x]+)*)")
 
@@ -52,7 +56,8 @@ def instruction_mix(text: str) -> dict[str, collections.Counter]:
   for line in text.splitlines():
     header = _FUNCTION.search(line)
     if header:
-      current = mixes.setdefault(header.group(1), collections.Counter())
+      name = header.group(1) or header.group(2)
+      current = mixes.setdefault(name, collections.Counter())
       continue
     match = _INSTRUCTION.search(line)
     if match and current is not None:
@@ -71,14 +76,21 @@ def classify(mix: collections.Counter) -> dict[str, int]:
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("dump")
+  parser.add_argument("dumps", nargs="+",
+                      help="a folder of *.sass files, or the files")
   parser.add_argument("--top", type=int, default=30)
   args = parser.parse_args(argv)
-  with open(args.dump) as f:
-    mixes = instruction_mix(f.read())
+  paths = []
+  for dump in args.dumps:
+    paths += sorted(pathlib.Path(dump).glob("*.sass")) if os.path.isdir(
+        dump) else [pathlib.Path(dump)]
+  mixes = {}
+  for path in paths:
+    for name, mix in instruction_mix(path.read_text()).items():
+      mixes[f"{path.stem}/{name}" if len(paths) > 1 else name] = mix
   if not mixes:
-    raise SystemExit(f"no 'Function :' header with instructions in "
-                     f"{args.dump}: was MOSAIC_GPU_DUMP_SASS=1 set?")
+    raise SystemExit(f"no function with instructions in {args.dumps}: was "
+                     f"MOSAIC_GPU_DUMP_TO (or MOSAIC_GPU_DUMP_SASS) set?")
   for name, mix in mixes.items():
     print(json.dumps(dict(function=name, instructions=sum(mix.values()),
                           classes=classify(mix),

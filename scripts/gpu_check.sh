@@ -97,9 +97,11 @@ for mode in "$@"; do
         --seq-lens 1024 8192 32768 131072 --batches 1 8 64
       ;;
     decode_tune)
-      # Paged decode: key tile rows and pipelining stages per page size.
+      # Paged decode: key tile rows x pipelining stages x page ids read
+      # ahead x programs per multiprocessor, per page size.
       timeout "${BENCH_LIMIT:-300}" python3 benchmarks/decode_tune.py \
-        --stages 2 3 4 --out "$OUT/decode_tune" > /tmp/decode_tune.log 2>&1 \
+        --block-k 32 64 --stages 2 3 --prefetch 0 1 2 --programs-per-sm 2 4 \
+        --out "$OUT/decode_tune" > /tmp/decode_tune.log 2>&1 \
         || tail -n 30 /tmp/decode_tune.log
       grep '^{' /tmp/decode_tune.log | cut -c1-300
       ;;
@@ -201,17 +203,32 @@ jax.jit(jax.grad(f)).lower(q).compile()" > "$OUT/ptxas_h$h.log" 2>&1
       ;;
     sass)
       # The Mosaic kernels' static instruction mix (benchmarks/sass_mix.py),
-      # 8k, bf16, head dims 128 and 64 (issue 12's attribution).
-      for h in 128 64; do
-        MOSAIC_GPU_DUMP_SASS=1 timeout 120 python3 -c "
+      # 8k, bf16, forward and backward, head dims 128 and 64, and tokamax's
+      # Mosaic attention at 128 beside them (issue 12's attribution). Mosaic
+      # GPU writes one NAME.sass (nvdisasm), .ptx and .ptxas per module into
+      # MOSAIC_GPU_DUMP_TO; the SASS text comes back as sass.tar.gz.
+      for which in flash_h128 flash_h64 tokamax_h128; do
+        h=${which##*_h}
+        rm -rf "/tmp/sass_$which"; mkdir -p "/tmp/sass_$which"
+        MOSAIC_GPU_DUMP_TO="/tmp/sass_$which" timeout 120 python3 -c "
 import jax, jax.numpy as jnp, jax_flash
 q = jnp.ones((1, 8192, 2048 // $h, $h), jnp.bfloat16)
-f = lambda q: jax_flash.flash_attention(q, q, q, implementation='mosaic').sum()
-jax.jit(jax.grad(f)).lower(q).compile()" > "/tmp/sass_h$h.log" 2>&1
-        echo "head dim $h: exit $?"
-        python3 benchmarks/sass_mix.py "/tmp/sass_h$h.log" \
-          | tee "$OUT/sass_mix_h$h.jsonl" | cut -c1-600
+if '$which'.startswith('tokamax'):
+  import tokamax
+  attn = lambda q: tokamax.dot_product_attention(q, q, q, is_causal=True, implementation='mosaic')
+else:
+  attn = lambda q: jax_flash.flash_attention(q, q, q, is_causal=True, implementation='mosaic')
+jax.jit(jax.grad(lambda q: attn(q).astype(jnp.float32).sum())).lower(q).compile()" \
+          > "/tmp/sass_$which.log" 2>&1
+        echo "$which: exit $?, $(ls /tmp/sass_$which/*.sass 2>/dev/null | wc -l) modules"
+        python3 benchmarks/sass_mix.py "/tmp/sass_$which" \
+          | tee "$OUT/sass_mix_$which.jsonl" | cut -c1-700 \
+          || tail -n 5 "/tmp/sass_$which.log"
+        grep -hiE "registers|spill" /tmp/sass_"$which"/*.ptxas 2>/dev/null \
+          | sort | uniq -c | head -n 8
       done
+      (cd /tmp && tar czf "$OUT/sass.tar.gz" sass_flash_h128/*.sass \
+        sass_tokamax_h128/*.sass)
       ;;
     *) echo "unknown mode $mode"; exit 2 ;;
   esac

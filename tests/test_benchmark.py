@@ -48,3 +48,29 @@ def test_sass_mix_counts_opcodes_per_function():
                            "special": 2, "float": 1}
   dq = mixes["flash_attention_dq_mosaic_mosaic_gpu_kernel"]
   assert classify(dq) == {"control": 1, "other": 1}
+
+
+NVDISASM = """
+//--------------------- .text.mosaic_gpu_kernel --------------------------
+        .section        .text.mosaic_gpu_kernel,"ax",@progbits
+        .global         mosaic_gpu_kernel
+mosaic_gpu_kernel:
+.text.mosaic_gpu_kernel:
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0010*/                   MUFU.EX2 R5, R5 ;
+"""
+
+
+def test_sass_mix_reads_a_folder_of_nvdisasm_dumps(tmp_path, capsys):
+  """Mosaic GPU's MOSAIC_GPU_DUMP_TO writes nvdisasm's text, one file per
+  module, every kernel with the same name: each file is its own function."""
+  import json
+  from benchmarks.sass_mix import main
+  (tmp_path / "forward_0.sass").write_text(NVDISASM)
+  (tmp_path / "dq_1.sass").write_text(NVDISASM.replace("MUFU.EX2", "HGMMA.64x64x16.F32.BF16"))
+  (tmp_path / "forward_0.ptx").write_text("not SASS")
+  main([str(tmp_path)])
+  lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+  assert {line["function"]: line["classes"] for line in lines} == {
+      "dq_1/mosaic_gpu_kernel": {"memory": 1, "tensor": 1},
+      "forward_0/mosaic_gpu_kernel": {"memory": 1, "special": 1}}

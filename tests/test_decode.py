@@ -114,6 +114,26 @@ def test_paged_cache_in_random_order(page_size):
   assert_attention_close(xla, ref)
 
 
+@pytest.mark.parametrize("prefetch", [1, 2])
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_paged_cache_with_page_ids_read_ahead(monkeypatch, page_size,
+                                              prefetch):
+  """Page ids read `DECODE_PREFETCH_PAGES` tiles ahead: the same result,
+  with splits starting mid-cache and read-ahead past a split's end and past
+  the table (poisoned pages there)."""
+  from pallas_kernels.triton import config
+  monkeypatch.setattr(config, "DECODE_PREFETCH_PAGES", prefetch)
+  q, kc, vc = _cache(3, 2, 300, 8, 2, 64, jnp.float32, seed=6)
+  lengths = jnp.array([300, 1, 200])
+  kp, table = _paginate(kc, page_size, 64, 7, lengths)
+  vp, _ = _paginate(vc, page_size, 64, 7, lengths)
+  out = jax_flash.flash_decode(q, kv_lengths=lengths, key_pages=kp,
+                               value_pages=vp, page_table=table, num_splits=3,
+                               implementation=KERNEL_IMPL)
+  ref, _ = _reference(q, kc, vc, lengths)
+  assert_attention_close(out, ref)
+
+
 def test_single_query_sees_the_whole_cache():
   q, kc, vc = _cache(2, 1, 100, 4, 2, 32, jnp.float32, seed=4)
   lengths = jnp.array([100, 37])

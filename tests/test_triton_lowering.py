@@ -88,10 +88,14 @@ def test_bias_kernels_lower(bias_shape):
 
 
 # Paged: pages of 256 rows (two key tiles a page), 64 (one) and 16 (eight
-# a tile, one gather).
+# a tile, one gather); their page ids read in the tile's iteration or two
+# tiles ahead.
+@pytest.mark.parametrize("prefetch", [0, 2])
 @pytest.mark.parametrize("paged", [None, 256, 64, 16])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_decode_kernel_lowers(paged, dtype):
+def test_decode_kernel_lowers(paged, dtype, prefetch, monkeypatch):
+  from pallas_kernels.triton import config
+  monkeypatch.setattr(config, "DECODE_PREFETCH_PAGES", prefetch)
   q = jax.ShapeDtypeStruct((4, 2, 8, 128), dtype)
   lengths = jax.ShapeDtypeStruct((4,), jnp.int32)
   if paged:

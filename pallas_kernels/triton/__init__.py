@@ -122,6 +122,7 @@ class TritonBackend:
                         num_splits=int(min(num_splits, num_tiles)),
                         block_k=block_k, page_table=page_table, sinks=sinks,
                         num_stages=config.DECODE_STAGES,
+                        prefetch_pages=config.DECODE_PREFETCH_PAGES,
                         interpret=self.interpret)
 
 

@@ -183,6 +183,11 @@ def decode_block_k(head_dim: int, kv_len: int, page_size: int | None = None
 # --stages 2 3 4` sweeps it).
 DECODE_STAGES = 2
 
+# Key tiles ahead of their use that the split-KV decode kernel reads a paged
+# tile's page ids (0: in the tile's own iteration, what every measurement
+# so far ran; swept by `benchmarks/decode_tune.py --prefetch`).
+DECODE_PREFETCH_PAGES = 0
+
 
 def decode_splits(batch: int, num_kv_heads: int, num_tiles: int) -> int:
   """Chunks each sequence's cache is split into: enough (split, batch, kv

@@ -33,13 +33,14 @@ from pallas_kernels.triton.tiles import (dot, load_pages, load_tile,
 def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, *refs, scores: Scores,
                    mask: Mask, q_len: int, group: int, head_dim: int,
                    value_head_dim: int, block_k: int, tiles_per_split: int,
-                   paged: bool):
+                   paged: bool, prefetch: int):
   """One (split, batch, kv head).
 
   q_ref: [R, Hp], rows r = g * T + t (padded past G*T); k_ref: [S_max, Hp]
   and v_ref [S_max, Hvp], or with `paged` [num_pages, page_size, Hp|Hvp] and
   then refs starts with the page table row [pages_per_seq]: a key tile of
-  block_k rows lies in one page or gathers several (`tiles.page_rows`).
+  block_k rows lies in one page or gathers several (`tiles.page_rows`),
+  its page rows read `prefetch` tiles ahead (0: in the tile's iteration).
   Outputs:
   o_ref [R, Hvp] (normalized partial output) and lse_ref [R] (-inf if
   empty).
@@ -57,12 +58,17 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, *refs, scores: Scores,
   first = pl.program_id(0) * tiles_per_split
   last = jnp.minimum(first + tiles_per_split, cdiv(kv_len, block_k))
 
+  def tile_rows(j):
+    return page_rows(table_ref, j * block_k, block_k, k_ref.shape[1],
+                     k_ref.shape[0])
+
   def body(j, carry):
-    acc, m, l = carry
+    (acc, m, l), ahead = carry
     k_start = j * block_k
     if paged:  # Rows of the pages past kv_len may hold anything: zeroed.
-      rows = page_rows(table_ref, k_start, block_k, k_ref.shape[1],
-                       k_ref.shape[0])
+      # Tile j's page rows were read `prefetch` iterations ago (or now).
+      rows, ahead = (ahead[0], ahead[1:] + (tile_rows(j + prefetch),)
+                     ) if prefetch else (tile_rows(j), ())
       k = load_pages(k_ref, rows, block_k, row_bound=kv_len,
                      head_dim=head_dim)
       v = load_pages(v_ref, rows, block_k, row_bound=kv_len,
@@ -79,10 +85,13 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, *refs, scores: Scores,
     s = jnp.where(visible, s, softmax.NEG_INF)
     m, alpha, p, l = softmax.update(m, l, s)
     acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v)
-    return acc, m, l
+    return (acc, m, l), ahead
 
-  carry = lax.fori_loop(first, jnp.maximum(last, first), body,
-                        softmax.init(num_rows, v_ref.shape[-1]))
+  # Page rows of the next `prefetch` tiles, read ahead of their use (a slot
+  # past the table is clamped by `page_rows` and never used).
+  ahead = tuple(tile_rows(first + i) for i in range(prefetch)) if paged else ()
+  carry, _ = lax.fori_loop(first, jnp.maximum(last, first), body,
+                           (softmax.init(num_rows, v_ref.shape[-1]), ahead))
   o, lse = softmax.finalize(*carry)
   store_tile(o_ref, 0, o, row_bound=num_rows, head_dim=value_head_dim)
   store_row_stat(lse_ref, 0, lse, row_bound=num_rows)
@@ -90,7 +99,8 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, *refs, scores: Scores,
 
 def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
                  mask: Mask, num_splits: int, block_k: int, page_table=None,
-                 sinks=None, num_stages: int = 2, interpret: bool = False):
+                 sinks=None, num_stages: int = 2, prefetch_pages: int = 0,
+                 interpret: bool = False):
   """Decode attention of q [B, T, N, H] against a cache.
 
   Contiguous cache: k_cache, v_cache [B, S_max, K, H]. Paged (page_table
@@ -100,6 +110,9 @@ def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
   band (causal, a left window) of queries at positions kv_lengths[b] - T + t.
   sinks: float32 [N] sink logits joining each head's denominator, or None.
   num_stages: Triton's software-pipelining stages of the key-tile loop.
+  prefetch_pages: with a page table, how many key tiles ahead of its use a
+  tile's page ids are read (0: in its own iteration, where its loads wait on
+  the read).
   Value may have a head dim Hv of its own. Returns (out [B, T, N, Hv] in
   q.dtype, lse [B, N, T] natural log).
   """
@@ -124,7 +137,8 @@ def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
       _decode_kernel, scores=scores, mask=mask, q_len=q_len,
       group=group, head_dim=head_dim, value_head_dim=value_head_dim,
       block_k=block_k,
-      tiles_per_split=tiles_per_split, paged=paged)
+      tiles_per_split=tiles_per_split, paged=paged,
+      prefetch=prefetch_pages if paged else 0)
   q_spec = pl.BlockSpec((None, None, rows, hp), lambda s, b, h: (b, h, 0, 0))
   def kv_spec(width):
     if paged:
