@@ -317,10 +317,10 @@ def _paged_cache(kc, vc, page_size: int, key):
   return (*pages, table)
 
 
-def _paged_decode(lengths, implementation="pallas", num_splits=None):
+def _paged_decode(lengths, implementation="pallas"):
   return lambda q, k_pages, v_pages, table: jax_flash.flash_decode(
       q, kv_lengths=lengths, key_pages=k_pages, value_pages=v_pages,
-      page_table=table, implementation=implementation, num_splits=num_splits)
+      page_table=table, implementation=implementation)
 
 
 def run_prefill(head_dim, hidden, kv_heads, cache_len, chunks, dtype, calls,
@@ -384,8 +384,9 @@ def run_decode(head_dim, hidden, kv_heads, cache_lens, batches, dtype, calls,
 
   Bytes counted: the K and V cache read once (2 * B * S * K * H * itemsize).
   The same run times a device copy (read + write) as the ceiling. The
-  "paged_16"/"paged_64" rows read the same cache as pages of 16 / 64 tokens
-  in a random order (`flash_decode(key_pages=..., page_table=...)`).
+  "paged_16"/"paged_32"/"paged_64" rows read the same cache as pages of 16,
+  32 and 64 tokens in a random order (`flash_decode(key_pages=...,
+  page_table=...)`).
   """
   num_heads = hidden // head_dim
   kv_heads = kv_heads or max(1, num_heads // 4)
@@ -407,6 +408,8 @@ def run_decode(head_dim, hidden, kv_heads, cache_lens, batches, dtype, calls,
               q, k, v, kv_lengths=lengths, implementation="pallas"),
           "paged_16": (paged_decode,
                        (q, *_paged_cache(kc, vc, 16, keys[2]))),
+          "paged_32": (paged_decode,
+                       (q, *_paged_cache(kc, vc, 32, keys[2]))),
           "paged_64": (paged_decode,
                        (q, *_paged_cache(kc, vc, 64, keys[2]))),
           "xla": lambda q, k, v: jax.nn.dot_product_attention(

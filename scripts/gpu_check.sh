@@ -205,12 +205,33 @@ jax.jit(jax.grad(f)).lower(q).compile()" > "$OUT/ptxas_h$h.log" 2>&1
       # The Mosaic kernels' static instruction mix (benchmarks/sass_mix.py),
       # 8k, bf16, forward and backward, head dims 128 and 64, and tokamax's
       # Mosaic attention at 128 beside them (issue 12's attribution). Mosaic
-      # GPU writes one NAME.sass (nvdisasm), .ptx and .ptxas per module into
-      # MOSAIC_GPU_DUMP_TO; the SASS text comes back as sass.tar.gz.
+      # GPU writes NAME.ptx (and NAME.sass where it finds nvdisasm) per
+      # module into MOSAIC_GPU_DUMP_TO; where it wrote no .sass, the .ptx is
+      # assembled for sm_90a and disassembled here with the CUDA tools found
+      # on the machine. Everything lands in $OUT/sass.log; the SASS text
+      # comes back as sass.tar.gz.
+      tools=$(python3 - <<'PY'
+import glob, os, shutil, site
+dirs = [p for d in site.getsitepackages() for p in glob.glob(d + "/nvidia/**/bin", recursive=True)]
+try:
+  import triton
+  dirs += glob.glob(os.path.dirname(triton.__file__) + "/backends/nvidia/bin")
+except ImportError:
+  pass
+def find(tool):
+  for d in dirs:
+    if os.path.exists(os.path.join(d, tool)):
+      return os.path.join(d, tool)
+  return shutil.which(tool) or ""
+print(find("ptxas"), find("nvdisasm") or find("cuobjdump"))
+PY
+)
+      read -r ptxas disasm <<< "$tools"
+      echo "ptxas: ${ptxas:-none}; disassembler: ${disasm:-none}" | tee "$OUT/sass.log"
       for which in flash_h128 flash_h64 tokamax_h128; do
         h=${which##*_h}
         rm -rf "/tmp/sass_$which"; mkdir -p "/tmp/sass_$which"
-        MOSAIC_GPU_DUMP_TO="/tmp/sass_$which" timeout 120 python3 -c "
+        MOSAIC_GPU_DUMP_TO="/tmp/sass_$which" timeout 150 python3 -c "
 import jax, jax.numpy as jnp, jax_flash
 q = jnp.ones((1, 8192, 2048 // $h, $h), jnp.bfloat16)
 if '$which'.startswith('tokamax'):
@@ -218,17 +239,24 @@ if '$which'.startswith('tokamax'):
   attn = lambda q: tokamax.dot_product_attention(q, q, q, is_causal=True, implementation='mosaic')
 else:
   attn = lambda q: jax_flash.flash_attention(q, q, q, is_causal=True, implementation='mosaic')
-jax.jit(jax.grad(lambda q: attn(q).astype(jnp.float32).sum())).lower(q).compile()" \
-          > "/tmp/sass_$which.log" 2>&1
-        echo "$which: exit $?, $(ls /tmp/sass_$which/*.sass 2>/dev/null | wc -l) modules"
+jax.block_until_ready(jax.jit(jax.grad(lambda q: attn(q).astype(jnp.float32).sum()))(q))" \
+          >> "$OUT/sass.log" 2>&1
+        echo "$which: exit $?; $(ls /tmp/sass_$which | tr '\n' ' ' | cut -c1-600)" \
+          | tee -a "$OUT/sass.log"
+        for ptx in /tmp/sass_"$which"/*.ptx; do
+          [ -e "$ptx" ] && [ ! -s "${ptx%.ptx}.sass" ] && [ -n "$ptxas" ] || continue
+          "$ptxas" -arch=sm_90a "$ptx" -o "${ptx%.ptx}.cubin" >> "$OUT/sass.log" 2>&1 \
+            && case "$disasm" in
+                 *nvdisasm) "$disasm" -ndf -c "${ptx%.ptx}.cubin" ;;
+                 *cuobjdump) "$disasm" -sass "${ptx%.ptx}.cubin" ;;
+               esac > "${ptx%.ptx}.sass" 2>> "$OUT/sass.log"
+        done
         python3 benchmarks/sass_mix.py "/tmp/sass_$which" \
-          | tee "$OUT/sass_mix_$which.jsonl" | cut -c1-700 \
-          || tail -n 5 "/tmp/sass_$which.log"
-        grep -hiE "registers|spill" /tmp/sass_"$which"/*.ptxas 2>/dev/null \
-          | sort | uniq -c | head -n 8
+          > "$OUT/sass_mix_$which.jsonl" 2>> "$OUT/sass.log"
+        cut -c1-700 "$OUT/sass_mix_$which.jsonl"
       done
       (cd /tmp && tar czf "$OUT/sass.tar.gz" sass_flash_h128/*.sass \
-        sass_tokamax_h128/*.sass)
+        sass_tokamax_h128/*.sass sass_*/*.ptxas 2>> "$OUT/sass.log")
       ;;
     *) echo "unknown mode $mode"; exit 2 ;;
   esac

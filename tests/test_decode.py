@@ -1,4 +1,5 @@
 """flash_decode: split-KV decoding against contiguous and paged caches."""
+import dataclasses
 import chex
 import jax
 import jax.numpy as jnp
@@ -114,15 +115,17 @@ def test_paged_cache_in_random_order(page_size):
   assert_attention_close(xla, ref)
 
 
-@pytest.mark.parametrize("prefetch", [1, 2])
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
 @pytest.mark.parametrize("page_size", [16, 64])
 def test_paged_cache_with_page_ids_read_ahead(monkeypatch, page_size,
                                               prefetch):
-  """Page ids read `DECODE_PREFETCH_PAGES` tiles ahead: the same result,
-  with splits starting mid-cache and read-ahead past a split's end and past
-  the table (poisoned pages there)."""
+  """Page ids read `prefetch_pages` tiles ahead of their tile: the same
+  result, with splits starting mid-cache and read-ahead past a split's end
+  and past the table (poisoned pages there)."""
   from pallas_kernels.triton import config
-  monkeypatch.setattr(config, "DECODE_PREFETCH_PAGES", prefetch)
+  tiling = config.decode_blocks
+  monkeypatch.setattr(config, "decode_blocks", lambda *a: dataclasses.replace(
+      tiling(*a), prefetch_pages=prefetch))
   q, kc, vc = _cache(3, 2, 300, 8, 2, 64, jnp.float32, seed=6)
   lengths = jnp.array([300, 1, 200])
   kp, table = _paginate(kc, page_size, 64, 7, lengths)

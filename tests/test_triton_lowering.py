@@ -6,6 +6,7 @@ kernel exactly as on the GPU machine, so an op the Triton lowering lacks, a
 wrong tile shape or a bad index fails here instead of on the H200. (Triton's own
 compilation to PTX happens when XLA compiles on a GPU; that still needs one.)
 """
+import dataclasses
 import jax
 import jax.numpy as jnp
 import pytest
@@ -95,7 +96,9 @@ def test_bias_kernels_lower(bias_shape):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_decode_kernel_lowers(paged, dtype, prefetch, monkeypatch):
   from pallas_kernels.triton import config
-  monkeypatch.setattr(config, "DECODE_PREFETCH_PAGES", prefetch)
+  tiling = config.decode_blocks
+  monkeypatch.setattr(config, "decode_blocks", lambda *a: dataclasses.replace(
+      tiling(*a), prefetch_pages=prefetch, num_stages=2 + prefetch))
   q = jax.ShapeDtypeStruct((4, 2, 8, 128), dtype)
   lengths = jax.ShapeDtypeStruct((4,), jnp.int32)
   if paged:

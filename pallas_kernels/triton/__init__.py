@@ -114,15 +114,14 @@ class TritonBackend:
     page_size = None if page_table is None else k.shape[1]
     kv_len = k.shape[1] if page_table is None else (
         page_table.shape[1] * page_size)
-    block_k = config.decode_block_k(head_dim, kv_len, page_size)
-    num_tiles = -(-kv_len // block_k)
+    blocks = config.decode_blocks(head_dim, kv_len, page_size)
+    num_tiles = -(-kv_len // blocks.block_k)
     if num_splits is None:
-      num_splits = config.decode_splits(q.shape[0], k.shape[2], num_tiles)
+      num_splits = config.decode_splits(q.shape[0], k.shape[2], num_tiles,
+                                        blocks.programs_per_sm)
     return flash_decode(q, k, v, kv_lengths, scores=scores, mask=mask,
                         num_splits=int(min(num_splits, num_tiles)),
-                        block_k=block_k, page_table=page_table, sinks=sinks,
-                        num_stages=config.DECODE_STAGES,
-                        prefetch_pages=config.DECODE_PREFETCH_PAGES,
+                        blocks=blocks, page_table=page_table, sinks=sinks,
                         interpret=self.interpret)
 
 

@@ -151,45 +151,59 @@ class BlockSizes:
         block_k_dq=clip(self.block_k_dq, kv_len))
 
 
-def decode_block_k(head_dim: int, kv_len: int, page_size: int | None = None
-                   ) -> int:
-  """Key tile of the split-KV decode kernel: 128 rows up to head dim 128, 64
-  above, never more than the cache. Measured with it (contiguous):
-  results/2026-11-30-h200-session2/decode.md.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecodeBlocks:
+  """Tiling of the split-KV decode kernel.
 
-  A paged cache (page_size tokens a page): pages of 32 tokens or more keep
-  the tile within one page (one contiguous load), 16-token pages fill a
-  64-row tile with four, gathered in one load. H200 sweep
-  (results/2026-11-30-h200-session5/decode_tune.jsonl, bf16, 16 query / 4
-  KV heads of 128, pages shuffled; TB/s of K+V against the contiguous cache
-  in the same run, batch 8 x 32k / batch 64 x 8k): 64-token pages one a tile
-  1.00 / 1.10x, a 128-row gather of two 0.60 / 0.75x; 32-token pages one a
-  tile 0.76 / 1.07x, gathers of 64 / 128 rows 0.86 / 0.78x and 0.65 /
-  0.73x; 16-token pages one a tile 0.53 / 0.75x, gathers of 32 / 64 / 128
-  rows 0.66 / 0.88x, 0.83 / 0.79x, 0.62 / 0.73x."""
+  block_k: key rows a tile (within one page, or the pages of one gather).
+  num_stages: Triton's software-pipelining stages of the key-tile loop.
+  prefetch_pages: with a page table, how many tiles ahead of its use a
+    tile's page ids are read (0: in its own iteration, where its loads wait
+    on the read).
+  programs_per_sm: (split, batch, kv head) programs per multiprocessor the
+    cache is split into (`decode_splits`).
+  """
+  block_k: int
+  num_stages: int = 2
+  prefetch_pages: int = 0
+  programs_per_sm: int = 2
+
+
+def decode_blocks(head_dim: int, kv_len: int, page_size: int | None = None
+                  ) -> DecodeBlocks:
+  """The decode kernel's tiling for a cache of kv_len positions.
+
+  Contiguous: key tiles of 128 rows up to head dim 128, 64 above, never
+  more than the cache; 2 stages, 2 programs a multiprocessor (measured:
+  results/2026-11-30-h200-session2/decode.md).
+
+  Paged (page_size tokens a page), from the H200 sweep of
+  results/2026-12-01-h200-session9/decode_tune.jsonl (bf16, 16 query / 4 KV
+  heads of 128, pages shuffled; TB/s of K+V against the contiguous cache in
+  the same run, batch 8 x 32k / batch 64 x 8k):
+  - 64 tokens or more: one page a tile (or part of one), as contiguous:
+    1.00 / 1.09x.
+  - 32 tokens: one page a tile of 32 rows, 3 stages, page ids read a tile
+    ahead, 4 programs a multiprocessor: 0.99 / 1.07x (with 2 stages, ids
+    in the tile's iteration and 2 programs: 0.74 / 1.01x).
+  - 16 tokens: a gather of four pages a 64-row tile, likewise 3 stages, ids
+    a tile ahead, 4 programs: 0.84 / 0.98x (from 0.75 / 0.76x). The
+    gather's loads wait on the page ids: read in the same iteration, a third
+    stage or more programs alone gain little (0.75 / 0.78x, 0.73 / 0.94x).
+  """
   hp = padded_head_dim(head_dim)
   tile = min(128 if hp <= 128 else 64 if hp <= 256 else 32,
              max(16, 1 << (kv_len - 1).bit_length()))
-  if page_size is None:
-    return tile
-  # 16-token pages: four a tile; 32 or more: one page a tile (or part of one).
-  return min(tile, 64 if page_size < 32 else page_size)
+  if page_size is None or page_size >= 64:
+    return DecodeBlocks(block_k=min(tile, page_size or tile))
+  return DecodeBlocks(block_k=min(tile, 64 if page_size < 32 else page_size),
+                      num_stages=3, prefetch_pages=1, programs_per_sm=4)
 
 
-# Software-pipelining stages of the split-KV decode kernel: 2, what every
-# decode measurement so far ran. With a paged cache a key tile's loads wait
-# on its page-table read in the same iteration; a third stage may let
-# Triton's pipeliner overlap the two (untimed: `benchmarks/decode_tune.py
-# --stages 2 3 4` sweeps it).
-DECODE_STAGES = 2
-
-# Key tiles ahead of their use that the split-KV decode kernel reads a paged
-# tile's page ids (0: in the tile's own iteration, what every measurement
-# so far ran; swept by `benchmarks/decode_tune.py --prefetch`).
-DECODE_PREFETCH_PAGES = 0
-
-
-def decode_splits(batch: int, num_kv_heads: int, num_tiles: int) -> int:
+def decode_splits(batch: int, num_kv_heads: int, num_tiles: int,
+                  programs_per_sm: int = 2) -> int:
   """Chunks each sequence's cache is split into: enough (split, batch, kv
-  head) programs for two per multiprocessor, at most one per key tile."""
-  return int(max(1, min(num_tiles, -(-2 * NUM_SMS // (batch * num_kv_heads)))))
+  head) programs for `programs_per_sm` per multiprocessor, at most one per
+  key tile."""
+  return int(max(1, min(num_tiles, -(-programs_per_sm * NUM_SMS
+                                      // (batch * num_kv_heads)))))

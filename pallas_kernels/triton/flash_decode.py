@@ -24,7 +24,7 @@ from jax.experimental.pallas import triton as plgpu
 from jax_flash.spec import softmax
 from jax_flash.spec.mask import Mask, cdiv
 from jax_flash.spec.scores import Scores
-from pallas_kernels.triton.config import padded_head_dim
+from pallas_kernels.triton.config import DecodeBlocks, padded_head_dim
 from pallas_kernels.triton.tiles import (dot, load_pages, load_tile,
                                          page_rows, store_row_stat,
                                          store_tile)
@@ -98,21 +98,17 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, *refs, scores: Scores,
 
 
 def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
-                 mask: Mask, num_splits: int, block_k: int, page_table=None,
-                 sinks=None, num_stages: int = 2, prefetch_pages: int = 0,
-                 interpret: bool = False):
+                 mask: Mask, num_splits: int, blocks: DecodeBlocks,
+                 page_table=None, sinks=None, interpret: bool = False):
   """Decode attention of q [B, T, N, H] against a cache.
 
   Contiguous cache: k_cache, v_cache [B, S_max, K, H]. Paged (page_table
   [B, pages_per_seq] int32 given): k_cache, v_cache are pages
-  [num_pages, page_size, K, H]; block_k divides page_size (tiles within a
-  page) or is a multiple of it (the pages of one key tile). `mask`: the
-  band (causal, a left window) of queries at positions kv_lengths[b] - T + t.
+  [num_pages, page_size, K, H]; blocks.block_k divides page_size (tiles
+  within a page) or is a multiple of it (the pages of one key tile).
+  blocks: the tiling (`config.DecodeBlocks`). `mask`: the band (causal, a
+  left window) of queries at positions kv_lengths[b] - T + t.
   sinks: float32 [N] sink logits joining each head's denominator, or None.
-  num_stages: Triton's software-pipelining stages of the key-tile loop.
-  prefetch_pages: with a page table, how many key tiles ahead of its use a
-  tile's page ids are read (0: in its own iteration, where its loads wait on
-  the read).
   Value may have a head dim Hv of its own. Returns (out [B, T, N, Hv] in
   q.dtype, lse [B, N, T] natural log).
   """
@@ -128,6 +124,7 @@ def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
                                             head_dim)
   qr = jnp.pad(qr, ((0, 0), (0, 0), (0, rows - group * q_len), (0, 0)))
   paged = page_table is not None
+  block_k = blocks.block_k
   if paged:
     max_tiles = pl.cdiv(page_table.shape[1] * k_cache.shape[1], block_k)
   else:
@@ -138,7 +135,7 @@ def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
       group=group, head_dim=head_dim, value_head_dim=value_head_dim,
       block_k=block_k,
       tiles_per_split=tiles_per_split, paged=paged,
-      prefetch=prefetch_pages if paged else 0)
+      prefetch=blocks.prefetch_pages if paged else 0)
   q_spec = pl.BlockSpec((None, None, rows, hp), lambda s, b, h: (b, h, 0, 0))
   def kv_spec(width):
     if paged:
@@ -169,7 +166,7 @@ def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
                                jnp.float32),
       ],
       compiler_params=plgpu.CompilerParams(num_warps=4,
-                                           num_stages=num_stages),
+                                           num_stages=blocks.num_stages),
       interpret=interpret,
       name="flash_attention_decode",
   )(*operands)
