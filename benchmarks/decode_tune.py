@@ -4,7 +4,8 @@
 
 One new token per sequence (16 query heads and 4 KV heads of 128, bf16)
 against a full cache stored contiguously and as pages of 16, 32 and 64
-tokens in a random order. For each page size, every `config.DecodeBlocks`
+tokens in a random order. For each page size (0: the contiguous cache
+itself), every `config.DecodeBlocks`
 of the product of: key tile rows (`--block-k`, from one page up: a tile of
 one page or less is a contiguous load, more pages a gather), pipelining
 stages (`--stages`), tiles ahead that a tile's page ids are read
@@ -36,7 +37,8 @@ def main(argv=None):
   parser.add_argument("--shapes", nargs="+", default=["8x32768", "64x8192"],
                       help="BATCHxCACHE")
   parser.add_argument("--page-sizes", type=int, nargs="+",
-                      default=[16, 32, 64])
+                      default=[16, 32, 64],
+                      help="tokens a page; 0 sweeps the contiguous cache")
   parser.add_argument("--block-k", type=int, nargs="+",
                       default=[16, 32, 64, 128])
   parser.add_argument("--stages", type=int, nargs="+", default=[2],
@@ -65,22 +67,27 @@ def main(argv=None):
               implementation=args.implementation)), (q, kc, vc),
           args.calls, 5)
       cases = [(None, default(head_dim, cache_len), contiguous)]
-      for page_size in args.page_sizes:
-        paged = benchmark._paged_cache(kc, vc, page_size, keys[2])
+      for page_size in args.page_sizes:  # 0: the contiguous cache.
+        if page_size:
+          fn = benchmark._paged_decode(lengths, args.implementation)
+          cache = benchmark._paged_cache(kc, vc, page_size, keys[2])
+        else:
+          fn = lambda q, k, v: jax_flash.flash_decode(
+              q, k, v, kv_lengths=lengths, implementation=args.implementation)
+          cache = (kc, vc)
         for block_k, stages, prefetch, per_sm in itertools.product(
             args.block_k, args.stages, args.prefetch, args.programs_per_sm):
-          if block_k < page_size:
+          if block_k < page_size or (prefetch and not page_size):
             continue
           blocks = config.DecodeBlocks(
               block_k=block_k, num_stages=stages, prefetch_pages=prefetch,
               programs_per_sm=per_sm)
           config.decode_blocks = lambda *a, b=blocks: b
           try:
-            seconds = benchmark._time(jax.jit(benchmark._paged_decode(
-                lengths, args.implementation)), (q, *paged), args.calls, 5)
+            seconds = benchmark._time(jax.jit(fn), (q, *cache), args.calls, 5)
           finally:
             config.decode_blocks = default
-          cases.append((page_size, blocks, seconds))
+          cases.append((page_size or None, blocks, seconds))
       for page_size, blocks, seconds in cases:
         row = dict(batch=batch, cache_len=cache_len, page_size=page_size,
                    **dataclasses.asdict(blocks),

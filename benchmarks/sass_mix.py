@@ -1,8 +1,13 @@
 """Static instruction mix of the kernels in a SASS dump (issue 12's
 attribution of the Mosaic forward against cuDNN).
 
-    MOSAIC_GPU_DUMP_TO=/tmp/dump python ...   # one NAME.sass per module
-    python benchmarks/sass_mix.py /tmp/dump [--top 30]
+    MOSAIC_GPU_DUMP_TO=/tmp/dump python ...   # NAME.ptx (.sass) per module
+    python benchmarks/sass_mix.py /tmp/dump [--top 30] [--assemble]
+
+Mosaic GPU writes NAME.sass only where it finds nvdisasm in its CUDA root
+(the H200 machine has none); `--assemble` makes it from NAME.ptx first with
+`ptxas -arch=sm_90a` and `nvdisasm` (PTXAS / NVDISASM, or from PATH; PTX of
+CUDA 13 needs a ptxas of CUDA 13), on any machine.
 
 Reads every `*.sass` file of a folder, or the files named (nvdisasm's text,
 as Mosaic GPU writes it: a function's section, `.text.NAME:`, or
@@ -24,6 +29,7 @@ import json
 import os
 import pathlib
 import re
+import subprocess
 
 _FUNCTION = re.compile(r"Function\s*:\s*(\S+)|^\s*\.text\.(\S+):\s*$")
 _INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)"
@@ -74,12 +80,31 @@ def classify(mix: collections.Counter) -> dict[str, int]:
   return dict(out)
 
 
+def assemble(ptx: pathlib.Path) -> pathlib.Path:
+  """NAME.ptx -> NAME.cubin (sm_90a) -> NAME.sass (nvdisasm's text)."""
+  cubin, sass = ptx.with_suffix(".cubin"), ptx.with_suffix(".sass")
+  subprocess.run([os.environ.get("PTXAS", "ptxas"), "-arch=sm_90a", str(ptx),
+                  "-o", str(cubin)], check=True)
+  text = subprocess.run([os.environ.get("NVDISASM", "nvdisasm"), "-ndf", "-c",
+                         str(cubin)], check=True, capture_output=True,
+                        text=True).stdout
+  sass.write_text(text)
+  return sass
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("dumps", nargs="+",
                       help="a folder of *.sass files, or the files")
   parser.add_argument("--top", type=int, default=30)
+  parser.add_argument("--assemble", action="store_true",
+                      help="make NAME.sass from NAME.ptx where it is missing")
   args = parser.parse_args(argv)
+  if args.assemble:
+    for dump in args.dumps:
+      for ptx in sorted(pathlib.Path(dump).glob("*.ptx")):
+        if not ptx.with_suffix(".sass").exists():
+          assemble(ptx)
   paths = []
   for dump in args.dumps:
     paths += sorted(pathlib.Path(dump).glob("*.sass")) if os.path.isdir(

@@ -173,9 +173,12 @@ def decode_blocks(head_dim: int, kv_len: int, page_size: int | None = None
                   ) -> DecodeBlocks:
   """The decode kernel's tiling for a cache of kv_len positions.
 
-  Contiguous: key tiles of 128 rows up to head dim 128, 64 above, never
-  more than the cache; 2 stages, 2 programs a multiprocessor (measured:
-  results/2026-11-30-h200-session2/decode.md).
+  Contiguous: key tiles of 64 rows up to head dim 256, 32 above, never
+  more than the cache; 2 stages, 2 programs a multiprocessor. (128-row
+  tiles up to head dim 128 until the ninth session: there 64-token pages,
+  one page a 64-row tile, read faster than the contiguous cache in 128-row
+  tiles, 1.04-1.10x at batch 8 x 32k and 64 x 8k/32k,
+  results/2026-12-01-h200-session9/decode.md.)
 
   Paged (page_size tokens a page), from the H200 sweep of
   results/2026-12-01-h200-session9/decode_tune.jsonl (bf16, 16 query / 4 KV
@@ -192,7 +195,7 @@ def decode_blocks(head_dim: int, kv_len: int, page_size: int | None = None
     stage or more programs alone gain little (0.75 / 0.78x, 0.73 / 0.94x).
   """
   hp = padded_head_dim(head_dim)
-  tile = min(128 if hp <= 128 else 64 if hp <= 256 else 32,
+  tile = min(64 if hp <= 256 else 32,
              max(16, 1 << (kv_len - 1).bit_length()))
   if page_size is None or page_size >= 64:
     return DecodeBlocks(block_k=min(tile, page_size or tile))
