@@ -68,13 +68,8 @@ def main(argv=None):
           args.calls, 5)
       cases = [(None, default(head_dim, cache_len), contiguous)]
       for page_size in args.page_sizes:  # 0: the contiguous cache.
-        if page_size:
-          fn = benchmark._paged_decode(lengths, args.implementation)
-          cache = benchmark._paged_cache(kc, vc, page_size, keys[2])
-        else:
-          fn = lambda q, k, v: jax_flash.flash_decode(
-              q, k, v, kv_lengths=lengths, implementation=args.implementation)
-          cache = (kc, vc)
+        cache = (benchmark._paged_cache(kc, vc, page_size, keys[2])
+                 if page_size else (kc, vc))
         for block_k, stages, prefetch, per_sm in itertools.product(
             args.block_k, args.stages, args.prefetch, args.programs_per_sm):
           if block_k < page_size or (prefetch and not page_size):
@@ -83,6 +78,12 @@ def main(argv=None):
               block_k=block_k, num_stages=stages, prefetch_pages=prefetch,
               programs_per_sm=per_sm)
           config.decode_blocks = lambda *a, b=blocks: b
+          # A new function for each tiling: jax.jit would reuse the trace
+          # (and the tiling) of the same function object.
+          fn = (benchmark._paged_decode(lengths, args.implementation)
+                if page_size else lambda q, k, v: jax_flash.flash_decode(
+                    q, k, v, kv_lengths=lengths,
+                    implementation=args.implementation))
           try:
             seconds = benchmark._time(jax.jit(fn), (q, *cache), args.calls, 5)
           finally:

@@ -81,8 +81,18 @@ def _impls(causal: bool):
   }
 
 
+MIN_TIMED_SECONDS = 0.02
+
+
 def _time(fn, args, calls: int, repeats: int) -> float:
+  """Median seconds a call over `repeats` batches of back-to-back calls,
+  after a warm-up; a batch has `calls` calls or more, enough to last
+  MIN_TIMED_SECONDS (fast kernels: a few calls would time the launch)."""
   jax.block_until_ready(fn(*args))  # Compile and warm up.
+  start = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  once = time.perf_counter() - start
+  calls = max(calls, min(1000, int(MIN_TIMED_SECONDS / max(once, 1e-6))))
   per_call = []
   for _ in range(repeats):
     start = time.perf_counter()
