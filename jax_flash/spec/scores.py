@@ -83,6 +83,17 @@ class Scores:
           (s,), (jnp.ones_like(s),))
     return s * LOG2E, (t, dmod)
 
+  def factored_logits2(self, qk, *args, **kwargs):
+    """(t, c, aux): the base-2 logits as t * c with a static c > 0, the rest
+    as `logits2`. For plain scores with a positive scale t is qk itself and
+    c = scale * log2(e): a kernel takes the row max on t (max(t * c) =
+    c * max(t), rounding included) and forms 2**(t * c - m) in one FMA,
+    one multiply an element fewer; otherwise t = logits2(qk) and c = 1."""
+    if self.plain and self.scale > 0:
+      return qk, self.scale * LOG2E, None
+    s, aux = self.logits2(qk, *args, **kwargs)
+    return s, 1.0, aux
+
   def dqk(self, ds, aux):
     """dL/d(q.k) / scale from dS = dL/ds (the caller multiplies by scale
     once); aux from `logits2`."""

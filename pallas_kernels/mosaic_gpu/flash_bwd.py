@@ -19,9 +19,11 @@ its own arrival); both matmuls of a step are wgmma.
 Tiles come from the shared mask description (`mask.q_block_ranges` /
 `kv_block_ranges`, the CTA's rows, and the range table of a mask_mod or of
 ids; ids are compared on boundary tiles); tiles inside its full range skip
-the predicate. Scores go through the shared `Scores.logits2` and their
-derivative through `Scores.dqk` (soft-cap, ALiBi, a score_mod); dropout
-scales P^T in dV and dP with the forward's keep bits (`dropout.dropped`). D = rowsum(dO * O) - dlse (`softmax.backward_delta`) and the
+the predicate (hidden pairs get P = 0). Scores go through the shared
+`Scores.factored_logits2` and their derivative through `Scores.dqk`
+(soft-cap, ALiBi, a score_mod); dropout scales P^T in dV and dP with the
+forward's keep bits (`dropout.dropped`). D = rowsum(dO * O) - dlse
+(`softmax.backward_delta`) and the
 logsumexp in base 2 come from XLA (a row that sees no key gets L = +inf, so
 its P is 0, never NaN). Every gradient is written once, by one CTA, in a
 fixed order: bitwise deterministic.
@@ -53,29 +55,33 @@ def _iota(shape, dim):
                                 layout=plgpu.Layout.WGMMA)
 
 
-def _logits(s, masked, *, mask: Mask, scores: Scores, kv_len: int,
-            positions, rows_cols, ids, pair, refs, batch, head):
-  """(base-2 logits, aux) of a raw score tile `s` (`Scores.logits2`, with
-  the bias tile `pair` of bias_ref), hidden pairs at -inf where `masked`
-  (traced: a boundary tile): the mask description's predicate and the
-  dense mask's tile. refs: (slopes_ref, bias_ref, dense_ref), each None
-  when absent; rows_cols: the tile's positions or None (then `positions()`
-  computes them for the predicate)."""
+def _probabilities(s, lse, masked, *, mask: Mask, scores: Scores,
+                   kv_len: int, positions, rows_cols, ids, pair, refs, batch,
+                   head):
+  """(P, aux) of a raw score tile `s`: P = 2**(s2 - lse) with s2 its base-2
+  logits (`Scores.factored_logits2`, with the bias tile `pair` of bias_ref:
+  for plain scores one FMA a pair) and lse the base-2 logsumexp broadcast to
+  the tile (+inf for rows that saw no key: P is 0 there); P is 0 at hidden
+  pairs where `masked` (traced: a boundary tile): the mask description's
+  predicate and the dense mask's tile. refs: (slopes_ref, bias_ref,
+  dense_ref), each None when absent; rows_cols: the tile's positions or
+  None (then `positions()` computes them for the predicate)."""
   slopes_ref, bias_ref, dense_ref = refs
-  s, aux = scores.logits2(
+  s, c, aux = scores.factored_logits2(
       s, *(rows_cols or (None, None)),
       slope=None if slopes_ref is None else slopes_ref[batch, head],
       bias=(None if bias_ref is None else
             pair_tile(bias_ref, batch, head, *pair).astype(jnp.float32)),
       batch=batch, head=head)
+  p = jnp.exp2(s * c - lse)
 
   def hidden():
     ok = mask.visible(*(rows_cols or positions()), kv_len, batch=batch,
                       head=head, **ids)
     if dense_ref is not None:
       ok = ok & (pair_tile(dense_ref, batch, head, *pair) != 0)
-    return jnp.where(ok, s, -jnp.inf)
-  return lax.cond(masked, hidden, lambda: s), aux
+    return jnp.where(ok, p, 0.0)
+  return lax.cond(masked, hidden, lambda: p), aux
 
 
 def split_dkv(head_dim: int) -> bool:
@@ -198,12 +204,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
       ids = dict(q_ids=lax.broadcast_in_dim(q_ids, shape, [1]),
                  kv_ids=lax.broadcast_in_dim(carry[-1], shape, [0]))
     tile = lo + i
-    s, aux = _logits(
-        s, (tile < full_lo) | (tile >= full_hi), mask=mask, scores=scores,
+    p, aux = _probabilities(
+        s, lax.broadcast_in_dim(lse, shape, [1]),
+        (tile < full_lo) | (tile >= full_hi), mask=mask, scores=scores,
         kv_len=kv_len, positions=positions, rows_cols=rows_cols, ids=ids,
         pair=(rows, pl.ds(q_tile(i) * bq, bq)),  # Keys down, queries across.
         refs=(slopes_ref, bias_ref, dense_ref), batch=batch, head=head)
-    p = jnp.exp2(s - lax.broadcast_in_dim(lse, shape, [1]))
 
     def drop(x):  # P^T or dP^T with dropout (the forward's bits).
       return dropped(x, scores, seed_ref, batch, head, *(rows_cols or
@@ -342,12 +348,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
       plgpu.wgmma(dp_acc, do_smem, v_smem.T)
       s = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)  # dP still runs.
       tile = lo + j
-      s, aux = _logits(
-          s, (tile < full_lo) | (tile >= full_hi), mask=mask, scores=scores,
+      p, aux = _probabilities(
+          s, lax.broadcast_in_dim(lse, shape, [0]),
+          (tile < full_lo) | (tile >= full_hi), mask=mask, scores=scores,
           kv_len=kv_len, positions=positions, rows_cols=rows_cols, ids=ids,
           pair=(rows, pl.ds(kv_tile(j) * bkv, bkv)),
           refs=(slopes_ref, bias_ref, dense_ref), batch=batch, head=head)
-      p = jnp.exp2(s - lax.broadcast_in_dim(lse, shape, [0]))
       return p, aux, dp_acc[...]
     p, aux, dp = pl.run_scoped(s_dp, plgpu.ACC(shape, jnp.float32),
                                plgpu.ACC(shape, jnp.float32))

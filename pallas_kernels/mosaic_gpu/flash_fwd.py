@@ -216,8 +216,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
       tile = (pl.ds(q_start, block_q), pl.ds(j * block_kv, block_kv))
       bias = (None if bias_ref is None else
               pair_tile(bias_ref, batch, head, *tile).astype(jnp.float32))
-      s, _ = scores.logits2(s, rows, cols, slope=slope, bias=bias,
-                            batch=batch, head=head)
+      # Base-2 logits s * c (c > 0; `factored_logits2`).
+      s, c, _ = scores.factored_logits2(s, rows, cols, slope=slope,
+                                        bias=bias, batch=batch, head=head)
       if masked:
         ids = {}
         if mask.has_ids:
@@ -229,10 +230,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
         if dense_ref is not None:
           ok = ok & (pair_tile(dense_ref, batch, head, *tile) != 0)
         s = jnp.where(ok, s, -jnp.inf)
-      m_new = jnp.maximum(m, s.max(axis=1))
+      m_new = jnp.maximum(m, s.max(axis=1) * c)
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
       alpha = jnp.exp2(m - m_safe)
-      p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+      p = jnp.exp2(s * c - lax.broadcast_in_dim(m_safe, s.shape, [0]))
       l = l * alpha + p.sum(axis=1)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       # l sums the undropped p; only P V sees the dropout.
