@@ -173,26 +173,24 @@ def decode_blocks(head_dim: int, kv_len: int, page_size: int | None = None
                   ) -> DecodeBlocks:
   """The decode kernel's tiling for a cache of kv_len positions.
 
-  Contiguous: key tiles of 64 rows up to head dim 256, 32 above, never
-  more than the cache; 2 stages, 2 programs a multiprocessor. (128-row
-  tiles up to head dim 128 until the ninth session: there 64-token pages,
-  one page a 64-row tile, read faster than the contiguous cache in 128-row
-  tiles, 1.04-1.10x at batch 8 x 32k and 64 x 8k/32k,
-  results/2026-12-01-h200-session9/decode.md.)
-
-  Paged (page_size tokens a page), from the H200 sweep of
-  results/2026-12-01-h200-session9/decode_tune.jsonl (bf16, 16 query / 4 KV
-  heads of 128, pages shuffled; TB/s of K+V against the contiguous cache in
-  the same run, batch 8 x 32k / batch 64 x 8k):
-  - 64 tokens or more: one page a tile (or part of one), as contiguous:
-    1.00 / 1.09x.
-  - 32 tokens: one page a tile of 32 rows, 3 stages, page ids read a tile
-    ahead, 4 programs a multiprocessor: 0.99 / 1.07x (with 2 stages, ids
-    in the tile's iteration and 2 programs: 0.74 / 1.01x).
-  - 16 tokens: a gather of four pages a 64-row tile, likewise 3 stages, ids
-    a tile ahead, 4 programs: 0.84 / 0.98x (from 0.75 / 0.76x). The
-    gather's loads wait on the page ids: read in the same iteration, a third
-    stage or more programs alone gain little (0.75 / 0.78x, 0.73 / 0.94x).
+  H200 measurements (bf16, 16 query / 4 KV heads of 128; pages shuffled;
+  results/2026-12-01-h200-session9/, `decode_tune*.jsonl`: TB/s of K+V
+  against the contiguous cache's default in the same run, batch 8 x 32k /
+  batch 64 x 8k):
+  - Contiguous: key tiles of 64 rows up to head dim 256, 32 above, never
+    more than the cache; 2 stages, 2 programs a multiprocessor. 128-row
+    tiles (the default until then): 1.00 / 0.91x of it.
+  - 64 tokens a page or more: one page a tile (or part of one): at the
+    contiguous cache's speed (0.98 / 1.00x in `decode.md`).
+  - 32 tokens: one page a 32-row tile, 3 stages, page ids read a tile
+    ahead, 4 programs a multiprocessor: 0.97 / 0.98x (2 stages, ids read in
+    the tile's own iteration, 2 programs: 0.73 / 0.94x).
+  - 16 tokens: a gather of four pages a 64-row tile, the same stages, ids
+    ahead and programs: 0.83 / 0.91x (the previous default, 2 stages, ids
+    in the tile's iteration, 2 programs: 0.74 / 0.70x). A third stage or
+    more programs alone gain little, with the ids
+    read a tile ahead they do: consistent with the gather's loads waiting on
+    the id read (not profiled).
   """
   hp = padded_head_dim(head_dim)
   tile = min(64 if hp <= 256 else 32,
