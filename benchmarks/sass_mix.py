@@ -13,7 +13,9 @@ Reads every `*.sass` file of a folder, or the files named (nvdisasm's text,
 as Mosaic GPU writes it: a function's section, `.text.NAME:`, or
 cuobjdump's `Function : NAME` header, then one instruction a line,
 `/*0a10*/  @P0 HGMMA.64x128x16.F32.BF16 ... ;`) and prints, per function
-(named `FILE/NAME` where a folder holds several modules), one JSON line: the instruction count, the count per
+(named `FILE/NAME` where a folder holds several modules; with `--loops`
+also per innermost loop that runs HGMMA, the kernels' per-tile bodies, in
+address order), one JSON line: the instruction count, the count per
 opcode (the mnemonic before its first ".", predicates dropped) for the
 `--top` most frequent, and per class: tensor-core (HGMMA), special-function
 (MUFU: exp2, rcp), floating point (FADD/FMUL/FFMA/FMNMX...), integer,
@@ -71,6 +73,48 @@ def instruction_mix(text: str) -> dict[str, collections.Counter]:
   return mixes
 
 
+_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+_TARGET = re.compile(r"\bBRA\b[^;]*?(\.L_x_\d+)")
+
+
+def tensor_loops(text: str) -> dict[str, list[collections.Counter]]:
+  """{function name: [Counter of opcodes of each innermost loop that runs
+  tensor-core instructions]} of nvdisasm's text: a loop is the span from a
+  label to a branch back to it; innermost: no other such loop inside it
+  (the kernels' per-tile bodies, not the spans of a polling wait's retry
+  branch around them)."""
+  functions: dict[str, list] = {}
+  ops = labels = None
+  for line in text.splitlines():
+    header = _FUNCTION.search(line)
+    if header:
+      ops, labels = [], {}
+      functions[header.group(1) or header.group(2)] = (ops, labels)
+      continue
+    if ops is None:
+      continue
+    label = _LABEL.match(line)
+    if label:
+      labels[label.group(1)] = len(ops)
+      continue
+    match = _INSTRUCTION.search(line)
+    if match:
+      target = _TARGET.search(line) if match.group(1) == "BRA" else None
+      ops.append((match.group(1), target and target.group(1)))
+  out = {}
+  for name, (ops, labels) in functions.items():
+    spans = [(labels[t], i) for i, (op, t) in enumerate(ops)
+             if t in labels and labels[t] <= i]
+    spans = [(a, b) for a, b in spans
+             if any(op in CLASSES[0][1] for op, _ in ops[a:b + 1])]
+    inner = [(a, b) for a, b in spans
+             if not any(a <= c and d <= b and (c, d) != (a, b)
+                        for c, d in spans)]
+    out[name] = [collections.Counter(op for op, _ in ops[a:b + 1])
+                 for a, b in sorted(inner)]
+  return out
+
+
 def classify(mix: collections.Counter) -> dict[str, int]:
   """Counts per class (`CLASSES`; "other" for the rest)."""
   of = {op: name for name, ops in CLASSES for op in ops}
@@ -99,6 +143,8 @@ def main(argv=None):
   parser.add_argument("--top", type=int, default=30)
   parser.add_argument("--assemble", action="store_true",
                       help="make NAME.sass from NAME.ptx where it is missing")
+  parser.add_argument("--loops", action="store_true",
+                      help="also one line per innermost tensor-core loop")
   args = parser.parse_args(argv)
   if args.assemble:
     for dump in args.dumps:
@@ -109,10 +155,15 @@ def main(argv=None):
   for dump in args.dumps:
     paths += sorted(pathlib.Path(dump).glob("*.sass")) if os.path.isdir(
         dump) else [pathlib.Path(dump)]
-  mixes = {}
+  mixes, loops = {}, {}
   for path in paths:
-    for name, mix in instruction_mix(path.read_text()).items():
-      mixes[f"{path.stem}/{name}" if len(paths) > 1 else name] = mix
+    text = path.read_text()
+    named = lambda name: f"{path.stem}/{name}" if len(paths) > 1 else name
+    for name, mix in instruction_mix(text).items():
+      mixes[named(name)] = mix
+    if args.loops:
+      for name, bodies in tensor_loops(text).items():
+        loops[named(name)] = bodies
   if not mixes:
     raise SystemExit(f"no function with instructions in {args.dumps}: was "
                      f"MOSAIC_GPU_DUMP_TO (or MOSAIC_GPU_DUMP_SASS) set?")
@@ -120,6 +171,11 @@ def main(argv=None):
     print(json.dumps(dict(function=name, instructions=sum(mix.values()),
                           classes=classify(mix),
                           opcodes=dict(mix.most_common(args.top)))))
+    for i, body in enumerate(loops.get(name, ())):
+      print(json.dumps(dict(function=name, loop=i,
+                            instructions=sum(body.values()),
+                            classes=classify(body),
+                            opcodes=dict(body.most_common(args.top)))))
 
 
 if __name__ == "__main__":

@@ -74,3 +74,27 @@ def test_sass_mix_reads_a_folder_of_nvdisasm_dumps(tmp_path, capsys):
   assert {line["function"]: line["classes"] for line in lines} == {
       "dq_1/mosaic_gpu_kernel": {"memory": 1, "tensor": 1},
       "forward_0/mosaic_gpu_kernel": {"memory": 1, "special": 1}}
+
+
+LOOPS = """
+.text.mosaic_gpu_kernel:
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+.L_x_1:
+        /*0010*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24 ;
+        /*0020*/                   FMUL R5, R5, R6 ;
+        /*0030*/               @P0 BRA `(.L_x_1) ;
+.L_x_2:
+        /*0040*/                   SYNCS.PHASECHK.TRANS64 P1, [UR4], R2 ;
+        /*0050*/              @!P1 BRA `(.L_x_2) ;
+        /*0060*/                   MUFU.EX2 R5, R5 ;
+        /*0070*/               @P2 BRA `(.L_x_1) ;
+        /*0080*/                   EXIT ;
+"""
+
+
+def test_sass_mix_counts_the_innermost_tensor_loops():
+  """The per-tile body (a loop running HGMMA), not a polling wait's loop
+  (no tensor op) nor the span of a branch back around the body."""
+  from benchmarks.sass_mix import tensor_loops
+  (body,) = tensor_loops(LOOPS)["mosaic_gpu_kernel"]
+  assert body == {"HGMMA": 1, "FMUL": 1, "BRA": 1}
