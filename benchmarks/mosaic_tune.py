@@ -1,12 +1,13 @@
 """Tile sweep of the Mosaic GPU kernels, cuDNN timed alongside each shape.
 
     PYTHONPATH=. python3 benchmarks/mosaic_tune.py [--head-dims 64 128]
-        [--seq-len 8192] [--modes fwd bwd] [--out DIR]
+        [--seq-len 8192] [--modes fwd bwd] [--candidates JSON] [--out DIR]
 
 bf16, 16k tokens (batch = 16384 / seq), hidden 2048, causal and not. For each
 (head dim, causal, mode): cuDNN, then the Mosaic kernels under every
 candidate `MosaicBlockSizes` of that mode (forward tiles for "fwd", backward
-tiles for "bwd", the rest at their defaults) that fits shared memory; prints
+tiles for "bwd", the rest at their defaults; or `--candidates`) that fits
+shared memory; prints
 one JSON row per measurement (TFLOP/s and the ratio to cuDNN in the same run)
 and writes mosaic_tune.json. The data behind
 `pallas_kernels/mosaic_gpu/config.py`.
@@ -39,6 +40,10 @@ def main():
   parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
   parser.add_argument("--seq-len", type=int, default=8192)
   parser.add_argument("--modes", nargs="+", default=["fwd"])
+  parser.add_argument("--candidates", type=json.loads,
+                      help="a JSON list of MosaicBlockSizes fields to try "
+                           "instead of the mode's (`{}`: the defaults), e.g. "
+                           "'[{}, {\"named_barriers\": true}]'")
   parser.add_argument("--out", default=".")
   args = parser.parse_args()
   t, rows = args.seq_len, []
@@ -56,9 +61,9 @@ def main():
         row = dict(impl="cudnn", head_dim=h, causal=causal, mode=mode, **cudnn)
         print(json.dumps(row), flush=True)
         rows.append(row)
-        for candidate in CANDIDATES[mode]:
+        for candidate in args.candidates or CANDIDATES[mode]:
           bs = dataclasses.replace(
-              jax_flash.MosaicBlockSizes.get_default(h), **candidate)
+              jax_flash.MosaicBlockSizes.get_default(h, causal), **candidate)
           if max(bs.smem_bytes(h, 2),
                  bs.backward_smem_bytes(h, 2)) > config.SMEM_BYTES:
             continue

@@ -1,4 +1,5 @@
 """GPU-only: the real kernels at realistic sizes, and what a user sees."""
+import dataclasses
 import itertools
 import os
 import subprocess
@@ -176,6 +177,20 @@ def test_mosaic_masks_and_scores_match_reference(name):
   compare_with_reference(dict(is_causal=case.causal, **options), case.dtype,
                          shape=case.shape, block_sizes=None,
                          implementation="mosaic", garbage=bool(lengths))
+
+
+@pytest.mark.parametrize("name", ["h128_causal_gqa", "h64_mqa_f16",
+                                  "any_length_h256", "h96_causal_gqa"])
+def test_mosaic_named_barriers_match_reference(name):
+  """`MosaicBlockSizes(named_barriers=True)`: the forward's consumers
+  staggered through hardware barriers, the default tiles otherwise."""
+  case = MOSAIC_CASES[name]
+  blocks = dataclasses.replace(
+      jax_flash.MosaicBlockSizes.get_default(case.head_dim, case.causal),
+      named_barriers=True)
+  compare_with_reference(dict(is_causal=case.causal), case.dtype,
+                         shape=case.shape, block_sizes=blocks,
+                         implementation="mosaic")
 
 
 def test_default_on_h200_is_mosaic_where_it_takes_the_call():

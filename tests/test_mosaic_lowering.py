@@ -182,9 +182,25 @@ def test_mosaic_without_a_gpu_is_a_clear_error():
     jax_flash.flash_attention(q, q, q, implementation="mosaic")
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_mosaic_forward_lowers_with_named_barriers(causal):
+  """The consumers' schedule on hardware barriers (`named_barriers`): the
+  same kernel with bar.sync / bar.arrive in place of the mbarrier."""
+  blocks = jax_flash.MosaicBlockSizes(named_barriers=True)
+  named = _lower_grad("mosaic", (1, 300, 1003, 4, 2, 128), jnp.bfloat16,
+                      is_causal=causal, block_sizes=blocks)
+  plain = _lower_grad("mosaic", (1, 300, 1003, 4, 2, 128), jnp.bfloat16,
+                      is_causal=causal)
+  for op in ("bar.sync 4, 256", "bar.sync 5, 256", "bar.arrive 4, 256",
+             "bar.arrive 5, 256"):
+    assert op in named and op not in plain
+
+
 def test_mosaic_block_sizes_are_validated():
   with pytest.raises(ValueError, match="block_q=48 must be a multiple of 64"):
     jax_flash.MosaicBlockSizes(block_q=48)
+  with pytest.raises(ValueError, match="named_barriers=1 must be a bool"):
+    jax_flash.MosaicBlockSizes(named_barriers=1)
   with pytest.raises(ValueError, match="shared memory"):
     _lower_grad("mosaic", (2, 256, 512, 8, 2, 256),
                 block_sizes=jax_flash.MosaicBlockSizes(block_kv=128,

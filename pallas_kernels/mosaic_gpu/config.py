@@ -30,7 +30,10 @@ class BlockSizes:
   `num_stages` shared-memory slots. Backward: the dK/dV kernel's warpgroups
   own `block_kv_dkv` key rows each and stream `block_q_dkv`-row Q/dO tiles;
   the dQ kernel's own `block_q_dq` query rows and stream `block_kv_dq`-row
-  K/V tiles; both through `num_stages_bwd` slots.
+  K/V tiles; both through `num_stages_bwd` slots. `named_barriers`: the
+  forward's two consumer warpgroups stagger each other through hardware
+  (named) barriers, `bar.sync` / `bar.arrive`, instead of a shared-memory
+  mbarrier (an option to measure; not yet run on a GPU).
   """
   block_q: int = 64
   block_kv: int = 128
@@ -40,6 +43,7 @@ class BlockSizes:
   block_q_dq: int = 64
   block_kv_dq: int = 64
   num_stages_bwd: int = 2
+  named_barriers: bool = False
 
   def __post_init__(self):
     for name in ("block_q", "block_kv", "block_q_dkv", "block_kv_dkv",
@@ -49,6 +53,9 @@ class BlockSizes:
     for name in ("num_stages", "num_stages_bwd"):
       check_block_field(self, name, lambda x: 2 <= x <= 6,
                         "an int in [2, 6]")
+    if not isinstance(self.named_barriers, bool):
+      raise ValueError(f"block_sizes.named_barriers="
+                       f"{self.named_barriers!r} must be a bool")
 
   def smem_bytes(self, head_dim: int, itemsize: int) -> int:
     """Shared memory of the forward: Q tiles, the K/V ring, the row stats,

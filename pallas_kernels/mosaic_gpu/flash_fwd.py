@@ -10,7 +10,8 @@ warpgroups (warp specialization):
   wgmma into registers, the online-softmax update (base 2, delayed
   normalization), then O += P V by wgmma with P from registers. A two-arrival
   "schedule" barrier staggers them (ping-pong), so one warpgroup's softmax
-  overlaps the other's matmuls.
+  overlaps the other's matmuls (`_Schedule`; or two hardware barriers with
+  `BlockSizes.named_barriers`).
 
 Tiles come from the shared mask description (`mask.kv_block_ranges`, and the
 range table of a mask_mod or of ids, `table_ranges`; ids are compared on
@@ -23,12 +24,14 @@ natural log, [B, N, T].
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_flash.spec import dropout, softmax
@@ -43,6 +46,53 @@ from pallas_kernels.mosaic_gpu.config import BlockSizes
 COMPUTE_WGS = 2
 ROW = plgpu.Layout.WGMMA.reduce(1)  # One value per row of a wgmma tile.
 COL = plgpu.Layout.WGMMA.reduce(0)  # One value per column.
+# Hardware barrier ids of the consumers' schedule with `named_barriers`:
+# Mosaic GPU itself uses 0 (the CTA) and 1 to 3 (one per warpgroup).
+SCHEDULE_BARRIER_IDS = (4, 5)
+
+
+def _hardware_barrier(op: str, barrier_id: int):
+  """PTX `bar.<op>` ("sync": arrive and wait, "arrive": arrive only) on
+  hardware barrier `barrier_id` for the two consumer warpgroups' threads."""
+  @plgpu.inline_mgpu()
+  def emit(_):
+    mgpu_utils.inline_ptx(
+        f"bar.{op} {barrier_id}, {COMPUTE_WGS * 128};", has_side_effects=True)
+  emit()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Schedule:
+  """The consumers' ping-pong, seen from warpgroup `wg`: `arrive` tells the
+  other warpgroup this one has passed a point, `wait` waits for the other's
+  arrival matching this warpgroup's (each warpgroup alternates arrive and
+  wait). Either one mbarrier of two arrivals both use (`barrier`), or, with
+  `barrier` None, two hardware barriers: warpgroup w waits on (`bar.sync`)
+  SCHEDULE_BARRIER_IDS[w] and arrives at (`bar.arrive`) the other's."""
+  barrier: object
+  wg: jax.Array
+
+  def _each(self, op: str, own: bool):
+    for w in range(COMPUTE_WGS):
+      target = SCHEDULE_BARRIER_IDS[w if own else 1 - w]
+      pl.when(self.wg == w)(
+          functools.partial(_hardware_barrier, op, target))
+
+  def arrive(self):
+    if self.barrier is None:
+      self._each("arrive", own=False)
+    else:
+      plgpu.barrier_arrive(self.barrier)
+
+  def wait(self):
+    if self.barrier is None:
+      self._each("sync", own=True)
+    else:
+      plgpu.barrier_wait(self.barrier)
+
+  def both(self):
+    self.arrive()
+    self.wait()
 
 
 def smem_transforms(dtype, minor_dim: int):
@@ -144,7 +194,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
   (`pad_pairs`; `mask.has_dense`, `scores.bias`)."""
   (table_ref, slopes_ref, q_ids_ref, kv_ids_ref, sinks_ref, seed_ref,
    offsets_ref, dense_ref, bias_ref) = extra_refs
-  (q_smem2, k_smem, v_smem, lse_smem2), ready, free, schedule = scratch
+  (q_smem2, k_smem, v_smem, lse_smem2), ready, free, schedule_barrier = scratch
   k_ready, v_ready, q_ready = ready
   k_free, v_free = free
   block_q, block_kv, stages = blocks.block_q, blocks.block_kv, blocks.num_stages
@@ -169,9 +219,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
   else:
     first, steps = _union(consumer_ranges(0), consumer_ranges(1))
 
-  def schedule_barrier():
-    plgpu.barrier_arrive(schedule)
-    plgpu.barrier_wait(schedule)
+  schedule = _Schedule(schedule_barrier, wg)
 
   @pl.when(wg < COMPUTE_WGS)
   def _consumer():
@@ -193,7 +241,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
     l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), ROW)
     acc = plgpu.layout_cast(jnp.zeros((block_q, q_ref.shape[-1]), jnp.float32),
                             plgpu.Layout.WGMMA)
-    pl.when(wg == 1)(schedule_barrier)  # Warpgroup 1 runs half a step behind.
+    pl.when(wg == 1)(schedule.both)  # Warpgroup 1 runs half a step behind.
 
     def step(j, carry, *, masked: bool):
       acc, m, l = carry
@@ -202,7 +250,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
 
       def qk(acc_ref):
         plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
-        schedule_barrier()
+        schedule.both()
         return acc_ref[...]
       s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
       plgpu.barrier_arrive(k_free.at[slot])
@@ -238,9 +286,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       # l sums the undropped p; only P V sees the dropout.
       p16 = dropped(p, scores, seed_ref, batch, head, rows, cols).astype(dtype)
-      plgpu.barrier_arrive(schedule)  # Softmax done: the other may compute.
+      schedule.arrive()  # Softmax done: the other may compute.
       plgpu.barrier_wait(v_ready.at[slot])
-      plgpu.barrier_wait(schedule)  # The tensor cores are ours again.
+      schedule.wait()  # The tensor cores are ours again.
       acc = pl.run_state(
           lambda acc_ref: plgpu.wgmma(acc_ref, p16, v_smem.at[slot]))(
               plgpu.ACC.init(acc))
@@ -252,10 +300,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
       slot = lax.rem(j, stages)
       plgpu.barrier_wait(k_ready.at[slot])
       plgpu.barrier_arrive(k_free.at[slot])
-      schedule_barrier()
+      schedule.both()
       plgpu.barrier_wait(v_ready.at[slot])
       plgpu.barrier_arrive(v_free.at[slot])
-      schedule_barrier()
+      schedule.both()
       return carry
 
     carry = lax.fori_loop(first, lo, release, (acc, m, l))
@@ -264,7 +312,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
       carry = lax.fori_loop(start, stop,
                             functools.partial(step, masked=masked), carry)
     acc, m, l = lax.fori_loop(hi, steps, release, carry)
-    pl.when(wg == 0)(schedule_barrier)
+    pl.when(wg == 0)(schedule.both)
 
     sink2 = (None if sinks_ref is None else
              sinks_ref[head].astype(jnp.float32) * softmax.LOG2E)
@@ -368,10 +416,11 @@ def flash_forward(q, k, v, *, mask: Mask, scores: Scores,
              plgpu.Barrier(num_barriers=stages),
              plgpu.Barrier(num_barriers=COMPUTE_WGS)),
       free=(plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2,
-      schedule=plgpu.Barrier(num_arrivals=COMPUTE_WGS),
   )
+  if not blocks.named_barriers:
+    scratch["schedule"] = plgpu.Barrier(num_arrivals=COMPUTE_WGS)
 
-  def body(*refs, buffers, ready, free, schedule):
+  def body(*refs, buffers, ready, free, schedule=None):
     (q_ref, k_ref, v_ref), extra_refs, (o_ref, lse_ref) = split_refs(
         refs, 3, extras)
     _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref,
