@@ -12,6 +12,7 @@
 #   bash scripts/gpu_check.sh long      # one 128k-token causal sequence
 #   bash scripts/gpu_check.sh ring      # ring_attention on every local GPU
 #   bash scripts/gpu_check.sh tune      # head-dim-256 block-size sweep
+#   bash scripts/gpu_check.sh schedule  # Mosaic forward: mbarrier vs named barriers, 16k
 #   bash scripts/gpu_check.sh train     # train_lm at GPT-2-small size: flash, cuDNN, flax
 #   bash scripts/gpu_check.sh pending   # what no GPU run has checked yet (~1 min)
 #   bash scripts/gpu_check.sh softcap   # the soft-cap's cost, Mosaic and Triton, 8k
@@ -115,6 +116,16 @@ for mode in "$@"; do
       timeout 300 python3 benchmarks/ring_scaling.py --out "$OUT/ring" \
         > /tmp/ring.log 2>&1 || tail -n 30 /tmp/ring.log
       grep '^{' /tmp/ring.log
+      ;;
+    schedule)
+      # The Mosaic forward's consumer ping-pong: mbarrier (the default)
+      # against hardware barriers (`named_barriers`), 16k, head dims 128
+      # and 64, causal and not, cuDNN alongside (benchmarks/mosaic_tune.py).
+      timeout "${BENCH_LIMIT:-300}" python3 benchmarks/mosaic_tune.py \
+        --seq-len 16384 --head-dims 128 64 --modes fwd \
+        --candidates '[{}, {"named_barriers": true}]' --out "$OUT/schedule" \
+        > /tmp/schedule.log 2>&1 || tail -n 30 /tmp/schedule.log
+      grep '^{' /tmp/schedule.log | cut -c1-400
       ;;
     tune)
       # Head dim 256 (the slowest shape; TUNE_HEAD_DIM=512 for 257..512),
