@@ -19,7 +19,8 @@ boundary tiles, read from global memory): the producer loads the key tiles
 either consumer needs, interior tiles skip the predicate, boundary tiles
 evaluate it; a consumer whose rows need fewer tiles only waits and releases
 the rest (every barrier completion is awaited). Scores go through the shared
-`Scores.logits2` (soft-cap, ALiBi, a score_mod). The logsumexp is stored in
+`Scores.factored_logits2` (soft-cap, ALiBi, a score_mod; plain scores keep
+their scale for the exponential's FMA, after the row max). The logsumexp is stored in
 natural log, [B, N, T].
 """
 from __future__ import annotations
