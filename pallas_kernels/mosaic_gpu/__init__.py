@@ -161,7 +161,9 @@ class MosaicGpuBackend:
     bias on every backward (4.3 GB at 8k tokens, 16 heads, float32):
     forward+backward 6.67 ms on these kernels against Triton's 5.65, while
     this forward takes 1.11 ms against 1.35 (H200, 2026-12-01,
-    results/2026-12-01-h200-session8/call4/padding/). None otherwise."""
+    results/2026-12-01-h200-session8/call4/padding/); this forward with the
+    Triton backward: 5.41 ms (results/2026-12-01-h200-session9/padding.md).
+    None otherwise."""
     bias = operands.bias
     if bias is not None and bias.shape[2] > 1 and bias.shape[3] > 1:
       return "triton"

@@ -58,9 +58,10 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, *refs, scores: Scores,
   first = pl.program_id(0) * tiles_per_split
   last = jnp.minimum(first + tiles_per_split, cdiv(kv_len, block_k))
 
-  def tile_rows(j):
-    return page_rows(table_ref, j * block_k, block_k, k_ref.shape[1],
-                     k_ref.shape[0])
+  if paged:
+    def tile_rows(j):
+      return page_rows(table_ref, j * block_k, block_k, k_ref.shape[1],
+                       k_ref.shape[0])
 
   def body(j, carry):
     (acc, m, l), ahead = carry
