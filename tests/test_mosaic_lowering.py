@@ -9,10 +9,12 @@ GPU; the kernel's numbers are checked there: tests/test_gpu.py.)
 """
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax._src import mesh as mesh_lib
 
 import jax_flash
+from pallas_kernels.mosaic_gpu import flash_fwd
 
 H200 = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
                                platform="gpu")
@@ -191,9 +193,84 @@ def test_mosaic_forward_lowers_with_named_barriers(causal):
                       is_causal=causal, block_sizes=blocks)
   plain = _lower_grad("mosaic", (1, 300, 1003, 4, 2, 128), jnp.bfloat16,
                       is_causal=causal)
-  for op in ("bar.sync 4, 256", "bar.sync 5, 256", "bar.arrive 4, 256",
-             "bar.arrive 5, 256"):
-    assert op in named and op not in plain
+  for barrier_id in (4, 5, 6, 7):
+    for op in (f"bar.sync {barrier_id}, 256", f"bar.arrive {barrier_id}, 256"):
+      assert op in named and op not in plain
+
+
+def _schedule_calls(monkeypatch, wg, first, lo, hi, steps):
+  """Warpgroup `wg`'s hardware-barrier ops, (op, id), as the forward's
+  consumer makes them: warpgroup 1 opens half a step behind, key tiles
+  [lo, hi) are computed (arrive and wait after Q K^T, arrive after the
+  softmax, wait before P V), the rest of [first, steps) only released,
+  and warpgroup 0 closes."""
+  ops = []
+  monkeypatch.setattr(flash_fwd, "_hardware_barrier",
+                      lambda op, barrier_id: ops.append((op, barrier_id)))
+  schedule = flash_fwd._Schedule(None, wg)
+  if wg == 1:
+    schedule.both(1)
+  for j in range(first, steps):
+    schedule.both(0)
+    if lo <= j < hi:
+      schedule.arrive(1)
+      schedule.wait(1)
+    else:
+      schedule.both(1)
+  if wg == 0:
+    schedule.both(0)
+  return ops
+
+
+def _run_hardware_barriers(programs, rng):
+  """Runs each warpgroup's (op, id) list in a random interleaving under
+  `bar.arrive` / `bar.sync` semantics (a barrier completes at two
+  warpgroups' arrivals, whoever they are; `sync` blocks until the one it
+  joined completes). Returns the arrivers of each completion, or None
+  on a deadlock."""
+  pc = [0] * len(programs)
+  blocked = [None] * len(programs)  # (barrier id, its generation).
+  arrivals, generation, completions = {}, {}, []
+  while any(pc[w] < len(p) for w, p in enumerate(programs)):
+    ready = [w for w, p in enumerate(programs)
+             if pc[w] < len(p) and blocked[w] is None]
+    if not ready:
+      return None
+    w = ready[rng.integers(len(ready))]
+    op, barrier_id = programs[w][pc[w]]
+    pc[w] += 1
+    arrivals.setdefault(barrier_id, []).append(w)
+    gen = generation.get(barrier_id, 0)
+    if op == "sync":
+      blocked[w] = (barrier_id, gen)
+    if len(arrivals[barrier_id]) == 2:
+      completions.append(arrivals.pop(barrier_id))
+      generation[barrier_id] = gen + 1
+      blocked = [None if b == (barrier_id, gen) else b for b in blocked]
+  return completions
+
+
+@pytest.mark.parametrize("ranges", [
+    ((0, 3), (0, 3)),  # Both warpgroups need every tile.
+    ((0, 2), (0, 5)),  # Causal: warpgroup 0 releases the last three.
+    ((2, 5), (0, 3)),  # Each releases what the other needs.
+    ((0, 0), (1, 4)),  # Warpgroup 0 needs none.
+])
+def test_named_barrier_schedule_pairs_each_arrival_with_the_others_wait(
+    monkeypatch, ranges):
+  """In any interleaving, every hardware barrier completes with one
+  arrival from each warpgroup, and nothing deadlocks: a warpgroup running
+  ahead through tiles it only releases never arrives twice at a barrier
+  the other has not yet waited on."""
+  first = min(lo for lo, _ in ranges)
+  steps = max(hi for _, hi in ranges)
+  programs = [_schedule_calls(monkeypatch, wg, first, lo, hi, steps)
+              for wg, (lo, hi) in enumerate(ranges)]
+  rng = np.random.default_rng(0)
+  for _ in range(200):
+    completions = _run_hardware_barriers(programs, rng)
+    assert completions is not None, "deadlock"
+    assert all(sorted(arrivers) == [0, 1] for arrivers in completions)
 
 
 def test_mosaic_block_sizes_are_validated():

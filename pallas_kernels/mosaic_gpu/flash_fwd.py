@@ -47,9 +47,10 @@ from pallas_kernels.mosaic_gpu.config import BlockSizes
 COMPUTE_WGS = 2
 ROW = plgpu.Layout.WGMMA.reduce(1)  # One value per row of a wgmma tile.
 COL = plgpu.Layout.WGMMA.reduce(0)  # One value per column.
-# Hardware barrier ids of the consumers' schedule with `named_barriers`:
-# Mosaic GPU itself uses 0 (the CTA) and 1 to 3 (one per warpgroup).
-SCHEDULE_BARRIER_IDS = (4, 5)
+# Hardware barrier ids of the consumers' schedule with `named_barriers`,
+# [warpgroup waiting][parity of its wait]: Mosaic GPU itself uses 0 (the
+# CTA) and 1 to 3 (one per warpgroup).
+SCHEDULE_BARRIER_IDS = ((4, 5), (6, 7))
 
 
 def _hardware_barrier(op: str, barrier_id: int):
@@ -67,33 +68,43 @@ class _Schedule:
   """The consumers' ping-pong, seen from warpgroup `wg`: `arrive` tells the
   other warpgroup this one has passed a point, `wait` waits for the other's
   arrival matching this warpgroup's (each warpgroup alternates arrive and
-  wait). Either one mbarrier of two arrivals both use (`barrier`), or, with
-  `barrier` None, two hardware barriers: warpgroup w waits on (`bar.sync`)
-  SCHEDULE_BARRIER_IDS[w] and arrives at (`bar.arrive`) the other's."""
+  wait; its k-th wait matches the other's k-th arrival).
+
+  Either one mbarrier of two arrivals both use (`barrier`), or, with
+  `barrier` None, hardware barriers: warpgroup w's k-th wait is a `bar.sync`
+  on SCHEDULE_BARRIER_IDS[w][k % 2], where the other arrives (`bar.arrive`)
+  for its k-th time. Two ids a warpgroup, alternating, because a hardware
+  barrier counts arrivals, not arrivers: a warpgroup that arrives twice
+  before the other waits once (it runs ahead through tiles it only
+  releases) would complete one barrier alone; its (k+2)-th arrival comes
+  after the other's (k+1)-th, so after the other's k-th wait. `turn` (0 or
+  1) places a call in a loop step, whose two arrivals and two waits are a
+  warpgroup's k = 2 * step + turn + wg."""
   barrier: object
   wg: jax.Array
 
-  def _each(self, op: str, own: bool):
+  def _each(self, op: str, turn: int, own: bool):
     for w in range(COMPUTE_WGS):
-      target = SCHEDULE_BARRIER_IDS[w if own else 1 - w]
-      pl.when(self.wg == w)(
-          functools.partial(_hardware_barrier, op, target))
+      waiter = w if own else 1 - w
+      k_parity = (turn + w) % 2
+      pl.when(self.wg == w)(functools.partial(
+          _hardware_barrier, op, SCHEDULE_BARRIER_IDS[waiter][k_parity]))
 
-  def arrive(self):
+  def arrive(self, turn: int):
     if self.barrier is None:
-      self._each("arrive", own=False)
+      self._each("arrive", turn, own=False)
     else:
       plgpu.barrier_arrive(self.barrier)
 
-  def wait(self):
+  def wait(self, turn: int):
     if self.barrier is None:
-      self._each("sync", own=True)
+      self._each("sync", turn, own=True)
     else:
       plgpu.barrier_wait(self.barrier)
 
-  def both(self):
-    self.arrive()
-    self.wait()
+  def both(self, turn: int):
+    self.arrive(turn)
+    self.wait(turn)
 
 
 def smem_transforms(dtype, minor_dim: int):
@@ -242,7 +253,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
     l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), ROW)
     acc = plgpu.layout_cast(jnp.zeros((block_q, q_ref.shape[-1]), jnp.float32),
                             plgpu.Layout.WGMMA)
-    pl.when(wg == 1)(schedule.both)  # Warpgroup 1 runs half a step behind.
+    # Warpgroup 1 runs half a step behind (as if the second of a step -1).
+    pl.when(wg == 1)(functools.partial(schedule.both, 1))
 
     def step(j, carry, *, masked: bool):
       acc, m, l = carry
@@ -251,7 +263,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
 
       def qk(acc_ref):
         plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
-        schedule.both()
+        schedule.both(0)
         return acc_ref[...]
       s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
       plgpu.barrier_arrive(k_free.at[slot])
@@ -287,9 +299,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       # l sums the undropped p; only P V sees the dropout.
       p16 = dropped(p, scores, seed_ref, batch, head, rows, cols).astype(dtype)
-      schedule.arrive()  # Softmax done: the other may compute.
+      schedule.arrive(1)  # Softmax done: the other may compute.
       plgpu.barrier_wait(v_ready.at[slot])
-      schedule.wait()  # The tensor cores are ours again.
+      schedule.wait(1)  # The tensor cores are ours again.
       acc = pl.run_state(
           lambda acc_ref: plgpu.wgmma(acc_ref, p16, v_smem.at[slot]))(
               plgpu.ACC.init(acc))
@@ -301,10 +313,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
       slot = lax.rem(j, stages)
       plgpu.barrier_wait(k_ready.at[slot])
       plgpu.barrier_arrive(k_free.at[slot])
-      schedule.both()
+      schedule.both(0)
       plgpu.barrier_wait(v_ready.at[slot])
       plgpu.barrier_arrive(v_free.at[slot])
-      schedule.both()
+      schedule.both(1)
       return carry
 
     carry = lax.fori_loop(first, lo, release, (acc, m, l))
@@ -313,7 +325,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
       carry = lax.fori_loop(start, stop,
                             functools.partial(step, masked=masked), carry)
     acc, m, l = lax.fori_loop(hi, steps, release, carry)
-    pl.when(wg == 0)(schedule.both)
+    pl.when(wg == 0)(functools.partial(schedule.both, 0))
 
     sink2 = (None if sinks_ref is None else
              sinks_ref[head].astype(jnp.float32) * softmax.LOG2E)
