@@ -47,7 +47,8 @@ from pallas_kernels.mosaic_gpu.flash_fwd import (COL, COMPUTE_WGS, ROW,
                                                  dropped, load_ids,
                                                  needs_positions, pad_ids,
                                                  pair_tile,
-                                                 range_table, smem_transforms,
+                                                 range_table, row_tile,
+                                                 smem_transforms,
                                                  split_refs, table_ranges)
 
 def _iota(shape, dim):
@@ -293,11 +294,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
   dtype = q_ref.dtype
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
   wg = lax.axis_index("wg")
-  tile_start = lax.axis_index("q_seq") * (wgs * bq)
+  q_tile = row_tile(mask, "q_seq", q_ref.shape[1] // (wgs * bq))
+  tile_start = q_tile * (wgs * bq)
   q_start = tile_start + wg * bq
   lo, full_lo, full_hi, hi = table_ranges(
       mask, kv_block_ranges(mask, tile_start, wgs * bq, bkv, kv_len),
-      table_ref, batch, lax.axis_index("q_seq"))
+      table_ref, batch, q_tile)
   coords = needs_positions(mask, scores)
   last_tile = cdiv(kv_len, bkv) - 1
   steps = jnp.maximum(hi - lo, 1)  # A row that sees nothing: dQ = 0.

@@ -114,6 +114,15 @@ def smem_transforms(dtype, minor_dim: int):
   return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
 
 
+def row_tile(mask: Mask, axis: str, num_tiles: int):
+  """The row tile a CTA owns, from its index along grid axis `axis` (of
+  `num_tiles`): reversed under a causal mask, so the tiles that see the
+  most key tiles start first and the last wave of CTAs holds short ones
+  (the hardware starts CTAs in grid order; tokamax does the same)."""
+  index = lax.axis_index(axis)
+  return num_tiles - 1 - index if mask.is_causal else index
+
+
 def table_ranges(mask: Mask, ranges, table_ref, batch, row_tile):
   """`ranges` (lo, full_lo, full_hi, hi) intersected with row `row_tile` of
   a range table ref [Bm, row tiles, 4] (`range_table`; Bm is 1 or B), read
@@ -213,7 +222,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
   dtype = q_ref.dtype
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
   wg = lax.axis_index("wg")
-  tile_start = lax.axis_index("q_seq") * (COMPUTE_WGS * block_q)
+  tile_start = row_tile(mask, "q_seq", q_ref.shape[1] // (COMPUTE_WGS * block_q)
+                        ) * (COMPUTE_WGS * block_q)
   q_offset = 0 if offsets_ref is None else offsets_ref[batch]
 
   def consumer_ranges(w):
