@@ -33,7 +33,7 @@ class BlockSizes:
   K/V tiles; both through `num_stages_bwd` slots. `named_barriers`: the
   forward's two consumer warpgroups stagger each other through hardware
   (named) barriers, `bar.sync` / `bar.arrive`, instead of a shared-memory
-  mbarrier (an option to measure).
+  mbarrier (an option: 3% slower at head dim 128 on the H200, equal at 64).
   """
   block_q: int = 64
   block_kv: int = 128
