@@ -13,6 +13,7 @@
 #   bash scripts/gpu_check.sh ring      # ring_attention on every local GPU
 #   bash scripts/gpu_check.sh tune      # head-dim-256 block-size sweep
 #   bash scripts/gpu_check.sh schedule  # Mosaic forward: mbarrier vs named barriers, 16k
+#   bash scripts/gpu_check.sh registers # Mosaic backward: register split, dV before dS, 16k
 #   bash scripts/gpu_check.sh train     # train_lm at GPT-2-small size: flash, cuDNN, flax
 #   bash scripts/gpu_check.sh pending   # what no GPU run has checked yet (~1 min)
 #   bash scripts/gpu_check.sh softcap   # the soft-cap's cost, Mosaic and Triton, 8k
@@ -126,6 +127,19 @@ for mode in "$@"; do
         --candidates '[{}, {"named_barriers": true}]' --out "$OUT/schedule" \
         > /tmp/schedule.log 2>&1 || tail -n 30 /tmp/schedule.log
       grep '^{' /tmp/schedule.log | cut -c1-400
+      ;;
+    registers)
+      # The Mosaic backward's register budget (the dK/dV spill): the
+      # producer warpgroup's registers (40, or 24: 240 a consumer thread)
+      # and dV's matmul awaited before dS, 16k, head dims 128 and 64,
+      # cuDNN alongside; ptxas's spill report of each compile in order.
+      MOSAIC_GPU_DUMP_PTXAS=1 timeout "${BENCH_LIMIT:-300}" python3 \
+        benchmarks/mosaic_tune.py --seq-len 16384 --head-dims 128 64 \
+        --modes bwd --candidates '[{}, {"producer_registers": 24},
+        {"dv_before_ds": true}, {"producer_registers": 24,
+        "dv_before_ds": true}]' --out "$OUT/registers" \
+        > /tmp/registers.log 2>&1 || tail -n 30 /tmp/registers.log
+      grep -E '^\{|spill stores' /tmp/registers.log | cut -c1-400
       ;;
     tune)
       # Head dim 256 (the slowest shape; TUNE_HEAD_DIM=512 for 257..512),

@@ -193,6 +193,22 @@ def test_mosaic_named_barriers_match_reference(name):
                          implementation="mosaic")
 
 
+@pytest.mark.parametrize("option", [dict(producer_registers=24),
+                                    dict(dv_before_ds=True)],
+                         ids=["producer_registers_24", "dv_before_ds"])
+@pytest.mark.parametrize("name", ["h128_causal_gqa", "h64_mqa_f16"])
+def test_mosaic_register_options_match_reference(name, option):
+  """The register options of `MosaicBlockSizes` (forward and gradients),
+  the default tiles otherwise."""
+  case = MOSAIC_CASES[name]
+  blocks = dataclasses.replace(
+      jax_flash.MosaicBlockSizes.get_default(case.head_dim, case.causal),
+      **option)
+  compare_with_reference(dict(is_causal=case.causal), case.dtype,
+                         shape=case.shape, block_sizes=blocks,
+                         implementation="mosaic")
+
+
 def test_default_on_h200_is_mosaic_where_it_takes_the_call():
   if "H200" not in jax.devices()[0].device_kind:
     pytest.skip("not an H200")

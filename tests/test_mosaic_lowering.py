@@ -7,6 +7,8 @@ layout inference, the wgmma shape rules and the shared-memory budget, so a
 bad tile or layout fails on the CPU. (ptxas runs when XLA compiles on the
 GPU; the kernel's numbers are checked there: tests/test_gpu.py.)
 """
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -198,6 +200,45 @@ def test_mosaic_forward_lowers_with_named_barriers(causal):
       assert op in named and op not in plain
 
 
+def _kernel_modules(text):
+  """{kernel name: its serialized Mosaic GPU module} of a lowered text,
+  without the dump file name's process-wide counter."""
+  modules = {}
+  for line in text.splitlines():
+    name = re.search(r"flash_attention_\w+_mosaic", line)
+    if "mosaic_gpu" in line and name:
+      modules[name.group(0)] = re.sub(
+          r"(dump_basename\\00\w+?)_\d+\\00", r"\1\\00",
+          line.split("module = ", 1)[1])
+  return modules
+
+
+def test_producer_registers_set_every_kernels_split():
+  """`producer_registers` is each kernel's `setmaxnreg` split: the producer
+  warpgroup's count, the consumers' the rest."""
+  modules = _kernel_modules(_lower_grad(
+      "mosaic", (1, 300, 1003, 4, 2, 128), is_causal=True,
+      block_sizes=jax_flash.MosaicBlockSizes(producer_registers=24)))
+  assert len(modules) == 3
+  for module in modules.values():
+    assert "setmaxnreg.dec.sync.aligned.u32 24;" in module
+    assert "setmaxnreg.inc.sync.aligned.u32 240;" in module
+    assert "u32 40;" not in module and "u32 232;" not in module
+
+
+def test_dv_before_ds_changes_the_dkv_kernel_alone():
+  shape = (1, 300, 1003, 4, 2, 128)
+  plain = _kernel_modules(_lower_grad("mosaic", shape, is_causal=True))
+  other = _kernel_modules(_lower_grad(
+      "mosaic", shape, is_causal=True,
+      block_sizes=jax_flash.MosaicBlockSizes(dv_before_ds=True)))
+  assert plain.keys() == other.keys() and len(plain) == 3
+  assert plain["flash_attention_dkv_mosaic"] != other[
+      "flash_attention_dkv_mosaic"]
+  assert plain["flash_attention_forward_mosaic"] == other[
+      "flash_attention_forward_mosaic"]
+
+
 def _schedule_calls(monkeypatch, wg, first, lo, hi, steps):
   """Warpgroup `wg`'s hardware-barrier ops, (op, id), as the forward's
   consumer makes them: warpgroup 1 opens half a step behind, key tiles
@@ -278,6 +319,14 @@ def test_mosaic_block_sizes_are_validated():
     jax_flash.MosaicBlockSizes(block_q=48)
   with pytest.raises(ValueError, match="named_barriers=1 must be a bool"):
     jax_flash.MosaicBlockSizes(named_barriers=1)
+  with pytest.raises(ValueError, match="dv_before_ds=0 must be a bool"):
+    jax_flash.MosaicBlockSizes(dv_before_ds=0)
+  with pytest.raises(ValueError, match="producer_registers=20 must be a "
+                     "multiple of 8 in"):
+    jax_flash.MosaicBlockSizes(producer_registers=20)
+  assert jax_flash.MosaicBlockSizes().consumer_registers(2) == 232
+  assert jax_flash.MosaicBlockSizes(
+      producer_registers=24).consumer_registers(2) == 240
   with pytest.raises(ValueError, match="shared memory"):
     _lower_grad("mosaic", (2, 256, 512, 8, 2, 256),
                 block_sizes=jax_flash.MosaicBlockSizes(block_kv=128,

@@ -34,6 +34,13 @@ class BlockSizes:
   forward's two consumer warpgroups stagger each other through hardware
   (named) barriers, `bar.sync` / `bar.arrive`, instead of a shared-memory
   mbarrier (an option: 3% slower at head dim 128 on the H200, equal at 64).
+  `producer_registers`: registers a thread of each kernel's TMA producer
+  warpgroup (`setmaxnreg`); the consumer warpgroups share the rest of the
+  SM's 64K (232 a thread each at 40, 240 at 24). `dv_before_ds`: the dK/dV
+  kernel waits for its dV matmul before forming dS, so P's 16-bit copy
+  (the matmul's register operand) is dead by then: fewer live registers,
+  less overlap. The last two are options to measure (not yet run on a
+  GPU).
   """
   block_q: int = 64
   block_kv: int = 128
@@ -44,6 +51,8 @@ class BlockSizes:
   block_kv_dq: int = 64
   num_stages_bwd: int = 2
   named_barriers: bool = False
+  producer_registers: int = 40
+  dv_before_ds: bool = False
 
   def __post_init__(self):
     for name in ("block_q", "block_kv", "block_q_dkv", "block_kv_dkv",
@@ -53,9 +62,20 @@ class BlockSizes:
     for name in ("num_stages", "num_stages_bwd"):
       check_block_field(self, name, lambda x: 2 <= x <= 6,
                         "an int in [2, 6]")
-    if not isinstance(self.named_barriers, bool):
-      raise ValueError(f"block_sizes.named_barriers="
-                       f"{self.named_barriers!r} must be a bool")
+    check_block_field(self, "producer_registers",
+                      lambda x: 24 <= x <= 128 and x % 8 == 0,
+                      "a multiple of 8 in [24, 128]")
+    for name in ("named_barriers", "dv_before_ds"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"block_sizes.{name}={getattr(self, name)!r} must "
+                         f"be a bool")
+
+  def consumer_registers(self, num_consumers: int) -> int:
+    """Registers a thread of each of `num_consumers` consumer warpgroups
+    beside the producer's: the rest of 512 (a warpgroup's share of the
+    SM's registers times four), at most 256, a multiple of 8 (what
+    `emit_pipeline_warp_specialized` gives its compute warpgroups)."""
+    return min(256, (512 - self.producer_registers) // num_consumers) // 8 * 8
 
   def smem_bytes(self, head_dim: int, itemsize: int) -> int:
     """Shared memory of the forward: Q tiles, the K/V ring, the row stats,

@@ -244,11 +244,13 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
     def dp_t(acc):
       plgpu.wgmma(acc, v_smem, do_smem.T)
       plgpu.wgmma(dv_acc, drop(p).astype(dtype), do_smem)
-      return plgpu.wgmma_accumulator_load(acc, wait_n=1)  # dV still runs.
+      # dV still runs, unless `dv_before_ds` waits for it (P's copy dies).
+      return plgpu.wgmma_accumulator_load(
+          acc, wait_n=0 if blocks.dv_before_ds else 1)
     dp = drop(pl.run_scoped(dp_t, plgpu.ACC(shape, jnp.float32)))
     ds = scores.dqk(p * (dp - lax.broadcast_in_dim(delta, shape, [1])), aux)
     plgpu.wgmma(dk_acc, ds.astype(dtype), q_smem)
-    plgpu.wgmma_wait(1)  # dV is done: dO may go.
+    plgpu.wgmma_wait(1)  # dV is done (dK may run): dO may go.
     plgpu.barrier_arrive(do_free)
     plgpu.wgmma_wait(0)
     plgpu.barrier_arrive(q_free)
@@ -261,7 +263,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
   row_spec = plgpu.BlockSpec((None, bq),
                              lambda i, g: (first_head + g, q_tile(i)))
   plgpu.emit_pipeline_warp_specialized(
-      step, grid=(steps, group), memory_registers=40,
+      step, grid=(steps, group), memory_registers=blocks.producer_registers,
       max_concurrent_steps=blocks.num_stages_bwd, wg_axis="wg",
       num_compute_wgs=COMPUTE_WGS, manual_consumed_barriers=True,
       compute_context=compute_split if split else compute,
@@ -372,7 +374,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
                             transforms=smem_transforms(dtype, head_dim))
   kv_head = lax.div(head, jnp.int32(group))
   plgpu.emit_pipeline_warp_specialized(
-      step, grid=(steps,), memory_registers=40,
+      step, grid=(steps,), memory_registers=blocks.producer_registers,
       max_concurrent_steps=blocks.num_stages_bwd, wg_axis="wg",
       num_compute_wgs=wgs, manual_consumed_barriers=True,
       compute_context=compute, in_specs=[kv_spec, kv_spec],

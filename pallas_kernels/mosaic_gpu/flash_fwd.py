@@ -245,7 +245,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
 
   @pl.when(wg < COMPUTE_WGS)
   def _consumer():
-    plgpu.set_max_registers(232, action="increase")
+    plgpu.set_max_registers(blocks.consumer_registers(COMPUTE_WGS),
+                            action="increase")
     q_smem, lse_smem = q_smem2.at[wg], lse_smem2.at[wg]
     q_start = tile_start + wg * block_q
     lo, full_lo, full_hi, hi = consumer_ranges(wg)
@@ -351,7 +352,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
 
   @pl.when(wg == COMPUTE_WGS)
   def _producer():
-    plgpu.set_max_registers(40, action="decrease")
+    plgpu.set_max_registers(blocks.producer_registers, action="decrease")
     kv_head = lax.div(head, jnp.int32(group))
 
     def load(j, slot):
