@@ -14,6 +14,7 @@
 #   bash scripts/gpu_check.sh tune      # head-dim-256 block-size sweep
 #   bash scripts/gpu_check.sh schedule  # Mosaic forward: mbarrier vs named barriers, 16k
 #   bash scripts/gpu_check.sh registers # Mosaic backward: register split, dV before dS, 16k
+#   bash scripts/gpu_check.sh fused     # Mosaic backward with dQ in the dK/dV kernel: tests, 16k
 #   bash scripts/gpu_check.sh train     # train_lm at GPT-2-small size: flash, cuDNN, flax
 #   bash scripts/gpu_check.sh pending   # what no GPU run has checked yet (~1 min)
 #   bash scripts/gpu_check.sh softcap   # the soft-cap's cost, Mosaic and Triton, 8k
@@ -140,6 +141,22 @@ for mode in "$@"; do
         "dv_before_ds": true}]' --out "$OUT/registers" \
         > /tmp/registers.log 2>&1 || tail -n 30 /tmp/registers.log
       grep -E '^\{|spill stores' /tmp/registers.log | cut -c1-400
+      ;;
+    fused)
+      # dQ from the dK/dV kernel by TMA reduce-add (`fused_dq`): its GPU
+      # tests first (each case under a short limit: a hang costs little),
+      # then the backward at 16k, head dim 128, against the two-kernel
+      # default and cuDNN, with ptxas's spill report of each compile.
+      XLA_FLAGS=$TEST_XLA_FLAGS timeout 150 python3 -m pytest -q -n 8 \
+        -p no:cacheprovider tests/test_gpu.py -k fused_dq \
+        > "$OUT/fused_tests.log" 2>&1
+      echo "fused_dq tests: exit $?"; tail -n 15 "$OUT/fused_tests.log"
+      MOSAIC_GPU_DUMP_PTXAS=1 timeout "${BENCH_LIMIT:-240}" python3 \
+        benchmarks/mosaic_tune.py --seq-len 16384 --head-dims 128 \
+        --modes bwd fwd+bwd --candidates '[{}, {"fused_dq": true},
+        {"fused_dq": true, "num_stages_bwd": 3}]' --out "$OUT/fused" \
+        > /tmp/fused.log 2>&1 || tail -n 30 /tmp/fused.log
+      grep -E '^\{|spill stores' /tmp/fused.log | cut -c1-400
       ;;
     tune)
       # Head dim 256 (the slowest shape; TUNE_HEAD_DIM=512 for 257..512),

@@ -209,6 +209,33 @@ def test_mosaic_register_options_match_reference(name, option):
                          implementation="mosaic")
 
 
+FUSED_DQ_CASES = {  # Head dim 128 (what `fused_dq` takes).
+    "causal_gqa": (MOSAIC_CASES["h128_causal_gqa"], {}),
+    "t_less_than_s_causal": (MOSAIC_CASES["t_less_than_s_causal"], {}),
+    "any_length_causal": (MOSAIC_CASES["any_length_causal"], {}),
+    "kv_len_264": (MOSAIC_CASES["kv_len_264"], {}),
+    **{name: MOSAIC_OPTIONS[name] for name in (
+        "causal_window_gqa", "soft_cap_causal_gqa_any_length",
+        "dropout_causal_gqa", "lengths_causal_gqa", "dense_mask_causal_gqa",
+        "sinks_window_gqa")},
+}
+
+
+@pytest.mark.parametrize("name", FUSED_DQ_CASES)
+def test_mosaic_fused_dq_matches_reference(name):
+  """`MosaicBlockSizes(fused_dq=True)`: dQ from the dK/dV kernel by TMA
+  reduce-add, against the reference (its tolerances: the order of the
+  additions varies, the sum does not)."""
+  case, options = FUSED_DQ_CASES[name]
+  blocks = dataclasses.replace(
+      jax_flash.MosaicBlockSizes.get_default(case.head_dim, case.causal),
+      fused_dq=True)
+  lengths = {"query_seq_lengths", "key_value_seq_lengths"} & set(options)
+  compare_with_reference(dict(is_causal=case.causal, **options), case.dtype,
+                         shape=case.shape, block_sizes=blocks,
+                         implementation="mosaic", garbage=bool(lengths))
+
+
 def test_default_on_h200_is_mosaic_where_it_takes_the_call():
   if "H200" not in jax.devices()[0].device_kind:
     pytest.skip("not an H200")

@@ -239,6 +239,42 @@ def test_dv_before_ds_changes_the_dkv_kernel_alone():
       "flash_attention_forward_mosaic"]
 
 
+@pytest.mark.parametrize("kwargs", [
+    dict(), dict(is_causal=True),
+    dict(is_causal=True, local_window_size=100, logits_soft_cap=30.0,
+         sinks=jnp.zeros((8,))),
+    dict(dropout_rate=0.1, dropout_rng=jax.random.key(0),
+         segment_ids=(jnp.zeros((2, 300), jnp.int32),
+                      jnp.zeros((2, 1003), jnp.int32))),
+    dict(mask=jnp.ones((1, 1, 300, 1003), bool),
+         alibi_slopes=jnp.full((8,), 0.1)),
+    dict(num_stages_bwd=3),
+], ids=["plain", "causal", "window_cap_sinks", "dropout_segments",
+        "dense_mask_alibi", "three_stages"])
+def test_fused_dq_lowers_without_the_dq_kernel(kwargs):
+  """`fused_dq`: the dK/dV kernel adds dQ in place into a float32 buffer
+  (its custom call aliases that operand), and no dQ kernel runs; with the
+  masks and scores of the shared description, and 3 pipeline stages (what
+  shared memory holds)."""
+  kwargs = dict(kwargs)
+  blocks = jax_flash.MosaicBlockSizes(
+      fused_dq=True, num_stages_bwd=kwargs.pop("num_stages_bwd", 2))
+  text = _lower_grad("mosaic", (2, 300, 1003, 8, 2, 128), block_sizes=blocks,
+                     **kwargs)
+  assert set(_kernel_modules(text)) == {"flash_attention_forward_mosaic",
+                                        "flash_attention_dkv_mosaic"}
+  dkv = next(line for line in text.splitlines()
+             if "flash_attention_dkv_mosaic" in line and "mosaic_gpu" in line)
+  assert "output_operand_aliases" in dkv
+
+
+def test_fused_dq_needs_head_dim_128():
+  with pytest.raises(ValueError, match="fused_dq=True needs head_dim 128, "
+                     "got 64"):
+    _lower_grad("mosaic", (1, 256, 256, 4, 4, 64),
+                block_sizes=jax_flash.MosaicBlockSizes(fused_dq=True))
+
+
 def _schedule_calls(monkeypatch, wg, first, lo, hi, steps):
   """Warpgroup `wg`'s hardware-barrier ops, (op, id), as the forward's
   consumer makes them: warpgroup 1 opens half a step behind, key tiles

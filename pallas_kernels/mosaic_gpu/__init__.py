@@ -118,6 +118,9 @@ class MosaicGpuBackend:
       raise ValueError(f"block_sizes {blocks} need {smem} bytes of shared "
                        f"memory at head_dim {problem.head_dim}, more than "
                        f"the {config.SMEM_BYTES} of an H100/H200")
+    if blocks.fused_dq and problem.head_dim != 128:
+      raise ValueError(f"block_sizes.fused_dq=True needs head_dim 128, got "
+                       f"{problem.head_dim}")
     smem = blocks.backward_smem_bytes(problem.head_dim,
                                       jnp.dtype(dtype).itemsize)
     if smem > config.SMEM_BYTES:

@@ -39,8 +39,12 @@ class BlockSizes:
   SM's 64K (232 a thread each at 40, 240 at 24). `dv_before_ds`: the dK/dV
   kernel waits for its dV matmul before forming dS, so P's 16-bit copy
   (the matmul's register operand) is dead by then: fewer live registers,
-  less overlap. The last two are options to measure (not yet run on a
-  GPU).
+  less overlap. `fused_dq` (head dim 128 only): the dK/dV kernel also
+  forms dQ, each warpgroup half its columns from both warpgroups' dS
+  (through shared memory), added into a float32 buffer by TMA reduce-add:
+  no dQ kernel (two matmuls a tile fewer), but additions in an order that
+  varies from run to run, so dQ is not bitwise deterministic. The last
+  three are options to measure (not yet run on a GPU).
   """
   block_q: int = 64
   block_kv: int = 128
@@ -53,6 +57,7 @@ class BlockSizes:
   named_barriers: bool = False
   producer_registers: int = 40
   dv_before_ds: bool = False
+  fused_dq: bool = False
 
   def __post_init__(self):
     for name in ("block_q", "block_kv", "block_q_dkv", "block_kv_dkv",
@@ -65,7 +70,7 @@ class BlockSizes:
     check_block_field(self, "producer_registers",
                       lambda x: 24 <= x <= 128 and x % 8 == 0,
                       "a multiple of 8 in [24, 128]")
-    for name in ("named_barriers", "dv_before_ds"):
+    for name in ("named_barriers", "dv_before_ds", "fused_dq"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"block_sizes.{name}={getattr(self, name)!r} must "
                          f"be a bool")
@@ -97,6 +102,9 @@ class BlockSizes:
                                                          + 4))
     dq = (copies * 2 * self.block_q_dq * head_dim * itemsize +
           self.num_stages_bwd * 2 * self.block_kv_dq * head_dim * itemsize)
+    if self.fused_dq:  # dS twice over (2 x 2 tiles), dQ's float32 halves.
+      return dkv + (4 * self.block_kv_dkv * self.block_q_dkv * itemsize +
+                    2 * self.block_q_dkv * head_dim // 2 * 4)
     return max(dkv, dq)
 
   @classmethod

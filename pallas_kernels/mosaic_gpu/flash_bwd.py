@@ -27,6 +27,12 @@ forward's keep bits (`dropout.dropped`). D = rowsum(dO * O) - dlse
 logsumexp in base 2 come from XLA (a row that sees no key gets L = +inf, so
 its P is 0, never NaN). Every gradient is written once, by one CTA, in a
 fixed order: bitwise deterministic.
+
+With `BlockSizes.fused_dq` (head dim 128, an option) the dK/dV kernel also
+forms dQ += dS K for each query tile it visits and adds it by TMA
+reduce-add into float32 zeros (`_accumulate_dq`), and the dQ kernel does
+not run: 5 matmuls a tile pair instead of 7, but dQ's additions land in an
+order that varies, so dQ is not bitwise deterministic.
 """
 from __future__ import annotations
 
@@ -92,16 +98,18 @@ def split_dkv(head_dim: int) -> bool:
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
                 slopes_ref, q_ids_ref, kv_ids_ref, seed_ref, dense_ref,
-                bias_ref, dk_ref, dv_ref,
-                k_smem2, v_smem2, ready, done, *, mask: Mask, scores: Scores,
-                blocks: BlockSizes, group: int, kv_len: int):
+                bias_ref, dq_ref, dk_ref, dv_ref,
+                k_smem2, v_smem2, ready, done, fused, *, mask: Mask,
+                scores: Scores, blocks: BlockSizes, group: int, kv_len: int):
   """q/do [B, T, N, H], k/v and dk/dv [B, S, K, H], lse/delta [B, N, T];
   keys at or past kv_len (<= S: XLA's padding) are masked. Each None when
   absent: table_ref, the range table of the CTA's key rows (transposed,
   `range_table`); slopes_ref, ALiBi slopes [B, N]; q_ids_ref / kv_ids_ref,
   ids [B, T] / [B, S] padded past the kernel's tiles; seed_ref, dropout
   seed words [2]; dense_ref, bias_ref: a dense mask and a bias, transposed
-  (`pad_pairs`).
+  (`pad_pairs`); dq_ref, with `blocks.fused_dq` (then `fused` holds its
+  scratch, `_accumulate_dq`): float32 [B, T, N, H], zeros, to which the
+  kernel adds dS K.
 
   Head dims above 128 (`split_dkv`): dK and dV together would need H
   registers a thread, so the CTA owns block_kv_dkv key rows that both
@@ -249,9 +257,14 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
           acc, wait_n=0 if blocks.dv_before_ds else 1)
     dp = drop(pl.run_scoped(dp_t, plgpu.ACC(shape, jnp.float32)))
     ds = scores.dqk(p * (dp - lax.broadcast_in_dim(delta, shape, [1])), aux)
-    plgpu.wgmma(dk_acc, ds.astype(dtype), q_smem)
+    ds = ds.astype(dtype)
+    plgpu.wgmma(dk_acc, ds, q_smem)
     plgpu.wgmma_wait(1)  # dV is done (dK may run): dO may go.
     plgpu.barrier_arrive(do_free)
+    if fused is not None:
+      _accumulate_dq(ds, k_smem2, dq_ref.at[batch, pl.ds(q_tile(i) * bq, bq),
+                                            head], fused, wg,
+                     parity=lax.rem(i * group + g, 2))
     plgpu.wgmma_wait(0)
     plgpu.barrier_arrive(q_free)
     return carry
@@ -269,6 +282,39 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
       compute_context=compute_split if split else compute,
       in_specs=[tile_spec, tile_spec, row_spec, row_spec],
   )(q_ref.at[batch], do_ref.at[batch], lse_ref.at[batch], delta_ref.at[batch])
+
+
+def _accumulate_dq(ds, k_smem2, dq_tile_ref, fused, wg, *, parity):
+  """dQ += dS K for one query tile, in the dK/dV kernel (`fused_dq`).
+
+  ds: this warpgroup's dS^T [its key rows, query rows] (16-bit, registers);
+  k_smem2: both warpgroups' K tiles; dq_tile_ref: float32 [query rows, H]
+  in global memory. Both warpgroups store their dS^T in shared memory
+  (`fused["ds"][parity]`, two sets so a step's store never meets the
+  other warpgroup's reads of the step before) and meet at
+  `fused["ds_ready"]`; then warpgroup w forms columns [w H/2, (w+1) H/2)
+  of dS K over both key tiles (A: a stored dS^T transposed; a [query
+  rows, H/2] float32 accumulator) and adds them to dq_tile_ref by a TMA
+  reduce-add through `fused["dq"][w]`, waiting first until its previous
+  add has read that buffer."""
+  ds_smem = fused["ds"].at[parity]
+  ds_smem.at[wg][...] = ds
+  plgpu.commit_smem()
+  plgpu.barrier_arrive(fused["ds_ready"])
+  plgpu.barrier_wait(fused["ds_ready"])
+  half = dq_tile_ref.shape[-1] // 2
+  cols = pl.ds(wg * half, half)
+
+  def dq_half(acc):
+    for w in range(COMPUTE_WGS):
+      plgpu.wgmma(acc, ds_smem.at[w].T, k_smem2.at[w, :, cols])
+    return acc[...]
+  dq = pl.run_scoped(dq_half, plgpu.ACC((ds.shape[1], half), jnp.float32))
+  stage = fused["dq"].at[wg]
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  stage[...] = dq
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(stage, dq_tile_ref.at[:, cols], reduction_op="add")
 
 
 def dq_warpgroups(head_dim: int) -> int:
@@ -446,30 +492,43 @@ def flash_backward(q, k, v, o, lse, do, dlse, *, mask: Mask, scores: Scores,
   dq_rows = blocks.block_q_dq
   dq_extras = (tables(False), alibi_slopes, *ids, dropout_seed,
                *(pad_pairs(x, tp, kv_cols) for x in (dense_mask, bias)))
-  dq = plgpu.kernel(
-      lambda *refs, q_smem, do_smem, ready: _dq_kernel(
-          *flat(refs, dq_extras), q_smem, do_smem, ready, **kernel_args),
-      out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
-      scratch_types=dict(
-          q_smem=plgpu.SMEM((wgs, dq_rows, head_dim), q.dtype,
-                            transforms=transforms),
-          do_smem=plgpu.SMEM((wgs, dq_rows, head_dim), q.dtype,
-                             transforms=transforms),
-          ready=plgpu.Barrier(num_barriers=(2, wgs))),
-      grid=(num_heads, tp // (wgs * dq_rows), batch),
-      grid_names=("heads", "q_seq", "batch"),
-      num_threads=wgs + 1, thread_name="wg",
-      compiler_params=params, kernel_name="flash_attention_dq_mosaic",
-  )(q, k, v, do, lse2, delta, *(x for x in dq_extras if x is not None))
+  if not blocks.fused_dq:
+    dq = plgpu.kernel(
+        lambda *refs, q_smem, do_smem, ready: _dq_kernel(
+            *flat(refs, dq_extras), q_smem, do_smem, ready, **kernel_args),
+        out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        scratch_types=dict(
+            q_smem=plgpu.SMEM((wgs, dq_rows, head_dim), q.dtype,
+                              transforms=transforms),
+            do_smem=plgpu.SMEM((wgs, dq_rows, head_dim), q.dtype,
+                               transforms=transforms),
+            ready=plgpu.Barrier(num_barriers=(2, wgs))),
+        grid=(num_heads, tp // (wgs * dq_rows), batch),
+        grid_names=("heads", "q_seq", "batch"),
+        num_threads=wgs + 1, thread_name="wg",
+        compiler_params=params, kernel_name="flash_attention_dq_mosaic",
+    )(q, k, v, do, lse2, delta, *(x for x in dq_extras if x is not None))
 
   dkv_rows, copies = blocks.block_kv_dkv, 1 if split else COMPUTE_WGS
   kv_out = jax.ShapeDtypeStruct(k.shape, k.dtype)
+  # With `fused_dq` the dK/dV kernel adds dS K into float32 zeros in place
+  # (a mutable array: the kernel's operand aliases it).
+  assert not blocks.fused_dq or head_dim == 128, "fused_dq: head dim 128"
+  dq_sum = (jax.new_ref(jnp.zeros((batch, tp, num_heads, head_dim),
+                                  jnp.float32))
+            if blocks.fused_dq else None)
   dkv_extras = (tables(True), alibi_slopes, *ids, dropout_seed,
                 *(pad_pairs(x, tp, kv_cols, transposed=True)
-                  for x in (dense_mask, bias)))
+                  for x in (dense_mask, bias)), dq_sum)
+  bq_dkv = blocks.block_q_dkv
+  fused = dict(
+      ds=plgpu.SMEM((2, COMPUTE_WGS, dkv_rows, bq_dkv), q.dtype,
+                    transforms=smem_transforms(q.dtype, bq_dkv)),
+      dq=plgpu.SMEM((COMPUTE_WGS, bq_dkv, head_dim // 2), jnp.float32),
+      ds_ready=plgpu.Barrier(num_arrivals=COMPUTE_WGS))
   dk, dv = plgpu.kernel(
-      lambda *refs, k_smem, v_smem, ready, done=None: _dkv_kernel(
-          *flat(refs, dkv_extras), k_smem, v_smem, ready, done,
+      lambda *refs, k_smem, v_smem, ready, done=None, fused=None: _dkv_kernel(
+          *flat(refs, dkv_extras), k_smem, v_smem, ready, done, fused,
           **kernel_args),
       out_type=(kv_out, kv_out),
       scratch_types=dict(
@@ -479,10 +538,13 @@ def flash_backward(q, k, v, o, lse, do, dlse, *, mask: Mask, scores: Scores,
                             transforms=transforms),
           ready=plgpu.Barrier(num_barriers=(2, copies)),
           **(dict(done=plgpu.Barrier(num_arrivals=COMPUTE_WGS))
-             if split else {})),
+             if split else {}),
+          **(dict(fused=fused) if blocks.fused_dq else {})),
       grid=(num_kv_heads, sp // kv_rows, batch),
       grid_names=("heads", "kv_seq", "batch"),
       num_threads=COMPUTE_WGS + 1, thread_name="wg",
       compiler_params=params, kernel_name="flash_attention_dkv_mosaic",
   )(q, k, v, do, lse2, delta, *(x for x in dkv_extras if x is not None))
+  if blocks.fused_dq:
+    dq = (dq_sum[...] * scores.scale).astype(q.dtype)
   return dq[:, :q_len], dk[:, :kv_len], dv[:, :kv_len]
