@@ -53,7 +53,7 @@ from pallas_kernels.mosaic_gpu.flash_fwd import (COL, COMPUTE_WGS, ROW,
                                                  dropped, load_ids,
                                                  needs_positions, pad_ids,
                                                  pair_tile,
-                                                 range_table, row_tile,
+                                                 range_table, cta_row_tile,
                                                  smem_transforms,
                                                  split_refs, table_ranges)
 
@@ -180,6 +180,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
       return dk_acc[...], dv_acc[...]
     dk, dv = pl.run_scoped(run, plgpu.ACC((bkv, head_dim), jnp.float32),
                            plgpu.ACC((bkv, head_dim), jnp.float32))
+    if fused is not None:  # The other's last dQ matmul has read our K.
+      plgpu.barrier_arrive(fused["ds_ready"])
+      plgpu.barrier_wait(fused["ds_ready"])
     k_smem[...] = (dk * scores.scale).astype(dtype)
     v_smem[...] = dv.astype(dtype)
     plgpu.commit_smem()
@@ -292,7 +295,8 @@ def _accumulate_dq(ds, k_smem2, dq_tile_ref, fused, wg, *, parity):
   in global memory. Both warpgroups store their dS^T in shared memory
   (`fused["ds"][parity]`, two sets so a step's store never meets the
   other warpgroup's reads of the step before) and meet at
-  `fused["ds_ready"]`; then warpgroup w forms columns [w H/2, (w+1) H/2)
+  `fused["ds_ready"]` (once more after their loops, before K's shared
+  memory takes dK); then warpgroup w forms columns [w H/2, (w+1) H/2)
   of dS K over both key tiles (A: a stored dS^T transposed; a [query
   rows, H/2] float32 accumulator) and adds them to dq_tile_ref by a TMA
   reduce-add through `fused["dq"][w]`, waiting first until its previous
@@ -342,7 +346,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
   dtype = q_ref.dtype
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
   wg = lax.axis_index("wg")
-  q_tile = row_tile(mask, "q_seq", q_ref.shape[1] // (wgs * bq))
+  q_tile = cta_row_tile(mask, "q_seq", q_ref.shape[1] // (wgs * bq))
   tile_start = q_tile * (wgs * bq)
   q_start = tile_start + wg * bq
   lo, full_lo, full_hi, hi = table_ranges(
@@ -521,11 +525,11 @@ def flash_backward(q, k, v, o, lse, do, dlse, *, mask: Mask, scores: Scores,
                 *(pad_pairs(x, tp, kv_cols, transposed=True)
                   for x in (dense_mask, bias)), dq_sum)
   bq_dkv = blocks.block_q_dkv
-  fused = dict(
+  fused_scratch = dict(fused=dict(
       ds=plgpu.SMEM((2, COMPUTE_WGS, dkv_rows, bq_dkv), q.dtype,
                     transforms=smem_transforms(q.dtype, bq_dkv)),
       dq=plgpu.SMEM((COMPUTE_WGS, bq_dkv, head_dim // 2), jnp.float32),
-      ds_ready=plgpu.Barrier(num_arrivals=COMPUTE_WGS))
+      ds_ready=plgpu.Barrier(num_arrivals=COMPUTE_WGS)))
   dk, dv = plgpu.kernel(
       lambda *refs, k_smem, v_smem, ready, done=None, fused=None: _dkv_kernel(
           *flat(refs, dkv_extras), k_smem, v_smem, ready, done, fused,
@@ -539,7 +543,7 @@ def flash_backward(q, k, v, o, lse, do, dlse, *, mask: Mask, scores: Scores,
           ready=plgpu.Barrier(num_barriers=(2, copies)),
           **(dict(done=plgpu.Barrier(num_arrivals=COMPUTE_WGS))
              if split else {}),
-          **(dict(fused=fused) if blocks.fused_dq else {})),
+          **(fused_scratch if blocks.fused_dq else {})),
       grid=(num_kv_heads, sp // kv_rows, batch),
       grid_names=("heads", "kv_seq", "batch"),
       num_threads=COMPUTE_WGS + 1, thread_name="wg",

@@ -114,7 +114,7 @@ def smem_transforms(dtype, minor_dim: int):
   return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
 
 
-def row_tile(mask: Mask, axis: str, num_tiles: int):
+def cta_row_tile(mask: Mask, axis: str, num_tiles: int):
   """The row tile a CTA owns, from its index along grid axis `axis` (of
   `num_tiles`): reversed under a causal mask, so the tiles that see the
   most key tiles start first and the last wave of CTAs holds short ones
@@ -222,8 +222,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
   dtype = q_ref.dtype
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
   wg = lax.axis_index("wg")
-  tile_start = row_tile(mask, "q_seq", q_ref.shape[1] // (COMPUTE_WGS * block_q)
-                        ) * (COMPUTE_WGS * block_q)
+  tile_start = cta_row_tile(
+      mask, "q_seq", q_ref.shape[1] // (COMPUTE_WGS * block_q)) * (
+          COMPUTE_WGS * block_q)
   q_offset = 0 if offsets_ref is None else offsets_ref[batch]
 
   def consumer_ranges(w):
