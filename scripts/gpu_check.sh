@@ -243,13 +243,13 @@ jax.jit(jax.grad(f)).lower(q).compile()" > "$OUT/ptxas_h$h.log" 2>&1
       ;;
     sass)
       # The Mosaic kernels' PTX for their static instruction mix (issue 12's
-      # attribution): 8k, bf16, causal forward and backward, head dims 128
-      # and 64, and tokamax's Mosaic attention at 128 beside them, dumped
+      # attribution): 8k, bf16, causal forward and backward, head dims 128,
+      # 64 and 256, and tokamax's Mosaic attention at 128 beside them, dumped
       # by MOSAIC_GPU_DUMP_TO (NAME.ptx and ptxas's report NAME.ptxas per
       # module) into $OUT/mosaic_ptx.tar.gz. This machine has no nvdisasm of
       # CUDA 13 (Mosaic GPU writes no .sass here); on the CPU machine:
       #   tar xzf mosaic_ptx.tar.gz && python benchmarks/sass_mix.py --assemble sass_flash_h128
-      for which in flash_h128 flash_h64 tokamax_h128; do
+      for which in flash_h128 flash_h64 flash_h256 tokamax_h128; do
         h=${which##*_h}
         rm -rf "/tmp/sass_$which"; mkdir -p "/tmp/sass_$which"
         MOSAIC_GPU_DUMP_TO="/tmp/sass_$which" timeout 150 python3 -c "
