@@ -528,7 +528,8 @@ def flash_backward(q, k, v, o, lse, do, dlse, *, mask: Mask, scores: Scores,
   fused_scratch = dict(fused=dict(
       ds=plgpu.SMEM((2, COMPUTE_WGS, dkv_rows, bq_dkv), q.dtype,
                     transforms=smem_transforms(q.dtype, bq_dkv)),
-      dq=plgpu.SMEM((COMPUTE_WGS, bq_dkv, head_dim // 2), jnp.float32),
+      dq=plgpu.SMEM((COMPUTE_WGS, bq_dkv, head_dim // 2), jnp.float32,
+                    transforms=smem_transforms(jnp.float32, head_dim // 2)),
       ds_ready=plgpu.Barrier(num_arrivals=COMPUTE_WGS)))
   dk, dv = plgpu.kernel(
       lambda *refs, k_smem, v_smem, ready, done=None, fused=None: _dkv_kernel(
