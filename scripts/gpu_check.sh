@@ -183,12 +183,16 @@ for mode in "$@"; do
     pending)
       # Not yet run on a GPU (2026-12-01, tenth session): the Mosaic
       # backward's options, `producer_registers`, `dv_before_ds` and
-      # `fused_dq` (tests/test_gpu.py, 14 cases), under a short limit (a
-      # hang costs little). Then `registers` and `fused` time them.
+      # `fused_dq` (tests/test_gpu.py, 14 cases), and the decode kernel
+      # reading its query rows without a padded copy (tests/test_decode.py),
+      # under a short limit (a hang costs little). Then `registers`,
+      # `fused` and `decode` time them.
       XLA_FLAGS=$TEST_XLA_FLAGS JAX_FLASH_FAILURE_LOG="$OUT/failures.log" \
-        timeout "${MOSAIC_LIMIT:-150}" \
-        python3 -m pytest -v -n 14 -rfE -p no:cacheprovider tests/test_gpu.py \
-        -k "register_options or fused_dq" > "$OUT/pending.log" 2>&1
+        timeout "${MOSAIC_LIMIT:-200}" \
+        python3 -m pytest -v -n 16 -rfE -p no:cacheprovider tests/test_decode.py \
+        tests/test_gpu.py::test_mosaic_register_options_match_reference \
+        tests/test_gpu.py::test_mosaic_fused_dq_matches_reference \
+        > "$OUT/pending.log" 2>&1
       echo "pytest exit: $?"; grep -E "(PASSED|FAILED|ERROR) tests|passed|failed" \
         "$OUT/pending.log" | sed 's/.*\] //' | tail -20
       ;;

@@ -36,7 +36,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, *refs, scores: Scores,
                    paged: bool, prefetch: int):
   """One (split, batch, kv head).
 
-  q_ref: [R, Hp], rows r = g * T + t (padded past G*T); k_ref: [S_max, Hp]
+  q_ref: [R, Hp], rows r = g * T + t (masked past G*T); k_ref: [S_max, Hp]
   and v_ref [S_max, Hvp], or with `paged` [num_pages, page_size, Hp|Hvp] and
   then refs starts with the page table row [pages_per_seq]: a key tile of
   block_k rows lies in one page or gathers several (`tiles.page_rows`),
@@ -54,7 +54,8 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, *refs, scores: Scores,
   rows = jnp.arange(num_rows)
   query = lax.rem(rows, q_len)[:, None]  # Row r is query t = r % T.
   valid_row = (rows < group * q_len)[:, None]
-  q = load_tile(q_ref, 0, num_rows, head_dim=head_dim)
+  q = load_tile(q_ref, 0, num_rows, row_bound=group * q_len,
+                head_dim=head_dim)
   first = pl.program_id(0) * tiles_per_split
   last = jnp.minimum(first + tiles_per_split, cdiv(kv_len, block_k))
 
@@ -119,11 +120,12 @@ def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
   value_head_dim = v_cache.shape[-1]
   hp, hvp = padded_head_dim(head_dim), padded_head_dim(value_head_dim)
   rows = max(16, pl.next_power_of_2(group * q_len))
-  # [B, T, K, G, H] -> [B, K, G*T, H] (rows g*T + t), padded to `rows`.
+  # [B, T, K, G, H] -> [B, K, G*T, H] (rows g*T + t; for T = 1 a view, no
+  # copy). The kernel's [rows, Hp] block reads past both ends masked: no
+  # padded copy of q (a kernel launch of its own before this one).
   qr = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
   qr = qr.transpose(0, 2, 3, 1, 4).reshape(batch, num_kv_heads, group * q_len,
                                             head_dim)
-  qr = jnp.pad(qr, ((0, 0), (0, 0), (0, rows - group * q_len), (0, 0)))
   paged = page_table is not None
   block_k = blocks.block_k
   if paged:
