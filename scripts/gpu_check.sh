@@ -145,14 +145,15 @@ for mode in "$@"; do
     fused)
       # dQ from the dK/dV kernel by TMA reduce-add (`fused_dq`): its GPU
       # tests first (each case under a short limit: a hang costs little),
-      # then the backward at 16k, head dim 128, against the two-kernel
-      # default and cuDNN, with ptxas's spill report of each compile.
+      # then the backward at 16k, head dims 128 and 64, against the
+      # two-kernel default and cuDNN, with ptxas's spill report of each
+      # compile.
       XLA_FLAGS=$TEST_XLA_FLAGS timeout 150 python3 -m pytest -q -n 8 \
         -p no:cacheprovider tests/test_gpu.py -k fused_dq \
         > "$OUT/fused_tests.log" 2>&1
       echo "fused_dq tests: exit $?"; tail -n 15 "$OUT/fused_tests.log"
-      MOSAIC_GPU_DUMP_PTXAS=1 timeout "${BENCH_LIMIT:-240}" python3 \
-        benchmarks/mosaic_tune.py --seq-len 16384 --head-dims 128 \
+      MOSAIC_GPU_DUMP_PTXAS=1 timeout "${BENCH_LIMIT:-360}" python3 \
+        benchmarks/mosaic_tune.py --seq-len 16384 --head-dims 128 64 \
         --modes bwd fwd+bwd --candidates '[{}, {"fused_dq": true},
         {"fused_dq": true, "num_stages_bwd": 3}]' --out "$OUT/fused" \
         > /tmp/fused.log 2>&1 || tail -n 30 /tmp/fused.log
@@ -183,7 +184,7 @@ for mode in "$@"; do
     pending)
       # Not yet run on a GPU (2026-12-01, tenth session): the Mosaic
       # backward's options, `producer_registers`, `dv_before_ds` and
-      # `fused_dq` (tests/test_gpu.py, 14 cases), and the decode kernel
+      # `fused_dq` (tests/test_gpu.py, 20 cases), and the decode kernel
       # reading its query rows without a padded copy (tests/test_decode.py),
       # under a short limit (a hang costs little). Then `registers`,
       # `fused` and `decode` time them.

@@ -209,15 +209,15 @@ def test_mosaic_register_options_match_reference(name, option):
                          implementation="mosaic")
 
 
-FUSED_DQ_CASES = {  # Head dim 128 (what `fused_dq` takes).
-    "causal_gqa": (MOSAIC_CASES["h128_causal_gqa"], {}),
-    "t_less_than_s_causal": (MOSAIC_CASES["t_less_than_s_causal"], {}),
-    "any_length_causal": (MOSAIC_CASES["any_length_causal"], {}),
-    "kv_len_264": (MOSAIC_CASES["kv_len_264"], {}),
+FUSED_DQ_CASES = {  # Head dims 128 and 64 (what `fused_dq` takes).
+    **{name: (MOSAIC_CASES[name], {}) for name in (
+        "h128_causal_gqa", "t_less_than_s_causal", "any_length_causal",
+        "kv_len_264", "h64_mqa_f16", "kv_len_520_mqa_causal")},
     **{name: MOSAIC_OPTIONS[name] for name in (
         "causal_window_gqa", "soft_cap_causal_gqa_any_length",
         "dropout_causal_gqa", "lengths_causal_gqa", "dense_mask_causal_gqa",
-        "sinks_window_gqa")},
+        "sinks_window_gqa", "two_sided_window", "dropout_broadcast_h64",
+        "segments_h64_f16", "dense_mask_per_head_h64_f16")},
 }
 
 

@@ -251,16 +251,18 @@ def test_dv_before_ds_changes_the_dkv_kernel():
     dict(num_stages_bwd=3),
 ], ids=["plain", "causal", "window_cap_sinks", "dropout_segments",
         "dense_mask_alibi", "three_stages"])
-def test_fused_dq_lowers_without_the_dq_kernel(kwargs):
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fused_dq_lowers_without_the_dq_kernel(kwargs, head_dim):
   """`fused_dq`: the dK/dV kernel adds dQ in place into a float32 buffer
   (its custom call aliases that operand), and no dQ kernel runs; with the
   masks and scores of the shared description, and 3 pipeline stages (what
-  shared memory holds)."""
+  shared memory holds). Head dim 128 exchanges dS between the warpgroups,
+  64 does not (`config.fused_dq_columns`)."""
   kwargs = dict(kwargs)
   blocks = jax_flash.MosaicBlockSizes(
       fused_dq=True, num_stages_bwd=kwargs.pop("num_stages_bwd", 2))
-  text = _lower_grad("mosaic", (2, 300, 1003, 8, 2, 128), block_sizes=blocks,
-                     **kwargs)
+  text = _lower_grad("mosaic", (2, 300, 1003, 8, 2, head_dim),
+                     block_sizes=blocks, **kwargs)
   assert set(_kernel_modules(text)) == {"flash_attention_forward_mosaic",
                                         "flash_attention_dkv_mosaic"}
   dkv = next(line for line in text.splitlines()
@@ -268,10 +270,11 @@ def test_fused_dq_lowers_without_the_dq_kernel(kwargs):
   assert "output_operand_aliases" in dkv
 
 
-def test_fused_dq_needs_head_dim_128():
-  with pytest.raises(ValueError, match="fused_dq=True needs head_dim 128, "
-                     "got 64"):
-    _lower_grad("mosaic", (1, 256, 256, 4, 4, 64),
+@pytest.mark.parametrize("head_dim", [96, 256])
+def test_fused_dq_names_the_head_dims_it_takes(head_dim):
+  with pytest.raises(ValueError, match=r"fused_dq=True needs a head_dim in "
+                     rf"\(64, 128\), got {head_dim}"):
+    _lower_grad("mosaic", (1, 256, 256, 4, 4, head_dim),
                 block_sizes=jax_flash.MosaicBlockSizes(fused_dq=True))
 
 

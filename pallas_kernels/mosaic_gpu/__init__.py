@@ -113,14 +113,14 @@ class MosaicGpuBackend:
     del version, scores  # Only 2 (see `unsupported`); the tiles take any.
     blocks = (block_sizes if isinstance(block_sizes, BlockSizes) else
               BlockSizes.get_default(problem.head_dim, is_causal))
+    if blocks.fused_dq and problem.head_dim not in config.FUSED_DQ_HEAD_DIMS:
+      raise ValueError(f"block_sizes.fused_dq=True needs a head_dim in "
+                       f"{config.FUSED_DQ_HEAD_DIMS}, got {problem.head_dim}")
     smem = blocks.smem_bytes(problem.head_dim, jnp.dtype(dtype).itemsize)
     if smem > config.SMEM_BYTES:
       raise ValueError(f"block_sizes {blocks} need {smem} bytes of shared "
                        f"memory at head_dim {problem.head_dim}, more than "
                        f"the {config.SMEM_BYTES} of an H100/H200")
-    if blocks.fused_dq and problem.head_dim != 128:
-      raise ValueError(f"block_sizes.fused_dq=True needs head_dim 128, got "
-                       f"{problem.head_dim}")
     smem = blocks.backward_smem_bytes(problem.head_dim,
                                       jnp.dtype(dtype).itemsize)
     if smem > config.SMEM_BYTES:

@@ -16,6 +16,19 @@ SMEM_BYTES = 227 * 1024  # Shared memory of one Hopper CTA.
 MIN_DECODE_QUERIES = 65
 
 
+# `BlockSizes.fused_dq`'s head dims: 128-byte swizzled K rows, which the
+# dQ matmul slices by 64 columns.
+FUSED_DQ_HEAD_DIMS = (64, 128)
+
+
+def fused_dq_columns(head_dim: int) -> int:
+  """Columns of dQ each warpgroup of the dK/dV kernel forms and adds a step
+  with `fused_dq`: at head dim 128 half of them, over both warpgroups' keys
+  (dS exchanged through shared memory); at 64 all, over its own keys (half
+  would cut a 128-byte swizzle atom of K)."""
+  return head_dim // 2 if head_dim > 64 else head_dim
+
+
 def _aligned(nbytes: int) -> int:
   """Mosaic GPU aligns each shared-memory allocation to 1 KiB."""
   return -(-nbytes // 1024) * 1024
@@ -39,12 +52,12 @@ class BlockSizes:
   SM's 64K (232 a thread each at 40, 240 at 24). `dv_before_ds`: the dK/dV
   kernel waits for its dV matmul before forming dS, so P's 16-bit copy
   (the matmul's register operand) is dead by then: fewer live registers,
-  less overlap. `fused_dq` (head dim 128 only): the dK/dV kernel also
-  forms dQ, each warpgroup half its columns from both warpgroups' dS
-  (through shared memory), added into a float32 buffer by TMA reduce-add:
-  no dQ kernel (two matmuls a tile fewer), but additions in an order that
-  varies from run to run, so dQ is not bitwise deterministic. The last
-  three are options to measure (not yet run on a GPU).
+  less overlap. `fused_dq` (head dims 64 and 128): the dK/dV kernel also
+  forms dQ (`fused_dq_columns`), added into a float32 buffer by TMA
+  reduce-add: no dQ kernel (two matmuls a tile fewer), but additions in
+  an order that varies from run to run, so dQ is not bitwise
+  deterministic. The last three are options to measure (not yet run on a
+  GPU).
   """
   block_q: int = 64
   block_kv: int = 128
@@ -102,9 +115,9 @@ class BlockSizes:
                                                          + 4))
     dq = (copies * 2 * self.block_q_dq * head_dim * itemsize +
           self.num_stages_bwd * 2 * self.block_kv_dq * head_dim * itemsize)
-    if self.fused_dq:  # dS twice over (2 x 2 tiles), dQ's float32 halves.
+    if self.fused_dq:  # dS twice over (2 x 2 tiles), float32 dQ columns.
       return dkv + (4 * self.block_kv_dkv * self.block_q_dkv * itemsize +
-                    2 * self.block_q_dkv * head_dim // 2 * 4)
+                    2 * self.block_q_dkv * fused_dq_columns(head_dim) * 4)
     return max(dkv, dq)
 
   @classmethod

@@ -28,7 +28,7 @@ logsumexp in base 2 come from XLA (a row that sees no key gets L = +inf, so
 its P is 0, never NaN). Every gradient is written once, by one CTA, in a
 fixed order: bitwise deterministic.
 
-With `BlockSizes.fused_dq` (head dim 128, an option) the dK/dV kernel also
+With `BlockSizes.fused_dq` (head dims 64, 128; an option) the dK/dV kernel also
 forms dQ += dS K for each query tile it visits and adds it by TMA
 reduce-add into float32 zeros (`_accumulate_dq`), and the dQ kernel does
 not run: 5 matmuls a tile pair instead of 7, but dQ's additions land in an
@@ -48,7 +48,8 @@ from jax_flash.spec import softmax
 from jax_flash.spec.mask import Mask, cdiv, kv_block_ranges, q_block_ranges
 from jax_flash.spec.padding import pad_pairs, pad_to, round_up
 from jax_flash.spec.scores import Scores
-from pallas_kernels.mosaic_gpu.config import BlockSizes
+from pallas_kernels.mosaic_gpu.config import (FUSED_DQ_HEAD_DIMS, BlockSizes,
+                                              fused_dq_columns)
 from pallas_kernels.mosaic_gpu.flash_fwd import (COL, COMPUTE_WGS, ROW,
                                                  dropped, load_ids,
                                                  needs_positions, pad_ids,
@@ -180,7 +181,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
       return dk_acc[...], dv_acc[...]
     dk, dv = pl.run_scoped(run, plgpu.ACC((bkv, head_dim), jnp.float32),
                            plgpu.ACC((bkv, head_dim), jnp.float32))
-    if fused is not None:  # The other's last dQ matmul has read our K.
+    if fused is not None and fused_dq_columns(head_dim) < head_dim:
+      # The other's last dQ matmul has read our K.
       plgpu.barrier_arrive(fused["ds_ready"])
       plgpu.barrier_wait(fused["ds_ready"])
     k_smem[...] = (dk * scores.scale).astype(dtype)
@@ -292,28 +294,32 @@ def _accumulate_dq(ds, k_smem2, dq_tile_ref, fused, wg, *, parity):
 
   ds: this warpgroup's dS^T [its key rows, query rows] (16-bit, registers);
   k_smem2: both warpgroups' K tiles; dq_tile_ref: float32 [query rows, H]
-  in global memory. Both warpgroups store their dS^T in shared memory
-  (`fused["ds"][parity]`, two sets so a step's store never meets the
-  other warpgroup's reads of the step before) and meet at
-  `fused["ds_ready"]` (once more after their loops, before K's shared
-  memory takes dK); then warpgroup w forms columns [w H/2, (w+1) H/2)
-  of dS K over both key tiles (A: a stored dS^T transposed; a [query
-  rows, H/2] float32 accumulator) and adds them to dq_tile_ref by a TMA
-  reduce-add through `fused["dq"][w]`, waiting first until its previous
-  add has read that buffer."""
+  in global memory. The warpgroup stores its dS^T in shared memory
+  (`fused["ds"][parity]`, two sets so a step's store never meets a read of
+  the step before) and forms `config.fused_dq_columns(H)` columns of dS K
+  (A: a stored dS^T transposed; a float32 accumulator): at H = 128
+  columns [wg H/2, (wg+1) H/2) over both warpgroups' keys, after both meet
+  at `fused["ds_ready"]` (once more after their loops, before K's shared
+  memory takes dK); at H = 64 all columns over its own keys. Then a TMA
+  reduce-add through `fused["dq"][wg]` adds them to dq_tile_ref, after
+  waiting until its previous add has read that buffer."""
   ds_smem = fused["ds"].at[parity]
   ds_smem.at[wg][...] = ds
   plgpu.commit_smem()
-  plgpu.barrier_arrive(fused["ds_ready"])
-  plgpu.barrier_wait(fused["ds_ready"])
-  half = dq_tile_ref.shape[-1] // 2
-  cols = pl.ds(wg * half, half)
+  head_dim = dq_tile_ref.shape[-1]
+  width = fused_dq_columns(head_dim)
+  if width < head_dim:  # Both warpgroups' keys, half the columns each.
+    plgpu.barrier_arrive(fused["ds_ready"])
+    plgpu.barrier_wait(fused["ds_ready"])
+    cols, sources = pl.ds(wg * width, width), range(COMPUTE_WGS)
+  else:  # Its own keys, every column.
+    cols, sources = pl.ds(0, width), (wg,)
 
-  def dq_half(acc):
-    for w in range(COMPUTE_WGS):
+  def dq_columns(acc):
+    for w in sources:
       plgpu.wgmma(acc, ds_smem.at[w].T, k_smem2.at[w, :, cols])
     return acc[...]
-  dq = pl.run_scoped(dq_half, plgpu.ACC((ds.shape[1], half), jnp.float32))
+  dq = pl.run_scoped(dq_columns, plgpu.ACC((ds.shape[1], width), jnp.float32))
   stage = fused["dq"].at[wg]
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
   stage[...] = dq
@@ -517,7 +523,7 @@ def flash_backward(q, k, v, o, lse, do, dlse, *, mask: Mask, scores: Scores,
   kv_out = jax.ShapeDtypeStruct(k.shape, k.dtype)
   # With `fused_dq` the dK/dV kernel adds dS K into float32 zeros in place
   # (a mutable array: the kernel's operand aliases it).
-  assert not blocks.fused_dq or head_dim == 128, "fused_dq: head dim 128"
+  assert not blocks.fused_dq or head_dim in FUSED_DQ_HEAD_DIMS, head_dim
   dq_sum = (jax.new_ref(jnp.zeros((batch, tp, num_heads, head_dim),
                                   jnp.float32))
             if blocks.fused_dq else None)
@@ -528,9 +534,11 @@ def flash_backward(q, k, v, o, lse, do, dlse, *, mask: Mask, scores: Scores,
   fused_scratch = dict(fused=dict(
       ds=plgpu.SMEM((2, COMPUTE_WGS, dkv_rows, bq_dkv), q.dtype,
                     transforms=smem_transforms(q.dtype, bq_dkv)),
-      dq=plgpu.SMEM((COMPUTE_WGS, bq_dkv, head_dim // 2), jnp.float32,
-                    transforms=smem_transforms(jnp.float32, head_dim // 2)),
-      ds_ready=plgpu.Barrier(num_arrivals=COMPUTE_WGS)))
+      dq=plgpu.SMEM((COMPUTE_WGS, bq_dkv, fused_dq_columns(head_dim)),
+                    jnp.float32, transforms=smem_transforms(
+                        jnp.float32, fused_dq_columns(head_dim))),
+      **({"ds_ready": plgpu.Barrier(num_arrivals=COMPUTE_WGS)}
+         if fused_dq_columns(head_dim) < head_dim else {})))
   dk, dv = plgpu.kernel(
       lambda *refs, k_smem, v_smem, ready, done=None, fused=None: _dkv_kernel(
           *flat(refs, dkv_extras), k_smem, v_smem, ready, done, fused,
