@@ -39,6 +39,15 @@ def _impls(causal: bool):
         q, k, v, is_causal=causal, implementation=implementation,
         version=version, logits_soft_cap=soft_cap)
 
+  def mosaic_fused_dq(q, k, v):
+    # The Mosaic kernels with dQ in the dK/dV kernel (head dims 64, 128).
+    blocks = dataclasses.replace(
+        jax_flash.MosaicBlockSizes.get_default(q.shape[-1], causal),
+        fused_dq=True)
+    return jax_flash.flash_attention(q, k, v, is_causal=causal,
+                                     implementation="mosaic",
+                                     block_sizes=blocks)
+
   def jax_nn(impl):
     return lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, is_causal=causal, implementation=impl)
@@ -70,6 +79,9 @@ def _impls(causal: bool):
       # The same with a tanh soft-cap (its cost: a tanh per score, forward
       # and backward); nothing else in the table computes this function.
       "flash_mosaic_softcap": (ours(2, "mosaic", SOFT_CAP), modes),
+      # dQ added by TMA reduce-add in the dK/dV kernel: not bitwise
+      # deterministic, an option (`MosaicBlockSizes.fused_dq`).
+      "flash_mosaic_fused_dq": (mosaic_fused_dq, ("bwd", "fwd+bwd")),
       "flash_v2_softcap": (ours(2, soft_cap=SOFT_CAP), modes),
       "cudnn": (jax_nn("cudnn"), modes),
       "xla": (jax_nn("xla"), modes),
@@ -486,18 +498,20 @@ def markdown(rows) -> str:
       ("flash_mosaic", "fwd"), ("flash_v2", "fwd"), ("flash_v1", "fwd"),
       ("cudnn", "fwd"), ("tokamax", "fwd"),
       ("jax_pallas", "fwd"), ("xla", "fwd"), ("flash_xla", "fwd"),
-      ("flash_mosaic", "bwd"),
+      ("flash_mosaic", "bwd"), ("flash_mosaic_fused_dq", "bwd"),
       ("flash_v2", "bwd"), ("cudnn", "bwd"), ("tokamax", "bwd"),
       ("jax_pallas", "bwd"),
-      ("flash_mosaic", "fwd+bwd"), ("flash_v2", "fwd+bwd"),
+      ("flash_mosaic", "fwd+bwd"), ("flash_mosaic_fused_dq", "fwd+bwd"),
+      ("flash_v2", "fwd+bwd"),
       ("tokamax", "fwd+bwd"),
       ("cudnn", "fwd+bwd"), ("jax_pallas", "fwd+bwd"), ("xla", "fwd+bwd"),
       ("flash_xla", "fwd+bwd")]
           if c in present]
   # (ours, theirs, mode): the ratios of TFLOP/s shown, where both ran.
   short = {"flash_mosaic": "mosaic", "flash_v2": "v2", "cudnn": "cuDNN",
-           "tokamax": "tokamax"}
+           "tokamax": "tokamax", "flash_mosaic_fused_dq": "fused_dq"}
   ratios = [(a, b, m) for a, b in (("flash_mosaic", "cudnn"),
+                                   ("flash_mosaic_fused_dq", "cudnn"),
                                    ("flash_v2", "cudnn"),
                                    ("flash_mosaic", "tokamax"),
                                    ("flash_mosaic", "flash_v2"))
@@ -633,6 +647,8 @@ def main(argv=None):
                       "(Mosaic GPU forward), flash_v2 and flash_v1 (Triton), "
                       "flash_mosaic_softcap and flash_v2_softcap (the same "
                       f"with logits_soft_cap={SOFT_CAP}), "
+                      "flash_mosaic_fused_dq (the Mosaic kernels with "
+                      "MosaicBlockSizes(fused_dq=True): backward only), "
                       "cudnn and xla (jax.nn), flash_xla (ours in plain JAX, "
                       "blockwise), jax_pallas (jax's own Pallas "
                       "attention), tokamax (its Mosaic GPU attention; needs "
