@@ -10,12 +10,19 @@ tiles for "bwd", the rest at their defaults; or `--candidates`) that fits
 shared memory; prints
 one JSON row per measurement (TFLOP/s and the ratio to cuDNN in the same run)
 and writes mosaic_tune.json. The data behind
-`pallas_kernels/mosaic_gpu/config.py`.
+`pallas_kernels/mosaic_gpu/config.py`. With MOSAIC_GPU_DUMP_PTXAS=1 each
+Mosaic row also gets "ptxas": the spill bytes (stores) of each kernel
+ptxas compiled while that row was measured (a kernel compiled before, with
+the same code, is not compiled again and not listed).
 """
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
+import re
+import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +40,43 @@ CANDIDATES = {
                                          (64, 128, 2), (64, 128, 3),
                                          (128, 64, 2))],
 }
+
+
+@contextlib.contextmanager
+def captured_output(lines: list):
+  """Appends to `lines` what the process writes to its stdout and stderr
+  file descriptors inside the block (ptxas's report comes from C++)."""
+  for stream in (sys.stdout, sys.stderr):
+    stream.flush()
+  saved = [os.dup(fd) for fd in (1, 2)]
+  with tempfile.TemporaryFile(mode="w+") as sink:
+    try:
+      for fd in (1, 2):
+        os.dup2(sink.fileno(), fd)
+      yield
+    finally:
+      for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+      for fd, copy in zip((1, 2), saved):
+        os.dup2(copy, fd)
+        os.close(copy)
+      sink.seek(0)
+      lines.extend(sink.read().splitlines())
+
+
+def spills(lines) -> dict:
+  """{kernel: spill store bytes} from ptxas's verbose report: the bytes
+  of the "spill stores" line that follows each "Compiling entry function"
+  line."""
+  out, function = {}, None
+  for line in lines:
+    entry = re.search(r"Compiling entry function '(\w+)'", line)
+    if entry:
+      function = entry.group(1)
+    stores = re.search(r"(\d+) bytes spill stores", line)
+    if stores and function is not None and function not in out:
+      out[function] = int(stores.group(1))
+  return out
 
 
 def main():
@@ -70,9 +114,14 @@ def main():
           fn = lambda q, k, v, bs=bs: jax_flash.flash_attention(
               q, k, v, is_causal=causal, implementation="mosaic",
               block_sizes=bs)
+          lines = []
+          with (captured_output(lines) if os.environ.get(
+              "MOSAIC_GPU_DUMP_PTXAS") else contextlib.nullcontext()):
+            measured = _measure(fn, mode, q, k, v, do, flops, 10, 3)
           row = dict(impl="mosaic", head_dim=h, causal=causal, mode=mode,
-                     block_sizes=dataclasses.asdict(bs),
-                     **_measure(fn, mode, q, k, v, do, flops, 10, 3))
+                     block_sizes=dataclasses.asdict(bs), **measured)
+          if lines:
+            row["ptxas"] = spills(lines)
           if "tflops" in row and "tflops" in cudnn:
             row["vs_cudnn"] = round(row["tflops"] / cudnn["tflops"], 3)
           print(json.dumps(row), flush=True)

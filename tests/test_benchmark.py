@@ -98,3 +98,38 @@ def test_sass_mix_counts_the_innermost_tensor_loops():
   from benchmarks.sass_mix import tensor_loops
   (body,) = tensor_loops(LOOPS)["mosaic_gpu_kernel"]
   assert body == {"HGMMA": 1, "FMUL": 1, "BRA": 1}
+
+
+PTXAS = """\
+ptxas warning : Registers are spilled to local memory in function 'dkv_kernel', 116 bytes spill stores, 132 bytes spill loads
+ptxas info    : Compiling entry function 'dkv_kernel' for 'sm_90a'
+ptxas info    : Function properties for dkv_kernel
+    120 bytes stack frame, 116 bytes spill stores, 132 bytes spill loads
+ptxas info    : Compiling entry function 'dq_kernel' for 'sm_90a'
+ptxas info    : Function properties for dq_kernel
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+"""
+
+
+def test_mosaic_tune_reads_each_kernels_spill_from_ptxas():
+  """Spill bytes by kernel, each from the report after its entry line (the
+  warning before it names a kernel not yet entered)."""
+  from benchmarks.mosaic_tune import spills
+  assert spills(PTXAS.splitlines()) == {"dkv_kernel": 116, "dq_kernel": 0}
+
+
+def test_mosaic_tune_captures_what_native_code_writes():
+  """ptxas's report comes from C++ on file descriptors 1 and 2, not through
+  sys.stdout: the capture takes both, then restores them."""
+  import os
+  from benchmarks.mosaic_tune import captured_output
+  before = [os.fstat(fd) for fd in (1, 2)]
+  lines = []
+  with captured_output(lines):
+    os.write(2, b"ptxas info    : Compiling entry function 'k'\n")
+    os.write(1, b"    0 bytes stack frame, 8 bytes spill stores\n")
+  assert lines == ["ptxas info    : Compiling entry function 'k'",
+                   "    0 bytes stack frame, 8 bytes spill stores"]
+  after = [os.fstat(fd) for fd in (1, 2)]
+  assert [(s.st_dev, s.st_ino) for s in after] == [
+      (s.st_dev, s.st_ino) for s in before]
