@@ -58,6 +58,13 @@ from pallas_kernels.mosaic_gpu.flash_fwd import (COL, COMPUTE_WGS, ROW,
                                                  smem_transforms,
                                                  split_refs, table_ranges)
 
+def _meet(barrier):
+  """Both consumer warpgroups reach this point before either goes on
+  (`barrier`: an mbarrier of their two arrivals)."""
+  plgpu.barrier_arrive(barrier)
+  plgpu.barrier_wait(barrier)
+
+
 def _iota(shape, dim):
   return plgpu.broadcasted_iota(jnp.int32, shape, dim,
                                 layout=plgpu.Layout.WGMMA)
@@ -164,9 +171,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
       pipeline((acc, kv_ids))
       return acc[...]
     grad = pl.run_scoped(run, plgpu.ACC((bkv, head_dim), jnp.float32))
-    # Neither overwrites K or V before both are done reading them.
-    plgpu.barrier_arrive(done)
-    plgpu.barrier_wait(done)
+    _meet(done)  # Neither overwrites K or V before both are done reading.
     pl.when(wg == 0)(lambda: store(v_smem, grad, dv_ref))
     pl.when(wg == 1)(lambda: store(k_smem, grad * scores.scale, dk_ref))
 
@@ -181,10 +186,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
       return dk_acc[...], dv_acc[...]
     dk, dv = pl.run_scoped(run, plgpu.ACC((bkv, head_dim), jnp.float32),
                            plgpu.ACC((bkv, head_dim), jnp.float32))
-    if fused is not None and fused_dq_columns(head_dim) < head_dim:
-      # The other's last dQ matmul has read our K.
-      plgpu.barrier_arrive(fused["ds_ready"])
-      plgpu.barrier_wait(fused["ds_ready"])
+    if done is not None:  # `fused_dq`'s matmuls read the other's K too.
+      _meet(done)
     k_smem[...] = (dk * scores.scale).astype(dtype)
     v_smem[...] = dv.astype(dtype)
     plgpu.commit_smem()
@@ -299,8 +302,8 @@ def _accumulate_dq(ds, k_smem2, dq_tile_ref, fused, wg, *, parity):
   the step before) and forms `config.fused_dq_columns(H)` columns of dS K
   (A: a stored dS^T transposed; a float32 accumulator): at H = 128
   columns [wg H/2, (wg+1) H/2) over both warpgroups' keys, after both meet
-  at `fused["ds_ready"]` (once more after their loops, before K's shared
-  memory takes dK); at H = 64 all columns over its own keys. Then a TMA
+  at `fused["ds_ready"]` (and at the kernel's `done` after their loops,
+  before K's shared memory takes dK); at H = 64 all columns over its own keys. Then a TMA
   reduce-add through `fused["dq"][wg]` adds them to dq_tile_ref, after
   waiting until its previous add has read that buffer."""
   ds_smem = fused["ds"].at[parity]
@@ -309,8 +312,7 @@ def _accumulate_dq(ds, k_smem2, dq_tile_ref, fused, wg, *, parity):
   head_dim = dq_tile_ref.shape[-1]
   width = fused_dq_columns(head_dim)
   if width < head_dim:  # Both warpgroups' keys, half the columns each.
-    plgpu.barrier_arrive(fused["ds_ready"])
-    plgpu.barrier_wait(fused["ds_ready"])
+    _meet(fused["ds_ready"])
     cols, sources = pl.ds(wg * width, width), range(COMPUTE_WGS)
   else:  # Its own keys, every column.
     cols, sources = pl.ds(0, width), (wg,)
@@ -499,10 +501,10 @@ def flash_backward(q, k, v, o, lse, do, dlse, *, mask: Mask, scores: Scores,
     inputs, extra_refs, outputs = split_refs(refs, 6, extras)
     return inputs + extra_refs + outputs
 
-  dq_rows = blocks.block_q_dq
-  dq_extras = (tables(False), alibi_slopes, *ids, dropout_seed,
-               *(pad_pairs(x, tp, kv_cols) for x in (dense_mask, bias)))
   if not blocks.fused_dq:
+    dq_rows = blocks.block_q_dq
+    dq_extras = (tables(False), alibi_slopes, *ids, dropout_seed,
+                 *(pad_pairs(x, tp, kv_cols) for x in (dense_mask, bias)))
     dq = plgpu.kernel(
         lambda *refs, q_smem, do_smem, ready: _dq_kernel(
             *flat(refs, dq_extras), q_smem, do_smem, ready, **kernel_args),
@@ -531,6 +533,10 @@ def flash_backward(q, k, v, o, lse, do, dlse, *, mask: Mask, scores: Scores,
                 *(pad_pairs(x, tp, kv_cols, transposed=True)
                   for x in (dense_mask, bias)), dq_sum)
   bq_dkv = blocks.block_q_dkv
+  # Both warpgroups read K/V of the other's rows (head dims above 128, or
+  # `fused_dq`'s exchange of dS): they meet at `done` before writing dK/dV
+  # through K/V's shared memory.
+  exchange = blocks.fused_dq and fused_dq_columns(head_dim) < head_dim
   fused_scratch = dict(fused=dict(
       ds=plgpu.SMEM((2, COMPUTE_WGS, dkv_rows, bq_dkv), q.dtype,
                     transforms=smem_transforms(q.dtype, bq_dkv)),
@@ -538,7 +544,7 @@ def flash_backward(q, k, v, o, lse, do, dlse, *, mask: Mask, scores: Scores,
                     jnp.float32, transforms=smem_transforms(
                         jnp.float32, fused_dq_columns(head_dim))),
       **({"ds_ready": plgpu.Barrier(num_arrivals=COMPUTE_WGS)}
-         if fused_dq_columns(head_dim) < head_dim else {})))
+         if exchange else {})))
   dk, dv = plgpu.kernel(
       lambda *refs, k_smem, v_smem, ready, done=None, fused=None: _dkv_kernel(
           *flat(refs, dkv_extras), k_smem, v_smem, ready, done, fused,
@@ -551,7 +557,7 @@ def flash_backward(q, k, v, o, lse, do, dlse, *, mask: Mask, scores: Scores,
                             transforms=transforms),
           ready=plgpu.Barrier(num_barriers=(2, copies)),
           **(dict(done=plgpu.Barrier(num_arrivals=COMPUTE_WGS))
-             if split else {}),
+             if split or exchange else {}),
           **(fused_scratch if blocks.fused_dq else {})),
       grid=(num_kv_heads, sp // kv_rows, batch),
       grid_names=("heads", "kv_seq", "batch"),
