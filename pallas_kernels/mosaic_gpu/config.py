@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+
 from jax_flash.spec.checks import check_block_field
 
 DTYPES = ("bfloat16", "float16")
@@ -29,6 +31,19 @@ def fused_dq_columns(head_dim: int) -> int:
   return head_dim // 2 if head_dim > 64 else head_dim
 
 
+# Multiprocessors of an H100 SXM / H200, for lowering where no GPU is.
+DEFAULT_MULTIPROCESSORS = 132
+
+
+def num_multiprocessors() -> int:
+  """Multiprocessors of the first GPU (`BlockSizes.persistent`'s CTAs), or
+  `DEFAULT_MULTIPROCESSORS` without one (lowering on a CPU)."""
+  try:
+    return jax.devices("gpu")[0].core_count
+  except RuntimeError:
+    return DEFAULT_MULTIPROCESSORS
+
+
 def _aligned(nbytes: int) -> int:
   """Mosaic GPU aligns each shared-memory allocation to 1 KiB."""
   return -(-nbytes // 1024) * 1024
@@ -52,12 +67,16 @@ class BlockSizes:
   SM's 64K (232 a thread each at 40, 240 at 24). `dv_before_ds`: the dK/dV
   kernel waits for its dV matmul before forming dS, so P's 16-bit copy
   (the matmul's register operand) is dead by then: fewer live registers,
-  less overlap. `fused_dq` (head dims 64 and 128): the dK/dV kernel also
-  forms dQ (`fused_dq_columns`), added into a float32 buffer by TMA
-  reduce-add: no dQ kernel (two matmuls a tile fewer), but additions in
-  an order that varies from run to run, so dQ is not bitwise
-  deterministic. The last three are options to measure (not yet run on a
-  GPU).
+  less overlap. Neither changed the H200's backward beyond the noise
+  between runs, and 24 registers cost the forward 1-2%. `fused_dq` (head
+  dims 64 and 128): the dK/dV kernel also forms dQ (`fused_dq_columns`),
+  added into a float32 buffer by TMA reduce-add: no dQ kernel (two
+  matmuls a tile fewer), 3-5% faster forward+backward on the H200 at 16k
+  (`get_default(..., fused_dq=True)`), but additions in an order that
+  varies from run to run, so dQ is not bitwise deterministic: opt-in.
+  `persistent`: the forward runs one CTA a multiprocessor, each looping
+  over (batch, head, query tile) items with one K/V ring (the next item's
+  loads overlap the last one's epilogue; `flash_fwd.cta_items`).
   """
   block_q: int = 64
   block_kv: int = 128
@@ -71,6 +90,7 @@ class BlockSizes:
   producer_registers: int = 40
   dv_before_ds: bool = False
   fused_dq: bool = False
+  persistent: bool = False
 
   def __post_init__(self):
     for name in ("block_q", "block_kv", "block_q_dkv", "block_kv_dkv",
@@ -83,10 +103,14 @@ class BlockSizes:
     check_block_field(self, "producer_registers",
                       lambda x: 24 <= x <= 128 and x % 8 == 0,
                       "a multiple of 8 in [24, 128]")
-    for name in ("named_barriers", "dv_before_ds", "fused_dq"):
+    for name in ("named_barriers", "dv_before_ds", "fused_dq", "persistent"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"block_sizes.{name}={getattr(self, name)!r} must "
                          f"be a bool")
+    if self.persistent and self.named_barriers:
+      raise ValueError("block_sizes.persistent=True needs "
+                       "named_barriers=False (the hardware barriers' "
+                       "parities are fixed per item)")
 
   def consumer_registers(self, num_consumers: int) -> int:
     """Registers a thread of each of `num_consumers` consumer warpgroups
@@ -121,8 +145,8 @@ class BlockSizes:
     return max(dkv, dq)
 
   @classmethod
-  def get_default(cls, head_dim: int, is_causal: bool = False
-                  ) -> "BlockSizes":
+  def get_default(cls, head_dim: int, is_causal: bool = False,
+                  fused_dq: bool = False) -> "BlockSizes":
     """Per head dim and causality, from the sweep in
     benchmarks/results/2026-11-30-h200-session4/mosaic_tune.json (bf16, 8k,
     one run; `benchmarks/mosaic_tune.py`).
@@ -133,10 +157,21 @@ class BlockSizes:
     Backward: 64-row tiles, except dQ's K/V tiles of 128 rows at head dim 64
     and at 128 non-causal (0.94 / 0.98x cuDNN against 0.90 / 0.96x; 128 lost
     1% at 128 causal); 128-row query tiles in dK/dV spill (0.50-0.65x).
+
+    `fused_dq` (head dims 64, 128; opt-in, dQ not bitwise deterministic):
+    3 backward stages at head dim 64 (forward+backward 1.004 / 1.037x
+    cuDNN at 16k against 0.94 / 0.97x with 2), 2 at 128 (3 spill and lose
+    19% causal): benchmarks/results/2026-12-01-h200-session11/
+    fused_410603f.json.
     """
     if head_dim > 128:
-      return cls(block_q=64, block_kv=64)
-    if head_dim > 64:
-      return cls(block_q=64, block_kv=128,
-                 block_kv_dq=64 if is_causal else 128)
-    return cls(block_q=64, block_kv=256, block_kv_dq=128)
+      blocks = cls(block_q=64, block_kv=64)
+    elif head_dim > 64:
+      blocks = cls(block_q=64, block_kv=128,
+                   block_kv_dq=64 if is_causal else 128)
+    else:
+      blocks = cls(block_q=64, block_kv=256, block_kv_dq=128)
+    if fused_dq:
+      blocks = dataclasses.replace(
+          blocks, fused_dq=True, num_stages_bwd=3 if head_dim <= 64 else 2)
+    return blocks
