@@ -338,6 +338,13 @@ def _paged_cache(kc, vc, page_size: int, key):
   return (*pages, table)
 
 
+def _arguments(args):
+  """A row's arguments: a tuple, or a function making them (a paged copy
+  of the cache, built only while its row runs: at batch 64 x 128k each
+  copy is 17 GB)."""
+  return args() if callable(args) else args
+
+
 def _paged_decode(lengths, implementation="pallas"):
   return lambda q, k_pages, v_pages, table: jax_flash.flash_decode(
       q, kv_lengths=lengths, key_pages=k_pages, value_pages=v_pages,
@@ -365,9 +372,9 @@ def run_prefill(head_dim, hidden, kv_heads, cache_len, chunks, dtype, calls,
             q, k, v, kv_lengths=lengths, implementation="pallas"),
                        (q, kc, vc)),
         "paged_16": (_paged_decode(lengths),
-                     (q, *_paged_cache(kc, vc, 16, keys[3]))),
+                     lambda: (q, *_paged_cache(kc, vc, 16, keys[3]))),
         "paged_64": (_paged_decode(lengths),
-                     (q, *_paged_cache(kc, vc, 64, keys[3]))),
+                     lambda: (q, *_paged_cache(kc, vc, 64, keys[3]))),
         # The Mosaic forward with query offsets (Hopper; an error row
         # elsewhere or for chunks it does not take).
         "contiguous_mosaic": (lambda q, k, v: jax_flash.flash_decode(
@@ -379,7 +386,7 @@ def run_prefill(head_dim, hidden, kv_heads, cache_len, chunks, dtype, calls,
                  cache_len=cache_len, num_heads=num_heads,
                  num_kv_heads=kv_heads, head_dim=head_dim)
       try:
-        seconds = _time(jax.jit(fn), args, calls, repeats)
+        seconds = _time(jax.jit(fn), _arguments(args), calls, repeats)
         row.update(ms=seconds * 1e3,
                    tflops=4 * num_heads * head_dim * pairs / seconds / 1e12)
       except Exception as e:  # Say what failed, go on.
@@ -399,6 +406,13 @@ def decode_inputs(keys, batch, cache_len, num_heads, kv_heads, head_dim,
   return q, kc, vc, jnp.full((batch,), cache_len, jnp.int32)
 
 
+def copy_bandwidth(calls: int, repeats: int) -> float:
+  """Bytes a second of a device copy (`x + 1` over 2 GiB: read + write)."""
+  big = jnp.ones((2 ** 30,), jnp.bfloat16)
+  return 2 * big.size * 2 / _time(jax.jit(lambda x: x + 1), (big,), calls,
+                                  repeats)
+
+
 def run_decode(head_dim, hidden, kv_heads, cache_lens, batches, dtype, calls,
                repeats, log=None):
   """One new token per sequence against a full cache: achieved bandwidth.
@@ -412,10 +426,7 @@ def run_decode(head_dim, hidden, kv_heads, cache_lens, batches, dtype, calls,
   num_heads = hidden // head_dim
   kv_heads = kv_heads or max(1, num_heads // 4)
   rows = []
-  big = jnp.ones((2 ** 30,), jnp.bfloat16)  # 2 GiB.
-  copy = _time(jax.jit(lambda x: x + 1), (big,), calls, repeats)
-  copy_bw = 2 * big.size * 2 / copy
-  del big
+  copy_bw = copy_bandwidth(calls, repeats)
   for batch in batches:
     for cache_len in cache_lens:
       keys = jax.random.split(jax.random.key(cache_len + batch), 3)
@@ -428,11 +439,11 @@ def run_decode(head_dim, hidden, kv_heads, cache_lens, batches, dtype, calls,
           "flash_decode": lambda q, k, v: jax_flash.flash_decode(
               q, k, v, kv_lengths=lengths, implementation="pallas"),
           "paged_16": (paged_decode,
-                       (q, *_paged_cache(kc, vc, 16, keys[2]))),
+                       lambda: (q, *_paged_cache(kc, vc, 16, keys[2]))),
           "paged_32": (paged_decode,
-                       (q, *_paged_cache(kc, vc, 32, keys[2]))),
+                       lambda: (q, *_paged_cache(kc, vc, 32, keys[2]))),
           "paged_64": (paged_decode,
-                       (q, *_paged_cache(kc, vc, 64, keys[2]))),
+                       lambda: (q, *_paged_cache(kc, vc, 64, keys[2]))),
           "xla": lambda q, k, v: jax.nn.dot_product_attention(
               q, k, v, key_value_seq_lengths=lengths, implementation="xla"),
           "cudnn": lambda q, k, v: jax.nn.dot_product_attention(
@@ -446,7 +457,7 @@ def run_decode(head_dim, hidden, kv_heads, cache_lens, batches, dtype, calls,
                    num_kv_heads=kv_heads, head_dim=head_dim,
                    copy_tb_s=copy_bw / 1e12)
         try:
-          seconds = _time(jax.jit(fn), args, calls, repeats)
+          seconds = _time(jax.jit(fn), _arguments(args), calls, repeats)
           row.update(us=seconds * 1e6, tb_s=nbytes / seconds / 1e12,
                      of_copy=nbytes / seconds / copy_bw)
         except Exception as e:

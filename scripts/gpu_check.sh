@@ -16,7 +16,7 @@
 #   bash scripts/gpu_check.sh registers # Mosaic backward: register split, dV before dS, 16k
 #   bash scripts/gpu_check.sh fused     # Mosaic backward with dQ in the dK/dV kernel: tests, 16k
 #   bash scripts/gpu_check.sh train     # train_lm at GPT-2-small size: flash, cuDNN, flax
-#   bash scripts/gpu_check.sh pending   # what no GPU run has checked yet (~2 min)
+#   bash scripts/gpu_check.sh pending   # the backward options' and decode's GPU tests (~2 min)
 #   bash scripts/gpu_check.sh softcap   # the soft-cap's cost, Mosaic and Triton, 8k
 #   bash scripts/gpu_check.sh prefill   # prompt chunks vs a 32k cache (Triton, paged, Mosaic)
 #   bash scripts/gpu_check.sh h512      # head dim 512: Triton vs cuDNN and XLA, 8k
@@ -182,12 +182,11 @@ for mode in "$@"; do
       done
       ;;
     pending)
-      # Not yet run on a GPU (2026-12-01, tenth session): the Mosaic
-      # backward's options, `producer_registers`, `dv_before_ds` and
-      # `fused_dq` (tests/test_gpu.py, 20 cases), and the decode kernel
-      # reading its query rows without a padded copy (tests/test_decode.py),
-      # under a short limit (a hang costs little). Then `registers`,
-      # `fused` and `decode` time them.
+      # The Mosaic backward's options, `producer_registers`,
+      # `dv_before_ds` and `fused_dq` (tests/test_gpu.py, 20 cases), and
+      # tests/test_decode.py, under a short limit (a hang costs little);
+      # 73 passed at 410603f (eleventh session). Then `registers`, `fused`
+      # and `decode` time them.
       XLA_FLAGS=$TEST_XLA_FLAGS JAX_FLASH_FAILURE_LOG="$OUT/failures.log" \
         timeout "${MOSAIC_LIMIT:-200}" \
         python3 -m pytest -v -n 16 -rfE -p no:cacheprovider tests/test_decode.py \

@@ -1,7 +1,9 @@
 """The benchmark's tables (jax_flash.benchmark): what the results files and
 the README quote."""
+import jax.numpy as jnp
 import pytest
 
+from jax_flash import benchmark
 from jax_flash.benchmark import markdown
 
 
@@ -133,3 +135,27 @@ def test_mosaic_tune_captures_what_native_code_writes():
   after = [os.fstat(fd) for fd in (1, 2)]
   assert [(s.st_dev, s.st_ino) for s in after] == [
       (s.st_dev, s.st_ino) for s in before]
+
+
+def test_decode_rows_build_each_paged_cache_only_for_their_row(monkeypatch):
+  """Each paged copy of the cache exists only while its row is timed (at
+  batch 64 x 128k a copy is 17 GB: built together, they ran the H200 out
+  of memory); every row reads what its name says."""
+  events = []
+  build = benchmark._paged_cache
+
+  def paged_cache(kc, vc, page_size, key):
+    events.append(f"build {page_size}")
+    return build(kc, vc, page_size, key)
+
+  def time(fn, args, calls, repeats):
+    events.append(f"time {args[1].shape[1]}")  # Page size, or cache length.
+    return 1.0
+  monkeypatch.setattr(benchmark, "_paged_cache", paged_cache)
+  monkeypatch.setattr(benchmark, "_time", time)
+  monkeypatch.setattr(benchmark, "copy_bandwidth", lambda c, r: 1.0)
+  rows = benchmark.run_decode(64, 128, 1, [128], [2], jnp.float32, 1, 1)
+  assert [r["impl"] for r in rows] == ["flash_decode", "paged_16", "paged_32",
+                                       "paged_64", "xla", "cudnn"]
+  assert events == ["time 128", "build 16", "time 16", "build 32", "time 32",
+                    "build 64", "time 64", "time 128", "time 128"]
