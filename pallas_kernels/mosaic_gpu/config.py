@@ -56,7 +56,7 @@ class BlockSizes:
   between runs, and 24 registers cost the forward 1-2%. `fused_dq` (head
   dims 64 and 128): the dK/dV kernel also forms dQ (`fused_dq_columns`),
   added into a float32 buffer by TMA reduce-add: no dQ kernel (two
-  matmuls a tile fewer), 3-5% faster forward+backward on the H200 at 16k
+  matmuls a tile fewer), 4-6% faster forward+backward on the H200 at 16k
   (`get_default(..., fused_dq=True)`), but additions in an order that
   varies from run to run, so dQ is not bitwise deterministic: opt-in.
   """
@@ -137,9 +137,9 @@ class BlockSizes:
 
     `fused_dq` (head dims 64, 128; opt-in, dQ not bitwise deterministic):
     3 backward stages at head dim 64 (forward+backward 1.004 / 1.037x
-    cuDNN at 16k against 0.94 / 0.97x with 2), 2 at 128 (3 spill and lose
-    19% causal): benchmarks/results/2026-12-01-h200-session11/
-    fused_410603f.json.
+    cuDNN at 16k against 0.94 / 0.97x with 2), 2 at 128 (with 3 ptxas
+    spills 388 bytes and causal forward+backward loses 19%):
+    benchmarks/results/2026-12-01-h200-session11/fused_410603f.json.
     """
     if head_dim > 128:
       blocks = cls(block_q=64, block_kv=64)
