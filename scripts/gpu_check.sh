@@ -16,6 +16,7 @@
 #   bash scripts/gpu_check.sh registers # Mosaic backward: register split, dV before dS, 16k
 #   bash scripts/gpu_check.sh fused     # Mosaic backward with dQ in the dK/dV kernel: tests, 16k
 #   bash scripts/gpu_check.sh train     # train_lm at GPT-2-small size: flash, cuDNN, flax
+#   bash scripts/gpu_check.sh profile   # the Mosaic forward's named regions at 2k (profiler)
 #   bash scripts/gpu_check.sh pending   # the backward options' and decode's GPU tests (~2 min)
 #   bash scripts/gpu_check.sh softcap   # the soft-cap's cost, Mosaic and Triton, 8k
 #   bash scripts/gpu_check.sh prefill   # prompt chunks vs a 32k cache (Triton, paged, Mosaic)
@@ -180,6 +181,23 @@ for mode in "$@"; do
           > "$OUT/train_$impl.log" 2>&1
         echo "train $impl: exit $?"; tr '\r' '\n' < "$OUT/train_$impl.log" | tail -n 8
       done
+      ;;
+    profile)
+      # Where the Mosaic forward's time goes at 2k (issue 12's short
+      # sequences): Mosaic GPU's profiler over its named regions (q_load,
+      # tiles, epilogue a warpgroup), head dims 64 and 128, one launch each:
+      # the traces (<time>-trace.json) in launch order are 64 non-causal,
+      # 64 causal, 128 non-causal, 128 causal.
+      mkdir -p "$OUT/profile"
+      JAX_FLASH_MOSAIC_PROFILE_DIR="$OUT/profile" timeout 120 python3 -c "
+import jax, jax.numpy as jnp, jax_flash
+for h in (64, 128):
+  for causal in (False, True):
+    q = jax.random.normal(jax.random.key(0), (8, 2048, 2048 // h, h), jnp.bfloat16)
+    jax.block_until_ready(jax.jit(lambda q: jax_flash.flash_attention(
+        q, q, q, is_causal=causal, implementation='mosaic'))(q))
+" > /tmp/profile.log 2>&1 || tail -n 20 /tmp/profile.log
+      python3 benchmarks/profile_summary.py "$OUT"/profile/*.json
       ;;
     pending)
       # The Mosaic backward's options, `producer_registers`,

@@ -159,3 +159,21 @@ def test_decode_rows_build_each_paged_cache_only_for_their_row(monkeypatch):
                                        "paged_64", "xla", "cudnn"]
   assert events == ["time 128", "build 16", "time 16", "build 32", "time 32",
                     "build 64", "time 64", "time 128", "time 128"]
+
+
+def test_profile_summary_times_each_region_per_warpgroup():
+  """Durations come from each warpgroup's own begin/end pairs (nested
+  regions included); the share is of the warpgroups' summed spans."""
+  from benchmarks.profile_summary import summarise
+  events = []
+  for tid, offset in ((1, 0.0), (2, 100.0)):
+    for name, ph, ts in (("q_load", "B", 0.0), ("q_load", "E", 2.0),
+                         ("tiles", "B", 2.0), ("step", "B", 3.0),
+                         ("step", "E", 5.0), ("tiles", "E", 8.0),
+                         ("epilogue", "B", 8.0), ("epilogue", "E", 10.0)):
+      events.append(dict(name=name, ph=ph, ts=ts + offset, tid=tid, pid=1))
+  stats = summarise({"traceEvents": events})
+  assert stats["q_load"] == dict(count=2, median_us=2.0, mean_us=2.0,
+                                 share=0.2)
+  assert stats["tiles"]["mean_us"] == 6.0 and stats["step"]["mean_us"] == 2.0
+  assert stats["epilogue"]["share"] == 0.2

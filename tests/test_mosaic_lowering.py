@@ -599,3 +599,17 @@ def test_pad_pairs_keeps_broadcast_dims_and_hides_the_padding():
   assert pad_pairs(x[:1, :, :, :1], 8, 16, transposed=True).shape == (
       1, 3, 1, 8)
   assert pad_pairs(None, 8, 16) is None
+
+
+def test_profiler_is_on_only_when_its_directory_is_named(monkeypatch):
+  """$JAX_FLASH_MOSAIC_PROFILE_DIR turns Mosaic GPU's profiler on for the
+  kernels traced after it is set (the lowering then needs a GPU: the trace
+  is written by a host callback); unset, the kernels carry no profiler."""
+  from pallas_kernels.mosaic_gpu import config
+  monkeypatch.delenv(config.PROFILE_DIR_ENV, raising=False)
+  assert config.compiler_params().profile_space == 0
+  monkeypatch.setenv(config.PROFILE_DIR_ENV, "/tmp/traces")
+  params = config.compiler_params()
+  assert (params.profile_space, params.profile_dir) == (
+      config.PROFILE_EVENTS, "/tmp/traces")
+  assert params.approx_math

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_flash.spec.checks import check_block_field
 
@@ -27,6 +30,25 @@ def fused_dq_columns(head_dim: int) -> int:
   (dS exchanged through shared memory); at 64 all, over its own keys (half
   would cut a 128-byte swizzle atom of K)."""
   return head_dim // 2 if head_dim > 64 else head_dim
+
+
+# Where the Mosaic kernels write a per-warpgroup trace of their named
+# regions (`jax.named_scope` in the kernels) when set: one Chrome-trace
+# JSON a launch, summarised by benchmarks/profile_summary.py.
+PROFILE_DIR_ENV = "JAX_FLASH_MOSAIC_PROFILE_DIR"
+PROFILE_EVENTS = 64  # Events a warpgroup can record in one launch.
+
+
+def compiler_params():
+  """The Mosaic kernels' compiler parameters: approximate math, and Mosaic
+  GPU's profiler when $JAX_FLASH_MOSAIC_PROFILE_DIR names a directory
+  (read at trace time; events past PROFILE_EVENTS are dropped)."""
+  profile_dir = os.environ.get(PROFILE_DIR_ENV)
+  if not profile_dir:
+    return plgpu.CompilerParams(approx_math=True)
+  return plgpu.CompilerParams(approx_math=True, profile_space=PROFILE_EVENTS,
+                              profile_dir=profile_dir,
+                              profile_bounds_check=True)
 
 
 def _aligned(nbytes: int) -> int:

@@ -49,7 +49,7 @@ from jax_flash.spec.mask import Mask, cdiv, kv_block_ranges, q_block_ranges
 from jax_flash.spec.padding import pad_pairs, pad_to, round_up
 from jax_flash.spec.scores import Scores
 from pallas_kernels.mosaic_gpu.config import (FUSED_DQ_HEAD_DIMS, BlockSizes,
-                                              fused_dq_columns)
+                                              compiler_params, fused_dq_columns)
 from pallas_kernels.mosaic_gpu.flash_fwd import (COL, COMPUTE_WGS, ROW,
                                                  dropped, load_ids,
                                                  needs_positions, pad_ids,
@@ -477,7 +477,7 @@ def flash_backward(q, k, v, o, lse, do, dlse, *, mask: Mask, scores: Scores,
   num_kv_heads = k.shape[2]
   group = num_heads // num_kv_heads
   transforms = smem_transforms(q.dtype, head_dim)
-  params = plgpu.CompilerParams(approx_math=True)
+  params = compiler_params()
   kernel_args = dict(mask=mask, scores=scores, blocks=blocks, group=group,
                      kv_len=kv_len)
 

@@ -42,7 +42,7 @@ from jax_flash.spec.mask import (KV_PAD_ID, Q_PAD_ID, Mask, id_block_table,
                                   kv_block_ranges, without_full_tiles)
 from jax_flash.spec.padding import pad_pairs, pad_to, round_up
 from jax_flash.spec.scores import Scores
-from pallas_kernels.mosaic_gpu.config import BlockSizes
+from pallas_kernels.mosaic_gpu.config import BlockSizes, compiler_params
 
 COMPUTE_WGS = 2
 ROW = plgpu.Layout.WGMMA.reduce(1)  # One value per row of a wgmma tile.
@@ -257,9 +257,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
                                   for x in (lo, full_lo, full_hi, hi))
     slope = None if slopes_ref is None else slopes_ref[batch, head]
     coords = needs_positions(mask, scores)
-    plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, block_q), head],
-                            q_smem, q_ready.at[wg])
-    plgpu.barrier_wait(q_ready.at[wg])
+    with jax.named_scope("q_load"):  # Profiler regions (`compiler_params`).
+      plgpu.copy_gmem_to_smem(
+          q_ref.at[batch, pl.ds(q_start, block_q), head], q_smem,
+          q_ready.at[wg])
+      plgpu.barrier_wait(q_ready.at[wg])
     q_ids = load_ids(q_ids_ref, batch, q_start, block_q, ROW)
     m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), ROW)
     l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), ROW)
@@ -331,25 +333,28 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
       schedule.both(1)
       return carry
 
-    carry = lax.fori_loop(first, lo, release, (acc, m, l))
-    for start, stop, masked in ((lo, full_lo, True), (full_lo, full_hi, False),
-                                (full_hi, hi, True)):
-      carry = lax.fori_loop(start, stop,
-                            functools.partial(step, masked=masked), carry)
-    acc, m, l = lax.fori_loop(hi, steps, release, carry)
-    pl.when(wg == 0)(functools.partial(schedule.both, 0))
+    with jax.named_scope("tiles"):
+      carry = lax.fori_loop(first, lo, release, (acc, m, l))
+      for start, stop, masked in ((lo, full_lo, True),
+                                  (full_lo, full_hi, False),
+                                  (full_hi, hi, True)):
+        carry = lax.fori_loop(start, stop,
+                              functools.partial(step, masked=masked), carry)
+      acc, m, l = lax.fori_loop(hi, steps, release, carry)
+      pl.when(wg == 0)(functools.partial(schedule.both, 0))
 
-    sink2 = (None if sinks_ref is None else
-             sinks_ref[head].astype(jnp.float32) * softmax.LOG2E)
-    o, lse = softmax.finalize(acc, m, l, sink2=sink2)
-    q_smem[...] = o.astype(dtype)
-    lse_smem[...] = lse
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_smem,
-                            o_ref.at[batch, pl.ds(q_start, block_q), head])
-    plgpu.copy_smem_to_gmem(lse_smem,
-                            lse_ref.at[batch, head, pl.ds(q_start, block_q)])
-    plgpu.wait_smem_to_gmem(0)
+    with jax.named_scope("epilogue"):
+      sink2 = (None if sinks_ref is None else
+               sinks_ref[head].astype(jnp.float32) * softmax.LOG2E)
+      o, lse = softmax.finalize(acc, m, l, sink2=sink2)
+      q_smem[...] = o.astype(dtype)
+      lse_smem[...] = lse
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_smem,
+                              o_ref.at[batch, pl.ds(q_start, block_q), head])
+      plgpu.copy_smem_to_gmem(
+          lse_smem, lse_ref.at[batch, head, pl.ds(q_start, block_q)])
+      plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == COMPUTE_WGS)
   def _producer():
@@ -463,7 +468,7 @@ def flash_forward(q, k, v, *, mask: Mask, scores: Scores,
       grid_names=("heads", "q_seq", "batch"),
       num_threads=COMPUTE_WGS + 1,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      compiler_params=compiler_params(),
       kernel_name="flash_attention_forward_mosaic",
   )(q, k, v, *(x for x in extras if x is not None))
   return o[:, :q_len], lse[:, :, :q_len]
