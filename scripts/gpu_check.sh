@@ -185,7 +185,8 @@ for mode in "$@"; do
     profile)
       # Where the Mosaic forward's time goes at 2k (issue 12's short
       # sequences): Mosaic GPU's profiler over its named regions (q_load,
-      # tiles, epilogue a warpgroup), head dims 64 and 128, one launch each:
+      # tiles with k_wait and v_wait a tile, epilogue), and the gaps between
+      # CTAs on a multiprocessor; head dims 64 and 128, one launch each:
       # the traces (<time>-trace.json) in launch order are 64 non-causal,
       # 64 causal, 128 non-causal, 128 causal.
       mkdir -p "$OUT/profile"

@@ -163,17 +163,26 @@ def test_decode_rows_build_each_paged_cache_only_for_their_row(monkeypatch):
 
 def test_profile_summary_times_each_region_per_warpgroup():
   """Durations come from each warpgroup's own begin/end pairs (nested
-  regions included); the share is of the warpgroups' summed spans."""
+  regions included); the share is of the warpgroups' summed spans; the
+  first occurrence a warpgroup apart; gaps between consecutive CTAs of a
+  multiprocessor (a CTA: `warpgroups` consecutive tids)."""
   from benchmarks.profile_summary import summarise
   events = []
-  for tid, offset in ((1, 0.0), (2, 100.0)):
+  # Two CTAs of one warpgroup each on multiprocessor 1, the second 3 us
+  # after the first ends.
+  for tid, offset in ((1, 0.0), (2, 13.0)):
     for name, ph, ts in (("q_load", "B", 0.0), ("q_load", "E", 2.0),
-                         ("tiles", "B", 2.0), ("step", "B", 3.0),
-                         ("step", "E", 5.0), ("tiles", "E", 8.0),
+                         ("tiles", "B", 2.0), ("k_wait", "B", 2.0),
+                         ("k_wait", "E", 3.0), ("k_wait", "B", 5.0),
+                         ("k_wait", "E", 5.5), ("tiles", "E", 8.0),
                          ("epilogue", "B", 8.0), ("epilogue", "E", 10.0)):
       events.append(dict(name=name, ph=ph, ts=ts + offset, tid=tid, pid=1))
-  stats = summarise({"traceEvents": events})
+  stats = summarise({"traceEvents": events}, warpgroups=1)
   assert stats["q_load"] == dict(count=2, median_us=2.0, mean_us=2.0,
-                                 share=0.2)
-  assert stats["tiles"]["mean_us"] == 6.0 and stats["step"]["mean_us"] == 2.0
+                                 first_median_us=2.0, share=0.2)
+  assert stats["tiles"]["mean_us"] == 6.0
+  assert stats["k_wait"]["count"] == 4
+  assert stats["k_wait"]["first_median_us"] == 1.0
+  assert stats["k_wait"]["median_us"] == 0.75
   assert stats["epilogue"]["share"] == 0.2
+  assert stats["cta_gap"] == dict(count=1, median_us=3.0, mean_us=3.0)

@@ -36,7 +36,7 @@ def fused_dq_columns(head_dim: int) -> int:
 # regions (`jax.named_scope` in the kernels) when set: one Chrome-trace
 # JSON a launch, summarised by benchmarks/profile_summary.py.
 PROFILE_DIR_ENV = "JAX_FLASH_MOSAIC_PROFILE_DIR"
-PROFILE_EVENTS = 64  # Events a warpgroup can record in one launch.
+PROFILE_EVENTS = 128  # Events a warpgroup can record in one launch.
 
 
 def compiler_params():

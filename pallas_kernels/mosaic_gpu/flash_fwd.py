@@ -273,7 +273,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
     def step(j, carry, *, masked: bool):
       acc, m, l = carry
       slot = lax.rem(j, stages)
-      plgpu.barrier_wait(k_ready.at[slot])
+      with jax.named_scope("k_wait"):
+        plgpu.barrier_wait(k_ready.at[slot])
 
       def qk(acc_ref):
         plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
@@ -314,7 +315,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
       # l sums the undropped p; only P V sees the dropout.
       p16 = dropped(p, scores, seed_ref, batch, head, rows, cols).astype(dtype)
       schedule.arrive(1)  # Softmax done: the other may compute.
-      plgpu.barrier_wait(v_ready.at[slot])
+      with jax.named_scope("v_wait"):
+        plgpu.barrier_wait(v_ready.at[slot])
       schedule.wait(1)  # The tensor cores are ours again.
       acc = pl.run_state(
           lambda acc_ref: plgpu.wgmma(acc_ref, p16, v_smem.at[slot]))(
