@@ -7,12 +7,18 @@ A trace (Chrome trace JSON, as Mosaic GPU's profiler writes it) holds, per
 warpgroup of every CTA (`tid`; a CTA's warpgroups are consecutive tids), on
 its multiprocessor (`pid`), begin/end events of the kernel's named regions
 (`jax.named_scope`: the forward's "q_load", "tiles" with a "k_wait" and a
-"v_wait" a key tile, "epilogue"; Mosaic's own "Init"). Prints one JSON line
-a file and region: how often it ran, the median and mean duration in
-microseconds, the median of each warpgroup's first occurrence, and its
-share of the warpgroups' time (from a warpgroup's first event to its last);
-then "cta_gap": the time between one CTA's last event and the next CTA's
-first on the same multiprocessor (launch and set-up outside any region).
+"v_wait" a key tile, "epilogue"; Mosaic's own "Init"). Units: the profiler
+stamps each warpgroup's start with the global timer (ns) and its events
+with the multiprocessor's cycle counter, offset to its first event; a "ts"
+is (start ns + cycles since the first event) / 1000. So durations here are
+in thousands of cycles, and only the starts compare across warpgroups.
+
+Prints one JSON line a file and region: how often it ran, the median and
+mean duration (kcycles), the median of each warpgroup's first occurrence,
+and its share of the warpgroups' cycles (first event to last); then "cta":
+per multiprocessor, the time from one CTA's start to the next's
+(`period_us`, global timer) beside a CTA's own span (`span_kcycles`, its
+longest warpgroup) and the spread of all CTAs' starts (`starts_us`).
 """
 import argparse
 import collections
@@ -21,10 +27,11 @@ import statistics
 
 
 def _stats(durations, total=None, first=None):
-  stats = dict(count=len(durations), median_us=statistics.median(durations),
-               mean_us=statistics.fmean(durations))
+  stats = dict(count=len(durations),
+               median_kcycles=statistics.median(durations),
+               mean_kcycles=statistics.fmean(durations))
   if first is not None:
-    stats["first_median_us"] = statistics.median(first)
+    stats["first_median_kcycles"] = statistics.median(first)
   if total is not None:
     stats["share"] = sum(durations) / total if total else 0.0
   return stats
@@ -54,17 +61,22 @@ def summarise(trace: dict, warpgroups: int = 3) -> dict:
   total = sum(hi - lo for lo, hi in spans.values())
   out = {name: _stats(d, total, first[name])
          for name, d in sorted(durations.items())}
-  ctas = collections.defaultdict(lambda: [float("inf"), float("-inf")])
+  ctas = {}  # (multiprocessor, CTA): (start ns / 1000, span kcycles).
   for tid, (lo, hi) in spans.items():
     cta = (sm_of[tid], (tid - 1) // warpgroups)
-    ctas[cta] = [min(ctas[cta][0], lo), max(ctas[cta][1], hi)]
+    start, span = ctas.get(cta, (lo, 0.0))
+    ctas[cta] = (min(start, lo), max(span, hi - lo))
   by_sm = collections.defaultdict(list)
-  for (sm, _), span in ctas.items():
-    by_sm[sm].append(span)
-  gaps = [b[0] - a[1] for spans_ in by_sm.values()
-          for a, b in zip(sorted(spans_), sorted(spans_)[1:]) if b[0] >= a[1]]
-  if gaps:
-    out["cta_gap"] = _stats(gaps)
+  for (sm, _), start_span in ctas.items():
+    by_sm[sm].append(start_span)
+  periods = [b[0] - a[0] for runs in by_sm.values()
+             for a, b in zip(sorted(runs), sorted(runs)[1:])]
+  if periods:
+    starts = [start for start, _ in ctas.values()]
+    out["cta"] = dict(
+        count=len(ctas), period_us=statistics.median(periods),
+        span_kcycles=statistics.median(span for _, span in ctas.values()),
+        starts_us=max(starts) - min(starts))
   return out
 
 

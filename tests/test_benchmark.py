@@ -162,27 +162,29 @@ def test_decode_rows_build_each_paged_cache_only_for_their_row(monkeypatch):
 
 
 def test_profile_summary_times_each_region_per_warpgroup():
-  """Durations come from each warpgroup's own begin/end pairs (nested
-  regions included); the share is of the warpgroups' summed spans; the
-  first occurrence a warpgroup apart; gaps between consecutive CTAs of a
-  multiprocessor (a CTA: `warpgroups` consecutive tids)."""
+  """Durations (kcycles) come from each warpgroup's own begin/end pairs
+  (nested regions included); the share is of the warpgroups' summed spans;
+  the first occurrence a warpgroup apart; CTAs of a multiprocessor (a CTA:
+  `warpgroups` consecutive tids) start `period_us` apart."""
   from benchmarks.profile_summary import summarise
   events = []
-  # Two CTAs of one warpgroup each on multiprocessor 1, the second 3 us
-  # after the first ends.
-  for tid, offset in ((1, 0.0), (2, 13.0)):
+  # Two CTAs of one warpgroup each on multiprocessor 1, starting 13 us
+  # apart, and one on multiprocessor 2.
+  for tid, pid, offset in ((1, 1, 0.0), (2, 1, 13.0), (3, 2, 1.0)):
     for name, ph, ts in (("q_load", "B", 0.0), ("q_load", "E", 2.0),
                          ("tiles", "B", 2.0), ("k_wait", "B", 2.0),
                          ("k_wait", "E", 3.0), ("k_wait", "B", 5.0),
                          ("k_wait", "E", 5.5), ("tiles", "E", 8.0),
                          ("epilogue", "B", 8.0), ("epilogue", "E", 10.0)):
-      events.append(dict(name=name, ph=ph, ts=ts + offset, tid=tid, pid=1))
+      events.append(dict(name=name, ph=ph, ts=ts + offset, tid=tid, pid=pid))
   stats = summarise({"traceEvents": events}, warpgroups=1)
-  assert stats["q_load"] == dict(count=2, median_us=2.0, mean_us=2.0,
-                                 first_median_us=2.0, share=0.2)
-  assert stats["tiles"]["mean_us"] == 6.0
-  assert stats["k_wait"]["count"] == 4
-  assert stats["k_wait"]["first_median_us"] == 1.0
-  assert stats["k_wait"]["median_us"] == 0.75
+  assert stats["q_load"] == dict(count=3, median_kcycles=2.0,
+                                 mean_kcycles=2.0, first_median_kcycles=2.0,
+                                 share=0.2)
+  assert stats["tiles"]["mean_kcycles"] == 6.0
+  assert stats["k_wait"]["count"] == 6
+  assert stats["k_wait"]["first_median_kcycles"] == 1.0
+  assert stats["k_wait"]["median_kcycles"] == 0.75
   assert stats["epilogue"]["share"] == 0.2
-  assert stats["cta_gap"] == dict(count=1, median_us=3.0, mean_us=3.0)
+  assert stats["cta"] == dict(count=3, period_us=13.0, span_kcycles=10.0,
+                              starts_us=13.0)
