@@ -83,6 +83,11 @@ def _impls(causal: bool):
       "flash_mosaic_fused_dq": (mosaic_fused_dq, ("bwd", "fwd+bwd")),
       "flash_v2_softcap": (ours(2, soft_cap=SOFT_CAP), modes),
       "cudnn": (jax_nn("cudnn"), modes),
+      # cuDNN compiled as XLA compiles for deterministic results (its
+      # backward like our default: the same bits every run).
+      "cudnn_deterministic": (
+          _Compiled(jax_nn("cudnn"), DETERMINISTIC_OPTIONS),
+          ("bwd", "fwd+bwd")),
       "xla": (jax_nn("xla"), modes),
       # Our blockwise FlashAttention in plain JAX (memory linear in the
       # sequence; what the dispatch runs where no kernel takes the call).
@@ -126,8 +131,24 @@ class _WithArrays:
   arrays: tuple
 
 
+# XLA's compile options for operations that give the same bits every run
+# (openxla/xla docs/determinism.md: attention among those that otherwise
+# may not).
+DETERMINISTIC_OPTIONS = {"xla_gpu_exclude_nondeterministic_ops": True}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Compiled:
+  """fn, each of its timed programs compiled with XLA `options`."""
+  fn: Callable
+  options: dict
+
+
 def _jitted(fn, mode, q, k, v, do):
   """(jitted function, its arguments) running `fn` forward, backward or both."""
+  if isinstance(fn, _Compiled):
+    jitted, args = _jitted(fn.fn, mode, q, k, v, do)
+    return jitted.lower(*args).compile(compiler_options=fn.options), args
   arrays = ()
   if isinstance(fn, _WithArrays):
     fn, arrays = fn.fn, fn.arrays
@@ -509,18 +530,22 @@ def markdown(rows) -> str:
       ("cudnn", "fwd"), ("tokamax", "fwd"),
       ("jax_pallas", "fwd"), ("xla", "fwd"), ("flash_xla", "fwd"),
       ("flash_mosaic", "bwd"), ("flash_mosaic_fused_dq", "bwd"),
-      ("flash_v2", "bwd"), ("cudnn", "bwd"), ("tokamax", "bwd"),
+      ("flash_v2", "bwd"), ("cudnn", "bwd"), ("cudnn_deterministic", "bwd"),
+      ("tokamax", "bwd"),
       ("jax_pallas", "bwd"),
       ("flash_mosaic", "fwd+bwd"), ("flash_mosaic_fused_dq", "fwd+bwd"),
       ("flash_v2", "fwd+bwd"),
       ("tokamax", "fwd+bwd"),
-      ("cudnn", "fwd+bwd"), ("jax_pallas", "fwd+bwd"), ("xla", "fwd+bwd"),
+      ("cudnn", "fwd+bwd"), ("cudnn_deterministic", "fwd+bwd"),
+      ("jax_pallas", "fwd+bwd"), ("xla", "fwd+bwd"),
       ("flash_xla", "fwd+bwd")]
           if c in present]
   # (ours, theirs, mode): the ratios of TFLOP/s shown, where both ran.
   short = {"flash_mosaic": "mosaic", "flash_v2": "v2", "cudnn": "cuDNN",
-           "tokamax": "tokamax", "flash_mosaic_fused_dq": "fused_dq"}
+           "tokamax": "tokamax", "flash_mosaic_fused_dq": "fused_dq",
+           "cudnn_deterministic": "cuDNN-det"}
   ratios = [(a, b, m) for a, b in (("flash_mosaic", "cudnn"),
+                                   ("flash_mosaic", "cudnn_deterministic"),
                                    ("flash_mosaic_fused_dq", "cudnn"),
                                    ("flash_v2", "cudnn"),
                                    ("flash_mosaic", "tokamax"),
@@ -659,7 +684,9 @@ def main(argv=None):
                       f"with logits_soft_cap={SOFT_CAP}), "
                       "flash_mosaic_fused_dq (the Mosaic kernels with "
                       "MosaicBlockSizes(fused_dq=True): backward only), "
-                      "cudnn and xla (jax.nn), flash_xla (ours in plain JAX, "
+                      "cudnn and xla (jax.nn), cudnn_deterministic (cuDNN "
+                      "compiled with XLA's deterministic-ops option: backward "
+                      "only), flash_xla (ours in plain JAX, "
                       "blockwise), jax_pallas (jax's own Pallas "
                       "attention), tokamax (its Mosaic GPU attention; needs "
                       "its wheels: scripts/tokamax_wheels.sh)",

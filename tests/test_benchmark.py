@@ -188,3 +188,37 @@ def test_profile_summary_times_each_region_per_warpgroup():
   assert stats["epilogue"]["share"] == 0.2
   assert stats["cta"] == dict(count=3, period_us=13.0, span_kcycles=10.0,
                               starts_us=13.0)
+
+
+@pytest.mark.parametrize("mode", ["fwd", "bwd", "fwd+bwd"])
+def test_compiled_impls_carry_their_xla_options(mode):
+  """`cudnn_deterministic`'s wrapper compiles each timed program with the
+  options given (an unknown option is an error: they reach XLA) and runs
+  what the plain jitted program runs."""
+  import jax
+  from jax_flash.benchmark import DETERMINISTIC_OPTIONS, _Compiled, _jitted
+  fn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v,
+                                                    implementation="xla")
+  q, k, v, do = (jax.random.normal(jax.random.key(i), (1, 16, 2, 8))
+                 for i in range(4))
+  plain, args = _jitted(fn, mode, q, k, v, do)
+  compiled, compiled_args = _jitted(_Compiled(fn, DETERMINISTIC_OPTIONS),
+                                    mode, q, k, v, do)
+  assert not hasattr(compiled, "lower")  # Compiled, not merely jitted.
+  close = jax.tree.map(
+      lambda a, b: bool(jnp.allclose(a, b, rtol=1e-6, atol=1e-6)),
+      plain(*args), compiled(*compiled_args))
+  assert all(jax.tree.leaves(close))
+  with pytest.raises(Exception, match="no_such_option"):
+    _jitted(_Compiled(fn, {"xla_no_such_option": True}), mode, q, k, v, do)
+
+
+def test_dense_table_compares_with_deterministic_cudnn():
+  rows = [_row("flash_mosaic", "bwd", 450.0), _row("cudnn", "bwd", 500.0),
+          _row("cudnn_deterministic", "bwd", 400.0)]
+  head, _, line = markdown(rows).splitlines()
+  names = [c.strip() for c in head.strip("|").split("|")]
+  cells = dict(zip(names, (c.strip() for c in line.strip("|").split("|"))))
+  assert cells["cudnn_deterministic bwd"] == "400"
+  assert cells["mosaic/cuDNN-det bwd"] == "1.12"
+  assert cells["mosaic/cuDNN bwd"] == "0.90"
