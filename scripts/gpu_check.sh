@@ -188,14 +188,20 @@ for mode in "$@"; do
       # tiles with k_wait and v_wait a tile, epilogue) and the CTAs' start
       # times; head dims 64 and 128, causal and not. Each is launched 5
       # times back to back (clocks up) and the last launch's trace kept.
+      # PROFILE_OPTIONS='{"option": value}' sets MosaicBlockSizes fields
+      # over the defaults (e.g. '{"persistent": true}' on that branch).
       mkdir -p "$OUT/profile"
       JAX_FLASH_MOSAIC_PROFILE_DIR="$OUT/profile" timeout 150 python3 -c "
-import glob, os, jax, jax.numpy as jnp, jax_flash
+import dataclasses, glob, json, os, jax, jax.numpy as jnp, jax_flash
+options = json.loads(os.environ.get('PROFILE_OPTIONS') or '{}')
 for h in (64, 128):
   for causal in (False, True):
     q = jax.random.normal(jax.random.key(0), (8, 2048, 2048 // h, h), jnp.bfloat16)
+    blocks = dataclasses.replace(
+        jax_flash.MosaicBlockSizes.get_default(h, causal), **options)
     f = jax.jit(lambda q: jax_flash.flash_attention(
-        q, q, q, is_causal=causal, implementation='mosaic'))
+        q, q, q, is_causal=causal, implementation='mosaic',
+        block_sizes=blocks))
     for _ in range(5):
       jax.block_until_ready(f(q))
     traces = sorted(glob.glob('$OUT/profile/*-trace.json'), key=os.path.getmtime)
