@@ -26,22 +26,22 @@ import json
 import statistics
 
 
-def _stats(durations, total=None, first=None):
-  stats = dict(count=len(durations),
-               median_kcycles=statistics.median(durations),
-               mean_kcycles=statistics.fmean(durations))
-  if first is not None:
-    stats["first_median_kcycles"] = statistics.median(first)
-  if total is not None:
-    stats["share"] = sum(durations) / total if total else 0.0
-  return stats
+def _stats(durations, total, first):
+  """Count, median and mean of a region's durations, the median of each
+  warpgroup's first one, and their share of `total`."""
+  return dict(count=len(durations),
+              median_kcycles=statistics.median(durations),
+              mean_kcycles=statistics.fmean(durations),
+              first_median_kcycles=statistics.median(first),
+              share=sum(durations) / total if total else 0.0)
 
 
 def summarise(trace: dict, warpgroups: int = 3) -> dict:
-  """{region: stats} of one trace, and "cta_gap" when a multiprocessor ran
+  """{region: stats} of one trace, and "cta" when a multiprocessor ran
   more than one CTA."""
   durations = collections.defaultdict(list)
-  first = collections.defaultdict(list)
+  first = collections.defaultdict(list)  # Each warpgroup's first one.
+  seen = set()  # (tid, region) pairs already in `first`.
   spans, sm_of = {}, {}
   open_events = collections.defaultdict(list)
   for event in trace["traceEvents"]:
@@ -54,10 +54,9 @@ def summarise(trace: dict, warpgroups: int = 3) -> dict:
     else:
       name, start = open_events[tid].pop()
       durations[name].append(ts - start)
-      if (tid, name) not in first:
-        first[(tid, name)] = ts - start
-  for (tid, name), d in list(first.items()):
-    first[name].append(d)
+      if (tid, name) not in seen:
+        seen.add((tid, name))
+        first[name].append(ts - start)
   total = sum(hi - lo for lo, hi in spans.values())
   out = {name: _stats(d, total, first[name])
          for name, d in sorted(durations.items())}

@@ -58,6 +58,7 @@ from pallas_kernels.mosaic_gpu.flash_fwd import (COL, COMPUTE_WGS, ROW,
                                                  smem_transforms,
                                                  split_refs, table_ranges)
 
+
 def _meet(barrier):
   """Both consumer warpgroups reach this point before either goes on
   (`barrier`: an mbarrier of their two arrivals)."""
@@ -537,14 +538,16 @@ def flash_backward(q, k, v, o, lse, do, dlse, *, mask: Mask, scores: Scores,
   # `fused_dq`'s exchange of dS): they meet at `done` before writing dK/dV
   # through K/V's shared memory.
   exchange = blocks.fused_dq and fused_dq_columns(head_dim) < head_dim
-  fused_scratch = dict(fused=dict(
-      ds=plgpu.SMEM((2, COMPUTE_WGS, dkv_rows, bq_dkv), q.dtype,
-                    transforms=smem_transforms(q.dtype, bq_dkv)),
-      dq=plgpu.SMEM((COMPUTE_WGS, bq_dkv, fused_dq_columns(head_dim)),
-                    jnp.float32, transforms=smem_transforms(
-                        jnp.float32, fused_dq_columns(head_dim))),
-      **({"ds_ready": plgpu.Barrier(num_arrivals=COMPUTE_WGS)}
-         if exchange else {})))
+  fused_scratch = {}
+  if blocks.fused_dq:
+    width = fused_dq_columns(head_dim)
+    fused_scratch["fused"] = dict(
+        ds=plgpu.SMEM((2, COMPUTE_WGS, dkv_rows, bq_dkv), q.dtype,
+                      transforms=smem_transforms(q.dtype, bq_dkv)),
+        dq=plgpu.SMEM((COMPUTE_WGS, bq_dkv, width), jnp.float32,
+                      transforms=smem_transforms(jnp.float32, width)),
+        **({"ds_ready": plgpu.Barrier(num_arrivals=COMPUTE_WGS)}
+           if exchange else {}))
   dk, dv = plgpu.kernel(
       lambda *refs, k_smem, v_smem, ready, done=None, fused=None: _dkv_kernel(
           *flat(refs, dkv_extras), k_smem, v_smem, ready, done, fused,
@@ -558,7 +561,7 @@ def flash_backward(q, k, v, o, lse, do, dlse, *, mask: Mask, scores: Scores,
           ready=plgpu.Barrier(num_barriers=(2, copies)),
           **(dict(done=plgpu.Barrier(num_arrivals=COMPUTE_WGS))
              if split or exchange else {}),
-          **(fused_scratch if blocks.fused_dq else {})),
+          **fused_scratch),
       grid=(num_kv_heads, sp // kv_rows, batch),
       grid_names=("heads", "kv_seq", "batch"),
       num_threads=COMPUTE_WGS + 1, thread_name="wg",
