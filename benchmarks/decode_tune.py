@@ -9,7 +9,9 @@ itself), every `config.DecodeBlocks`
 of the product of: key tile rows (`--block-k`, from one page up: a tile of
 one page or less is a contiguous load, more pages a gather), pipelining
 stages (`--stages`), tiles ahead that a tile's page ids are read
-(`--prefetch`) and programs per multiprocessor (`--programs-per-sm`);
+(`--prefetch`) and programs per multiprocessor (`--programs-per-sm`), or
+instead of the programs, the number of chunks each sequence's cache is
+split into (`--splits`, flash_decode's `num_splits`);
 `config.decode_blocks` is replaced for each row. Prints and writes one JSON
 line per row: TB/s of K+V read, the ratio to the contiguous cache (its
 default tiling) in the same run, and whether the row is the default.
@@ -46,6 +48,8 @@ def main(argv=None):
   parser.add_argument("--prefetch", type=int, nargs="+", default=[0],
                       help="tiles ahead a paged tile's page ids are read")
   parser.add_argument("--programs-per-sm", type=int, nargs="+", default=[2])
+  parser.add_argument("--splits", type=int, nargs="+", default=[0],
+                      help="num_splits to pass (0: from programs per SM)")
   parser.add_argument("--calls", type=int, default=50,
                       help="back-to-back calls per timing (median of 5)")
   parser.add_argument("--implementation", default="pallas",
@@ -66,36 +70,40 @@ def main(argv=None):
               q, k, v, kv_lengths=lengths,
               implementation=args.implementation)), (q, kc, vc),
           args.calls, 5)
-      cases = [(None, default(head_dim, cache_len), contiguous)]
+      cases = [(None, default(head_dim, cache_len), contiguous, None)]
       for page_size in args.page_sizes:  # 0: the contiguous cache.
         cache = (benchmark._paged_cache(kc, vc, page_size, keys[2])
                  if page_size else (kc, vc))
-        for block_k, stages, prefetch, per_sm in itertools.product(
-            args.block_k, args.stages, args.prefetch, args.programs_per_sm):
+        for block_k, stages, prefetch, per_sm, splits in itertools.product(
+            args.block_k, args.stages, args.prefetch, args.programs_per_sm,
+            args.splits):
           if block_k < page_size or (prefetch and not page_size):
             continue
+          splits = splits or None
           blocks = config.DecodeBlocks(
               block_k=block_k, num_stages=stages, prefetch_pages=prefetch,
               programs_per_sm=per_sm)
           config.decode_blocks = lambda *a, b=blocks: b
           # A new function for each tiling: jax.jit would reuse the trace
           # (and the tiling) of the same function object.
-          fn = (benchmark._paged_decode(lengths, args.implementation)
-                if page_size else lambda q, k, v: jax_flash.flash_decode(
-                    q, k, v, kv_lengths=lengths,
-                    implementation=args.implementation))
+          fn = (benchmark._paged_decode(lengths, args.implementation, splits)
+                if page_size else lambda q, k, v, n=splits: (
+                    jax_flash.flash_decode(
+                        q, k, v, kv_lengths=lengths, num_splits=n,
+                        implementation=args.implementation)))
           try:
             seconds = benchmark._time(jax.jit(fn), (q, *cache), args.calls, 5)
           finally:
             config.decode_blocks = default
-          cases.append((page_size or None, blocks, seconds))
-      for page_size, blocks, seconds in cases:
+          cases.append((page_size or None, blocks, seconds, splits))
+      for page_size, blocks, seconds, splits in cases:
         row = dict(batch=batch, cache_len=cache_len, page_size=page_size,
-                   **dataclasses.asdict(blocks),
+                   **dataclasses.asdict(blocks), num_splits=splits,
                    us=round(seconds * 1e6, 1),
                    tb_s=round(nbytes / seconds / 1e12, 3),
                    of_contiguous=round(contiguous / seconds, 3),
-                   default=blocks == default(head_dim, cache_len, page_size))
+                   default=(splits is None and
+                            blocks == default(head_dim, cache_len, page_size)))
         print(json.dumps(row), flush=True)
         log.write(json.dumps(row) + "\n")
 

@@ -366,10 +366,10 @@ def _arguments(args):
   return args() if callable(args) else args
 
 
-def _paged_decode(lengths, implementation="pallas"):
+def _paged_decode(lengths, implementation="pallas", num_splits=None):
   return lambda q, k_pages, v_pages, table: jax_flash.flash_decode(
       q, kv_lengths=lengths, key_pages=k_pages, value_pages=v_pages,
-      page_table=table, implementation=implementation)
+      page_table=table, implementation=implementation, num_splits=num_splits)
 
 
 def run_prefill(head_dim, hidden, kv_heads, cache_len, chunks, dtype, calls,
