@@ -47,7 +47,7 @@ def main(argv=None):
                       help="Triton pipelining stages to try on paged rows")
   parser.add_argument("--prefetch", type=int, nargs="+", default=[0],
                       help="tiles ahead a paged tile's page ids are read")
-  parser.add_argument("--programs-per-sm", type=int, nargs="+", default=[2])
+  parser.add_argument("--programs-per-sm", type=int, nargs="+", default=[4])
   parser.add_argument("--splits", type=int, nargs="+", default=[0],
                       help="num_splits to pass (0: from programs per SM)")
   parser.add_argument("--calls", type=int, default=50,

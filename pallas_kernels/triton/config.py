@@ -166,7 +166,7 @@ class DecodeBlocks:
   block_k: int
   num_stages: int = 2
   prefetch_pages: int = 0
-  programs_per_sm: int = 2
+  programs_per_sm: int = 4
 
 
 def decode_blocks(head_dim: int, kv_len: int, page_size: int | None = None
@@ -174,37 +174,42 @@ def decode_blocks(head_dim: int, kv_len: int, page_size: int | None = None
   """The decode kernel's tiling for a cache of kv_len positions.
 
   H200 measurements (bf16, 16 query / 4 KV heads of 128; pages shuffled;
-  results/2026-12-01-h200-session9/, `decode_tune*.jsonl`: TB/s of K+V
-  against the contiguous cache's default in the same run, batch 8 x 32k /
-  batch 64 x 8k):
+  `benchmarks/decode_tune.py`, with `decode_splits` rounding down:
+  results/2026-12-01-h200-session12/decode_tune_*_floor.jsonl; times at
+  batch 8 x 32k / 8 x 128k / 64 x 8k):
   - Contiguous: key tiles of 64 rows up to head dim 256, 32 above, never
-    more than the cache; 2 stages, 2 programs a multiprocessor. 128-row
-    tiles (the default until then): 1.00 / 0.91x of it.
-  - 64 tokens a page or more: one page a tile (or part of one): at the
-    contiguous cache's speed (0.98 / 1.00x in `decode.md`).
+    more than the cache; 2 stages, 4 programs a multiprocessor: 138 / 501
+    / 259 us (2 programs: 149 / 535 / 269; 3 stages with 4 programs
+    overrun the resident programs: 155 / 570 / 289).
+  - 64 tokens a page or more: one page a tile (or part of one), as
+    contiguous.
   - 32 tokens: one page a 32-row tile, 3 stages, page ids read a tile
-    ahead, 4 programs a multiprocessor: 0.97 / 0.98x (2 stages, ids read in
-    the tile's own iteration, 2 programs: 0.73 / 0.94x).
-  - 16 tokens: a gather of four pages a 64-row tile, the same stages, ids
-    ahead and programs: 0.83 / 0.91x (the previous default, 2 stages, ids
-    in the tile's iteration, 2 programs: 0.74 / 0.70x). A third stage or
-    more programs alone gain little, with the ids
-    read a tile ahead they do: consistent with the gather's loads waiting on
-    the id read (not profiled).
+    ahead, 4 programs a multiprocessor: 0.98-0.99x of contiguous.
+  - 16 tokens: a gather of four pages a 64-row tile, 3 stages, ids a tile
+    ahead, 2 programs a multiprocessor: 0.91-0.92x of contiguous (151 /
+    553 / 281 us; 4 programs 154 / 554 / 286; 2 or 4 stages 0.72-0.85x).
+    Ids read in the tile's own iteration cost 0.74 / 0.70x before
+    (session 9: the gather's loads wait on the id read).
   """
   hp = padded_head_dim(head_dim)
   tile = min(64 if hp <= 256 else 32,
              max(16, 1 << (kv_len - 1).bit_length()))
   if page_size is None or page_size >= 64:
     return DecodeBlocks(block_k=min(tile, page_size or tile))
-  return DecodeBlocks(block_k=min(tile, 64 if page_size < 32 else page_size),
-                      num_stages=3, prefetch_pages=1, programs_per_sm=4)
+  if page_size < 32:
+    return DecodeBlocks(block_k=min(tile, 64), num_stages=3,
+                        prefetch_pages=1, programs_per_sm=2)
+  return DecodeBlocks(block_k=min(tile, page_size), num_stages=3,
+                      prefetch_pages=1)
 
 
 def decode_splits(batch: int, num_kv_heads: int, num_tiles: int,
-                  programs_per_sm: int = 2) -> int:
-  """Chunks each sequence's cache is split into: enough (split, batch, kv
-  head) programs for `programs_per_sm` per multiprocessor, at most one per
-  key tile."""
-  return int(max(1, min(num_tiles, -(-programs_per_sm * NUM_SMS
-                                      // (batch * num_kv_heads)))))
+                  programs_per_sm: int) -> int:
+  """Chunks each sequence's cache is split into: as many as keep the
+  (split, batch, kv head) programs within `programs_per_sm` per
+  multiprocessor (rounded down: a few programs past whole waves of the
+  resident ones run as a tail while the memory system idles; 544 programs
+  of 16-token pages where 264 are resident took 1.21x the time of 512 on the
+  H200), at least one, at most one per key tile."""
+  per_split = batch * num_kv_heads
+  return int(max(1, min(num_tiles, programs_per_sm * NUM_SMS // per_split)))
