@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 import jax_flash
+from pallas_kernels.mosaic_gpu import flash_fwd
 from jax_flash.testing import assert_attention_close
 from tests.cases import Case, compare_with_reference, inputs, plain_attention
 from tests.test_correctness import _check
@@ -229,6 +230,32 @@ def test_mosaic_fused_dq_matches_reference(name):
   case, options = FUSED_DQ_CASES[name]
   blocks = jax_flash.MosaicBlockSizes.get_default(case.head_dim, case.causal,
                                                   fused_dq=True)
+  lengths = {"query_seq_lengths", "key_value_seq_lengths"} & set(options)
+  compare_with_reference(dict(is_causal=case.causal, **options), case.dtype,
+                         shape=case.shape, block_sizes=blocks,
+                         implementation="mosaic", garbage=bool(lengths))
+
+
+PERSISTENT_CASES = {  # Each CTA runs items of unequal lengths in turn.
+    **{name: (MOSAIC_CASES[name], {}) for name in (
+        "h128_causal_gqa", "h64_mqa_f16", "any_length_h256",
+        "h96_causal_gqa", "t_less_than_s_causal", "kv_len_520_mqa_causal")},
+    **{name: MOSAIC_OPTIONS[name] for name in (
+        "lengths_causal_gqa", "segments_h64_f16", "dense_mask_causal_gqa",
+        "sinks_window_gqa", "dropout_causal_gqa", "two_sided_window")},
+}
+
+
+@pytest.mark.parametrize("name", PERSISTENT_CASES)
+def test_mosaic_persistent_forward_matches_reference(name, monkeypatch):
+  """`MosaicBlockSizes(persistent=True)` with 5 CTAs (in place of one a
+  multiprocessor), so each runs many items and the K/V ring carries over
+  from one to the next: forward and gradients against the reference."""
+  monkeypatch.setattr(flash_fwd, "num_multiprocessors", lambda: 5)
+  case, options = PERSISTENT_CASES[name]
+  blocks = dataclasses.replace(
+      jax_flash.MosaicBlockSizes.get_default(case.head_dim, case.causal),
+      persistent=True)
   lengths = {"query_seq_lengths", "key_value_seq_lengths"} & set(options)
   compare_with_reference(dict(is_causal=case.causal, **options), case.dtype,
                          shape=case.shape, block_sizes=blocks,

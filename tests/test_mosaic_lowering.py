@@ -7,6 +7,7 @@ layout inference, the wgmma shape rules and the shared-memory budget, so a
 bad tile or layout fails on the CPU. (ptxas runs when XLA compiles on the
 GPU; the kernel's numbers are checked there: tests/test_gpu.py.)
 """
+import dataclasses
 import re
 
 import jax
@@ -198,6 +199,43 @@ def test_mosaic_forward_lowers_with_named_barriers(causal):
   for barrier_id in (4, 5, 6, 7):
     for op in (f"bar.sync {barrier_id}, 256", f"bar.arrive {barrier_id}, 256"):
       assert op in named and op not in plain
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(), dict(is_causal=True),
+    dict(is_causal=True, local_window_size=100, logits_soft_cap=30.0,
+         sinks=jnp.zeros((8,))),
+    dict(segment_ids=(jnp.zeros((2, 300), jnp.int32),
+                      jnp.zeros((2, 1003), jnp.int32))),
+    dict(mask=jnp.ones((1, 1, 300, 1003), bool),
+         dropout_rate=0.1, dropout_rng=jax.random.key(0)),
+], ids=["plain", "causal", "window_cap_sinks", "segments", "dense_dropout"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_persistent_forward_lowers_with_a_cta_per_multiprocessor(
+    kwargs, head_dim, monkeypatch):
+  """`persistent`: the forward's grid is one CTA a multiprocessor (fewer
+  when there are fewer items), each looping over its items."""
+  grids = []
+  launch = flash_fwd.plgpu.kernel
+
+  def kernel(body, **kw):
+    grids.append(kw["grid"])
+    return launch(body, **kw)
+  monkeypatch.setattr(flash_fwd.plgpu, "kernel", kernel)
+  monkeypatch.setattr(flash_fwd, "num_multiprocessors", lambda: 7)
+  blocks = jax_flash.MosaicBlockSizes.get_default(
+      head_dim, kwargs.get("is_causal", False))
+  blocks = dataclasses.replace(blocks, persistent=True)
+  text = _lower_grad("mosaic", (2, 300, 1003, 8, 2, head_dim),
+                     block_sizes=blocks, **kwargs)
+  assert "flash_attention_forward_mosaic" in text
+  assert grids.count((7,)) == 1, grids  # 48 items of 128 rows on 7 CTAs.
+
+
+def test_persistent_forward_names_what_it_cannot_take():
+  with pytest.raises(ValueError, match="persistent=True needs "
+                     "named_barriers=False"):
+    jax_flash.MosaicBlockSizes(persistent=True, named_barriers=True)
 
 
 def _kernel_modules(text):

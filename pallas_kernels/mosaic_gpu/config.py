@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import jax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_flash.spec.checks import check_block_field
@@ -30,6 +31,19 @@ def fused_dq_columns(head_dim: int) -> int:
   (dS exchanged through shared memory); at 64 all, over its own keys (half
   would cut a 128-byte swizzle atom of K)."""
   return head_dim // 2 if head_dim > 64 else head_dim
+
+
+# Multiprocessors of an H100 SXM / H200, for lowering where no GPU is.
+DEFAULT_MULTIPROCESSORS = 132
+
+
+def num_multiprocessors() -> int:
+  """Multiprocessors of the first GPU (`BlockSizes.persistent`'s CTAs), or
+  `DEFAULT_MULTIPROCESSORS` without one (lowering on a CPU)."""
+  try:
+    return jax.devices("gpu")[0].core_count
+  except RuntimeError:
+    return DEFAULT_MULTIPROCESSORS
 
 
 # Where the Mosaic kernels write a per-warpgroup trace of their named
@@ -81,6 +95,10 @@ class BlockSizes:
   matmuls a tile fewer), 4-6% faster forward+backward on the H200 at 16k
   (`get_default(..., fused_dq=True)`), but additions in an order that
   varies from run to run, so dQ is not bitwise deterministic: opt-in.
+  `persistent`: the forward runs one CTA a multiprocessor, each looping
+  over (batch, head, query tile) items with one K/V ring (the next item's
+  loads overlap the last one's epilogue; `flash_fwd.cta_items`): measured
+  slower at 16k (-4% to -10%), on this branch only.
   """
   block_q: int = 64
   block_kv: int = 128
@@ -94,6 +112,7 @@ class BlockSizes:
   producer_registers: int = 40
   dv_before_ds: bool = False
   fused_dq: bool = False
+  persistent: bool = False
 
   def __post_init__(self):
     for name in ("block_q", "block_kv", "block_q_dkv", "block_kv_dkv",
@@ -106,10 +125,14 @@ class BlockSizes:
     check_block_field(self, "producer_registers",
                       lambda x: 24 <= x <= 128 and x % 8 == 0,
                       "a multiple of 8 in [24, 128]")
-    for name in ("named_barriers", "dv_before_ds", "fused_dq"):
+    for name in ("named_barriers", "dv_before_ds", "fused_dq", "persistent"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"block_sizes.{name}={getattr(self, name)!r} must "
                          f"be a bool")
+    if self.persistent and self.named_barriers:
+      raise ValueError("block_sizes.persistent=True needs "
+                       "named_barriers=False (the hardware barriers' "
+                       "parities are fixed per item)")
 
   def consumer_registers(self, num_consumers: int) -> int:
     """Registers a thread of each of `num_consumers` consumer warpgroups

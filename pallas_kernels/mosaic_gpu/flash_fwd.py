@@ -42,7 +42,8 @@ from jax_flash.spec.mask import (KV_PAD_ID, Q_PAD_ID, Mask, id_block_table,
                                   kv_block_ranges, without_full_tiles)
 from jax_flash.spec.padding import pad_pairs, pad_to, round_up
 from jax_flash.spec.scores import Scores
-from pallas_kernels.mosaic_gpu.config import BlockSizes, compiler_params
+from pallas_kernels.mosaic_gpu.config import (BlockSizes, compiler_params,
+                                              num_multiprocessors)
 
 COMPUTE_WGS = 2
 ROW = plgpu.Layout.WGMMA.reduce(1)  # One value per row of a wgmma tile.
@@ -121,6 +122,37 @@ def cta_row_tile(mask: Mask, axis: str, num_tiles: int):
   (the hardware starts CTAs in grid order; tokamax does the same)."""
   index = lax.axis_index(axis)
   return num_tiles - 1 - index if mask.is_causal else index
+
+
+def cta_items(mask: Mask, programs: int | None, batch: int, heads: int,
+              num_tiles: int, body):
+  """Runs body(batch, head, tile, base) -> base over the forward items
+  (batch, head, query tile of 2 * block_q rows) of this CTA, threading
+  `base` (the K/V tiles loaded so far) from 0; returns the last base.
+
+  programs None: one item a CTA, from its grid indices ("batch", "heads",
+  `cta_row_tile` of "q_seq"). Otherwise the grid is `programs` CTAs
+  ("program", persistent: one a multiprocessor) and CTA p runs items p, p +
+  programs, ...: query tiles fastest (CTAs running together share K/V in
+  L2), or under a causal mask the heaviest tiles of every (batch, head)
+  first, as `cta_row_tile` orders them."""
+  if programs is None:
+    tile = cta_row_tile(mask, "q_seq", num_tiles)
+    return body(lax.axis_index("batch"), lax.axis_index("heads"), tile,
+                jnp.int32(0))
+  pid = lax.axis_index("program")
+  total = batch * heads * num_tiles
+
+  def run(i, base):
+    item = pid + i * programs
+    if mask.is_causal:
+      tile = num_tiles - 1 - lax.div(item, batch * heads)
+      pair = lax.rem(item, batch * heads)
+    else:
+      tile, pair = lax.rem(item, num_tiles), lax.div(item, num_tiles)
+    return body(lax.div(pair, heads), lax.rem(pair, heads), tile, base)
+  return lax.fori_loop(0, lax.div(total - pid + programs - 1, programs), run,
+                       jnp.int32(0))
 
 
 def table_ranges(mask: Mask, ranges, table_ref, batch, row_tile):
@@ -204,7 +236,7 @@ def dropped(x, scores: Scores, seed_ref, batch, head, rows, cols):
 
 def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
                     *, mask: Mask, scores: Scores, blocks: BlockSizes,
-                    group: int, kv_len: int):
+                    group: int, kv_len: int, programs: int | None):
   """q_ref/o_ref [B, T, N, H], k_ref/v_ref [B, S, K, H], lse_ref [B, N, T];
   keys at or past kv_len (<= S: XLA's padding) are masked. extra_refs
   (each None when absent): the range table of block_q-row query tiles
@@ -212,7 +244,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
   (padded past the kernel's tiles), sink logits [N], dropout seed words
   [2], query offsets [B] (row i of sequence b sits at position
   i + q_offsets[b]; `mask.has_q_offsets`), a dense mask and a bias
-  (`pad_pairs`; `mask.has_dense`, `scores.bias`)."""
+  (`pad_pairs`; `mask.has_dense`, `scores.bias`).
+
+  A CTA runs the items (batch, head, 2 * block_q query rows) `cta_items`
+  gives it, in order; every warpgroup counts the K/V tiles loaded so far
+  (`base`), and tile number base + i of the CTA sits in ring slot
+  (base + i) % num_stages, so the ring carries over from one item to the
+  next."""
   (table_ref, slopes_ref, q_ids_ref, kv_ids_ref, sinks_ref, seed_ref,
    offsets_ref, dense_ref, bias_ref) = extra_refs
   (q_smem2, k_smem, v_smem, lse_smem2), ready, free, schedule_barrier = scratch
@@ -220,35 +258,40 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
   k_free, v_free = free
   block_q, block_kv, stages = blocks.block_q, blocks.block_kv, blocks.num_stages
   dtype = q_ref.dtype
-  batch, head = lax.axis_index("batch"), lax.axis_index("heads")
   wg = lax.axis_index("wg")
-  tile_start = cta_row_tile(
-      mask, "q_seq", q_ref.shape[1] // (COMPUTE_WGS * block_q)) * (
-          COMPUTE_WGS * block_q)
-  q_offset = 0 if offsets_ref is None else offsets_ref[batch]
-
-  def consumer_ranges(w):
-    """Key tiles of warpgroup w's rows: the band's and the table's."""
-    return table_ranges(
-        mask, kv_block_ranges(mask, tile_start + w * block_q, block_q,
-                              block_kv, kv_len, q_offset),
-        table_ref, batch, lax.div(tile_start, block_q) + w)
-
-  # Key tiles [first, steps) the producer loads: what either consumer needs.
-  if table_ref is None:  # The band of the CTA's rows.
-    first, _, _, steps = kv_block_ranges(mask, tile_start,
-                                         COMPUTE_WGS * block_q, block_kv,
-                                         kv_len, q_offset)
-  else:
-    first, steps = _union(consumer_ranges(0), consumer_ranges(1))
-
+  num_tiles = q_ref.shape[1] // (COMPUTE_WGS * block_q)
   schedule = _Schedule(schedule_barrier, wg)
 
-  @pl.when(wg < COMPUTE_WGS)
-  def _consumer():
-    plgpu.set_max_registers(blocks.consumer_registers(COMPUTE_WGS),
-                            action="increase")
+  def item_ranges(batch, tile_start, q_offset):
+    """(first, steps, consumer_ranges) of one item: the key tiles [first,
+    steps) the producer loads (what either consumer needs) and, per
+    consumer warpgroup w, the ranges of its rows (the band's and the
+    table's)."""
+    def consumer_ranges(w):
+      return table_ranges(
+          mask, kv_block_ranges(mask, tile_start + w * block_q, block_q,
+                                block_kv, kv_len, q_offset),
+          table_ref, batch, lax.div(tile_start, block_q) + w)
+    if table_ref is None:  # The band of the CTA's rows.
+      first, _, _, steps = kv_block_ranges(mask, tile_start,
+                                           COMPUTE_WGS * block_q, block_kv,
+                                           kv_len, q_offset)
+    else:
+      first, steps = _union(consumer_ranges(0), consumer_ranges(1))
+    return first, jnp.maximum(steps, first), consumer_ranges
+
+  def for_each_item(body):
+    """Runs body(batch, head, tile_start, base) -> base over the CTA's
+    items, from base 0; returns the last base."""
+    return cta_items(
+        mask, programs, q_ref.shape[0], q_ref.shape[2], num_tiles,
+        lambda b, h, tile, base: body(b, h, tile * (COMPUTE_WGS * block_q),
+                                      base))
+
+  def consumer_item(batch, head, tile_start, base):
     q_smem, lse_smem = q_smem2.at[wg], lse_smem2.at[wg]
+    q_offset = 0 if offsets_ref is None else offsets_ref[batch]
+    first, steps, consumer_ranges = item_ranges(batch, tile_start, q_offset)
     q_start = tile_start + wg * block_q
     lo, full_lo, full_hi, hi = consumer_ranges(wg)
     if table_ref is not None:  # An empty range sits at the producer's first.
@@ -270,9 +313,12 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
     # Warpgroup 1 runs half a step behind (as if the second of a step -1).
     pl.when(wg == 1)(functools.partial(schedule.both, 1))
 
+    def slot_of(j):
+      return lax.rem(base + j - first, stages)
+
     def step(j, carry, *, masked: bool):
       acc, m, l = carry
-      slot = lax.rem(j, stages)
+      slot = slot_of(j)
       with jax.named_scope("k_wait"):
         plgpu.barrier_wait(k_ready.at[slot])
 
@@ -326,7 +372,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
 
     def release(j, carry):
       """A tile the producer loaded for the other warpgroup's rows."""
-      slot = lax.rem(j, stages)
+      slot = slot_of(j)
       plgpu.barrier_wait(k_ready.at[slot])
       plgpu.barrier_arrive(k_free.at[slot])
       schedule.both(0)
@@ -356,38 +402,47 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
                               o_ref.at[batch, pl.ds(q_start, block_q), head])
       plgpu.copy_smem_to_gmem(
           lse_smem, lse_ref.at[batch, head, pl.ds(q_start, block_q)])
-      plgpu.wait_smem_to_gmem(0)
+      plgpu.wait_smem_to_gmem(0)  # q_smem and lse_smem free for the next.
+    return base + steps - first
 
-  @pl.when(wg == COMPUTE_WGS)
-  def _producer():
-    plgpu.set_max_registers(blocks.producer_registers, action="decrease")
+  def producer_item(batch, head, tile_start, base):
+    q_offset = 0 if offsets_ref is None else offsets_ref[batch]
+    first, steps, _ = item_ranges(batch, tile_start, q_offset)
     kv_head = lax.div(head, jnp.int32(group))
 
-    def load(j, slot):
+    @pl.loop(first, steps)
+    def _(j):
+      count = base + j - first  # The CTA's tile number.
+      slot = lax.rem(count, stages)
+
+      @pl.when(count >= stages)  # The slot's previous tile released.
+      def _():
+        plgpu.barrier_wait(k_free.at[slot])
+        plgpu.barrier_wait(v_free.at[slot])
       tile = (batch, pl.ds(j * block_kv, block_kv), kv_head)
       plgpu.copy_gmem_to_smem(k_ref.at[tile], k_smem.at[slot],
                               k_ready.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[tile], v_smem.at[slot],
                               v_ready.at[slot])
+    return base + steps - first
 
-    for i in range(stages):
-      j = first + i
-      pl.when(j < steps)(lambda j=j: load(j, lax.rem(j, stages)))
+  @pl.when(wg < COMPUTE_WGS)
+  def _consumer():
+    plgpu.set_max_registers(blocks.consumer_registers(COMPUTE_WGS),
+                            action="increase")
+    for_each_item(consumer_item)
 
-    @pl.loop(first + stages, jnp.maximum(steps, first + stages))
-    def _(j):
-      slot = lax.rem(j, stages)
-      plgpu.barrier_wait(k_free.at[slot])
-      plgpu.barrier_wait(v_free.at[slot])
-      load(j, slot)
-
+  @pl.when(wg == COMPUTE_WGS)
+  def _producer():
+    plgpu.set_max_registers(blocks.producer_registers, action="decrease")
+    count = for_each_item(producer_item)
     # Await the last releases too: every completion of a barrier is waited.
     for i in range(stages):
-      j = steps - stages + i
+      last = count - stages + i
 
-      @pl.when(j >= first)
+      @pl.when(last >= 0)
       def _():
-        slot = lax.rem(j, stages)
+        slot = lax.rem(last, stages)
         plgpu.barrier_wait(k_free.at[slot])
         plgpu.barrier_wait(v_free.at[slot])
 
@@ -457,17 +512,25 @@ def flash_forward(q, k, v, *, mask: Mask, scores: Scores,
         refs, 3, extras)
     _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref,
                     (buffers, ready, free, schedule), mask=mask,
-                    scores=scores, blocks=blocks, group=group, kv_len=kv_len)
+                    scores=scores, blocks=blocks, group=group, kv_len=kv_len,
+                    programs=programs)
 
   num_tiles = padded_len // (COMPUTE_WGS * blocks.block_q)
+  if blocks.persistent:
+    programs = min(batch * num_heads * num_tiles, num_multiprocessors())
+    grid, grid_names = (programs,), ("program",)
+  else:
+    programs = None
+    grid = (num_heads, num_tiles, batch)
+    grid_names = ("heads", "q_seq", "batch")
   o, lse = plgpu.kernel(
       body,
       out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
                 jax.ShapeDtypeStruct((batch, num_heads, padded_len),
                                      jnp.float32)),
       scratch_types=scratch,
-      grid=(num_heads, num_tiles, batch),
-      grid_names=("heads", "q_seq", "batch"),
+      grid=grid,
+      grid_names=grid_names,
       num_threads=COMPUTE_WGS + 1,
       thread_name="wg",
       compiler_params=compiler_params(),
