@@ -97,8 +97,9 @@ class BlockSizes:
   varies from run to run, so dQ is not bitwise deterministic: opt-in.
   `persistent`: the forward runs one CTA a multiprocessor, each looping
   over (batch, head, query tile) items with one K/V ring (the next item's
-  loads overlap the last one's epilogue; `flash_fwd.cta_items`): measured
-  slower at 16k (-4% to -10%), on this branch only.
+  K/V loads overlap the last one's epilogue; `flash_fwd.cta_schedule`) and
+  two Q buffers (the next item's Q loads while this one's tiles run; its
+  O stores are not awaited before the next item): on this branch only.
   """
   block_q: int = 64
   block_kv: int = 128
@@ -134,6 +135,11 @@ class BlockSizes:
                        "named_barriers=False (the hardware barriers' "
                        "parities are fixed per item)")
 
+  def q_buffers(self, head_dim: int) -> int:
+    """Q (and O staging) buffers of the forward: two when persistent, up
+    to head dim 128 (at 256 two do not fit beside the K/V ring)."""
+    return 2 if self.persistent and head_dim <= 128 else 1
+
   def consumer_registers(self, num_consumers: int) -> int:
     """Registers a thread of each of `num_consumers` consumer warpgroups
     beside the producer's: the rest of 512 (a warpgroup's share of the
@@ -146,9 +152,10 @@ class BlockSizes:
     each allocation aligned to 1 KiB, Mosaic's 2 KiB reduction scratch and
     the barriers (1 KiB). An upper bound: (128, 3) at head dim 128, 232568
     bytes on the H200, is 233472 here."""
-    q = _aligned(2 * self.block_q * head_dim * itemsize)
+    buffers = self.q_buffers(head_dim)
+    q = _aligned(buffers * 2 * self.block_q * head_dim * itemsize)
     kv = 2 * _aligned(self.num_stages * self.block_kv * head_dim * itemsize)
-    return q + kv + _aligned(2 * self.block_q * 4) + 2048 + 1024
+    return q + kv + _aligned(buffers * 2 * self.block_q * 4) + 2048 + 1024
 
   def backward_smem_bytes(self, head_dim: int, itemsize: int) -> int:
     """Shared memory of the larger backward kernel: dK/dV (its K/V tiles, a

@@ -124,35 +124,36 @@ def cta_row_tile(mask: Mask, axis: str, num_tiles: int):
   return num_tiles - 1 - index if mask.is_causal else index
 
 
-def cta_items(mask: Mask, programs: int | None, batch: int, heads: int,
-              num_tiles: int, body):
-  """Runs body(batch, head, tile, base) -> base over the forward items
-  (batch, head, query tile of 2 * block_q rows) of this CTA, threading
-  `base` (the K/V tiles loaded so far) from 0; returns the last base.
+def cta_schedule(mask: Mask, programs: int | None, batch: int, heads: int,
+                 num_tiles: int):
+  """(count, coords) of this CTA's forward items (batch, head, query tile
+  of 2 * block_q rows): how many it runs and coords(i) -> (batch, head,
+  tile) of its i-th.
 
   programs None: one item a CTA, from its grid indices ("batch", "heads",
   `cta_row_tile` of "q_seq"). Otherwise the grid is `programs` CTAs
   ("program", persistent: one a multiprocessor) and CTA p runs items p, p +
-  programs, ...: query tiles fastest (CTAs running together share K/V in
-  L2), or under a causal mask the heaviest tiles of every (batch, head)
-  first, as `cta_row_tile` orders them."""
+  programs, ...: in the non-persistent grid's order (heads fastest, then
+  query tiles, then batch), or under a causal mask the heaviest tiles of
+  every (batch, head) first, as `cta_row_tile` orders them."""
   if programs is None:
     tile = cta_row_tile(mask, "q_seq", num_tiles)
-    return body(lax.axis_index("batch"), lax.axis_index("heads"), tile,
-                jnp.int32(0))
+    index = (lax.axis_index("batch"), lax.axis_index("heads"), tile)
+    return 1, lambda i: index
   pid = lax.axis_index("program")
-  total = batch * heads * num_tiles
 
-  def run(i, base):
+  def coords(i):
     item = pid + i * programs
+    head = lax.rem(item, heads)
     if mask.is_causal:
       tile = num_tiles - 1 - lax.div(item, batch * heads)
-      pair = lax.rem(item, batch * heads)
+      b = lax.rem(lax.div(item, heads), batch)
     else:
-      tile, pair = lax.rem(item, num_tiles), lax.div(item, num_tiles)
-    return body(lax.div(pair, heads), lax.rem(pair, heads), tile, base)
-  return lax.fori_loop(0, lax.div(total - pid + programs - 1, programs), run,
-                       jnp.int32(0))
+      tile = lax.rem(lax.div(item, heads), num_tiles)
+      b = lax.div(item, heads * num_tiles)
+    return b, head, tile
+  total = batch * heads * num_tiles
+  return lax.div(total - pid + programs - 1, programs), coords
 
 
 def table_ranges(mask: Mask, ranges, table_ref, batch, row_tile):
@@ -246,17 +247,18 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
   i + q_offsets[b]; `mask.has_q_offsets`), a dense mask and a bias
   (`pad_pairs`; `mask.has_dense`, `scores.bias`).
 
-  A CTA runs the items (batch, head, 2 * block_q query rows) `cta_items`
-  gives it, in order; every warpgroup counts the K/V tiles loaded so far
+  A CTA runs the items (batch, head, 2 * block_q query rows)
+  `cta_schedule` gives it, in order; every warpgroup counts the K/V tiles loaded so far
   (`base`), and tile number base + i of the CTA sits in ring slot
   (base + i) % num_stages, so the ring carries over from one item to the
   next."""
   (table_ref, slopes_ref, q_ids_ref, kv_ids_ref, sinks_ref, seed_ref,
    offsets_ref, dense_ref, bias_ref) = extra_refs
-  (q_smem2, k_smem, v_smem, lse_smem2), ready, free, schedule_barrier = scratch
+  (q_smem3, k_smem, v_smem, lse_smem3), ready, free, schedule_barrier = scratch
   k_ready, v_ready, q_ready = ready
   k_free, v_free = free
   block_q, block_kv, stages = blocks.block_q, blocks.block_kv, blocks.num_stages
+  q_buffers = blocks.q_buffers(q_ref.shape[-1])
   dtype = q_ref.dtype
   wg = lax.axis_index("wg")
   num_tiles = q_ref.shape[1] // (COMPUTE_WGS * block_q)
@@ -280,16 +282,32 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
       first, steps = _union(consumer_ranges(0), consumer_ranges(1))
     return first, jnp.maximum(steps, first), consumer_ranges
 
-  def for_each_item(body):
-    """Runs body(batch, head, tile_start, base) -> base over the CTA's
-    items, from base 0; returns the last base."""
-    return cta_items(
-        mask, programs, q_ref.shape[0], q_ref.shape[2], num_tiles,
-        lambda b, h, tile, base: body(b, h, tile * (COMPUTE_WGS * block_q),
-                                      base))
+  count, item_coords = cta_schedule(mask, programs, q_ref.shape[0],
+                                    q_ref.shape[2], num_tiles)
+  rows = COMPUTE_WGS * block_q
 
-  def consumer_item(batch, head, tile_start, base):
-    q_smem, lse_smem = q_smem2.at[wg], lse_smem2.at[wg]
+  def for_each_item(body):
+    """Runs body(i, batch, head, tile_start, base) -> base over the CTA's
+    items i, from base 0; returns the last base."""
+    def run(i, base):
+      b, h, tile = item_coords(i)
+      return body(i, b, h, tile * rows, base)
+    if programs is None:
+      return run(0, jnp.int32(0))
+    return lax.fori_loop(0, count, run, jnp.int32(0))
+
+  def load_q(i, buffer):
+    """This warpgroup's rows of item i's Q into Q buffer `buffer`."""
+    b, h, tile = item_coords(i)
+    plgpu.copy_gmem_to_smem(
+        q_ref.at[b, pl.ds(tile * rows + wg * block_q, block_q), h],
+        q_smem3.at[buffer, wg], q_ready.at[buffer * COMPUTE_WGS + wg])
+
+  def consumer_item(i, batch, head, tile_start, base):
+    # With two Q buffers (persistent) item i uses buffer i % 2, and the
+    # next item's Q loads into the other while this one's tiles run.
+    buffer = lax.rem(i, q_buffers) if q_buffers > 1 else 0
+    q_smem, lse_smem = q_smem3.at[buffer, wg], lse_smem3.at[buffer, wg]
     q_offset = 0 if offsets_ref is None else offsets_ref[batch]
     first, steps, consumer_ranges = item_ranges(batch, tile_start, q_offset)
     q_start = tile_start + wg * block_q
@@ -301,10 +319,14 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
     slope = None if slopes_ref is None else slopes_ref[batch, head]
     coords = needs_positions(mask, scores)
     with jax.named_scope("q_load"):  # Profiler regions (`compiler_params`).
-      plgpu.copy_gmem_to_smem(
-          q_ref.at[batch, pl.ds(q_start, block_q), head], q_smem,
-          q_ready.at[wg])
-      plgpu.barrier_wait(q_ready.at[wg])
+      if q_buffers == 1:
+        load_q(i, 0)
+      else:
+        pl.when(i == 0)(lambda: load_q(i, 0))
+      plgpu.barrier_wait(q_ready.at[buffer * COMPUTE_WGS + wg])
+    if q_buffers == 2:  # The other buffer's O and L stores have read it.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      pl.when(i + 1 < count)(lambda: load_q(i + 1, 1 - buffer))
     q_ids = load_ids(q_ids_ref, batch, q_start, block_q, ROW)
     m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), ROW)
     l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), ROW)
@@ -402,10 +424,12 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
                               o_ref.at[batch, pl.ds(q_start, block_q), head])
       plgpu.copy_smem_to_gmem(
           lse_smem, lse_ref.at[batch, head, pl.ds(q_start, block_q)])
-      plgpu.wait_smem_to_gmem(0)  # q_smem and lse_smem free for the next.
+      if q_buffers == 1:
+        plgpu.wait_smem_to_gmem(0)
     return base + steps - first
 
-  def producer_item(batch, head, tile_start, base):
+  def producer_item(i, batch, head, tile_start, base):
+    del i
     q_offset = 0 if offsets_ref is None else offsets_ref[batch]
     first, steps, _ = item_ranges(batch, tile_start, q_offset)
     kv_head = lax.div(head, jnp.int32(group))
@@ -431,14 +455,16 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
     plgpu.set_max_registers(blocks.consumer_registers(COMPUTE_WGS),
                             action="increase")
     for_each_item(consumer_item)
+    if q_buffers == 2:
+      plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == COMPUTE_WGS)
   def _producer():
     plgpu.set_max_registers(blocks.producer_registers, action="decrease")
-    count = for_each_item(producer_item)
+    loaded = for_each_item(producer_item)
     # Await the last releases too: every completion of a barrier is waited.
     for i in range(stages):
-      last = count - stages + i
+      last = loaded - stages + i
 
       @pl.when(last >= 0)
       def _():
@@ -488,20 +514,20 @@ def flash_forward(q, k, v, *, mask: Mask, scores: Scores,
             sinks, dropout_seed, q_offsets,
             *(pad_pairs(x, padded_len, kv_rows) for x in (dense_mask, bias)))
   transforms = smem_transforms(q.dtype, head_dim)
-  stages = blocks.num_stages
+  stages, q_buffers = blocks.num_stages, blocks.q_buffers(head_dim)
   scratch = dict(
       buffers=(
-          plgpu.SMEM((COMPUTE_WGS, blocks.block_q, head_dim), q.dtype,
-                     transforms=transforms),
+          plgpu.SMEM((q_buffers, COMPUTE_WGS, blocks.block_q, head_dim),
+                     q.dtype, transforms=transforms),
           plgpu.SMEM((stages, blocks.block_kv, head_dim), k.dtype,
                      transforms=transforms),
           plgpu.SMEM((stages, blocks.block_kv, head_dim), v.dtype,
                      transforms=transforms),
-          plgpu.SMEM((COMPUTE_WGS, blocks.block_q), jnp.float32),
+          plgpu.SMEM((q_buffers, COMPUTE_WGS, blocks.block_q), jnp.float32),
       ),
       ready=(plgpu.Barrier(num_barriers=stages),
              plgpu.Barrier(num_barriers=stages),
-             plgpu.Barrier(num_barriers=COMPUTE_WGS)),
+             plgpu.Barrier(num_barriers=q_buffers * COMPUTE_WGS)),
       free=(plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2,
   )
   if not blocks.named_barriers:
