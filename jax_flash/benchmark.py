@@ -41,8 +41,8 @@ def _impls(causal: bool):
 
   def mosaic_fused_dq(q, k, v):
     # The Mosaic kernels with dQ in the dK/dV kernel (head dims 64, 128).
-    blocks = jax_flash.MosaicBlockSizes.get_default(q.shape[-1], causal,
-                                                    fused_dq=True)
+    blocks = jax_flash.MosaicBlockSizes.get_default(
+        q.shape[-1], causal, fused_dq=True, kv_len=k.shape[1])
     return jax_flash.flash_attention(q, k, v, is_causal=causal,
                                      implementation="mosaic",
                                      block_sizes=blocks)

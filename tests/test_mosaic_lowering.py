@@ -17,6 +17,7 @@ import pytest
 from jax._src import mesh as mesh_lib
 
 import jax_flash
+from jax_flash.spec.mask import Mask
 from pallas_kernels.mosaic_gpu import flash_fwd
 
 H200 = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
@@ -230,6 +231,31 @@ def test_persistent_forward_lowers_with_a_cta_per_multiprocessor(
                      block_sizes=blocks, **kwargs)
   assert "flash_attention_forward_mosaic" in text
   assert grids.count((7,)) == 1, grids  # 48 items of 128 rows on 7 CTAs.
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("batch,heads,tiles,programs", [
+    (8, 16, 8, 132), (1, 16, 128, 132), (1, 2, 3, 5), (2, 3, 8, 7),
+    (1, 1, 4, 4)])
+def test_persistent_schedule_covers_every_item_once(
+    causal, batch, heads, tiles, programs, monkeypatch):
+  """`cta_schedule`: the persistent CTAs' items are every (batch, head,
+  query tile) exactly once; under a causal mask (tile t costs t + 1 key
+  tiles) no CTA's work exceeds the mean by more than one heaviest item."""
+  mask = Mask(is_causal=causal)
+  seen, work = [], []
+  for pid in range(programs):
+    monkeypatch.setattr(flash_fwd.lax, "axis_index",
+                        lambda name, pid=pid: jnp.int32(pid))
+    count, coords = flash_fwd.cta_schedule(mask, programs, batch, heads,
+                                           tiles)
+    items = [tuple(int(x) for x in coords(i)) for i in range(int(count))]
+    seen += items
+    work.append(sum(t + 1 for _, _, t in items))
+  assert sorted(seen) == [(b, h, t) for b in range(batch)
+                          for h in range(heads) for t in range(tiles)]
+  if causal:
+    assert max(work) - np.mean(work) <= 2 + tiles // 16, work
 
 
 def test_persistent_forward_names_what_it_cannot_take():

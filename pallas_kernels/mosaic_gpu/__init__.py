@@ -112,7 +112,8 @@ class MosaicGpuBackend:
              version: int = 2, scores: Scores | None = None) -> BlockSizes:
     del version, scores  # Only 2 (see `unsupported`); the tiles take any.
     blocks = (block_sizes if isinstance(block_sizes, BlockSizes) else
-              BlockSizes.get_default(problem.head_dim, is_causal))
+              BlockSizes.get_default(problem.head_dim, is_causal,
+                                     kv_len=problem.kv_len))
     if blocks.fused_dq and problem.head_dim not in config.FUSED_DQ_HEAD_DIMS:
       raise ValueError(f"block_sizes.fused_dq=True needs a head_dim in "
                        f"{config.FUSED_DQ_HEAD_DIMS}, got {problem.head_dim}")

@@ -132,10 +132,13 @@ def cta_schedule(mask: Mask, programs: int | None, batch: int, heads: int,
 
   programs None: one item a CTA, from its grid indices ("batch", "heads",
   `cta_row_tile` of "q_seq"). Otherwise the grid is `programs` CTAs
-  ("program", persistent: one a multiprocessor) and CTA p runs items p, p +
-  programs, ...: in the non-persistent grid's order (heads fastest, then
-  query tiles, then batch), or under a causal mask the heaviest tiles of
-  every (batch, head) first, as `cta_row_tile` orders them."""
+  ("program", persistent: one a multiprocessor) taking the items in rounds
+  of `programs`: in round k CTA p takes item k * programs + p, or
+  programs - 1 - p in odd rounds, so that under a causal mask no CTA takes
+  the heaviest item of every round. Items in the non-persistent grid's
+  order (heads fastest, then query tiles, then batch), or under a causal
+  mask heads, then batch, then query tiles heaviest first (`cta_row_tile`)
+  across every (batch, head)."""
   if programs is None:
     tile = cta_row_tile(mask, "q_seq", num_tiles)
     index = (lax.axis_index("batch"), lax.axis_index("heads"), tile)
@@ -143,17 +146,18 @@ def cta_schedule(mask: Mask, programs: int | None, batch: int, heads: int,
   pid = lax.axis_index("program")
 
   def coords(i):
-    item = pid + i * programs
-    head = lax.rem(item, heads)
+    lane = jnp.where(lax.rem(i, 2) == 0, pid, programs - 1 - pid)
+    item = i * programs + lane
+    head, rest = lax.rem(item, heads), lax.div(item, heads)
     if mask.is_causal:
-      tile = num_tiles - 1 - lax.div(item, batch * heads)
-      b = lax.rem(lax.div(item, heads), batch)
-    else:
-      tile = lax.rem(lax.div(item, heads), num_tiles)
-      b = lax.div(item, heads * num_tiles)
-    return b, head, tile
+      return lax.rem(rest, batch), head, num_tiles - 1 - lax.div(rest, batch)
+    return lax.div(rest, num_tiles), head, lax.rem(rest, num_tiles)
   total = batch * heads * num_tiles
-  return lax.div(total - pid + programs - 1, programs), coords
+  rounds, rest = total // programs, total % programs
+  # The last, partial round runs on lanes [0, rest): CTAs p < rest in an
+  # even round, p >= programs - rest in an odd one.
+  last = pid < rest if rounds % 2 == 0 else pid >= programs - rest
+  return rounds + last.astype(jnp.int32), coords
 
 
 def table_ranges(mask: Mask, ranges, table_ref, batch, row_tile):
