@@ -60,7 +60,7 @@ class XlaBackend:
     return None
 
   def config(self, block_sizes, problem, dtype, *, is_causal, version=2,
-             scores=None):
+             scores=None, mask=None):
     if isinstance(block_sizes, blockwise.BlockSizes):
       return block_sizes
     return blockwise.BlockSizes()

@@ -299,7 +299,8 @@ def config(backend, block_sizes, problem, dtype, mask: Mask, scores: Scores,
   return _Config(backend=backend, mask=mask, scores=scores,
                  block_sizes=backend.config(block_sizes, problem, dtype,
                                             is_causal=is_causal,
-                                            version=version, scores=scores),
+                                            version=version, scores=scores,
+                                            mask=mask),
                  version=version)
 
 

@@ -246,7 +246,7 @@ def ring_attention(query, key, value, *, mesh, axis_name, is_causal=False,
   ring = _Ring(axis=axis_name, size=size, causal=bool(is_causal),
                scores=scores, backend=backend,
                config=backend.config(block_sizes, pair, query.dtype,
-                                     is_causal=is_causal))
+                                     is_causal=is_causal, mask=mask))
 
   def reorder(x, order):
     b, t = x.shape[:2]

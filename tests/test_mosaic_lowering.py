@@ -17,7 +17,9 @@ import pytest
 from jax._src import mesh as mesh_lib
 
 import jax_flash
+from jax_flash.spec.checks import Problem
 from jax_flash.spec.mask import Mask
+from pallas_kernels.mosaic_gpu import MosaicGpuBackend
 from pallas_kernels.mosaic_gpu import flash_fwd
 
 H200 = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
@@ -256,6 +258,26 @@ def test_persistent_schedule_covers_every_item_once(
                           for h in range(heads) for t in range(tiles)]
   if causal:
     assert max(work) - np.mean(work) <= 2 + tiles // 16, work
+
+
+@pytest.mark.parametrize("head_dim,kv_len,mask,persistent", [
+    (128, 2048, Mask(), True), (64, 1000, Mask(), True),
+    (128, 2049, Mask(), False), (96, 2048, Mask(), False),
+    (256, 1024, Mask(), False), (128, 2048, Mask(is_causal=True), False),
+    (64, 1024, Mask(window_left=100, window_right=100), False),
+    (64, 1024, Mask(has_ids=True, segments_only=True), False),
+    (64, 1024, None, False)])
+def test_default_is_persistent_only_without_a_mask_up_to_2k(
+    head_dim, kv_len, mask, persistent):
+  """The default tiles run the persistent forward where it measured
+  faster: every query sees every key (items of one length), keys at most
+  2048, head dims 64 and 128."""
+  problem = Problem(batch=2, q_len=kv_len, kv_len=kv_len, num_heads=8,
+                    num_kv_heads=8, head_dim=head_dim, unbatched=False)
+  blocks = MosaicGpuBackend().config(
+      None, problem, jnp.bfloat16,
+      is_causal=mask is not None and mask.is_causal, mask=mask)
+  assert blocks.persistent is persistent
 
 
 def test_persistent_forward_names_what_it_cannot_take():

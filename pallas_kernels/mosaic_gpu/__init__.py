@@ -109,11 +109,16 @@ class MosaicGpuBackend:
     return None
 
   def config(self, block_sizes, problem: Problem, dtype, *, is_causal: bool,
-             version: int = 2, scores: Scores | None = None) -> BlockSizes:
+             version: int = 2, scores: Scores | None = None,
+             mask: Mask | None = None) -> BlockSizes:
+    """The call's tiles: `block_sizes`, or the defaults for its head dim,
+    causality, and (`persistent`) key length when every query sees every
+    key (`mask` Mask(): every item costs the same)."""
     del version, scores  # Only 2 (see `unsupported`); the tiles take any.
     blocks = (block_sizes if isinstance(block_sizes, BlockSizes) else
-              BlockSizes.get_default(problem.head_dim, is_causal,
-                                     kv_len=problem.kv_len))
+              BlockSizes.get_default(
+                  problem.head_dim, is_causal,
+                  kv_len=problem.kv_len if mask == Mask() else None))
     if blocks.fused_dq and problem.head_dim not in config.FUSED_DQ_HEAD_DIMS:
       raise ValueError(f"block_sizes.fused_dq=True needs a head_dim in "
                        f"{config.FUSED_DQ_HEAD_DIMS}, got {problem.head_dim}")
@@ -157,7 +162,7 @@ class MosaicGpuBackend:
         q, k, v, kv_lengths, mask, page_table, sinks)
     return self.forward(q, k, v, operands, mask=mask, scores=scores,
                         config=self.config(None, problem, q.dtype,
-                                           is_causal=True))
+                                           is_causal=True, mask=mask))
 
   def backward_by(self, operands: Operands) -> str | None:
     """"triton" for a bias per (query, key) pair: the dK/dV kernel reads

@@ -103,8 +103,9 @@ class BlockSizes:
   K/V loads overlap the last one's epilogue; `flash_fwd.cta_schedule`) and
   two Q buffers up to head dim 128 (the next item's Q loads while this
   one's tiles run; its O stores are not awaited before the next item's
-  start): on by default for keys up to PERSISTENT_MAX_KV_LEN
-  (`get_default`), where it gains 4-8% on the H200.
+  start): on by default without a mask for keys up to
+  PERSISTENT_MAX_KV_LEN at head dims 64 and 128 (`get_default`), where it
+  gains 4-7% on the H200.
   """
   block_q: int = 64
   block_kv: int = 128
@@ -199,11 +200,14 @@ class BlockSizes:
     spills 388 bytes and causal forward+backward loses 19%):
     benchmarks/results/2026-12-01-h200-session11/fused_410603f.json.
 
-    `persistent` where kv_len (the keys a query sees at most; None: not
-    known) is at most PERSISTENT_MAX_KV_LEN and the head dim at most 128
-    (two Q buffers fit): against one CTA an item, the forward at 2k measured
-    +5 / +7% non-causal (head dims 64 / 128), +8 / +4% causal; at 4k +5 /
-    -2% and +1 / -3%; at 16k -4% to -10%
+    `persistent` for a call whose queries see all its kv_len keys (no
+    mask; kv_len None: not such a call) when kv_len is at most
+    PERSISTENT_MAX_KV_LEN and the head dim 64 or 128: against one CTA an
+    item, the forward at 2k measured 397 -> 422 and 561 -> 586 TFLOP/s
+    (head dims 64 / 128; 0.91 / 0.93x cuDNN -> 0.99 / 0.98x, two runs of
+    `python -m jax_flash.benchmark`), +5 / +7% in `mosaic_tune.py`; at 4k
+    +5 / -2%, at 16k -5 / -4% there; under a causal mask (items of unequal
+    length taken in a fixed order) 303 -> 322 and 461 -> 400 at 2k
     (benchmarks/results/2026-12-01-h200-session12/persistent_q/).
     """
     if head_dim > 128:
@@ -216,7 +220,7 @@ class BlockSizes:
     if fused_dq:
       blocks = dataclasses.replace(
           blocks, fused_dq=True, num_stages_bwd=3 if head_dim <= 64 else 2)
-    if (kv_len is not None and kv_len <= PERSISTENT_MAX_KV_LEN and
-        head_dim <= 128):
+    if (kv_len is not None and not is_causal and
+        kv_len <= PERSISTENT_MAX_KV_LEN and head_dim in (64, 128)):
       blocks = dataclasses.replace(blocks, persistent=True)
     return blocks

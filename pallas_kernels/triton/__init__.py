@@ -65,7 +65,9 @@ class TritonBackend:
 
   def config(self, block_sizes: BlockSizes | None, problem: Problem, dtype,
              *, is_causal: bool, version: int = 2,
-             scores: Scores | None = None) -> BlockSizes:
+             scores: Scores | None = None,
+             mask: Mask | None = None) -> BlockSizes:
+    del mask  # The tiles do not depend on it.
     if block_sizes is None:
       block_sizes = BlockSizes.get_default(problem.head_dim, dtype, is_causal,
                                            version)
