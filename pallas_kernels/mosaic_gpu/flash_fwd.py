@@ -1,7 +1,8 @@
 """FlashAttention-2 forward (Dao 2023, Algorithm 1) for Hopper, in Pallas Mosaic GPU.
 
-One CTA owns 2 * block_q query rows of one (batch, head) and runs three
-warpgroups (warp specialization):
+One CTA owns 2 * block_q query rows of one (batch, head), or with
+`BlockSizes.persistent` one CTA a multiprocessor runs such items in turn
+(`cta_schedule`), and runs three warpgroups (warp specialization):
 
 * warpgroup 2, the producer, streams K/V tiles with TMA into a ring of
   `num_stages` shared-memory slots. A slot is refilled once both consumers
@@ -252,8 +253,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
   (`pad_pairs`; `mask.has_dense`, `scores.bias`).
 
   A CTA runs the items (batch, head, 2 * block_q query rows)
-  `cta_schedule` gives it, in order; every warpgroup counts the K/V tiles loaded so far
-  (`base`), and tile number base + i of the CTA sits in ring slot
+  `cta_schedule` gives it (`programs`: None, one; else the persistent
+  grid's size), in order; every warpgroup counts the K/V tiles loaded so
+  far (`base`), and tile number base + i of the CTA sits in ring slot
   (base + i) % num_stages, so the ring carries over from one item to the
   next."""
   (table_ref, slopes_ref, q_ids_ref, kv_ids_ref, sinks_ref, seed_ref,
