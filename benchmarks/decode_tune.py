@@ -11,7 +11,9 @@ one page or less is a contiguous load, more pages a gather), pipelining
 stages (`--stages`), tiles ahead that a tile's page ids are read
 (`--prefetch`) and programs per multiprocessor (`--programs-per-sm`), or
 instead of the programs, the number of chunks each sequence's cache is
-split into (`--splits`, flash_decode's `num_splits`);
+split into (`--splits`, flash_decode's `num_splits`), and for tiles of
+several pages a gathered load or a load and a dot a page
+(`--page-dots 0 1`);
 `config.decode_blocks` is replaced for each row. Prints and writes one JSON
 line per row: TB/s of K+V read, the ratio to the contiguous cache (its
 default tiling) in the same run, and whether the row is the default.
@@ -50,6 +52,9 @@ def main(argv=None):
   parser.add_argument("--programs-per-sm", type=int, nargs="+", default=[4])
   parser.add_argument("--splits", type=int, nargs="+", default=[0],
                       help="num_splits to pass (0: from programs per SM)")
+  parser.add_argument("--page-dots", type=int, nargs="+", default=[0],
+                      help="1: a tile's pages loaded and multiplied one at "
+                           "a time (`DecodeBlocks.page_dots`)")
   parser.add_argument("--calls", type=int, default=50,
                       help="back-to-back calls per timing (median of 5)")
   parser.add_argument("--implementation", default="pallas",
@@ -74,15 +79,17 @@ def main(argv=None):
       for page_size in args.page_sizes:  # 0: the contiguous cache.
         cache = (benchmark._paged_cache(kc, vc, page_size, keys[2])
                  if page_size else (kc, vc))
-        for block_k, stages, prefetch, per_sm, splits in itertools.product(
-            args.block_k, args.stages, args.prefetch, args.programs_per_sm,
-            args.splits):
-          if block_k < page_size or (prefetch and not page_size):
+        for block_k, stages, prefetch, per_sm, splits, page_dots in (
+            itertools.product(args.block_k, args.stages, args.prefetch,
+                              args.programs_per_sm, args.splits,
+                              args.page_dots)):
+          if block_k < page_size or (prefetch and not page_size) or (
+              page_dots and block_k <= page_size):
             continue
           splits = splits or None
           blocks = config.DecodeBlocks(
               block_k=block_k, num_stages=stages, prefetch_pages=prefetch,
-              programs_per_sm=per_sm)
+              programs_per_sm=per_sm, page_dots=bool(page_dots))
           config.decode_blocks = lambda *a, b=blocks: b
           # A new function for each tiling: jax.jit would reuse the trace
           # (and the tiling) of the same function object.

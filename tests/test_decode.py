@@ -137,6 +137,28 @@ def test_paged_cache_with_page_ids_read_ahead(monkeypatch, page_size,
   assert_attention_close(out, ref)
 
 
+@pytest.mark.parametrize("prefetch", [0, 1])
+@pytest.mark.parametrize("page_size", [16, 32])
+def test_paged_tiles_read_a_page_at_a_time(monkeypatch, page_size, prefetch):
+  """`DecodeBlocks.page_dots`: a 64-row tile's pages loaded and multiplied
+  one at a time give the gathered tile's result (pages in random order,
+  poison in unused ones, splits starting mid-cache)."""
+  from pallas_kernels.triton import config
+  tiling = config.decode_blocks
+  monkeypatch.setattr(config, "decode_blocks", lambda *a: dataclasses.replace(
+      tiling(*a), block_k=64, prefetch_pages=prefetch, page_dots=True))
+  q, kc, vc = _cache(3, 2, 300, 8, 2, 64, jnp.float32, seed=8)
+  lengths = jnp.array([300, 1, 200])
+  num_pages = 3 * -(-300 // page_size) + 7  # Some never used (poison).
+  kp, table = _paginate(kc, page_size, num_pages, 9, lengths)
+  vp, _ = _paginate(vc, page_size, num_pages, 9, lengths)
+  out = jax_flash.flash_decode(q, kv_lengths=lengths, key_pages=kp,
+                               value_pages=vp, page_table=table, num_splits=3,
+                               implementation=KERNEL_IMPL)
+  ref, _ = _reference(q, kc, vc, lengths)
+  assert_attention_close(out, ref)
+
+
 def test_single_query_sees_the_whole_cache():
   q, kc, vc = _cache(2, 1, 100, 4, 2, 32, jnp.float32, seed=4)
   lengths = jnp.array([100, 37])

@@ -88,17 +88,20 @@ def test_bias_kernels_lower(bias_shape):
   assert "flash_attention_backward_dbias" in text
 
 
-# Paged: pages of 256 rows (two key tiles a page), 64 (one) and 16 (eight
-# a tile, one gather); their page ids read in the tile's iteration or two
-# tiles ahead.
+# Paged: pages of 256 rows (two key tiles a page), 64 (one) and 16 (four
+# a tile, one gather, or a load and a dot a page with `page_dots`); their
+# page ids read in the tile's iteration or two tiles ahead.
 @pytest.mark.parametrize("prefetch", [0, 2])
-@pytest.mark.parametrize("paged", [None, 256, 64, 16])
+@pytest.mark.parametrize("paged", [None, 256, 64, 16, "16_page_dots"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_decode_kernel_lowers(paged, dtype, prefetch, monkeypatch):
   from pallas_kernels.triton import config
   tiling = config.decode_blocks
+  page_dots = paged == "16_page_dots"  # Its pages a load and a dot each.
+  paged = 16 if page_dots else paged
   monkeypatch.setattr(config, "decode_blocks", lambda *a: dataclasses.replace(
-      tiling(*a), prefetch_pages=prefetch, num_stages=2 + prefetch))
+      tiling(*a), prefetch_pages=prefetch, num_stages=2 + prefetch,
+      page_dots=page_dots))
   q = jax.ShapeDtypeStruct((4, 2, 8, 128), dtype)
   lengths = jax.ShapeDtypeStruct((4,), jnp.int32)
   if paged:

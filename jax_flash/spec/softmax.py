@@ -17,7 +17,9 @@ form `-inf - -inf`, so such rows give an output of 0 and `lse = -inf`, not NaN.
 """
 from __future__ import annotations
 
+import functools
 import math
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -46,12 +48,22 @@ def update(m_prev, l_prev, s):
   Returns `(m_new, alpha, p, l_new)`: the caller rescales its unnormalized
   accumulator by `alpha` and adds `p @ V` (delayed normalization).
   """
-  m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
+  m_new, alpha, (p,), l_new = update_parts(m_prev, l_prev, (s,))
+  return m_new, alpha, p, l_new
+
+
+def update_parts(m_prev, l_prev, parts):
+  """`update` over one tile given as column blocks `parts` (a tuple of
+  [block_q, n_i] base-2 score tiles, together the tile's columns): the same
+  statistics, and a p for each part."""
+  m_new = functools.reduce(jnp.maximum, (jnp.max(s, axis=1) for s in parts),
+                           m_prev)
   m_safe = _safe(m_new)
   alpha = jnp.exp2(m_prev - m_safe)
-  p = jnp.exp2(s - m_safe[:, None])
-  l_new = l_prev * alpha + jnp.sum(p, axis=1)
-  return m_new, alpha, p, l_new
+  ps = tuple(jnp.exp2(s - m_safe[:, None]) for s in parts)
+  l_new = l_prev * alpha + functools.reduce(
+      operator.add, (jnp.sum(p, axis=1) for p in ps))
+  return m_new, alpha, ps, l_new
 
 
 def safe_divisor(l):

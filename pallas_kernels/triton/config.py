@@ -162,11 +162,15 @@ class DecodeBlocks:
     on the read).
   programs_per_sm: (split, batch, kv head) programs per multiprocessor the
     cache is split into (`decode_splits`).
+  page_dots: a tile of several pages is read a page at a time (one
+    contiguous load each) and multiplied a page at a time, instead of one
+    gathered load (an option: not yet measured on a GPU).
   """
   block_k: int
   num_stages: int = 2
   prefetch_pages: int = 0
   programs_per_sm: int = 4
+  page_dots: bool = False
 
 
 def decode_blocks(head_dim: int, kv_len: int, page_size: int | None = None

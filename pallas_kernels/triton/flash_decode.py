@@ -27,20 +27,22 @@ from jax_flash.spec.scores import Scores
 from pallas_kernels.triton.config import DecodeBlocks, padded_head_dim
 from pallas_kernels.triton.tiles import (dot, load_pages, load_tile,
                                          page_rows, store_row_stat,
-                                         store_tile)
+                                         store_tile, tile_pages)
 
 
 def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, *refs, scores: Scores,
                    mask: Mask, q_len: int, group: int, head_dim: int,
                    value_head_dim: int, block_k: int, tiles_per_split: int,
-                   paged: bool, prefetch: int):
+                   paged: bool, prefetch: int, page_dots: bool):
   """One (split, batch, kv head).
 
   q_ref: [R, Hp], rows r = g * T + t (masked past G*T); k_ref: [S_max, Hp]
   and v_ref [S_max, Hvp], or with `paged` [num_pages, page_size, Hp|Hvp] and
   then refs starts with the page table row [pages_per_seq]: a key tile of
-  block_k rows lies in one page or gathers several (`tiles.page_rows`),
-  its page rows read `prefetch` tiles ahead (0: in the tile's iteration).
+  block_k rows lies in one page or gathers several (`tiles.page_rows`;
+  with `page_dots` its pages are loaded and multiplied one at a time,
+  `tiles.tile_pages`), its page rows read `prefetch` tiles ahead (0: in
+  the tile's iteration).
   Outputs:
   o_ref [R, Hvp] (normalized partial output) and lse_ref [R] (-inf if
   empty).
@@ -60,9 +62,19 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, *refs, scores: Scores,
   last = jnp.minimum(first + tiles_per_split, cdiv(kv_len, block_k))
 
   if paged:
+    where = tile_pages if page_dots else page_rows
+
     def tile_rows(j):
-      return page_rows(table_ref, j * block_k, block_k, k_ref.shape[1],
-                       k_ref.shape[0])
+      return where(table_ref, j * block_k, block_k, k_ref.shape[1],
+                   k_ref.shape[0])
+
+  def visible_logits(k, cols):
+    """Base-2 logits of q against key rows k at positions cols, -inf
+    where the mask hides them."""
+    s, _ = scores.logits2(dot(q, k, trans_b=True))
+    visible = valid_row & mask.visible(query, cols[None, :], kv_len,
+                                       q_offset=kv_len - q_len)
+    return jnp.where(visible, s, softmax.NEG_INF)
 
   def body(j, carry):
     (acc, m, l), ahead = carry
@@ -71,6 +83,19 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, *refs, scores: Scores,
       # Tile j's page rows were read `prefetch` iterations ago (or now).
       rows, ahead = (ahead[0], ahead[1:] + (tile_rows(j + prefetch),)
                      ) if prefetch else (tile_rows(j), ())
+      if page_dots:  # A page at a time: contiguous loads, a dot each.
+        page_size = k_ref.shape[1]
+        ks = [load_pages(k_ref, page, page_size, row_bound=kv_len,
+                         head_dim=head_dim) for page in rows]
+        vs = [load_pages(v_ref, page, page_size, row_bound=kv_len,
+                         head_dim=value_head_dim) for page in rows]
+        parts = tuple(visible_logits(k, page[0] + jnp.arange(page_size))
+                      for k, page in zip(ks, rows))
+        m, alpha, ps, l = softmax.update_parts(m, l, parts)
+        acc = acc * alpha[:, None]
+        for p, v in zip(ps, vs):
+          acc = acc + dot(p.astype(v.dtype), v)
+        return (acc, m, l), ahead
       k = load_pages(k_ref, rows, block_k, row_bound=kv_len,
                      head_dim=head_dim)
       v = load_pages(v_ref, rows, block_k, row_bound=kv_len,
@@ -80,11 +105,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, *refs, scores: Scores,
                     head_dim=head_dim)
       v = load_tile(v_ref, k_start, block_k, row_bound=kv_len,
                     head_dim=value_head_dim)
-    s, _ = scores.logits2(dot(q, k, trans_b=True))
-    cols = (k_start + jnp.arange(block_k))[None, :]
-    visible = valid_row & mask.visible(query, cols, kv_len,
-                                       q_offset=kv_len - q_len)
-    s = jnp.where(visible, s, softmax.NEG_INF)
+    s = visible_logits(k, k_start + jnp.arange(block_k))
     m, alpha, p, l = softmax.update(m, l, s)
     acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v)
     return (acc, m, l), ahead
@@ -138,7 +159,9 @@ def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
       group=group, head_dim=head_dim, value_head_dim=value_head_dim,
       block_k=block_k,
       tiles_per_split=tiles_per_split, paged=paged,
-      prefetch=blocks.prefetch_pages if paged else 0)
+      prefetch=blocks.prefetch_pages if paged else 0,
+      page_dots=(paged and blocks.page_dots and
+                 block_k > k_cache.shape[1]))
   q_spec = pl.BlockSpec((None, None, rows, hp), lambda s, b, h: (b, h, 0, 0))
   def kv_spec(width):
     if paged:

@@ -70,6 +70,15 @@ def page_rows(table_ref, start, size, page_size: int, num_pages: int):
   return positions, pages, positions % page_size
 
 
+def tile_pages(table_ref, start, size, page_size: int, num_pages: int):
+  """The pages of cache positions [start, start + size) (size a multiple
+  of page_size, start of size): a tuple of (first position, page id, 0),
+  one a page, each what `page_rows` gives a tile within one page."""
+  return tuple(page_rows(table_ref, start + i * page_size, page_size,
+                         page_size, num_pages)
+               for i in range(size // page_size))
+
+
 def load_pages(ref, rows, size, *, row_bound, head_dim):
   """The tile of `size` rows at `rows` (from `page_rows`) of a paged cache
   ref [pages, page_size, Hp]; zero at positions >= row_bound (they may hold
