@@ -16,7 +16,8 @@
 #   bash scripts/gpu_check.sh registers # Mosaic backward: register split, dV before dS, 16k
 #   bash scripts/gpu_check.sh fused     # Mosaic backward with dQ in the dK/dV kernel: tests, 16k
 #   bash scripts/gpu_check.sh train     # train_lm at GPT-2-small size: flash, cuDNN, flax
-#   bash scripts/gpu_check.sh profile   # the Mosaic forward's named regions at 2k (profiler)
+#   bash scripts/gpu_check.sh profile   # the Mosaic forward's named regions at 2k (profiler;
+#                                       # PROFILE_SEQ_LEN, PROFILE_OPTIONS)
 #   bash scripts/gpu_check.sh pending   # the backward options' and decode's GPU tests (~2 min)
 #   bash scripts/gpu_check.sh softcap   # the soft-cap's cost, Mosaic and Triton, 8k
 #   bash scripts/gpu_check.sh prefill   # prompt chunks vs a 32k cache (Triton, paged, Mosaic)
@@ -189,14 +190,20 @@ for mode in "$@"; do
       # times; head dims 64 and 128, causal and not. Each is launched 5
       # times back to back (clocks up) and the last launch's trace kept.
       # PROFILE_OPTIONS='{"option": value}' sets MosaicBlockSizes fields
-      # over the defaults (e.g. '{"persistent": true}' on that branch).
+      # over the defaults (e.g. '{"persistent": true}'); PROFILE_SEQ_LEN
+      # (2048) the sequence length, 16k tokens a launch, with room for 4
+      # events a 64-row key tile.
       mkdir -p "$OUT/profile"
+      seq=${PROFILE_SEQ_LEN:-2048}
+      JAX_FLASH_MOSAIC_PROFILE_EVENTS=$((4 * seq / 64 + 64)) \
       JAX_FLASH_MOSAIC_PROFILE_DIR="$OUT/profile" timeout 150 python3 -c "
 import dataclasses, glob, json, os, jax, jax.numpy as jnp, jax_flash
 options = json.loads(os.environ.get('PROFILE_OPTIONS') or '{}')
+n = $seq
 for h in (64, 128):
   for causal in (False, True):
-    q = jax.random.normal(jax.random.key(0), (8, 2048, 2048 // h, h), jnp.bfloat16)
+    q = jax.random.normal(jax.random.key(0), (16384 // n, n, 2048 // h, h),
+                          jnp.bfloat16)
     blocks = dataclasses.replace(
         jax_flash.MosaicBlockSizes.get_default(h, causal), **options)
     f = jax.jit(lambda q: jax_flash.flash_attention(

@@ -699,3 +699,8 @@ def test_profiler_is_on_only_when_its_directory_is_named(monkeypatch):
   assert (params.profile_space, params.profile_dir) == (
       config.PROFILE_EVENTS, "/tmp/traces")
   assert params.approx_math
+  monkeypatch.setenv(config.PROFILE_EVENTS_ENV, "1040")  # 16k keys.
+  assert config.compiler_params().profile_space == 1040
+  monkeypatch.setenv(config.PROFILE_EVENTS_ENV, "lots")
+  with pytest.raises(ValueError, match="JAX_FLASH_MOSAIC_PROFILE_EVENTS"):
+    config.compiler_params()

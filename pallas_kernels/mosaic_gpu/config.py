@@ -53,17 +53,25 @@ def num_multiprocessors() -> int:
 # regions (`jax.named_scope` in the kernels) when set: one Chrome-trace
 # JSON a launch, summarised by benchmarks/profile_summary.py.
 PROFILE_DIR_ENV = "JAX_FLASH_MOSAIC_PROFILE_DIR"
-PROFILE_EVENTS = 128  # Events a warpgroup can record in one launch.
+# Events a warpgroup can record in one launch: PROFILE_EVENTS, or
+# $JAX_FLASH_MOSAIC_PROFILE_EVENTS (the forward records 4 a key tile).
+PROFILE_EVENTS_ENV = "JAX_FLASH_MOSAIC_PROFILE_EVENTS"
+PROFILE_EVENTS = 128
 
 
 def compiler_params():
   """The Mosaic kernels' compiler parameters: approximate math, and Mosaic
   GPU's profiler when $JAX_FLASH_MOSAIC_PROFILE_DIR names a directory
-  (read at trace time; events past PROFILE_EVENTS are dropped)."""
+  (read at trace time; a warpgroup's events past the profile's space are
+  dropped)."""
   profile_dir = os.environ.get(PROFILE_DIR_ENV)
   if not profile_dir:
     return plgpu.CompilerParams(approx_math=True)
-  return plgpu.CompilerParams(approx_math=True, profile_space=PROFILE_EVENTS,
+  events = os.environ.get(PROFILE_EVENTS_ENV, str(PROFILE_EVENTS))
+  if not events.isdigit() or int(events) < 1:
+    raise ValueError(f"${PROFILE_EVENTS_ENV}={events!r} must be a positive "
+                     f"int (events a warpgroup records)")
+  return plgpu.CompilerParams(approx_math=True, profile_space=int(events),
                               profile_dir=profile_dir,
                               profile_bounds_check=True)
 
