@@ -18,7 +18,8 @@
 #   bash scripts/gpu_check.sh train     # train_lm at GPT-2-small size: flash, cuDNN, flax
 #   bash scripts/gpu_check.sh profile   # the Mosaic forward's named regions at 2k (profiler;
 #                                       # PROFILE_SEQ_LEN, PROFILE_OPTIONS)
-#   bash scripts/gpu_check.sh pending   # the backward options' and decode's GPU tests (~2 min)
+#   bash scripts/gpu_check.sh pending   # what changed since the last GPU run: its tests, the
+#                                       # decode page_dots sweep (~5 min)
 #   bash scripts/gpu_check.sh softcap   # the soft-cap's cost, Mosaic and Triton, 8k
 #   bash scripts/gpu_check.sh prefill   # prompt chunks vs a 32k cache (Triton, paged, Mosaic)
 #   bash scripts/gpu_check.sh h512      # head dim 512: Triton vs cuDNN and XLA, 8k
@@ -221,19 +222,24 @@ for h in (64, 128):
       done
       ;;
     pending)
-      # The Mosaic backward's options, `producer_registers`,
-      # `dv_before_ds` and `fused_dq` (tests/test_gpu.py, 20 cases), and
-      # tests/test_decode.py, under a short limit (a hang costs little);
-      # 73 passed at 410603f (eleventh session). Then `registers`, `fused`
-      # and `decode` time them.
+      # What changed since the last GPU run (twelfth session): the Mosaic
+      # cases of tests/test_gpu.py with the persistent forward the default
+      # for unmasked calls up to 2048 keys, and tests/test_decode.py with
+      # the `page_dots` option's cases, under a short limit (a hang costs
+      # little); then the decode sweep with and without `page_dots`.
       XLA_FLAGS=$TEST_XLA_FLAGS JAX_FLASH_FAILURE_LOG="$OUT/failures.log" \
         timeout "${MOSAIC_LIMIT:-200}" \
         python3 -m pytest -v -n 16 -rfE -p no:cacheprovider tests/test_decode.py \
-        tests/test_gpu.py::test_mosaic_register_options_match_reference \
-        tests/test_gpu.py::test_mosaic_fused_dq_matches_reference \
+        tests/test_gpu.py -k "mosaic or persistent or decode or page" \
         > "$OUT/pending.log" 2>&1
       echo "pytest exit: $?"; grep -E "(PASSED|FAILED|ERROR) tests|passed|failed" \
-        "$OUT/pending.log" | sed 's/.*\] //' | tail -20
+        "$OUT/pending.log" | sed 's/.*\] //' | grep -v PASSED | tail -20
+      timeout "${BENCH_LIMIT:-200}" python3 benchmarks/decode_tune.py \
+        --shapes 8x32768 8x131072 64x32768 --page-sizes 16 --block-k 64 \
+        --stages 2 3 --prefetch 1 --programs-per-sm 2 4 --page-dots 0 1 \
+        --out "$OUT/page_dots" > /tmp/page_dots.log 2>&1 \
+        || tail -n 20 /tmp/page_dots.log
+      grep '^{' /tmp/page_dots.log | cut -c1-260
       ;;
     prefill)
       # Prompt chunks against a 32k cache: contiguous, paged, and on the
