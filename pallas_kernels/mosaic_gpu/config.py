@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 import os
 
-import jax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_flash.spec.checks import check_block_field
@@ -36,19 +35,6 @@ def fused_dq_columns(head_dim: int) -> int:
 # Longest key sequence for which the forward is persistent by default
 # (`BlockSizes.get_default`).
 PERSISTENT_MAX_KV_LEN = 2048
-# Multiprocessors of an H100 SXM / H200, for lowering where no GPU is.
-DEFAULT_MULTIPROCESSORS = 132
-
-
-def num_multiprocessors() -> int:
-  """Multiprocessors of the first GPU (`BlockSizes.persistent`'s CTAs), or
-  `DEFAULT_MULTIPROCESSORS` without one (lowering on a CPU)."""
-  try:
-    return jax.devices("gpu")[0].core_count
-  except RuntimeError:
-    return DEFAULT_MULTIPROCESSORS
-
-
 # Where the Mosaic kernels write a per-warpgroup trace of their named
 # regions (`jax.named_scope` in the kernels) when set: one Chrome-trace
 # JSON a launch, summarised by benchmarks/profile_summary.py.

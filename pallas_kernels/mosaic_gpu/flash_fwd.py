@@ -43,8 +43,8 @@ from jax_flash.spec.mask import (KV_PAD_ID, Q_PAD_ID, Mask, id_block_table,
                                   kv_block_ranges, without_full_tiles)
 from jax_flash.spec.padding import pad_pairs, pad_to, round_up
 from jax_flash.spec.scores import Scores
-from pallas_kernels.mosaic_gpu.config import (BlockSizes, compiler_params,
-                                              num_multiprocessors)
+from pallas_kernels.device import num_multiprocessors
+from pallas_kernels.mosaic_gpu.config import BlockSizes, compiler_params
 
 COMPUTE_WGS = 2
 ROW = plgpu.Layout.WGMMA.reduce(1)  # One value per row of a wgmma tile.

@@ -12,12 +12,11 @@ import dataclasses
 import numpy as np
 
 from jax_flash.spec.checks import check_block_field
+from pallas_kernels.device import num_multiprocessors
 
 MIN_HEAD_DIM = 16
 MAX_HEAD_DIM = 512
 DTYPES = ("float32", "bfloat16", "float16")
-# H100/H200 multiprocessors: decode fills them with (split, batch, head).
-NUM_SMS = 132
 # New tokens per sequence up to which decode runs the split-KV kernel (one
 # tile of G*T rows); more run the training forward kernel.
 SPLIT_KV_MAX_QUERIES = 64
@@ -216,4 +215,5 @@ def decode_splits(batch: int, num_kv_heads: int, num_tiles: int,
   of 16-token pages where 264 are resident took 1.21x the time of 512 on the
   H200), at least one, at most one per key tile."""
   per_split = batch * num_kv_heads
-  return int(max(1, min(num_tiles, programs_per_sm * NUM_SMS // per_split)))
+  programs = programs_per_sm * num_multiprocessors()
+  return int(max(1, min(num_tiles, programs // per_split)))
