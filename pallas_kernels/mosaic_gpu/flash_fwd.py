@@ -37,13 +37,13 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_flash.spec import dropout, softmax
+from jax_flash.spec.device import num_multiprocessors
 from jax_flash.spec.mask import (KV_PAD_ID, Q_PAD_ID, Mask, id_block_table,
                                   intersect_ranges, intersect_tables,
                                   kinds_block_table,
                                   kv_block_ranges, without_full_tiles)
 from jax_flash.spec.padding import pad_pairs, pad_to, round_up
 from jax_flash.spec.scores import Scores
-from pallas_kernels.device import num_multiprocessors
 from pallas_kernels.mosaic_gpu.config import BlockSizes, compiler_params
 
 COMPUTE_WGS = 2

@@ -12,7 +12,7 @@ import dataclasses
 import numpy as np
 
 from jax_flash.spec.checks import check_block_field
-from pallas_kernels.device import num_multiprocessors
+from jax_flash.spec.device import num_multiprocessors
 
 MIN_HEAD_DIM = 16
 MAX_HEAD_DIM = 512

@@ -1,4 +1,4 @@
-"""What the backends ask of the GPU they compile for."""
+"""What every backend may ask of the GPU it compiles for."""
 import jax
 
 # Multiprocessors of an H100 SXM / H200: the answer where no GPU is (the
