@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python3 benchmarks/mosaic_tune.py [--head-dims 64 128]
         [--seq-len 8192] [--modes fwd bwd] [--candidates JSON] [--out DIR]
+        [--calls 10] [--repeats 3]
 
 bf16, 16k tokens (batch = 16384 / seq), hidden 2048, causal and not. For each
 (head dim, causal, mode): cuDNN, then the Mosaic kernels under every
@@ -13,7 +14,10 @@ and writes mosaic_tune.json. The data behind
 `pallas_kernels/mosaic_gpu/config.py`. With MOSAIC_GPU_DUMP_PTXAS=1 each
 Mosaic row also gets "ptxas": the spill bytes (stores) of each kernel
 ptxas compiled while that row was measured (a kernel compiled before, with
-the same code, is not compiled again and not listed).
+the same code, is not compiled again and not listed). Each row times
+--repeats batches of --calls back-to-back calls (the median batch): at 2k
+keep a batch at 20 ms or more (--calls 60), or rows that should be equal
+differ by 15% (twelfth session).
 """
 import argparse
 import contextlib
@@ -89,6 +93,10 @@ def main():
                            "instead of the mode's (`{}`: the defaults), e.g. "
                            "'[{}, {\"named_barriers\": true}]'")
   parser.add_argument("--out", default=".")
+  parser.add_argument("--calls", type=int, default=10,
+                      help="back-to-back calls per timed batch")
+  parser.add_argument("--repeats", type=int, default=3,
+                      help="timed batches; the median is reported")
   args = parser.parse_args()
   t, rows = args.seq_len, []
   for h in args.head_dims:
@@ -101,7 +109,7 @@ def main():
       for mode in args.modes:
         cudnn = _measure(lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, is_causal=causal, implementation="cudnn"), mode,
-                         q, k, v, do, flops, 10, 3)
+                         q, k, v, do, flops, args.calls, args.repeats)
         row = dict(impl="cudnn", head_dim=h, causal=causal, mode=mode, **cudnn)
         print(json.dumps(row), flush=True)
         rows.append(row)
@@ -117,7 +125,8 @@ def main():
           lines = []
           with (captured_output(lines) if os.environ.get(
               "MOSAIC_GPU_DUMP_PTXAS") else contextlib.nullcontext()):
-            measured = _measure(fn, mode, q, k, v, do, flops, 10, 3)
+            measured = _measure(fn, mode, q, k, v, do, flops, args.calls,
+                                args.repeats)
           row = dict(impl="mosaic", head_dim=h, causal=causal, mode=mode,
                      block_sizes=dataclasses.asdict(bs), **measured)
           if lines:
