@@ -31,6 +31,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
@@ -125,8 +126,65 @@ def cta_row_tile(mask: Mask, axis: str, num_tiles: int):
   return num_tiles - 1 - index if mask.is_causal else index
 
 
+def band_tiles(mask: Mask, num_tiles: int, rows: int, block_kv: int,
+               kv_len: int):
+  """Key tiles each of num_tiles query tiles of `rows` rows visits by the
+  band (`mask.band`), as `kv_block_ranges` counts them (hi - lo), in numpy
+  (at trace time, with no device)."""
+  left, right = mask.band()
+  r0 = np.arange(num_tiles) * rows
+  first = np.zeros_like(r0) if left is None else np.maximum(r0 - left, 0)
+  last = np.full_like(r0, kv_len - 1)
+  if right is not None:
+    last = np.minimum(r0 + rows - 1 + right, last)
+  return np.maximum(last // block_kv + 1 - first // block_kv, 0)
+
+
+# Rounds at the end of a persistent CTA's items sorted heaviest first, so
+# the last ones are light ones (`persistent_order`).
+TAIL_ROUNDS = 3
+
+
+def persistent_order(mask: Mask, programs: int, batch: int, heads: int,
+                     num_tiles: int, rows: int, block_kv: int, kv_len: int):
+  """The persistent forward's items (batch, head, query tile of `rows`
+  rows) as a static int32 table [rounds, programs] of item ids
+  ((batch * heads + head) * num_tiles + tile; -1: none), or None where
+  every item sees as many key tiles by the band (then CTA p takes item
+  round * programs + p).
+
+  Rounds take `programs` consecutive items in the order query tiles
+  fastest (those seeing the most key tiles first), then heads, then batch,
+  so the CTAs of a round share the K/V of a few (batch, head) in L2,
+  except the last TAIL_ROUNDS rounds' items, heaviest first; in each
+  round the heaviest item goes to the CTA with the least work so far (the
+  band's key tiles plus one an item; a dynamic mask's or a query offset's
+  tiles are not seen: they are taken as the band's). Under a causal mask
+  no CTA's work exceeds the mean by more than 2% (a CPU test)."""
+  weight = band_tiles(mask, num_tiles, rows, block_kv, kv_len) + 1
+  if (weight == weight[0]).all():
+    return None
+  tiles = np.argsort(-weight, kind="stable")
+  items = (np.arange(batch * heads)[:, None] * num_tiles + tiles).ravel()
+  work = np.tile(weight[tiles], batch * heads)
+  rounds = -(-items.size // programs)
+  tail = max(0, rounds - TAIL_ROUNDS) * programs
+  heavy = tail + np.argsort(-work[tail:], kind="stable")
+  items[tail:], work[tail:] = items[heavy], work[heavy]
+  order = np.full((rounds, programs), -1, np.int32)
+  load = np.zeros(programs, np.int64)
+  for r in range(rounds):
+    ids, w = items[r * programs:(r + 1) * programs], work[r * programs:
+                                                          (r + 1) * programs]
+    heavy = np.argsort(-w, kind="stable")
+    ctas = np.argsort(load, kind="stable")[:ids.size]
+    order[r, ctas] = ids[heavy]
+    load[ctas] += w[heavy]
+  return order
+
+
 def cta_schedule(mask: Mask, programs: int | None, batch: int, heads: int,
-                 num_tiles: int):
+                 num_tiles: int, order_ref=None):
   """(count, coords) of this CTA's forward items (batch, head, query tile
   of 2 * block_q rows): how many it runs and coords(i) -> (batch, head,
   tile) of its i-th.
@@ -134,12 +192,9 @@ def cta_schedule(mask: Mask, programs: int | None, batch: int, heads: int,
   programs None: one item a CTA, from its grid indices ("batch", "heads",
   `cta_row_tile` of "q_seq"). Otherwise the grid is `programs` CTAs
   ("program", persistent: one a multiprocessor) taking the items in rounds
-  of `programs`: in round k CTA p takes item k * programs + p, or
-  programs - 1 - p in odd rounds, so that under a causal mask no CTA takes
-  the heaviest item of every round. Items in the non-persistent grid's
-  order (heads fastest, then query tiles, then batch), or under a causal
-  mask heads, then batch, then query tiles heaviest first (`cta_row_tile`)
-  across every (batch, head)."""
+  of `programs` (`persistent_order`): in round k CTA p takes item
+  order_ref[k, p] (read from global memory), or without a table item
+  k * programs + p, item ids counting query tiles fastest."""
   if programs is None:
     tile = cta_row_tile(mask, "q_seq", num_tiles)
     index = (lax.axis_index("batch"), lax.axis_index("heads"), tile)
@@ -147,18 +202,14 @@ def cta_schedule(mask: Mask, programs: int | None, batch: int, heads: int,
   pid = lax.axis_index("program")
 
   def coords(i):
-    lane = jnp.where(lax.rem(i, 2) == 0, pid, programs - 1 - pid)
-    item = i * programs + lane
-    head, rest = lax.rem(item, heads), lax.div(item, heads)
-    if mask.is_causal:
-      return lax.rem(rest, batch), head, num_tiles - 1 - lax.div(rest, batch)
-    return lax.div(rest, num_tiles), head, lax.rem(rest, num_tiles)
-  total = batch * heads * num_tiles
-  rounds, rest = total // programs, total % programs
-  # The last, partial round runs on lanes [0, rest): CTAs p < rest in an
-  # even round, p >= programs - rest in an odd one.
-  last = pid < rest if rounds % 2 == 0 else pid >= programs - rest
-  return rounds + last.astype(jnp.int32), coords
+    item = i * programs + pid if order_ref is None else order_ref[i, pid]
+    rest = lax.div(item, num_tiles)
+    return lax.div(rest, heads), lax.rem(rest, heads), lax.rem(item, num_tiles)
+  if order_ref is None:
+    total = batch * heads * num_tiles
+    return total // programs + (pid < total % programs).astype(jnp.int32), coords
+  rounds = order_ref.shape[0]  # Only the last round has empty entries.
+  return rounds - 1 + (order_ref[rounds - 1, pid] >= 0).astype(jnp.int32), coords
 
 
 def table_ranges(mask: Mask, ranges, table_ref, batch, row_tile):
@@ -250,7 +301,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
   (padded past the kernel's tiles), sink logits [N], dropout seed words
   [2], query offsets [B] (row i of sequence b sits at position
   i + q_offsets[b]; `mask.has_q_offsets`), a dense mask and a bias
-  (`pad_pairs`; `mask.has_dense`, `scores.bias`).
+  (`pad_pairs`; `mask.has_dense`, `scores.bias`), the persistent CTAs'
+  items [rounds, programs] (`persistent_order`).
 
   A CTA runs the items (batch, head, 2 * block_q query rows)
   `cta_schedule` gives it (`programs`: None, one; else the persistent
@@ -259,7 +311,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
   (base + i) % num_stages, so the ring carries over from one item to the
   next."""
   (table_ref, slopes_ref, q_ids_ref, kv_ids_ref, sinks_ref, seed_ref,
-   offsets_ref, dense_ref, bias_ref) = extra_refs
+   offsets_ref, dense_ref, bias_ref, order_ref) = extra_refs
   (q_smem3, k_smem, v_smem, lse_smem3), ready, free, schedule_barrier = scratch
   k_ready, v_ready, q_ready = ready
   k_free, v_free = free
@@ -289,7 +341,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
     return first, jnp.maximum(steps, first), consumer_ranges
 
   count, item_coords = cta_schedule(mask, programs, q_ref.shape[0],
-                                    q_ref.shape[2], num_tiles)
+                                    q_ref.shape[2], num_tiles, order_ref)
   rows = COMPUTE_WGS * block_q
 
   def for_each_item(body):
@@ -516,9 +568,22 @@ def flash_forward(q, k, v, *, mask: Mask, scores: Scores,
       mask, tile_kinds, q_ids, kv_ids, blocks.block_q, blocks.block_kv,
       q_len, kv_len, padded_len // blocks.block_q)
   kv_rows = round_up(kv_len, blocks.block_kv)
+  rows = COMPUTE_WGS * blocks.block_q
+  num_tiles = padded_len // rows
+  order = None
+  if blocks.persistent:
+    programs = min(batch * num_heads * num_tiles, num_multiprocessors())
+    order = persistent_order(mask, programs, batch, num_heads, num_tiles,
+                             rows, blocks.block_kv, kv_len)
+    grid, grid_names = (programs,), ("program",)
+  else:
+    programs = None
+    grid = (num_heads, num_tiles, batch)
+    grid_names = ("heads", "q_seq", "batch")
   extras = (table, alibi_slopes, *pad_ids(q_ids, kv_ids, padded_len, kv_rows),
             sinks, dropout_seed, q_offsets,
-            *(pad_pairs(x, padded_len, kv_rows) for x in (dense_mask, bias)))
+            *(pad_pairs(x, padded_len, kv_rows) for x in (dense_mask, bias)),
+            None if order is None else jnp.asarray(order))
   transforms = smem_transforms(q.dtype, head_dim)
   stages, q_buffers = blocks.num_stages, blocks.q_buffers(head_dim)
   scratch = dict(
@@ -547,14 +612,6 @@ def flash_forward(q, k, v, *, mask: Mask, scores: Scores,
                     scores=scores, blocks=blocks, group=group, kv_len=kv_len,
                     programs=programs)
 
-  num_tiles = padded_len // (COMPUTE_WGS * blocks.block_q)
-  if blocks.persistent:
-    programs = min(batch * num_heads * num_tiles, num_multiprocessors())
-    grid, grid_names = (programs,), ("program",)
-  else:
-    programs = None
-    grid = (num_heads, num_tiles, batch)
-    grid_names = ("heads", "q_seq", "batch")
   o, lse = plgpu.kernel(
       body,
       out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
