@@ -18,6 +18,7 @@
 #   bash scripts/gpu_check.sh train     # train_lm at GPT-2-small size: flash, cuDNN, flax
 #   bash scripts/gpu_check.sh profile   # the Mosaic forward's named regions at 2k (profiler;
 #                                       # PROFILE_SEQ_LEN, PROFILE_OPTIONS)
+#   bash scripts/gpu_check.sh persistent # the persistent forward: tests, vs one CTA an item 1k-16k
 #   bash scripts/gpu_check.sh pending   # what changed since the last GPU run: its tests, the
 #                                       # decode page_dots sweep (~5 min)
 #   bash scripts/gpu_check.sh softcap   # the soft-cap's cost, Mosaic and Triton, 8k
@@ -182,6 +183,35 @@ for mode in "$@"; do
           --implementation $impl --out-dir /tmp/ckpt_$impl \
           > "$OUT/train_$impl.log" 2>&1
         echo "train $impl: exit $?"; tr '\r' '\n' < "$OUT/train_$impl.log" | tail -n 8
+      done
+      ;;
+    persistent)
+      # The persistent forward (thirteenth session: items query tiles
+      # fastest, `persistent_order`): its GPU tests, then against one CTA
+      # an item at 1k-16k, head dims 64 and 128 (96 and 256 at 4k and 16k),
+      # in batches of about 20 ms (PERSISTENT_SEQ_LENS to choose).
+      XLA_FLAGS=$TEST_XLA_FLAGS JAX_FLASH_FAILURE_LOG="$OUT/failures.log" \
+        timeout "${MOSAIC_LIMIT:-150}" \
+        python3 -m pytest -v -n 16 -rfE -p no:cacheprovider tests/test_gpu.py \
+        -k persistent > "$OUT/persistent_tests.log" 2>&1
+      echo "pytest exit: $?"; grep -E "(PASSED|FAILED|ERROR) tests|passed|failed" \
+        "$OUT/persistent_tests.log" | sed 's/.*\] //' | grep -v PASSED | tail -20
+      for seq in ${PERSISTENT_SEQ_LENS:-1024 2048 4096 8192 16384}; do
+        dims="64 128"
+        case $seq in 4096|16384) dims="64 96 128 256";; esac
+        # shellcheck disable=SC2086
+        timeout 150 python3 benchmarks/mosaic_tune.py --seq-len "$seq" \
+          --head-dims $dims --calls $((120000 / seq)) --repeats 5 \
+          --candidates '[{}, {"persistent": true}]' \
+          --out "$OUT/persistent_$seq" > "/tmp/persistent_$seq.log" 2>&1 \
+          || tail -n 5 "/tmp/persistent_$seq.log"
+        grep '^{' "/tmp/persistent_$seq.log" | python3 -c '
+import json, sys
+for line in sys.stdin:
+  r = json.loads(line)
+  print(r["impl"], r["head_dim"], "causal" if r["causal"] else "full",
+        "persistent" if r.get("block_sizes", {}).get("persistent") else "",
+        round(r.get("tflops", 0)), r.get("vs_cudnn", ""), r.get("error", "")[:120])'
       done
       ;;
     profile)

@@ -262,6 +262,20 @@ def test_mosaic_persistent_forward_matches_reference(name, monkeypatch):
                          implementation="mosaic", garbage=bool(lengths))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_mosaic_persistent_forward_on_every_multiprocessor(causal):
+  """The persistent forward with the GPU's own CTA count (a round of
+  items on every multiprocessor, `persistent_order`'s table under a causal
+  mask) at 2k: 256 items of unequal length on 132 CTAs."""
+  case = Case(2, 2048, 2048, 8, 2, 128, "bfloat16", causal)
+  blocks = dataclasses.replace(
+      jax_flash.MosaicBlockSizes.get_default(case.head_dim, case.causal),
+      persistent=True)
+  compare_with_reference(dict(is_causal=case.causal), case.dtype,
+                         shape=case.shape, block_sizes=blocks,
+                         implementation="mosaic")
+
+
 def test_default_on_h200_is_mosaic_where_it_takes_the_call():
   if "H200" not in jax.devices()[0].device_kind:
     pytest.skip("not an H200")
