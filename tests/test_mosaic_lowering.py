@@ -284,16 +284,17 @@ def test_persistent_schedule_covers_every_item_once(
 
 @pytest.mark.parametrize("head_dim,kv_len,mask,persistent", [
     (128, 2048, Mask(), True), (64, 1000, Mask(), True),
-    (128, 2049, Mask(), False), (96, 2048, Mask(), False),
-    (256, 1024, Mask(), False), (128, 2048, Mask(is_causal=True), False),
+    (128, 16384, Mask(), True), (96, 2048, Mask(), True),
+    (256, 1024, Mask(), False), (128, 2048, Mask(is_causal=True), True),
     (64, 1024, Mask(window_left=100, window_right=100), False),
     (64, 1024, Mask(has_ids=True, segments_only=True), False),
+    (64, 1024, Mask(is_causal=True, has_q_offsets=True), False),
     (64, 1024, None, False)])
-def test_default_is_persistent_only_without_a_mask_up_to_2k(
+def test_default_is_persistent_only_without_a_mask_but_causality(
     head_dim, kv_len, mask, persistent):
   """The default tiles run the persistent forward where it measured
-  faster: every query sees every key (items of one length), keys at most
-  2048, head dims 64 and 128."""
+  faster: no mask but causality (items weighed by the band), head dims
+  64, 96 and 128."""
   problem = Problem(batch=2, q_len=kv_len, kv_len=kv_len, num_heads=8,
                     num_kv_heads=8, head_dim=head_dim, unbatched=False)
   blocks = MosaicGpuBackend().config(

@@ -32,9 +32,9 @@ def fused_dq_columns(head_dim: int) -> int:
   return head_dim // 2 if head_dim > 64 else head_dim
 
 
-# Longest key sequence for which the forward is persistent by default
+# Head dims at which the forward is persistent by default
 # (`BlockSizes.get_default`).
-PERSISTENT_MAX_KV_LEN = 2048
+PERSISTENT_HEAD_DIMS = (64, 96, 128)
 # Where the Mosaic kernels write a per-warpgroup trace of their named
 # regions (`jax.named_scope` in the kernels) when set: one Chrome-trace
 # JSON a launch, summarised by benchmarks/profile_summary.py.
@@ -97,9 +97,9 @@ class BlockSizes:
   K/V loads overlap the last one's epilogue; `flash_fwd.cta_schedule`) and
   two Q buffers up to head dim 128 (the next item's Q loads while this
   one's tiles run; its O stores are not awaited before the next item's
-  start): on by default without a mask for keys up to
-  PERSISTENT_MAX_KV_LEN at head dims 64 and 128 (`get_default`), where it
-  gains 4-7% on the H200.
+  start), items query tiles fastest so that a round's CTAs share K/V in
+  L2 (`flash_fwd.persistent_order`): on by default for calls without a
+  mask other than causality at PERSISTENT_HEAD_DIMS (`get_default`).
   """
   block_q: int = 64
   block_kv: int = 128
@@ -176,7 +176,7 @@ class BlockSizes:
   @classmethod
   def get_default(cls, head_dim: int, is_causal: bool = False,
                   fused_dq: bool = False,
-                  kv_len: int | None = None) -> "BlockSizes":
+                  band_only: bool = False) -> "BlockSizes":
     """Per head dim and causality, from the sweep in
     benchmarks/results/2026-11-30-h200-session4/mosaic_tune.json (bf16, 8k,
     one run; `benchmarks/mosaic_tune.py`).
@@ -194,15 +194,13 @@ class BlockSizes:
     spills 388 bytes and causal forward+backward loses 19%):
     benchmarks/results/2026-12-01-h200-session11/fused_410603f.json.
 
-    `persistent` for a call whose queries see all its kv_len keys (no
-    mask; kv_len None: not such a call) when kv_len is at most
-    PERSISTENT_MAX_KV_LEN and the head dim 64 or 128: against one CTA an
-    item, the forward at 2k measured 397 -> 422 and 561 -> 586 TFLOP/s
-    (head dims 64 / 128; 0.91 / 0.93x cuDNN -> 0.99 / 0.98x, two runs of
-    `python -m jax_flash.benchmark`), +5 / +7% in `mosaic_tune.py`; at 4k
-    +5 / -2%, at 16k -5 / -4% there; under a causal mask (items of unequal
-    length taken in a fixed order) 303 -> 322 and 461 -> 400 at 2k
-    (benchmarks/results/2026-12-01-h200-session12/persistent_q/).
+    `persistent` for a call with no mask but causality (`band_only`: the
+    schedule weighs its items by the band) at PERSISTENT_HEAD_DIMS: with
+    items query tiles fastest it measured faster than one CTA an item at
+    1k-16k, causal and not (2-10% at 2k-16k at head dim 128, +1-6% at 64
+    but -1.5% at 16k non-causal; 96 +0-6%); at 256 (one Q buffer) -6% at
+    16k non-causal: `mosaic_tune.py`, one run,
+    benchmarks/results/2026-12-01-h200-session13/persistent/.
     """
     if head_dim > 128:
       blocks = cls(block_q=64, block_kv=64)
@@ -214,7 +212,6 @@ class BlockSizes:
     if fused_dq:
       blocks = dataclasses.replace(
           blocks, fused_dq=True, num_stages_bwd=3 if head_dim <= 64 else 2)
-    if (kv_len is not None and not is_causal and
-        kv_len <= PERSISTENT_MAX_KV_LEN and head_dim in (64, 128)):
+    if band_only and head_dim in PERSISTENT_HEAD_DIMS:
       blocks = dataclasses.replace(blocks, persistent=True)
     return blocks
