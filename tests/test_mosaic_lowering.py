@@ -263,10 +263,11 @@ def test_persistent_schedule_covers_every_item_once(
   for pid in range(programs):
     monkeypatch.setattr(flash_fwd.lax, "axis_index",
                         lambda name, pid=pid: jnp.int32(pid))
-    count, coords = flash_fwd.cta_schedule(
+    count, item_id, coords = flash_fwd.cta_schedule(
         mask, programs, batch, heads, tiles,
         None if order is None else jnp.asarray(order))
-    items = [tuple(int(x) for x in coords(i)) for i in range(int(count))]
+    items = [tuple(int(x) for x in coords(item_id(i)))
+             for i in range(int(count))]
     seen += items
     work.append(sum(weight[t] for _, _, t in items))
     for i, (b, h, _) in enumerate(items):

@@ -185,31 +185,36 @@ def persistent_order(mask: Mask, programs: int, batch: int, heads: int,
 
 def cta_schedule(mask: Mask, programs: int | None, batch: int, heads: int,
                  num_tiles: int, order_ref=None):
-  """(count, coords) of this CTA's forward items (batch, head, query tile
-  of 2 * block_q rows): how many it runs and coords(i) -> (batch, head,
-  tile) of its i-th.
+  """(count, item_id, coords) of this CTA's forward items (batch, head,
+  query tile of 2 * block_q rows): how many it runs, item_id(i) -> the id
+  of its i-th (for i < count) and coords(id) -> (batch, head, tile).
 
   programs None: one item a CTA, from its grid indices ("batch", "heads",
   `cta_row_tile` of "q_seq"). Otherwise the grid is `programs` CTAs
   ("program", persistent: one a multiprocessor) taking the items in rounds
   of `programs` (`persistent_order`): in round k CTA p takes item
-  order_ref[k, p] (read from global memory), or without a table item
-  k * programs + p, item ids counting query tiles fastest."""
+  order_ref[k, p] (read from global memory: the kernel reads ids two
+  items ahead), or without a table item k * programs + p, item ids
+  counting query tiles fastest."""
   if programs is None:
     tile = cta_row_tile(mask, "q_seq", num_tiles)
     index = (lax.axis_index("batch"), lax.axis_index("heads"), tile)
-    return 1, lambda i: index
+    return 1, lambda i: jnp.int32(0), lambda item: index
   pid = lax.axis_index("program")
 
-  def coords(i):
-    item = i * programs + pid if order_ref is None else order_ref[i, pid]
+  def item_id(i):
+    return i * programs + pid if order_ref is None else order_ref[i, pid]
+
+  def coords(item):
     rest = lax.div(item, num_tiles)
     return lax.div(rest, heads), lax.rem(rest, heads), lax.rem(item, num_tiles)
   if order_ref is None:
     total = batch * heads * num_tiles
-    return total // programs + (pid < total % programs).astype(jnp.int32), coords
-  rounds = order_ref.shape[0]  # Only the last round has empty entries.
-  return rounds - 1 + (order_ref[rounds - 1, pid] >= 0).astype(jnp.int32), coords
+    count = total // programs + (pid < total % programs).astype(jnp.int32)
+  else:  # Only the last round has empty entries.
+    rounds = order_ref.shape[0]
+    count = rounds - 1 + (order_ref[rounds - 1, pid] >= 0).astype(jnp.int32)
+  return count, item_id, coords
 
 
 def table_ranges(mask: Mask, ranges, table_ref, batch, row_tile):
@@ -340,30 +345,39 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
       first, steps = _union(consumer_ranges(0), consumer_ranges(1))
     return first, jnp.maximum(steps, first), consumer_ranges
 
-  count, item_coords = cta_schedule(mask, programs, q_ref.shape[0],
-                                    q_ref.shape[2], num_tiles, order_ref)
+  count, item_id, item_coords = cta_schedule(
+      mask, programs, q_ref.shape[0], q_ref.shape[2], num_tiles, order_ref)
   rows = COMPUTE_WGS * block_q
 
   def for_each_item(body):
-    """Runs body(i, batch, head, tile_start, base) -> base over the CTA's
-    items i, from base 0; returns the last base."""
-    def run(i, base):
-      b, h, tile = item_coords(i)
-      return body(i, b, h, tile * rows, base)
-    if programs is None:
-      return run(0, jnp.int32(0))
-    return lax.fori_loop(0, count, run, jnp.int32(0))
+    """Runs body(i, item, next_item, base) -> base over the CTA's items i
+    (their ids, and the next one's: item_id(i + 1) for i + 1 < count), from
+    base 0; returns the last base. Ids are read two items ahead, so a
+    table's global-memory read has an item to arrive."""
+    def ahead(i):
+      return item_id(jnp.minimum(i, count - 1))
 
-  def load_q(i, buffer):
-    """This warpgroup's rows of item i's Q into Q buffer `buffer`."""
-    b, h, tile = item_coords(i)
+    def run(i, carry):
+      base, item, next_item = carry
+      later = ahead(i + 2)
+      return body(i, item, next_item, base), next_item, later
+    if programs is None:
+      return body(0, item_id(0), item_id(0), jnp.int32(0))
+    return lax.fori_loop(0, count, run,
+                         (jnp.int32(0), ahead(0), ahead(1)))[0]
+
+  def load_q(item, buffer):
+    """This warpgroup's rows of item `item`'s Q into Q buffer `buffer`."""
+    b, h, tile = item_coords(item)
     plgpu.copy_gmem_to_smem(
         q_ref.at[b, pl.ds(tile * rows + wg * block_q, block_q), h],
         q_smem3.at[buffer, wg], q_ready.at[buffer * COMPUTE_WGS + wg])
 
-  def consumer_item(i, batch, head, tile_start, base):
+  def consumer_item(i, item, next_item, base):
     # With two Q buffers (persistent) item i uses buffer i % 2, and the
     # next item's Q loads into the other while this one's tiles run.
+    batch, head, tile = item_coords(item)
+    tile_start = tile * rows
     buffer = lax.rem(i, q_buffers) if q_buffers > 1 else 0
     q_smem, lse_smem = q_smem3.at[buffer, wg], lse_smem3.at[buffer, wg]
     q_offset = 0 if offsets_ref is None else offsets_ref[batch]
@@ -378,13 +392,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
     coords = needs_positions(mask, scores)
     with jax.named_scope("q_load"):  # Profiler regions (`compiler_params`).
       if q_buffers == 1:
-        load_q(i, 0)
+        load_q(item, 0)
       else:
-        pl.when(i == 0)(lambda: load_q(i, 0))
+        pl.when(i == 0)(lambda: load_q(item, 0))
       plgpu.barrier_wait(q_ready.at[buffer * COMPUTE_WGS + wg])
     if q_buffers == 2:  # The other buffer's O and L stores have read it.
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      pl.when(i + 1 < count)(lambda: load_q(i + 1, 1 - buffer))
+      pl.when(i + 1 < count)(lambda: load_q(next_item, 1 - buffer))
     q_ids = load_ids(q_ids_ref, batch, q_start, block_q, ROW)
     m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), ROW)
     l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), ROW)
@@ -486,8 +500,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
         plgpu.wait_smem_to_gmem(0)
     return base + steps - first
 
-  def producer_item(i, batch, head, tile_start, base):
-    del i
+  def producer_item(i, item, next_item, base):
+    del i, next_item
+    batch, head, tile = item_coords(item)
+    tile_start = tile * rows
     q_offset = 0 if offsets_ref is None else offsets_ref[batch]
     first, steps, _ = item_ranges(batch, tile_start, q_offset)
     kv_head = lax.div(head, jnp.int32(group))
