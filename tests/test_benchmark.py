@@ -222,3 +222,22 @@ def test_dense_table_compares_with_deterministic_cudnn():
   assert cells["cudnn_deterministic bwd"] == "400"
   assert cells["mosaic/cuDNN-det bwd"] == "1.12"
   assert cells["mosaic/cuDNN bwd"] == "0.90"
+
+
+@pytest.mark.parametrize("name", ["flash_mosaic", "flash_mosaic_softcap",
+                                  "flash_mosaic_fused_dq"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_mosaic_impls_lower_for_an_h200(name, causal):
+  """Each Mosaic implementation the benchmark times builds its tiles and
+  lowers for CUDA (on the CPU), forward and gradient."""
+  import jax
+  from jax._src import mesh as mesh_lib
+  from tests.test_mosaic_lowering import H200
+  fn, _ = benchmark._impls(causal)[name]
+  x = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
+  loss = lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32))
+  with jax.sharding.use_abstract_mesh(
+      mesh_lib.AbstractMesh((1,), ("x",), abstract_device=H200)):
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(
+        x, x, x).lower(lowering_platforms=("cuda",)).as_text()
+  assert "flash_attention_forward_mosaic" in text
