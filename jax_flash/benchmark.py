@@ -99,17 +99,27 @@ def _impls(causal: bool):
 
 
 MIN_TIMED_SECONDS = 0.02
+# Untimed back-to-back calls before the timed batches. On the H200 the
+# first row of a shape (our forward at 1k) measured up to 1.9x slower than
+# the same kernel in other runs and than its own forward+backward implied
+# (thirteenth session); the GPU idles while each program compiles.
+WARMUP_SECONDS = 0.2
 
 
 def _time(fn, args, calls: int, repeats: int) -> float:
   """Median seconds a call over `repeats` batches of back-to-back calls,
-  after a warm-up; a batch has `calls` calls or more, enough to last
-  MIN_TIMED_SECONDS (fast kernels: a few calls would time the launch)."""
+  after a warm-up of WARMUP_SECONDS; a batch has `calls` calls or more,
+  enough to last MIN_TIMED_SECONDS (fast kernels: a few calls would time
+  the launch)."""
   jax.block_until_ready(fn(*args))  # Compile and warm up.
   start = time.perf_counter()
   jax.block_until_ready(fn(*args))
   once = time.perf_counter() - start
   calls = max(calls, min(1000, int(MIN_TIMED_SECONDS / max(once, 1e-6))))
+  out = None
+  for _ in range(min(10000, int(WARMUP_SECONDS / max(once, 1e-6)))):
+    out = fn(*args)
+  jax.block_until_ready(out)
   per_call = []
   for _ in range(repeats):
     start = time.perf_counter()
