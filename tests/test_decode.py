@@ -121,11 +121,12 @@ def test_paged_cache_with_page_ids_read_ahead(monkeypatch, page_size,
                                               prefetch):
   """Page ids read `prefetch_pages` tiles ahead of their tile: the same
   result, with splits starting mid-cache and read-ahead past a split's end
-  and past the table (poisoned pages there)."""
+  and past the table (poisoned pages there); 16-token pages in one
+  gathered load a tile (`page_dots` off; on in the test below)."""
   from pallas_kernels.triton import config
   tiling = config.decode_blocks
   monkeypatch.setattr(config, "decode_blocks", lambda *a: dataclasses.replace(
-      tiling(*a), prefetch_pages=prefetch))
+      tiling(*a), prefetch_pages=prefetch, page_dots=False))
   q, kc, vc = _cache(3, 2, 300, 8, 2, 64, jnp.float32, seed=6)
   lengths = jnp.array([300, 1, 200])
   kp, table = _paginate(kc, page_size, 64, 7, lengths)

@@ -163,7 +163,7 @@ class DecodeBlocks:
     cache is split into (`decode_splits`).
   page_dots: a tile of several pages is read a page at a time (one
     contiguous load each) and multiplied a page at a time, instead of one
-    gathered load (an option: not yet measured on a GPU).
+    gathered load (`decode_blocks`: the default for 16-token pages).
   """
   block_k: int
   num_stages: int = 2
@@ -188,11 +188,14 @@ def decode_blocks(head_dim: int, kv_len: int, page_size: int | None = None
     contiguous.
   - 32 tokens: one page a 32-row tile, 3 stages, page ids read a tile
     ahead, 4 programs a multiprocessor: 0.98-0.99x of contiguous.
-  - 16 tokens: a gather of four pages a 64-row tile, 3 stages, ids a tile
-    ahead, 2 programs a multiprocessor: 0.91-0.92x of contiguous (151 /
-    553 / 281 us; 4 programs 154 / 554 / 286; 2 or 4 stages 0.72-0.85x).
-    Ids read in the tile's own iteration cost 0.74 / 0.70x before
-    (session 9: the gather's loads wait on the id read).
+  - 16 tokens: four pages a 64-row tile, each read and multiplied on its
+    own (`page_dots`), 3 stages, ids a tile ahead, 2 programs a
+    multiprocessor: 0.97 / 0.98x of contiguous at batch 8 / 64 x 32k
+    (one run, results/2026-12-01-h200-session13/page_dots/; with 2 stages
+    and 4 programs 0.94 / 0.95x), where one gathered load of the four pages
+    was 0.92 / 0.90x in the same run (151 / 553 / 281 us last session;
+    2 or 4 stages 0.72-0.85x). Ids read in the tile's own iteration cost
+    0.74 / 0.70x before (session 9: the loads wait on the id read).
   """
   hp = padded_head_dim(head_dim)
   tile = min(64 if hp <= 256 else 32,
@@ -201,7 +204,7 @@ def decode_blocks(head_dim: int, kv_len: int, page_size: int | None = None
     return DecodeBlocks(block_k=min(tile, page_size or tile))
   if page_size < 32:
     return DecodeBlocks(block_k=min(tile, 64), num_stages=3,
-                        prefetch_pages=1, programs_per_sm=2)
+                        prefetch_pages=1, programs_per_sm=2, page_dots=True)
   return DecodeBlocks(block_k=min(tile, page_size), num_stages=3,
                       prefetch_pages=1)
 
