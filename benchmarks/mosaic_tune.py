@@ -15,9 +15,9 @@ and writes mosaic_tune.json. The data behind
 Mosaic row also gets "ptxas": the spill bytes (stores) of each kernel
 ptxas compiled while that row was measured (a kernel compiled before, with
 the same code, is not compiled again and not listed). Each row times
---repeats batches of --calls back-to-back calls (the median batch): at 2k
-keep a batch at 20 ms or more (--calls 60), or rows that should be equal
-differ by 15% (twelfth session).
+--repeats batches of --calls back-to-back calls or more (the median
+batch; `jax_flash.benchmark._time` makes a batch last 20 ms or more and
+warms up for 0.2 s first).
 """
 import argparse
 import contextlib
