@@ -196,11 +196,14 @@ class BlockSizes:
 
     `persistent` for a call with no mask but causality (`band_only`: the
     schedule weighs its items by the band) at PERSISTENT_HEAD_DIMS: with
-    items query tiles fastest it measured faster than one CTA an item at
-    1k-16k, causal and not (2-10% at 2k-16k at head dim 128, +1-6% at 64
-    but -1.5% at 16k non-causal; 96 +0-6%); at 256 (one Q buffer) -6% at
-    16k non-causal: `mosaic_tune.py`, one run,
-    benchmarks/results/2026-12-01-h200-session13/persistent/.
+    items query tiles fastest, one `mosaic_tune.py` sweep at 1k-16k
+    (benchmarks/results/2026-12-01-h200-session13/persistent/) had it
+    faster than one CTA an item in 20 of the 24 cases at these head dims
+    (up to +10%, head dim 128 16k non-causal); of the other four, two were
+    faster in both later runs that measured them (128 at 1k non-causal
+    and 2k causal: .../readahead/) and two within 2% (128 4k and 64 16k,
+    non-causal). At 256 (one Q buffer) +5% at 4k but -6% at 16k
+    non-causal: off.
     """
     if head_dim > 128:
       blocks = cls(block_q=64, block_kv=64)
