@@ -266,7 +266,8 @@ def test_mosaic_persistent_forward_matches_reference(name, monkeypatch):
 def test_mosaic_persistent_forward_on_every_multiprocessor(causal):
   """The persistent forward with the GPU's own CTA count (a round of
   items on every multiprocessor, `persistent_order`'s table under a causal
-  mask) at 2k: 256 items of unequal length on 132 CTAs."""
+  mask) at 2k: 256 items (of unequal length under the causal mask) on
+  the GPU's multiprocessors (132 on an H200)."""
   case = Case(2, 2048, 2048, 8, 2, 128, "bfloat16", causal)
   blocks = dataclasses.replace(
       jax_flash.MosaicBlockSizes.get_default(case.head_dim, case.causal),
