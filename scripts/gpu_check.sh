@@ -19,8 +19,7 @@
 #   bash scripts/gpu_check.sh profile   # the Mosaic forward's named regions at 2k (profiler;
 #                                       # PROFILE_SEQ_LEN, PROFILE_OPTIONS)
 #   bash scripts/gpu_check.sh persistent # the persistent forward: tests, vs one CTA an item 1k-16k
-#   bash scripts/gpu_check.sh pending   # what changed since the last GPU run: its tests, the
-#                                       # decode page_dots sweep (~5 min)
+#   bash scripts/gpu_check.sh pending   # the last plan's tile sweeps (NOTES; ~4 min)
 #   bash scripts/gpu_check.sh softcap   # the soft-cap's cost, Mosaic and Triton, 8k
 #   bash scripts/gpu_check.sh prefill   # prompt chunks vs a 32k cache (Triton, paged, Mosaic)
 #   bash scripts/gpu_check.sh h512      # head dim 512: Triton vs cuDNN and XLA, 8k
@@ -252,24 +251,27 @@ for h in (64, 128):
       done
       ;;
     pending)
-      # What changed since the last GPU run (twelfth session): the Mosaic
-      # cases of tests/test_gpu.py with the persistent forward the default
-      # for unmasked calls up to 2048 keys, and tests/test_decode.py with
-      # the `page_dots` option's cases, under a short limit (a hang costs
-      # little); then the decode sweep with and without `page_dots`.
-      XLA_FLAGS=$TEST_XLA_FLAGS JAX_FLASH_FAILURE_LOG="$OUT/failures.log" \
-        timeout "${MOSAIC_LIMIT:-200}" \
-        python3 -m pytest -v -n 16 -rfE -p no:cacheprovider tests/test_decode.py \
-        tests/test_gpu.py -k "mosaic or persistent or decode or page" \
-        > "$OUT/pending.log" 2>&1
-      echo "pytest exit: $?"; grep -E "(PASSED|FAILED|ERROR) tests|passed|failed" \
-        "$OUT/pending.log" | sed 's/.*\] //' | grep -v PASSED | tail -20
-      timeout "${BENCH_LIMIT:-200}" python3 benchmarks/decode_tune.py \
-        --shapes 8x32768 8x131072 64x32768 --page-sizes 16 --block-k 64 \
-        --stages 2 3 --prefetch 1 --programs-per-sm 2 4 --page-dots 0 1 \
-        --out "$OUT/page_dots" > /tmp/page_dots.log 2>&1 \
-        || tail -n 20 /tmp/page_dots.log
-      grep '^{' /tmp/page_dots.log | cut -c1-260
+      # The thirteenth session's plan (benchmarks/NOTES.md, "For the next
+      # GPU session (written 2026-12-01, thirteenth session)"), steps 2-3:
+      # the persistent forward's head dim 64 tiles under a causal mask at
+      # 1k/2k, and head dim 256 persistent or not at 2k-8k (about 4 min).
+      # Steps 1 and 4 are `decode` and `bench` with BENCH_ARGS="--seq-lens
+      # 2048 4096 --head-dims 64 128 --kv-heads 4 --impls flash_mosaic cudnn".
+      for seq in 1024 2048; do
+        timeout 120 python3 benchmarks/mosaic_tune.py --seq-len "$seq" \
+          --head-dims 64 --repeats 5 --candidates '[{"persistent": true},
+          {"persistent": true, "block_kv": 128}, {"persistent": true,
+          "block_kv": 128, "num_stages": 3}]' --out "$OUT/h64_$seq" \
+          > "/tmp/h64_$seq.log" 2>&1 || tail -n 5 "/tmp/h64_$seq.log"
+        grep '^{' "/tmp/h64_$seq.log" | cut -c1-300
+      done
+      for seq in 2048 4096 8192; do
+        timeout 120 python3 benchmarks/mosaic_tune.py --seq-len "$seq" \
+          --head-dims 256 --repeats 5 --candidates '[{}, {"persistent": true}]' \
+          --out "$OUT/h256_$seq" > "/tmp/h256_$seq.log" 2>&1 \
+          || tail -n 5 "/tmp/h256_$seq.log"
+        grep '^{' "/tmp/h256_$seq.log" | cut -c1-300
+      done
       ;;
     prefill)
       # Prompt chunks against a 32k cache: contiguous, paged, and on the
