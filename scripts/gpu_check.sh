@@ -219,6 +219,7 @@ for line in sys.stdin:
       # tiles with k_wait and v_wait a tile, epilogue) and the CTAs' start
       # times; head dims 64 and 128, causal and not. Each is launched 5
       # times back to back (clocks up) and the last launch's trace kept.
+      # PROFILE_HEAD_DIMS ("64 128") the head dims;
       # PROFILE_OPTIONS='{"option": value}' sets MosaicBlockSizes fields
       # over the defaults (e.g. '{"persistent": true}'); PROFILE_SEQ_LEN
       # (2048) the sequence length, 16k tokens a launch, with room for 4
@@ -230,7 +231,7 @@ for line in sys.stdin:
 import dataclasses, glob, json, os, jax, jax.numpy as jnp, jax_flash
 options = json.loads(os.environ.get('PROFILE_OPTIONS') or '{}')
 n = $seq
-for h in (64, 128):
+for h in map(int, '${PROFILE_HEAD_DIMS:-64 128}'.split()):
   for causal in (False, True):
     q = jax.random.normal(jax.random.key(0), (16384 // n, n, 2048 // h, h),
                           jnp.bfloat16)
@@ -251,27 +252,23 @@ for h in (64, 128):
       done
       ;;
     pending)
-      # The thirteenth session's plan (benchmarks/NOTES.md, "For the next
-      # GPU session (written 2026-12-01, thirteenth session)"), steps 2-3:
-      # the persistent forward's head dim 64 tiles under a causal mask at
-      # 1k/2k, and head dim 256 persistent or not at 2k-8k (about 4 min).
-      # Steps 1 and 4 are `decode` and `bench` with BENCH_ARGS="--seq-lens
-      # 2048 4096 --head-dims 64 128 --kv-heads 4 --impls flash_mosaic cudnn".
-      for seq in 1024 2048; do
+      # The fourteenth session's plan (benchmarks/NOTES.md, "2026-12-01,
+      # fourteenth session"): head dim 64 causal K/V tiles of 128 (the new
+      # default) against 256 at 4k and 16k, persistent; then contiguous
+      # decode at batch 64 (issue 17's edge against cuDNN): key tile rows x
+      # stages x programs a multiprocessor (about 4 min).
+      for seq in 4096 16384; do
         timeout 120 python3 benchmarks/mosaic_tune.py --seq-len "$seq" \
           --head-dims 64 --repeats 5 --candidates '[{"persistent": true},
-          {"persistent": true, "block_kv": 128}, {"persistent": true,
-          "block_kv": 128, "num_stages": 3}]' --out "$OUT/h64_$seq" \
+          {"persistent": true, "block_kv": 256}]' --out "$OUT/h64_$seq" \
           > "/tmp/h64_$seq.log" 2>&1 || tail -n 5 "/tmp/h64_$seq.log"
         grep '^{' "/tmp/h64_$seq.log" | cut -c1-300
       done
-      for seq in 2048 4096 8192; do
-        timeout 120 python3 benchmarks/mosaic_tune.py --seq-len "$seq" \
-          --head-dims 256 --repeats 5 --candidates '[{}, {"persistent": true}]' \
-          --out "$OUT/h256_$seq" > "/tmp/h256_$seq.log" 2>&1 \
-          || tail -n 5 "/tmp/h256_$seq.log"
-        grep '^{' "/tmp/h256_$seq.log" | cut -c1-300
-      done
+      timeout 200 python3 benchmarks/decode_tune.py --shapes 64x32768 \
+        64x131072 --page-sizes 0 --block-k 64 128 --stages 2 3 \
+        --programs-per-sm 2 4 8 --out "$OUT/decode_b64" \
+        > /tmp/decode_b64.log 2>&1 || tail -n 30 /tmp/decode_b64.log
+      grep '^{' /tmp/decode_b64.log | cut -c1-300
       ;;
     prefill)
       # Prompt chunks against a 32k cache: contiguous, paged, and on the

@@ -182,8 +182,10 @@ class BlockSizes:
     one run; `benchmarks/mosaic_tune.py`).
 
     Forward: 64-row consumer tiles, K/V tiles of 256 rows at head dim 64
-    (0.92x cuDNN non-causal against 0.88x with 128; equal causal), 128 at
-    128, 64 at 256 (to fit shared memory); 2 stages (3 gained nothing).
+    non-causal (0.92x cuDNN against 0.88x with 128) and 128 causal (equal
+    at 8k; the persistent forward at 1k / 2k 279 / 343 TFLOP/s against 215 /
+    327 with 256: .../2026-12-01-h200-session14/pending/), 128 at 128, 64
+    at 256 (to fit shared memory); 2 stages (3 gained nothing).
     Backward: 64-row tiles, except dQ's K/V tiles of 128 rows at head dim 64
     and at 128 non-causal (0.94 / 0.98x cuDNN against 0.90 / 0.96x; 128 lost
     1% at 128 causal); 128-row query tiles in dK/dV spill (0.50-0.65x).
@@ -211,7 +213,8 @@ class BlockSizes:
       blocks = cls(block_q=64, block_kv=128,
                    block_kv_dq=64 if is_causal else 128)
     else:
-      blocks = cls(block_q=64, block_kv=256, block_kv_dq=128)
+      blocks = cls(block_q=64, block_kv=128 if is_causal else 256,
+                   block_kv_dq=128)
     if fused_dq:
       blocks = dataclasses.replace(
           blocks, fused_dq=True, num_stages_bwd=3 if head_dim <= 64 else 2)
