@@ -115,7 +115,8 @@ def main():
         rows.append(row)
         for candidate in args.candidates or CANDIDATES[mode]:
           bs = dataclasses.replace(
-              jax_flash.MosaicBlockSizes.get_default(h, causal), **candidate)
+              jax_flash.MosaicBlockSizes.get_default(
+                  h, causal, kv_len=args.seq_len), **candidate)
           if max(bs.smem_bytes(h, 2),
                  bs.backward_smem_bytes(h, 2)) > config.SMEM_BYTES:
             continue

@@ -43,7 +43,8 @@ def _impls(causal: bool):
     # The Mosaic kernels with dQ in the dK/dV kernel (head dims 64, 128),
     # the forward as the default (the calls here have no mask but causality).
     blocks = jax_flash.MosaicBlockSizes.get_default(
-        q.shape[-1], causal, fused_dq=True, band_only=True)
+        q.shape[-1], causal, fused_dq=True, band_only=True,
+        kv_len=k.shape[1])
     return jax_flash.flash_attention(q, k, v, is_causal=causal,
                                      implementation="mosaic",
                                      block_sizes=blocks)

@@ -304,6 +304,22 @@ def test_default_is_persistent_only_without_a_mask_but_causality(
   assert blocks.persistent is persistent
 
 
+@pytest.mark.parametrize("head_dim,kv_len,causal,block_kv", [
+    (64, 1024, True, 128), (64, 2048, True, 128), (64, 2049, True, 256),
+    (64, 16384, True, 256), (64, 1024, False, 256), (128, 1024, True, 128),
+    (256, 1024, True, 64)])
+def test_default_key_tiles_follow_head_dim_causality_and_length(
+    head_dim, kv_len, causal, block_kv):
+  """Head dim 64 causal takes 128-key tiles up to SHORT_KV_LEN keys (faster
+  at 1k/2k on the H200, slower at 4k/16k), 256 above and non-causal."""
+  problem = Problem(batch=2, q_len=kv_len, kv_len=kv_len, num_heads=8,
+                    num_kv_heads=8, head_dim=head_dim, unbatched=False)
+  blocks = MosaicGpuBackend().config(
+      None, problem, jnp.bfloat16, is_causal=causal,
+      mask=Mask(is_causal=causal))
+  assert blocks.block_kv == block_kv
+
+
 def test_persistent_forward_names_what_it_cannot_take():
   with pytest.raises(ValueError, match="persistent=True needs "
                      "named_barriers=False"):

@@ -112,13 +112,14 @@ class MosaicGpuBackend:
              version: int = 2, scores: Scores | None = None,
              mask: Mask | None = None) -> BlockSizes:
     """The call's tiles: `block_sizes`, or the defaults for its head dim,
-    causality, and (`persistent`) whether the call's mask is at most
-    causality (the persistent schedule weighs items by the band)."""
+    causality, key length, and (`persistent`) whether the call's mask is at
+    most causality (the persistent schedule weighs items by the band)."""
     del version, scores  # Only 2 (see `unsupported`); the tiles take any.
     blocks = (block_sizes if isinstance(block_sizes, BlockSizes) else
               BlockSizes.get_default(
                   problem.head_dim, is_causal,
-                  band_only=mask in (Mask(), Mask(is_causal=True))))
+                  band_only=mask in (Mask(), Mask(is_causal=True)),
+                  kv_len=problem.kv_len))
     if blocks.fused_dq and problem.head_dim not in config.FUSED_DQ_HEAD_DIMS:
       raise ValueError(f"block_sizes.fused_dq=True needs a head_dim in "
                        f"{config.FUSED_DQ_HEAD_DIMS}, got {problem.head_dim}")

@@ -35,6 +35,9 @@ def fused_dq_columns(head_dim: int) -> int:
 # Head dims at which the forward is persistent by default
 # (`BlockSizes.get_default`).
 PERSISTENT_HEAD_DIMS = (64, 96, 128)
+# Keys up to which the causal forward at head dim 64 takes 128-row K/V
+# tiles instead of 256 (`BlockSizes.get_default`).
+SHORT_KV_LEN = 2048
 # Where the Mosaic kernels write a per-warpgroup trace of their named
 # regions (`jax.named_scope` in the kernels) when set: one Chrome-trace
 # JSON a launch, summarised by benchmarks/profile_summary.py.
@@ -175,17 +178,18 @@ class BlockSizes:
 
   @classmethod
   def get_default(cls, head_dim: int, is_causal: bool = False,
-                  fused_dq: bool = False,
-                  band_only: bool = False) -> "BlockSizes":
+                  fused_dq: bool = False, band_only: bool = False,
+                  kv_len: int | None = None) -> "BlockSizes":
     """Per head dim and causality, from the sweep in
     benchmarks/results/2026-11-30-h200-session4/mosaic_tune.json (bf16, 8k,
     one run; `benchmarks/mosaic_tune.py`).
 
     Forward: 64-row consumer tiles, K/V tiles of 256 rows at head dim 64
-    non-causal (0.92x cuDNN against 0.88x with 128) and 128 causal (equal
-    at 8k; the persistent forward at 1k / 2k 279 / 343 TFLOP/s against 215 /
-    327 with 256: .../2026-12-01-h200-session14/pending/), 128 at 128, 64
-    at 256 (to fit shared memory); 2 stages (3 gained nothing).
+    (0.92x cuDNN non-causal against 0.88x with 128), but 128 causal up to
+    SHORT_KV_LEN keys (`kv_len`; the persistent forward at 1k / 2k 279 / 343
+    TFLOP/s against 215 / 327 with 256, at 4k / 16k 375 / 418 against 384 /
+    454: .../2026-12-01-h200-session14/pending/ and default_8c60781/), 128
+    at 128, 64 at 256 (to fit shared memory); 2 stages (3 gained nothing).
     Backward: 64-row tiles, except dQ's K/V tiles of 128 rows at head dim 64
     and at 128 non-causal (0.94 / 0.98x cuDNN against 0.90 / 0.96x; 128 lost
     1% at 128 causal); 128-row query tiles in dK/dV spill (0.50-0.65x).
@@ -213,7 +217,8 @@ class BlockSizes:
       blocks = cls(block_q=64, block_kv=128,
                    block_kv_dq=64 if is_causal else 128)
     else:
-      blocks = cls(block_q=64, block_kv=128 if is_causal else 256,
+      short = is_causal and kv_len is not None and kv_len <= SHORT_KV_LEN
+      blocks = cls(block_q=64, block_kv=128 if short else 256,
                    block_kv_dq=128)
     if fused_dq:
       blocks = dataclasses.replace(
