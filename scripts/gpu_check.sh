@@ -19,7 +19,7 @@
 #   bash scripts/gpu_check.sh profile   # the Mosaic forward's named regions at 2k (profiler;
 #                                       # PROFILE_SEQ_LEN, PROFILE_OPTIONS)
 #   bash scripts/gpu_check.sh persistent # the persistent forward: tests, vs one CTA an item 1k-16k
-#   bash scripts/gpu_check.sh pending   # the last plan's tile sweeps (NOTES; ~4 min)
+#   bash scripts/gpu_check.sh pending   # the last plan's sweeps (NOTES; ~1 min)
 #   bash scripts/gpu_check.sh softcap   # the soft-cap's cost, Mosaic and Triton, 8k
 #   bash scripts/gpu_check.sh prefill   # prompt chunks vs a 32k cache (Triton, paged, Mosaic)
 #   bash scripts/gpu_check.sh h512      # head dim 512: Triton vs cuDNN and XLA, 8k
@@ -252,23 +252,16 @@ for h in map(int, '${PROFILE_HEAD_DIMS:-64 128}'.split()):
       done
       ;;
     pending)
-      # The fourteenth session's plan (benchmarks/NOTES.md, "2026-12-01,
-      # fourteenth session"): head dim 64 causal K/V tiles of 128 (the new
-      # default) against 256 at 4k and 16k, persistent; then contiguous
-      # decode at batch 64 (issue 17's edge against cuDNN): key tile rows x
-      # stages x programs a multiprocessor (about 4 min).
-      for seq in 4096 16384; do
-        timeout 120 python3 benchmarks/mosaic_tune.py --seq-len "$seq" \
-          --head-dims 64 --repeats 5 --candidates '[{"persistent": true},
-          {"persistent": true, "block_kv": 256}]' --out "$OUT/h64_$seq" \
-          > "/tmp/h64_$seq.log" 2>&1 || tail -n 5 "/tmp/h64_$seq.log"
-        grep '^{' "/tmp/h64_$seq.log" | cut -c1-300
-      done
-      timeout 200 python3 benchmarks/decode_tune.py --shapes 64x32768 \
-        64x131072 --page-sizes 0 --block-k 64 128 --stages 2 3 \
-        --programs-per-sm 2 4 8 --out "$OUT/decode_b64" \
-        > /tmp/decode_b64.log 2>&1 || tail -n 30 /tmp/decode_b64.log
-      grep '^{' /tmp/decode_b64.log | cut -c1-300
+      # The fourteenth session's plan (benchmarks/NOTES.md, "For the next
+      # GPU session (written 2026-12-01, fourteenth session)"), step 3:
+      # head dim 64 causal, persistent, 128- against 256-key tiles at 3k
+      # keys, between the lengths that placed `config.SHORT_KV_LEN`.
+      timeout 120 python3 benchmarks/mosaic_tune.py --seq-len 3072 \
+        --head-dims 64 --repeats 5 --candidates '[{"persistent": true,
+        "block_kv": 128}, {"persistent": true, "block_kv": 256}]' \
+        --out "$OUT/h64_3072" > /tmp/h64_3072.log 2>&1 \
+        || tail -n 5 /tmp/h64_3072.log
+      grep '^{' /tmp/h64_3072.log | cut -c1-300
       ;;
     prefill)
       # Prompt chunks against a 32k cache: contiguous, paged, and on the
