@@ -187,9 +187,10 @@ class BlockSizes:
     Forward: 64-row consumer tiles, K/V tiles of 256 rows at head dim 64
     (0.92x cuDNN non-causal against 0.88x with 128), but 128 causal up to
     SHORT_KV_LEN keys (`kv_len`; the persistent forward at 1k / 2k 279 / 343
-    TFLOP/s against 215 / 327 with 256, at 4k / 16k 375 / 418 against 384 /
-    454: .../2026-12-01-h200-session14/pending/ and default_8c60781/), 128
-    at 128, 64 at 256 (to fit shared memory); 2 stages (3 gained nothing).
+    TFLOP/s against 215 / 327 with 256, at 3k / 4k / 16k 369 / 375 / 418
+    against 373 / 384 / 454: .../2026-12-01-h200-session14/pending/,
+    h64_3072/ and default_8c60781/), 128 at 128, 64 at 256 (to fit shared
+    memory); 2 stages (3 gained nothing).
     Backward: 64-row tiles, except dQ's K/V tiles of 128 rows at head dim 64
     and at 128 non-causal (0.94 / 0.98x cuDNN against 0.90 / 0.96x; 128 lost
     1% at 128 causal); 128-row query tiles in dK/dV spill (0.50-0.65x).
