@@ -111,7 +111,17 @@ def _time(fn, args, calls: int, repeats: int) -> float:
   """Median seconds a call over `repeats` batches of back-to-back calls,
   after a warm-up of WARMUP_SECONDS; a batch has `calls` calls or more,
   enough to last MIN_TIMED_SECONDS (fast kernels: a few calls would time
-  the launch)."""
+  the launch).
+
+  A jitted `fn` is compiled ahead of time and its executable timed: a jitted
+  function holding `flash_attention` (a hijax primitive) is dispatched by
+  JAX 0.11's Python path on every call, about 0.1 ms of host time (2-core
+  CPU, jax 0.11.2; 17 us for its compiled executable, and for the jitted
+  call on jax 0.12: benchmarks/dispatch_overhead.py), which would time the
+  host rather than the kernel for calls shorter than that.
+  """
+  if hasattr(fn, "lower"):
+    fn = fn.lower(*args).compile()
   jax.block_until_ready(fn(*args))  # Compile and warm up.
   start = time.perf_counter()
   jax.block_until_ready(fn(*args))
