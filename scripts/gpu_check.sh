@@ -19,7 +19,7 @@
 #   bash scripts/gpu_check.sh profile   # the Mosaic forward's named regions at 2k (profiler;
 #                                       # PROFILE_SEQ_LEN, PROFILE_OPTIONS)
 #   bash scripts/gpu_check.sh persistent # the persistent forward: tests, vs one CTA an item 1k-16k
-#   bash scripts/gpu_check.sh pending   # the last plan's sweeps (NOTES; ~1 min)
+#   bash scripts/gpu_check.sh pending   # the last plan's checks (NOTES; ~5 min)
 #   bash scripts/gpu_check.sh softcap   # the soft-cap's cost, Mosaic and Triton, 8k
 #   bash scripts/gpu_check.sh prefill   # prompt chunks vs a 32k cache (Triton, paged, Mosaic)
 #   bash scripts/gpu_check.sh h512      # head dim 512: Triton vs cuDNN and XLA, 8k
@@ -253,15 +253,19 @@ for h in map(int, '${PROFILE_HEAD_DIMS:-64 128}'.split()):
       ;;
     pending)
       # The fourteenth session's plan (benchmarks/NOTES.md, "For the next
-      # GPU session (written 2026-12-01, fourteenth session)"), step 3:
-      # head dim 64 causal, persistent, 128- against 256-key tiles at 3k
-      # keys, between the lengths that placed `config.SHORT_KV_LEN`.
-      timeout 120 python3 benchmarks/mosaic_tune.py --seq-len 3072 \
-        --head-dims 64 --repeats 5 --candidates '[{"persistent": true,
-        "block_kv": 128}, {"persistent": true, "block_kv": 256}]' \
-        --out "$OUT/h64_3072" > /tmp/h64_3072.log 2>&1 \
-        || tail -n 5 /tmp/h64_3072.log
-      grep '^{' /tmp/h64_3072.log | cut -c1-300
+      # GPU session (written 2026-12-01, fourteenth session)"): the 80-row
+      # K/V tiles' GPU tests, then head dim 256 with them against 64-row
+      # tiles at 2k-16k (about 5 min).
+      XLA_FLAGS=$TEST_XLA_FLAGS timeout 200 python3 -m pytest -q -n 16 \
+        -p no:cacheprovider tests/test_gpu.py -k 80_row > /tmp/kv80.log 2>&1
+      tail -n 3 /tmp/kv80.log; grep -E "^FAILED" /tmp/kv80.log | head -20
+      for seq in 2048 4096 8192 16384; do
+        timeout 100 python3 benchmarks/mosaic_tune.py --seq-len "$seq" \
+          --head-dims 256 --repeats 5 --candidates '[{}, {"block_kv": 80}]' \
+          --out "$OUT/h256_$seq" > "/tmp/h256_$seq.log" 2>&1 \
+          || tail -n 5 "/tmp/h256_$seq.log"
+        grep '^{' "/tmp/h256_$seq.log" | cut -c1-300
+      done
       ;;
     prefill)
       # Prompt chunks against a 32k cache: contiguous, paged, and on the

@@ -277,6 +277,33 @@ def test_mosaic_persistent_forward_on_every_multiprocessor(causal):
                          implementation="mosaic")
 
 
+KV80_CASES = {  # 80-row K/V tiles: partial last tiles, masks, options.
+    **{name: (MOSAIC_CASES[name], {}) for name in (
+        "h256_causal", "any_length_h256", "h128_causal_gqa",
+        "any_length_causal", "kv_len_264", "h192_f16")},
+    **{name: MOSAIC_OPTIONS[name] for name in (
+        "soft_cap_alibi_h256_causal", "dropout_h256_soft_cap",
+        "lengths_causal_gqa", "segments_h64_f16", "sinks_window_gqa",
+        "two_sided_window")},
+}
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("name", KV80_CASES)
+def test_mosaic_80_row_key_tiles_match_reference(name, persistent):
+  """`MosaicBlockSizes(block_kv=80)` (V's tile with a 32-byte swizzle, no
+  reduction scratch: what fits head dim 256's shared memory), one CTA an
+  item or persistent: forward and gradients against the reference."""
+  case, options = KV80_CASES[name]
+  blocks = dataclasses.replace(
+      jax_flash.MosaicBlockSizes.get_default(case.head_dim, case.causal),
+      block_kv=80, persistent=persistent)
+  lengths = {"query_seq_lengths", "key_value_seq_lengths"} & set(options)
+  compare_with_reference(dict(is_causal=case.causal, **options), case.dtype,
+                         shape=case.shape, block_sizes=blocks,
+                         implementation="mosaic", garbage=bool(lengths))
+
+
 def test_default_on_h200_is_mosaic_where_it_takes_the_call():
   if "H200" not in jax.devices()[0].device_kind:
     pytest.skip("not an H200")

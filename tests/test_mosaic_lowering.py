@@ -21,6 +21,7 @@ from jax_flash.spec.checks import Problem
 from jax_flash.spec.mask import Mask, kv_block_ranges
 from pallas_kernels.mosaic_gpu import MosaicGpuBackend
 from pallas_kernels.mosaic_gpu import flash_fwd
+from pallas_kernels.mosaic_gpu import config
 
 H200 = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
                                platform="gpu")
@@ -482,6 +483,15 @@ def test_named_barrier_schedule_pairs_each_arrival_with_the_others_wait(
 def test_mosaic_block_sizes_are_validated():
   with pytest.raises(ValueError, match="block_q=48 must be a multiple of 64"):
     jax_flash.MosaicBlockSizes(block_q=48)
+  with pytest.raises(ValueError, match="block_kv=72 must be a multiple of "
+                     "16 from 64 up"):
+    jax_flash.MosaicBlockSizes(block_kv=72)
+  with pytest.raises(ValueError, match="block_kv=48 must be a multiple of "
+                     "16 from 64 up"):
+    jax_flash.MosaicBlockSizes(block_kv=48)
+  with pytest.raises(ValueError, match="block_kv_dq=80 must be a multiple "
+                     "of 64"):
+    jax_flash.MosaicBlockSizes(block_kv_dq=80)
   with pytest.raises(ValueError, match="named_barriers=1 must be a bool"):
     jax_flash.MosaicBlockSizes(named_barriers=1)
   with pytest.raises(ValueError, match="dv_before_ds=0 must be a bool"):
@@ -592,6 +602,49 @@ def test_mosaic_takes_sinks_and_dropout(kwargs, head_dim):
                      is_causal=True, **kwargs)
   assert "flash_attention_forward_mosaic" in text
   assert all(name in text for name in MOSAIC_BACKWARD)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(is_causal=True), dict(), dict(is_causal=True, persistent=True),
+    dict(is_causal=True, local_window_size=(100, 0), logits_soft_cap=30.0),
+    dict(segment_ids=(jnp.zeros((2, 300), jnp.int32),
+                      jnp.zeros((2, 1003), jnp.int32)))],
+    ids=["causal", "full", "persistent", "window_softcap", "segments"])
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_mosaic_forward_lowers_with_80_row_key_tiles(head_dim, kwargs):
+  """K/V tiles of 80 rows (FA3's at head dim 256): V's tile takes a 32-byte
+  swizzle (the P V matmul contracts over 80) and the forward no reduction
+  scratch, which puts head dim 256 inside the H200's shared memory (Mosaic
+  checks it when lowering); 1003 keys end in a partial tile."""
+  kwargs = dict(kwargs)
+  blocks = jax_flash.MosaicBlockSizes(
+      block_q=64, block_kv=80, persistent=kwargs.pop("persistent", False))
+  assert blocks.smem_bytes(head_dim, 2) <= config.SMEM_BYTES
+  assert not blocks.reduction_scratch()
+  text = _lower_grad("mosaic", (2, 300, 1003, 8, 2, head_dim),
+                     block_sizes=blocks, **kwargs)
+  assert "flash_attention_forward_mosaic" in text
+  assert all(name in text for name in MOSAIC_BACKWARD)
+
+
+def test_swizzle_of_a_tile_follows_its_contracted_rows():
+  """V's tile for P V (`smem_transforms(..., rows)`): the widest swizzle
+  whose elements divide both its rows and head dim."""
+  def swizzle(minor, rows=None):
+    return flash_fwd.smem_transforms(jnp.bfloat16, minor, rows)[1].swizzle
+  assert swizzle(256) == swizzle(256, 128) == swizzle(256, 64) == 128
+  assert swizzle(256, 80) == 32 and swizzle(256, 96) == 64
+  assert swizzle(96, 128) == 64
+
+
+def test_80_row_key_tiles_with_tile_kinds_are_a_clear_error():
+  """A dense mask or mask_mod's tile kinds are regridded by powers of two:
+  other tiles are refused, naming the field."""
+  blocks = jax_flash.MosaicBlockSizes(block_q=64, block_kv=80)
+  with pytest.raises(ValueError, match="block_sizes.block_kv=80 must be a "
+                     "power of two with a mask_mod or dense mask"):
+    _lower_grad("mosaic", (1, 300, 1003, 4, 2, 256), block_sizes=blocks,
+                mask=jnp.ones((1, 1, 300, 1003), bool))
 
 
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])

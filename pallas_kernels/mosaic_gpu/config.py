@@ -48,21 +48,24 @@ PROFILE_EVENTS_ENV = "JAX_FLASH_MOSAIC_PROFILE_EVENTS"
 PROFILE_EVENTS = 128
 
 
-def compiler_params():
+def compiler_params(reduction_scratch: bool = True):
   """The Mosaic kernels' compiler parameters: approximate math, and Mosaic
   GPU's profiler when $JAX_FLASH_MOSAIC_PROFILE_DIR names a directory
   (read at trace time; a warpgroup's events past the profile's space are
-  dropped)."""
+  dropped). `reduction_scratch=False` reserves none of the 2 KiB Mosaic
+  GPU keeps for reductions across warps by default (the forward's row
+  reductions stay within a warp)."""
+  scratch = {} if reduction_scratch else {"reduction_scratch_bytes": 0}
   profile_dir = os.environ.get(PROFILE_DIR_ENV)
   if not profile_dir:
-    return plgpu.CompilerParams(approx_math=True)
+    return plgpu.CompilerParams(approx_math=True, **scratch)
   events = os.environ.get(PROFILE_EVENTS_ENV, str(PROFILE_EVENTS))
   if not events.isdigit() or int(events) < 1:
     raise ValueError(f"${PROFILE_EVENTS_ENV}={events!r} must be a positive "
                      f"int (events a warpgroup records)")
   return plgpu.CompilerParams(approx_math=True, profile_space=int(events),
                               profile_dir=profile_dir,
-                              profile_bounds_check=True)
+                              profile_bounds_check=True, **scratch)
 
 
 def _aligned(nbytes: int) -> int:
@@ -95,6 +98,12 @@ class BlockSizes:
   matmuls a tile fewer), 4-6% faster forward+backward on the H200 at 16k
   (`get_default(..., fused_dq=True)`), but additions in an order that
   varies from run to run, so dQ is not bitwise deterministic: opt-in.
+  `block_kv` may be a multiple of 16 rather than 64 (80: FA3's tile at
+  head dim 256, the largest two stages of which fit beside its Q tiles):
+  V's tile then takes a narrower swizzle (`flash_fwd.smem_transforms`) and
+  the forward no reduction scratch (`reduction_scratch`); tile kinds (a
+  mask_mod's, a dense mask's) need powers of two. Lowered for the H200,
+  not yet run on a GPU (not a default).
   `persistent`: the forward runs one CTA a multiprocessor, each looping
   over (batch, head, query tile) items with one K/V ring (the next item's
   K/V loads overlap the last one's epilogue; `flash_fwd.cta_schedule`) and
@@ -119,10 +128,12 @@ class BlockSizes:
   persistent: bool = False
 
   def __post_init__(self):
-    for name in ("block_q", "block_kv", "block_q_dkv", "block_kv_dkv",
-                 "block_q_dq", "block_kv_dq"):
+    for name in ("block_q", "block_q_dkv", "block_kv_dkv", "block_q_dq",
+                 "block_kv_dq"):
       check_block_field(self, name, lambda x: x >= 64 and x % 64 == 0,
                         "a multiple of 64")
+    check_block_field(self, "block_kv", lambda x: x >= 64 and x % 16 == 0,
+                      "a multiple of 16 from 64 up")
     for name in ("num_stages", "num_stages_bwd"):
       check_block_field(self, name, lambda x: 2 <= x <= 6,
                         "an int in [2, 6]")
@@ -150,15 +161,23 @@ class BlockSizes:
     `emit_pipeline_warp_specialized` gives its compute warpgroups)."""
     return min(256, (512 - self.producer_registers) // num_consumers) // 8 * 8
 
+  def reduction_scratch(self) -> bool:
+    """Whether the forward keeps Mosaic's 2 KiB reduction scratch: not with
+    K/V tiles of 64k + 16 rows (`block_kv`; the 80-row tiles fit head dim
+    256's shared memory only without it)."""
+    return self.block_kv % 64 == 0
+
   def smem_bytes(self, head_dim: int, itemsize: int) -> int:
     """Shared memory of the forward: Q tiles, the K/V ring, the row stats,
-    each allocation aligned to 1 KiB, Mosaic's 2 KiB reduction scratch and
-    the barriers (1 KiB). An upper bound: (128, 3) at head dim 128, 232568
-    bytes on the H200, is 233472 here."""
+    each allocation aligned to 1 KiB, Mosaic's 2 KiB reduction scratch
+    (`reduction_scratch`) and the barriers (1 KiB). An upper bound: (128,
+    3) at head dim 128, 232568 bytes on the H200, is 233472 here; 80-row
+    K/V tiles at head dim 256, 230488 (lowered for the H200), 231424."""
     buffers = self.q_buffers(head_dim)
     q = _aligned(buffers * 2 * self.block_q * head_dim * itemsize)
     kv = 2 * _aligned(self.num_stages * self.block_kv * head_dim * itemsize)
-    return q + kv + _aligned(buffers * 2 * self.block_q * 4) + 2048 + 1024
+    scratch = 2048 if self.reduction_scratch() else 0
+    return q + kv + _aligned(buffers * 2 * self.block_q * 4) + scratch + 1024
 
   def backward_smem_bytes(self, head_dim: int, itemsize: int) -> int:
     """Shared memory of the larger backward kernel: dK/dV (its K/V tiles, a

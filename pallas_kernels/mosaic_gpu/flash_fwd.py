@@ -110,10 +110,16 @@ class _Schedule:
     self.wait(turn)
 
 
-def smem_transforms(dtype, minor_dim: int):
-  """Tiling and swizzle for a [rows, minor_dim] tile read by wgmma."""
-  swizzle = plgpu.find_swizzle(minor_dim * jnp.dtype(dtype).itemsize * 8)
-  elems = swizzle // jnp.dtype(dtype).itemsize
+def smem_transforms(dtype, minor_dim: int, rows: int | None = None):
+  """Tiling and swizzle for a [rows, minor_dim] tile read by wgmma; with
+  `rows`, for the right operand of a matmul over them (P V: wgmma wants its
+  contracted dim a multiple of the swizzle's elements), the largest swizzle
+  whose elements divide both (32 bytes for 80-row tiles)."""
+  itemsize = jnp.dtype(dtype).itemsize
+  swizzle = plgpu.find_swizzle(minor_dim * itemsize * 8)
+  while rows is not None and rows % (swizzle // itemsize):
+    swizzle //= 2
+  elems = swizzle // itemsize
   return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
 
 
@@ -609,7 +615,8 @@ def flash_forward(q, k, v, *, mask: Mask, scores: Scores,
           plgpu.SMEM((stages, blocks.block_kv, head_dim), k.dtype,
                      transforms=transforms),
           plgpu.SMEM((stages, blocks.block_kv, head_dim), v.dtype,
-                     transforms=transforms),
+                     transforms=smem_transforms(v.dtype, head_dim,
+                                                blocks.block_kv)),
           plgpu.SMEM((q_buffers, COMPUTE_WGS, blocks.block_q), jnp.float32),
       ),
       ready=(plgpu.Barrier(num_barriers=stages),
@@ -638,7 +645,7 @@ def flash_forward(q, k, v, *, mask: Mask, scores: Scores,
       grid_names=grid_names,
       num_threads=COMPUTE_WGS + 1,
       thread_name="wg",
-      compiler_params=compiler_params(),
+      compiler_params=compiler_params(blocks.reduction_scratch()),
       kernel_name="flash_attention_forward_mosaic",
   )(q, k, v, *(x for x in extras if x is not None))
   return o[:, :q_len], lse[:, :, :q_len]
