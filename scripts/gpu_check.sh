@@ -255,7 +255,8 @@ for h in map(int, '${PROFILE_HEAD_DIMS:-64 128}'.split()):
       # The fourteenth session's plan (benchmarks/NOTES.md, "For the next
       # GPU session (written 2026-12-01, fourteenth session)"): the 80-row
       # K/V tiles' GPU tests, then head dim 256 with them against 64-row
-      # tiles at 2k-16k (about 5 min).
+      # tiles at 2k-16k, and head dim 192 with tiles of 64-112 rows at 4k
+      # (about 6 min).
       XLA_FLAGS=$TEST_XLA_FLAGS timeout 200 python3 -m pytest -q -n 16 \
         -p no:cacheprovider tests/test_gpu.py -k 80_row > /tmp/kv80.log 2>&1
       tail -n 3 /tmp/kv80.log; grep -E "^FAILED" /tmp/kv80.log | head -20
@@ -266,6 +267,12 @@ for h in map(int, '${PROFILE_HEAD_DIMS:-64 128}'.split()):
           || tail -n 5 "/tmp/h256_$seq.log"
         grep '^{' "/tmp/h256_$seq.log" | cut -c1-300
       done
+      # Head dim 192: 64-row tiles (the default) or up to 112, which fit.
+      timeout 100 python3 benchmarks/mosaic_tune.py --seq-len 4096 \
+        --head-dims 192 --repeats 5 --candidates '[{}, {"block_kv": 80},
+        {"block_kv": 96}, {"block_kv": 112}]' --out "$OUT/h192_4096" \
+        > /tmp/h192.log 2>&1 || tail -n 5 /tmp/h192.log
+      grep '^{' /tmp/h192.log | cut -c1-300
       ;;
     prefill)
       # Prompt chunks against a 32k cache: contiguous, paged, and on the
