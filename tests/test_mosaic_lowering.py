@@ -610,7 +610,7 @@ def test_mosaic_takes_sinks_and_dropout(kwargs, head_dim):
     dict(segment_ids=(jnp.zeros((2, 300), jnp.int32),
                       jnp.zeros((2, 1003), jnp.int32)))],
     ids=["causal", "full", "persistent", "window_softcap", "segments"])
-@pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
+@pytest.mark.parametrize("head_dim", [64, 256])
 def test_mosaic_forward_lowers_with_80_row_key_tiles(head_dim, kwargs):
   """K/V tiles of 80 rows (FA3's at head dim 256): V's tile takes a 32-byte
   swizzle (the P V matmul contracts over 80) and the forward no reduction
