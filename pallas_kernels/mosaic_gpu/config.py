@@ -162,9 +162,9 @@ class BlockSizes:
     return min(256, (512 - self.producer_registers) // num_consumers) // 8 * 8
 
   def reduction_scratch(self) -> bool:
-    """Whether the forward keeps Mosaic's 2 KiB reduction scratch: not with
-    K/V tiles of 64k + 16 rows (`block_kv`; the 80-row tiles fit head dim
-    256's shared memory only without it)."""
+    """Whether the forward keeps Mosaic's 2 KiB reduction scratch: only
+    with K/V tiles of a multiple of 64 rows (`block_kv`; 80-row tiles fit
+    head dim 256's shared memory only without it)."""
     return self.block_kv % 64 == 0
 
   def smem_bytes(self, head_dim: int, itemsize: int) -> int:
