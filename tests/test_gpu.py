@@ -163,21 +163,32 @@ MOSAIC_OPTIONS = {
 }
 
 
+def _default_with(case, **fields):
+  """The Mosaic kernels' default tiles for `case`, `fields` replaced."""
+  return dataclasses.replace(
+      jax_flash.MosaicBlockSizes.get_default(case.head_dim, case.causal),
+      **fields)
+
+
+def _compare_mosaic(case, options=None, blocks=None):
+  """The Mosaic kernels on `case` with flash_attention's keyword `options`
+  and tiles `blocks` (None: the defaults), forward and gradients against
+  the reference; NaN past the lengths where there are lengths."""
+  options = options or {}
+  lengths = {"query_seq_lengths", "key_value_seq_lengths"} & set(options)
+  compare_with_reference(dict(is_causal=case.causal, **options), case.dtype,
+                         shape=case.shape, block_sizes=blocks,
+                         implementation="mosaic", garbage=bool(lengths))
+
+
 @pytest.mark.parametrize("name", MOSAIC_CASES)
 def test_mosaic_matches_reference(name):
-  case = MOSAIC_CASES[name]
-  compare_with_reference(dict(is_causal=case.causal), case.dtype,
-                         shape=case.shape, block_sizes=None,
-                         implementation="mosaic")
+  _compare_mosaic(MOSAIC_CASES[name])
 
 
 @pytest.mark.parametrize("name", MOSAIC_OPTIONS)
 def test_mosaic_masks_and_scores_match_reference(name):
-  case, options = MOSAIC_OPTIONS[name]
-  lengths = {"query_seq_lengths", "key_value_seq_lengths"} & set(options)
-  compare_with_reference(dict(is_causal=case.causal, **options), case.dtype,
-                         shape=case.shape, block_sizes=None,
-                         implementation="mosaic", garbage=bool(lengths))
+  _compare_mosaic(*MOSAIC_OPTIONS[name])
 
 
 @pytest.mark.parametrize("name", ["h128_causal_gqa", "h64_mqa_f16",
@@ -186,12 +197,7 @@ def test_mosaic_named_barriers_match_reference(name):
   """`MosaicBlockSizes(named_barriers=True)`: the forward's consumers
   staggered through hardware barriers, the default tiles otherwise."""
   case = MOSAIC_CASES[name]
-  blocks = dataclasses.replace(
-      jax_flash.MosaicBlockSizes.get_default(case.head_dim, case.causal),
-      named_barriers=True)
-  compare_with_reference(dict(is_causal=case.causal), case.dtype,
-                         shape=case.shape, block_sizes=blocks,
-                         implementation="mosaic")
+  _compare_mosaic(case, blocks=_default_with(case, named_barriers=True))
 
 
 @pytest.mark.parametrize("option", [dict(producer_registers=24),
@@ -202,12 +208,7 @@ def test_mosaic_register_options_match_reference(name, option):
   """The register options of `MosaicBlockSizes` (forward and gradients),
   the default tiles otherwise."""
   case = MOSAIC_CASES[name]
-  blocks = dataclasses.replace(
-      jax_flash.MosaicBlockSizes.get_default(case.head_dim, case.causal),
-      **option)
-  compare_with_reference(dict(is_causal=case.causal), case.dtype,
-                         shape=case.shape, block_sizes=blocks,
-                         implementation="mosaic")
+  _compare_mosaic(case, blocks=_default_with(case, **option))
 
 
 FUSED_DQ_CASES = {  # Head dims 128 and 64 (what `fused_dq` takes).
@@ -228,12 +229,8 @@ def test_mosaic_fused_dq_matches_reference(name):
   reduce-add, against the reference (its tolerances: the order of the
   additions varies, the sum does not)."""
   case, options = FUSED_DQ_CASES[name]
-  blocks = jax_flash.MosaicBlockSizes.get_default(case.head_dim, case.causal,
-                                                  fused_dq=True)
-  lengths = {"query_seq_lengths", "key_value_seq_lengths"} & set(options)
-  compare_with_reference(dict(is_causal=case.causal, **options), case.dtype,
-                         shape=case.shape, block_sizes=blocks,
-                         implementation="mosaic", garbage=bool(lengths))
+  _compare_mosaic(case, options, jax_flash.MosaicBlockSizes.get_default(
+      case.head_dim, case.causal, fused_dq=True))
 
 
 PERSISTENT_CASES = {  # Each CTA runs items of unequal lengths in turn.
@@ -253,13 +250,7 @@ def test_mosaic_persistent_forward_matches_reference(name, monkeypatch):
   from one to the next: forward and gradients against the reference."""
   monkeypatch.setattr(flash_fwd, "num_multiprocessors", lambda: 5)
   case, options = PERSISTENT_CASES[name]
-  blocks = dataclasses.replace(
-      jax_flash.MosaicBlockSizes.get_default(case.head_dim, case.causal),
-      persistent=True)
-  lengths = {"query_seq_lengths", "key_value_seq_lengths"} & set(options)
-  compare_with_reference(dict(is_causal=case.causal, **options), case.dtype,
-                         shape=case.shape, block_sizes=blocks,
-                         implementation="mosaic", garbage=bool(lengths))
+  _compare_mosaic(case, options, _default_with(case, persistent=True))
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -269,12 +260,7 @@ def test_mosaic_persistent_forward_on_every_multiprocessor(causal):
   mask) at 2k: 256 items (of unequal length under the causal mask) on
   the GPU's multiprocessors (132 on an H200)."""
   case = Case(2, 2048, 2048, 8, 2, 128, "bfloat16", causal)
-  blocks = dataclasses.replace(
-      jax_flash.MosaicBlockSizes.get_default(case.head_dim, case.causal),
-      persistent=True)
-  compare_with_reference(dict(is_causal=case.causal), case.dtype,
-                         shape=case.shape, block_sizes=blocks,
-                         implementation="mosaic")
+  _compare_mosaic(case, blocks=_default_with(case, persistent=True))
 
 
 KV80_CASES = {  # 80-row K/V tiles: partial last tiles, masks, options.
@@ -295,13 +281,8 @@ def test_mosaic_80_row_key_tiles_match_reference(name, persistent):
   reduction scratch: what fits head dim 256's shared memory), one CTA an
   item or persistent: forward and gradients against the reference."""
   case, options = KV80_CASES[name]
-  blocks = dataclasses.replace(
-      jax_flash.MosaicBlockSizes.get_default(case.head_dim, case.causal),
-      block_kv=80, persistent=persistent)
-  lengths = {"query_seq_lengths", "key_value_seq_lengths"} & set(options)
-  compare_with_reference(dict(is_causal=case.causal, **options), case.dtype,
-                         shape=case.shape, block_sizes=blocks,
-                         implementation="mosaic", garbage=bool(lengths))
+  _compare_mosaic(case, options,
+                  _default_with(case, block_kv=80, persistent=persistent))
 
 
 def test_default_on_h200_is_mosaic_where_it_takes_the_call():
