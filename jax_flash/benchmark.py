@@ -100,10 +100,10 @@ def _impls(causal: bool):
 
 
 MIN_TIMED_SECONDS = 0.02
-# Untimed back-to-back calls before the timed batches. On the H200 the
-# first row of a shape (our forward at 1k) measured up to 1.9x slower than
-# the same kernel in other runs and than its own forward+backward implied
-# (thirteenth session); the GPU idles while each program compiles.
+# Untimed back-to-back calls before the timed batches (the GPU idles while
+# each program compiles). Added for 1k forward rows measured up to 1.9x
+# slow (thirteenth session); their cause was the host's dispatch of jitted
+# calls, which `_time` now avoids (fourteenth session).
 WARMUP_SECONDS = 0.2
 
 
@@ -122,7 +122,7 @@ def _time(fn, args, calls: int, repeats: int) -> float:
   """
   if hasattr(fn, "lower"):
     fn = fn.lower(*args).compile()
-  jax.block_until_ready(fn(*args))  # Compile and warm up.
+  jax.block_until_ready(fn(*args))  # First run (a compiled `fn` compiles).
   start = time.perf_counter()
   jax.block_until_ready(fn(*args))
   once = time.perf_counter() - start
