@@ -252,27 +252,27 @@ for h in map(int, '${PROFILE_HEAD_DIMS:-64 128}'.split()):
       done
       ;;
     pending)
-      # The fourteenth session's plan (benchmarks/NOTES.md, "For the next
-      # GPU session (written 2026-12-01, fourteenth session)"): the 80-row
-      # K/V tiles' GPU tests, then head dim 256 with them against 64-row
-      # tiles at 2k-16k, and head dim 192 with tiles of 64-112 rows at 4k
-      # (about 6 min).
-      XLA_FLAGS=$TEST_XLA_FLAGS timeout 200 python3 -m pytest -q -n 16 \
-        -p no:cacheprovider tests/test_gpu.py -k 80_row > /tmp/kv80.log 2>&1
-      tail -n 3 /tmp/kv80.log; grep -E "^FAILED" /tmp/kv80.log | head -20
-      for seq in 2048 4096 8192 16384; do
-        timeout 100 python3 benchmarks/mosaic_tune.py --seq-len "$seq" \
-          --head-dims 256 --repeats 5 --candidates '[{}, {"block_kv": 80}]' \
-          --out "$OUT/h256_$seq" > "/tmp/h256_$seq.log" 2>&1 \
-          || tail -n 5 "/tmp/h256_$seq.log"
-        grep '^{' "/tmp/h256_$seq.log" | cut -c1-300
+      # The fifteenth session's plan (benchmarks/NOTES.md, "fifteenth
+      # session: 80-row tiles measured; the next call"): where contiguous
+      # decode's time goes against cuDNN's, head dim 192 with 64-112-row
+      # K/V tiles at 2k/8k/16k, head dim 256 with 64/80 at 8k/16k again
+      # (about 5 min).
+      timeout 200 python3 benchmarks/decode_parts.py --out "$OUT/decode_parts" \
+        > /tmp/decode_parts.log 2>&1 || tail -n 20 /tmp/decode_parts.log
+      grep '^{' /tmp/decode_parts.log
+      tile_sweep() {  # tile_sweep HEAD_DIM SEQ CANDIDATES
+        timeout 100 python3 benchmarks/mosaic_tune.py --seq-len "$2" \
+          --head-dims "$1" --repeats 5 --candidates "$3" \
+          --out "$OUT/h$1_$2" > "/tmp/h$1_$2.log" 2>&1 \
+          || tail -n 5 "/tmp/h$1_$2.log"
+        grep '^{' "/tmp/h$1_$2.log" | cut -c1-120
+      }
+      for seq in 2048 8192 16384; do
+        tile_sweep 192 "$seq" '[{}, {"block_kv": 96}, {"block_kv": 112}]'
       done
-      # Head dim 192: 64-row tiles (the default) or up to 112, which fit.
-      timeout 100 python3 benchmarks/mosaic_tune.py --seq-len 4096 \
-        --head-dims 192 --repeats 5 --candidates '[{}, {"block_kv": 80},
-        {"block_kv": 96}, {"block_kv": 112}]' --out "$OUT/h192_4096" \
-        > /tmp/h192.log 2>&1 || tail -n 5 /tmp/h192.log
-      grep '^{' /tmp/h192.log | cut -c1-300
+      for seq in 8192 16384; do
+        tile_sweep 256 "$seq" '[{}, {"block_kv": 80}]'
+      done
       ;;
     prefill)
       # Prompt chunks against a 32k cache: contiguous, paged, and on the

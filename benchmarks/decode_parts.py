@@ -1,0 +1,101 @@
+"""Where contiguous decode's time goes, against cuDNN's, one GPU.
+
+    PYTHONPATH=. python benchmarks/decode_parts.py --out DIR
+
+One new token per sequence (16 query heads and 4 KV heads of 128, bf16)
+against a full contiguous cache, for each BATCHxCACHE shape: cuDNN
+(`jax.nn.dot_product_attention(implementation="cudnn")`), `flash_decode`
+with its default split count and with each `--splits`, and "kernel_only":
+the default with the merge of the splits' partial outputs replaced by
+taking the first split's (a wrong answer, timed to see what the split-KV
+kernel costs without the merge; `softmax.merge` patched for that row
+only). Each row: microseconds a call, TB/s of K+V read, the ratio to cuDNN
+in the same run, and the kernels in the compiled program's entry
+computation (fusions and custom calls). One JSON line a row, printed and
+written to DIR/decode_parts.jsonl.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import types
+
+import jax
+import jax.numpy as jnp
+
+import jax_flash
+from jax_flash import benchmark
+from jax_flash.spec import softmax
+from pallas_kernels.triton import flash_decode as decode_kernel
+
+
+def kernels(compiled) -> int:
+  """Fusions and custom calls in a compiled program's entry computation."""
+  entry = compiled.as_text().split("ENTRY", 1)[1]
+  return len(re.findall(r"= \S+ (?:fusion|custom-call)\(", entry))
+
+
+def _first_part(o, lse, axis):
+  return (jnp.take(o, 0, axis=axis).astype(jnp.float32),
+          jnp.take(lse, 0, axis=axis))
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", default="benchmarks/results")
+  parser.add_argument("--shapes", nargs="+",
+                      default=["64x32768", "64x131072", "8x32768"],
+                      help="BATCHxCACHE")
+  parser.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4])
+  parser.add_argument("--calls", type=int, default=50)
+  parser.add_argument("--implementation", default="pallas",
+                      help="'interpret' tries the script on a CPU")
+  args = parser.parse_args(argv)
+  os.makedirs(args.out, exist_ok=True)
+  heads, kv_heads, head_dim = 16, 4, 128
+  on_gpu = jax.devices()[0].platform == "gpu"
+  with open(os.path.join(args.out, "decode_parts.jsonl"), "w") as log:
+    for shape in args.shapes:
+      batch, cache_len = map(int, shape.split("x"))
+      keys = jax.random.split(jax.random.key(batch), 3)
+      q, kc, vc, lengths = benchmark.decode_inputs(
+          keys, batch, cache_len, heads, kv_heads, head_dim, jnp.bfloat16)
+      nbytes = 2 * kc.size * kc.dtype.itemsize
+
+      def ours(splits):
+        return lambda q, k, v: jax_flash.flash_decode(
+            q, k, v, kv_lengths=lengths, num_splits=splits,
+            implementation=args.implementation)
+
+      cases = [("default", ours(None))]
+      cases += [(f"splits_{n}", ours(n)) for n in args.splits]
+      cases.append(("kernel_only", ours(None)))
+      if on_gpu:
+        cases.insert(0, ("cudnn", lambda q, k, v: (
+            jax.nn.dot_product_attention(
+                q, k, v, key_value_seq_lengths=lengths,
+                implementation="cudnn"))))
+      base = None
+      for name, fn in cases:
+        if name == "kernel_only":
+          decode_kernel.softmax = types.SimpleNamespace(
+              **{**vars(softmax), "merge": _first_part})
+        try:
+          compiled = jax.jit(fn).lower(q, kc, vc).compile()
+          seconds = benchmark._time(compiled, (q, kc, vc), args.calls, 5)
+        finally:
+          decode_kernel.softmax = softmax
+        base = base or seconds
+        row = dict(batch=batch, cache_len=cache_len, impl=name,
+                   us=round(seconds * 1e6, 1),
+                   tb_s=round(nbytes / seconds / 1e12, 3),
+                   of_first=round(base / seconds, 3),
+                   kernels=kernels(compiled))
+        print(json.dumps(row), flush=True)
+        log.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+  main()
