@@ -11,7 +11,8 @@ one page or less is a contiguous load, more pages a gather), pipelining
 stages (`--stages`), tiles ahead that a tile's page ids are read
 (`--prefetch`) and programs per multiprocessor (`--programs-per-sm`), or
 instead of the programs, the number of chunks each sequence's cache is
-split into (`--splits`, flash_decode's `num_splits`), and for tiles of
+split into (`--splits`, flash_decode's `num_splits`), warps a program
+(`--num-warps`), and for tiles of
 several pages a gathered load or a load and a dot a page
 (`--page-dots 0 1`);
 `config.decode_blocks` is replaced for each row. Prints and writes one JSON
@@ -52,6 +53,7 @@ def main(argv=None):
   parser.add_argument("--programs-per-sm", type=int, nargs="+", default=[4])
   parser.add_argument("--splits", type=int, nargs="+", default=[0],
                       help="num_splits to pass (0: from programs per SM)")
+  parser.add_argument("--num-warps", type=int, nargs="+", default=[4])
   parser.add_argument("--page-dots", type=int, nargs="+", default=[0],
                       help="1: a tile's pages loaded and multiplied one at "
                            "a time (`DecodeBlocks.page_dots`)")
@@ -79,17 +81,18 @@ def main(argv=None):
       for page_size in args.page_sizes:  # 0: the contiguous cache.
         cache = (benchmark._paged_cache(kc, vc, page_size, keys[2])
                  if page_size else (kc, vc))
-        for block_k, stages, prefetch, per_sm, splits, page_dots in (
+        for block_k, stages, prefetch, per_sm, splits, page_dots, warps in (
             itertools.product(args.block_k, args.stages, args.prefetch,
                               args.programs_per_sm, args.splits,
-                              args.page_dots)):
+                              args.page_dots, args.num_warps)):
           if block_k < page_size or (prefetch and not page_size) or (
               page_dots and block_k <= page_size):
             continue
           splits = splits or None
           blocks = config.DecodeBlocks(
               block_k=block_k, num_stages=stages, prefetch_pages=prefetch,
-              programs_per_sm=per_sm, page_dots=bool(page_dots))
+              programs_per_sm=per_sm, page_dots=bool(page_dots),
+              num_warps=warps)
           config.decode_blocks = lambda *a, b=blocks: b
           # A new function for each tiling: jax.jit would reuse the trace
           # (and the tiling) of the same function object.

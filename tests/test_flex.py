@@ -239,7 +239,8 @@ def test_ids_traced_under_jit_with_gradients():
   assert_attention_close(grads(q, k, v, IDS), ref)
 
 
-@pytest.mark.parametrize("rows, cols", [(16, 16), (64, 32), (8, 128)])
+@pytest.mark.parametrize("rows, cols", [(16, 16), (64, 32), (8, 128),
+                                        (80, 24), (48, 80), (96, 112)])
 @pytest.mark.parametrize("transposed", [False, True])
 def test_kinds_tile_table_covers_the_mask(rows, cols, transposed):
   """The kernels' tile ranges made of a mask_mod's kinds (at other tile
@@ -289,6 +290,13 @@ def _mosaic_flex_cases():
           lambda b, t, s, n: dict(mask=dense(window_formula, *shape(t, s, n)),
                                   logits_soft_cap=20.0),
           (1, 300, 300, 4, 2, 256), jnp.bfloat16),
+      # 96-row K/V tiles (head dim 192's default) over the block mask's
+      # 128-row blocks.
+      "prefix_lm_soft_cap_h192_gqa": (
+          prefix_lm, soft_cap,
+          lambda b, t, s, n: dict(mask=dense(prefix_lm, *shape(t, s, n)),
+                                  logits_soft_cap=20.0),
+          (1, 1000, 1003, 8, 2, 192), jnp.bfloat16),
   }
 
 

@@ -59,7 +59,11 @@ MOSAIC_CASES = {
     "any_length_h256": Case(1, 300, 1003, 4, 2, 256, "bfloat16", True),
     "h96_causal_gqa": Case(2, 1000, 1003, 8, 2, 96, "bfloat16", True),
     "h192_f16": Case(1, 512, 777, 4, 2, 192, "float16", False),
+    # Past LONG_KV_LEN keys head dim 256 takes 80-row K/V tiles.
+    "h256_long_keys_causal": Case(1, 256, 5003, 4, 2, 256, "bfloat16", True),
 }
+
+
 def _random_mask(shape, seed, visible=0.7):
   """A random boolean mask, each pair visible with probability `visible`,
   and the first query row hidden from every key (a row that sees nothing)."""
@@ -143,6 +147,10 @@ MOSAIC_OPTIONS = {
     "dense_mask_structured_h64_causal": (
         Case(2, 777, 900, 4, 4, 64, "float16", True),
         dict(mask=_structured_mask(1, 777, 900))),
+    # 96-row K/V tiles (head dim 192's) over the mask's 64 x 64 tile kinds.
+    "dense_mask_structured_h192": (
+        Case(1, 1000, 1003, 4, 2, 192, "bfloat16", False),
+        dict(mask=_structured_mask(4, 1000, 1003))),
     # A bias (with its gradient, from the Triton dbias kernel).
     "bias_causal_gqa": (
         Case(1, 1000, 1003, 8, 2, 128, "bfloat16", True),
@@ -270,7 +278,8 @@ KV80_CASES = {  # 80-row K/V tiles: partial last tiles, masks, options.
     **{name: MOSAIC_OPTIONS[name] for name in (
         "soft_cap_alibi_h256_causal", "dropout_h256_soft_cap",
         "lengths_causal_gqa", "segments_h64_f16", "sinks_window_gqa",
-        "two_sided_window")},
+        "two_sided_window", "dense_mask_structured_gqa",
+        "dense_mask_structured_h64_causal")},
 }
 
 

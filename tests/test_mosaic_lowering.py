@@ -308,11 +308,13 @@ def test_default_is_persistent_only_without_a_mask_but_causality(
 @pytest.mark.parametrize("head_dim,kv_len,causal,block_kv", [
     (64, 1024, True, 128), (64, 2048, True, 128), (64, 2049, True, 256),
     (64, 16384, True, 256), (64, 1024, False, 256), (128, 1024, True, 128),
-    (256, 1024, True, 64)])
+    (192, 1024, True, 96), (192, 16384, False, 96), (256, 1024, True, 64),
+    (256, 4096, False, 64), (256, 4097, False, 80), (256, 16384, True, 80)])
 def test_default_key_tiles_follow_head_dim_causality_and_length(
     head_dim, kv_len, causal, block_kv):
   """Head dim 64 causal takes 128-key tiles up to SHORT_KV_LEN keys (faster
-  at 1k/2k on the H200, slower at 4k/16k), 256 above and non-causal."""
+  at 1k/2k on the H200, slower at 4k/16k), 256 above and non-causal; head
+  dim 192 96-key tiles; 256 64, or 80 above LONG_KV_LEN keys."""
   problem = Problem(batch=2, q_len=kv_len, kv_len=kv_len, num_heads=8,
                     num_kv_heads=8, head_dim=head_dim, unbatched=False)
   blocks = MosaicGpuBackend().config(
@@ -538,7 +540,7 @@ def _lower_flex(implementation, mask_mod, score_mod=None, t=300, s=520,
         lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
 def test_flex_runs_the_mosaic_kernels(head_dim):
   """A mask_mod (its tile-range table read in the kernels) and a score_mod
   that close over no array: the Mosaic forward, dK/dV and dQ, picked by
@@ -637,14 +639,15 @@ def test_swizzle_of_a_tile_follows_its_contracted_rows():
   assert swizzle(96, 128) == 64
 
 
-def test_80_row_key_tiles_with_tile_kinds_are_a_clear_error():
-  """A dense mask or mask_mod's tile kinds are regridded by powers of two:
-  other tiles are refused, naming the field."""
+def test_80_row_key_tiles_take_tile_kinds():
+  """A dense mask's tile kinds (64 x 64 blocks) regridded to 80-row key
+  tiles that straddle them (`mask._regrid`; its tables are checked against
+  the mask in tests/test_flex.py): the Mosaic forward and backward."""
   blocks = jax_flash.MosaicBlockSizes(block_q=64, block_kv=80)
-  with pytest.raises(ValueError, match="block_sizes.block_kv=80 must be a "
-                     "power of two with a mask_mod or dense mask"):
-    _lower_grad("mosaic", (1, 300, 1003, 4, 2, 256), block_sizes=blocks,
-                mask=jnp.ones((1, 1, 300, 1003), bool))
+  text = _lower_grad("mosaic", (1, 300, 1003, 4, 2, 256), block_sizes=blocks,
+                     mask=jnp.ones((1, 1, 300, 1003), bool))
+  assert "flash_attention_forward_mosaic" in text
+  assert all(name in text for name in MOSAIC_BACKWARD)
 
 
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])

@@ -316,16 +316,19 @@ def dense_tile_kinds(dense, q_len: int, kv_len: int,
 
 
 def _regrid(kinds, axis: int, block: int, tile: int, length: int):
-  """Tile kinds along `axis` from blocks of `block` to tiles of `tile`
-  (both powers of two) over `length` positions."""
+  """Tile kinds along `axis` from blocks of `block` positions to tiles of
+  `tile` (any sizes) over `length` positions: a tile is full if every block
+  it overlaps is, empty if every one is, else partial."""
   num = -(-length // tile)
-  if tile <= block:  # Each tile lies in one block.
-    idx = np.arange(num) * tile // block
-    return jnp.take(kinds, idx, axis=axis)
-  per = tile // block  # Each tile covers `per` blocks (or fewer at the end).
-  n = kinds.shape[axis]
-  idx = np.minimum(np.arange(num * per), n - 1).reshape(num, per)
+  starts = np.arange(num) * tile
+  first = starts // block  # The first and last block each tile overlaps.
+  last = np.minimum(np.minimum(starts + tile, length) - 1,
+                    kinds.shape[axis] * block - 1) // block
+  per = int((last - first).max()) + 1
+  idx = np.minimum(first[:, None] + np.arange(per), last[:, None])
   grouped = jnp.take(kinds, idx.reshape(-1), axis=axis)
+  if per == 1:
+    return grouped
   shape = grouped.shape[:axis] + (num, per) + grouped.shape[axis + 1:]
   grouped = grouped.reshape(shape)
   empty = jnp.all(grouped == EMPTY, axis=axis + 1)

@@ -123,13 +123,6 @@ class MosaicGpuBackend:
     if blocks.fused_dq and problem.head_dim not in config.FUSED_DQ_HEAD_DIMS:
       raise ValueError(f"block_sizes.fused_dq=True needs a head_dim in "
                        f"{config.FUSED_DQ_HEAD_DIMS}, got {problem.head_dim}")
-    kinds = mask is not None and (mask.has_kinds or mask.has_dense)
-    for name in ("block_q", "block_kv"):
-      size = getattr(blocks, name)
-      if kinds and size & (size - 1):
-        raise ValueError(f"block_sizes.{name}={size} must be a power of two "
-                         f"with a mask_mod or dense mask (their tile kinds "
-                         f"are regridded to the kernel's tiles)")
     smem = blocks.smem_bytes(problem.head_dim, jnp.dtype(dtype).itemsize)
     if smem > config.SMEM_BYTES:
       raise ValueError(f"block_sizes {blocks} need {smem} bytes of shared "

@@ -38,6 +38,9 @@ PERSISTENT_HEAD_DIMS = (64, 96, 128)
 # Keys up to which the causal forward at head dim 64 takes 128-row K/V
 # tiles instead of 256 (`BlockSizes.get_default`).
 SHORT_KV_LEN = 2048
+# Keys above which the forward at head dim 256 takes 80-row K/V tiles
+# instead of 64 (`BlockSizes.get_default`).
+LONG_KV_LEN = 4096
 # Where the Mosaic kernels write a per-warpgroup trace of their named
 # regions (`jax.named_scope` in the kernels) when set: one Chrome-trace
 # JSON a launch, summarised by benchmarks/profile_summary.py.
@@ -102,8 +105,8 @@ class BlockSizes:
   head dim 256, the largest two stages of which fit beside its Q tiles):
   V's tile then takes a narrower swizzle (`flash_fwd.smem_transforms`) and
   the forward no reduction scratch (`reduction_scratch`); tile kinds (a
-  mask_mod's, a dense mask's) need powers of two. Lowered for the H200,
-  not yet run on a GPU (not a default).
+  mask_mod's, a dense mask's) are regridded to them (`mask._regrid`). The
+  defaults at head dims 192 (96 rows) and 256 (80 above LONG_KV_LEN keys).
   `persistent`: the forward runs one CTA a multiprocessor, each looping
   over (batch, head, query tile) items with one K/V ring (the next item's
   K/V loads overlap the last one's epilogue; `flash_fwd.cta_schedule`) and
@@ -208,8 +211,14 @@ class BlockSizes:
     SHORT_KV_LEN keys (`kv_len`; the persistent forward at 1k / 2k 279 / 343
     TFLOP/s against 215 / 327 with 256, at 3k / 4k / 16k 369 / 375 / 418
     against 373 / 384 / 454: .../2026-12-01-h200-session14/pending/,
-    h64_3072/ and default_8c60781/), 128 at 128, 64 at 256 (to fit shared
-    memory); 2 stages (3 gained nothing).
+    h64_3072/ and default_8c60781/), 128 at 128, 96 at 192 (against 64:
+    +5-9% non-causal, +1-11% causal at 2k-16k; 112 fits too but was slower
+    causal, 80 within 1% at 4k: .../2026-12-01-h200-session15/), at 256 the
+    largest that fit shared memory: 64, or 80 above LONG_KV_LEN keys (80
+    against 64 in two runs: at 8k +0.1 / +1.6% non-causal, -0.1 / +1.5%
+    causal, at 16k +2.0 / +2.3%, +4.4 / +2.1%; at 2k and 4k -1 to -3%:
+    power-of-two lengths end in a partial 80-row tile); 2 stages (3
+    gained nothing).
     Backward: 64-row tiles, except dQ's K/V tiles of 128 rows at head dim 64
     and at 128 non-causal (0.94 / 0.98x cuDNN against 0.90 / 0.96x; 128 lost
     1% at 128 causal); 128-row query tiles in dK/dV spill (0.50-0.65x).
@@ -231,8 +240,11 @@ class BlockSizes:
     non-causal). At 256 (one Q buffer) +5% at 4k but -6% at 16k
     non-causal: off.
     """
-    if head_dim > 128:
-      blocks = cls(block_q=64, block_kv=64)
+    if head_dim > 192:
+      long = kv_len is not None and kv_len > LONG_KV_LEN
+      blocks = cls(block_q=64, block_kv=80 if long else 64)
+    elif head_dim > 128:
+      blocks = cls(block_q=64, block_kv=96)
     elif head_dim > 64:
       blocks = cls(block_q=64, block_kv=128,
                    block_kv_dq=64 if is_causal else 128)

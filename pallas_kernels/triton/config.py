@@ -164,12 +164,14 @@ class DecodeBlocks:
   page_dots: a tile of several pages is read a page at a time (one
     contiguous load each) and multiplied a page at a time, instead of one
     gathered load (`decode_blocks`: the default for 16-token pages).
+  num_warps: warps a program.
   """
   block_k: int
   num_stages: int = 2
   prefetch_pages: int = 0
   programs_per_sm: int = 4
   page_dots: bool = False
+  num_warps: int = 4
 
 
 def decode_blocks(head_dim: int, kv_len: int, page_size: int | None = None
