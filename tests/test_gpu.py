@@ -173,9 +173,11 @@ MOSAIC_OPTIONS = {
 
 
 def _default_with(case, **fields):
-  """The Mosaic kernels' default tiles for `case`, `fields` replaced."""
+  """The Mosaic kernels' default tiles for `case` (its head dim, causality
+  and key length, as the dispatch picks them), `fields` replaced."""
   return dataclasses.replace(
-      jax_flash.MosaicBlockSizes.get_default(case.head_dim, case.causal),
+      jax_flash.MosaicBlockSizes.get_default(case.head_dim, case.causal,
+                                             kv_len=case.kv_len),
       **fields)
 
 
