@@ -19,8 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import functools
 import re
-import types
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +28,9 @@ import jax.numpy as jnp
 import jax_flash
 from jax_flash import benchmark
 from jax_flash.spec import softmax
-from pallas_kernels.triton import flash_decode as decode_kernel
+from jax_flash.spec.mask import Mask
+from jax_flash.spec.scores import Scores
+from pallas_kernels.mosaic_gpu import flash_decode as mosaic_decode
 
 
 def kernels(compiled) -> int:
@@ -49,6 +51,9 @@ def main(argv=None):
                       default=["64x32768", "64x131072", "8x32768"],
                       help="BATCHxCACHE")
   parser.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4])
+  parser.add_argument("--mosaic", nargs="*", default=["2:2", "4:1", "4:4"],
+                      help="STAGES:SPLITS of the Mosaic split-KV kernel "
+                      "(GPU only)")
   parser.add_argument("--calls", type=int, default=50)
   parser.add_argument("--implementation", default="pallas",
                       help="'interpret' tries the script on a CPU")
@@ -72,6 +77,13 @@ def main(argv=None):
       cases = [("default", ours(None))]
       cases += [(f"splits_{n}", ours(n)) for n in args.splits]
       cases.append(("kernel_only", ours(None)))
+      for config_text in args.mosaic if on_gpu else ():
+        stages, n = map(int, config_text.split(":"))
+        cases.append((f"mosaic_s{stages}_splits{n}", functools.partial(
+            lambda q, k, v, n, stages: mosaic_decode.flash_decode(
+                q, k, v, lengths, scores=Scores(scale=head_dim ** -0.5),
+                mask=Mask(is_causal=True), num_splits=n,
+                num_stages=stages)[0], n=n, stages=stages)))
       if on_gpu:
         cases.insert(0, ("cudnn", lambda q, k, v: (
             jax.nn.dot_product_attention(
@@ -79,14 +91,14 @@ def main(argv=None):
                 implementation="cudnn"))))
       base = None
       for name, fn in cases:
+        merge = softmax.merge
         if name == "kernel_only":
-          decode_kernel.softmax = types.SimpleNamespace(
-              **{**vars(softmax), "merge": _first_part})
+          softmax.merge = _first_part
         try:
           compiled = jax.jit(fn).lower(q, kc, vc).compile()
           seconds = benchmark._time(compiled, (q, kc, vc), args.calls, 5)
         finally:
-          decode_kernel.softmax = softmax
+          softmax.merge = merge
         base = base or seconds
         row = dict(batch=batch, cache_len=cache_len, impl=name,
                    us=round(seconds * 1e6, 1),

@@ -182,6 +182,29 @@ def test_mosaic_decode_of_a_few_tokens_says_why():
     _lower_decode("mosaic", 8)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_mosaic_split_kv_decode_lowers_within_shared_memory(head_dim):
+  """The Mosaic split-KV decode kernel (not dispatched) lowers for an H200
+  at its default stage count, bounded by shared memory at head dim 256."""
+  from jax_flash.spec.scores import Scores
+  from pallas_kernels.mosaic_gpu import flash_decode as mosaic_decode
+  q = jax.ShapeDtypeStruct((3, 1, 8, head_dim), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((3, 1000, 2, head_dim), jnp.bfloat16)
+  lengths = jax.ShapeDtypeStruct((3,), jnp.int32)
+  assert mosaic_decode.max_stages(head_dim, 64, 2) == {
+      64: 12, 128: 5, 256: 2}[head_dim]
+
+  def f(q, k, v, lengths):
+    return mosaic_decode.flash_decode(
+        q, k, v, lengths, scores=Scores(scale=0.1), mask=Mask(is_causal=True),
+        num_splits=2)
+  with jax.sharding.use_abstract_mesh(
+      mesh_lib.AbstractMesh((1,), ("x",), abstract_device=H200)):
+    text = jax.jit(f).trace(q, kv, kv, lengths).lower(
+        lowering_platforms=("cuda",)).as_text()
+  assert MOSAIC_CALL in text
+
+
 def test_mosaic_without_a_gpu_is_a_clear_error():
   if jax.default_backend() == "gpu":
     pytest.skip("this machine has a GPU")

@@ -169,3 +169,28 @@ def merge(o, lse, axis: int):
   weight = jnp.exp(lse - safe)  # 0 for empty parts.
   out = jnp.sum(weight[..., None] * o.astype(jnp.float32), axis=axis)
   return out, jnp.squeeze(total, axis)
+
+
+def merge_split_kv(o, lse, *, q_len: int, group: int, dtype, sinks=None):
+  """A split-KV decode kernel's partials to `flash_decode`'s results.
+
+  o [B, K, splits, R, Hv] (each split's normalized output) and lse [B, K,
+  splits, R] (natural log, -inf for a split that saw no key), row r = g *
+  T + t holding query t of the group's head g (rows past G * T: padding);
+  sinks: float32 [N] or None, joining each head's denominator. Returns
+  (out [B, T, N, Hv] in dtype, lse [B, N, T]).
+  """
+  batch, num_kv_heads, _, rows, value_head_dim = o.shape
+  out, lse = merge(o, lse, axis=2)  # [B, K, R, Hv], [B, K, R]
+  if sinks is not None:  # Row g * T + t is query head k * G + g.
+    per_row = jnp.repeat(sinks.reshape(num_kv_heads, group), q_len, axis=1)
+    per_row = jnp.pad(per_row, ((0, 0), (0, rows - group * q_len)))
+    out, lse = with_sink(out, lse, per_row[None])
+  out = out[:, :, :group * q_len].reshape(batch, num_kv_heads, group, q_len,
+                                          value_head_dim)
+  # Heads n = kv_head * G + g: [B, K, G, T] is [B, N, T].
+  lse = lse[:, :, :group * q_len].reshape(batch, num_kv_heads * group, q_len)
+  out = out.transpose(0, 3, 1, 2, 4).reshape(batch, q_len,
+                                             num_kv_heads * group,
+                                             value_head_dim)
+  return out.astype(dtype), lse

@@ -71,7 +71,7 @@ def compiler_params(reduction_scratch: bool = True):
                               profile_bounds_check=True, **scratch)
 
 
-def _aligned(nbytes: int) -> int:
+def aligned(nbytes: int) -> int:
   """Mosaic GPU aligns each shared-memory allocation to 1 KiB."""
   return -(-nbytes // 1024) * 1024
 
@@ -177,10 +177,10 @@ class BlockSizes:
     3) at head dim 128, 232568 bytes on the H200, is 233472 here; 80-row
     K/V tiles at head dim 256, 230488 (lowered for the H200), 231424."""
     buffers = self.q_buffers(head_dim)
-    q = _aligned(buffers * 2 * self.block_q * head_dim * itemsize)
-    kv = 2 * _aligned(self.num_stages * self.block_kv * head_dim * itemsize)
+    q = aligned(buffers * 2 * self.block_q * head_dim * itemsize)
+    kv = 2 * aligned(self.num_stages * self.block_kv * head_dim * itemsize)
     scratch = 2048 if self.reduction_scratch() else 0
-    return q + kv + _aligned(buffers * 2 * self.block_q * 4) + scratch + 1024
+    return q + kv + aligned(buffers * 2 * self.block_q * 4) + scratch + 1024
 
   def backward_smem_bytes(self, head_dim: int, itemsize: int) -> int:
     """Shared memory of the larger backward kernel: dK/dV (its K/V tiles, a

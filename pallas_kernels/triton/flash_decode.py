@@ -196,15 +196,5 @@ def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
       interpret=interpret,
       name="flash_attention_decode",
   )(*operands)
-  out, lse = softmax.merge(o, lse, axis=2)  # [B, K, rows, H], [B, K, rows]
-  if sinks is not None:  # Row g * T + t is query head k * G + g.
-    per_row = jnp.repeat(sinks.reshape(num_kv_heads, group), q_len, axis=1)
-    per_row = jnp.pad(per_row, ((0, 0), (0, rows - group * q_len)))
-    out, lse = softmax.with_sink(out, lse, per_row[None])
-  out = out[:, :, :group * q_len].reshape(batch, num_kv_heads, group, q_len,
-                                          value_head_dim)
-  # Heads n = kv_head * G + g: [B, K, G, T] is [B, N, T].
-  lse = lse[:, :, :group * q_len].reshape(batch, num_heads, q_len)
-  out = out.transpose(0, 3, 1, 2, 4).reshape(batch, q_len, num_heads,
-                                             value_head_dim)
-  return out.astype(q.dtype), lse
+  return softmax.merge_split_kv(o, lse, q_len=q_len, group=group,
+                                dtype=q.dtype, sinks=sinks)

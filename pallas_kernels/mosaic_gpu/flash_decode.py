@@ -1,0 +1,222 @@
+"""Split-KV decoding for Hopper in Pallas Mosaic GPU: a TMA ring of K/V tiles.
+
+A CTA owns one chunk ("split") of one sequence's cache for one KV head, as
+the Triton decode kernel's programs do (`pallas_kernels.triton.flash_decode`),
+and runs two warpgroups:
+
+* warpgroup 1, the producer, streams the chunk's K/V tiles with TMA into a
+  ring of `num_stages` shared-memory slots (tiles past the sequence's
+  length are never loaded);
+* warpgroup 0, the consumer, holds the group's G * T query rows (padded to
+  wgmma's 64) and for each tile forms S = Q K^T by wgmma, the masked
+  online-softmax update (base 2) and O += P V by wgmma with P from
+  registers, then writes its normalized partial output and logsumexp.
+
+`softmax.merge_split_kv` combines the chunks (XLA). Query t of sequence b
+(of T) sits at position kv_len[b] - T + t (the shared `Mask`'s query
+offset); row r of a CTA is query t = r % T of the group's head r // T.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jax_flash.spec import softmax
+from jax_flash.spec.mask import Mask, cdiv
+from jax_flash.spec.padding import pad_to
+from jax_flash.spec.scores import Scores
+from pallas_kernels.mosaic_gpu import config
+from pallas_kernels.mosaic_gpu.config import compiler_params
+from pallas_kernels.mosaic_gpu.flash_fwd import smem_transforms
+
+ROWS = 64  # wgmma's rows: the most query rows (G * T) a CTA takes.
+ROW = plgpu.Layout.WGMMA.reduce(1)
+
+
+def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, o_ref, lse_ref, *,
+                   buffers, ready, free, scores: Scores, mask: Mask,
+                   q_len: int, block_k: int, stages: int,
+                   tiles_per_split: int):
+  """q_ref [B, K, ROWS, H] (rows g * T + t, zero past G * T), k_ref/v_ref
+  [B, S, K, H], lengths_ref int32 [B]; o_ref [B, K, splits, ROWS, H] and
+  lse_ref [B, K, splits, ROWS] float32 (natural log, -inf for a chunk with
+  no visible key)."""
+  q_smem, k_smem, v_smem, o_smem, lse_smem = buffers
+  k_ready, v_ready, q_ready = ready
+  k_free, v_free = free
+  wg = lax.axis_index("wg")
+  split = lax.axis_index("split")
+  batch = lax.axis_index("batch")
+  head = lax.axis_index("kv_heads")
+  kv_len = lengths_ref[batch]
+  first = split * tiles_per_split
+  stop = jnp.maximum(
+      jnp.minimum(first + tiles_per_split, cdiv(kv_len, block_k)), first)
+  dtype = q_ref.dtype
+
+  @pl.when(wg == 0)
+  def _consumer():
+    plgpu.set_max_registers(232, action="increase")
+    plgpu.copy_gmem_to_smem(q_ref.at[batch, head], q_smem, q_ready)
+    plgpu.barrier_wait(q_ready)
+    shape = (ROWS, block_k)
+    query = lax.rem(plgpu.broadcasted_iota(
+        jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA), q_len)
+
+    def step(j, carry):
+      acc, m, l = carry
+      slot = lax.rem(j - first, stages)
+      plgpu.barrier_wait(k_ready.at[slot])
+
+      def qk(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
+        return acc_ref[...]
+      s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
+      plgpu.barrier_arrive(k_free.at[slot])
+      cols = j * block_k + plgpu.broadcasted_iota(
+          jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+      s, c, _ = scores.factored_logits2(s, query, cols)
+      ok = mask.visible(query, cols, kv_len, q_offset=kv_len - q_len)
+      s = jnp.where(ok, s, -jnp.inf)
+      m_new = jnp.maximum(m, s.max(axis=1) * c)
+      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      alpha = jnp.exp2(m - m_safe)
+      p = jnp.exp2(s * c - lax.broadcast_in_dim(m_safe, shape, [0]))
+      l = l * alpha + p.sum(axis=1)
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      plgpu.barrier_wait(v_ready.at[slot])
+      valid = kv_len - j * block_k  # V's rows past it may hold NaN.
+
+      @pl.when(valid < block_k)
+      def _():  # Zeroed, or 0 * NaN would reach P V.
+        v = plgpu.load(v_smem.at[slot], layout=plgpu.Layout.WGMMA)
+        rows = plgpu.broadcasted_iota(jnp.int32, v.shape, 0,
+                                      layout=plgpu.Layout.WGMMA)
+        v_smem.at[slot][...] = jnp.where(rows < valid, v, jnp.zeros_like(v))
+        plgpu.commit_smem()
+      acc = pl.run_state(lambda acc_ref: plgpu.wgmma(
+          acc_ref, p.astype(dtype), v_smem.at[slot]))(plgpu.ACC.init(acc))
+      plgpu.barrier_arrive(v_free.at[slot])
+      return acc, m_new, l
+
+    m = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), ROW)
+    l = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), ROW)
+    acc = plgpu.layout_cast(jnp.zeros((ROWS, v_smem.shape[-1]), jnp.float32),
+                            plgpu.Layout.WGMMA)
+    acc, m, l = lax.fori_loop(first, stop, step, (acc, m, l))
+    o, lse = softmax.finalize(acc, m, l)
+    o_smem[...] = o
+    lse_smem[...] = lse
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[batch, head, split])
+    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, split])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == 1)
+  def _producer():
+    plgpu.set_max_registers(40, action="decrease")
+
+    @pl.loop(first, stop)
+    def _(j):
+      count = j - first
+      slot = lax.rem(count, stages)
+
+      @pl.when(count >= stages)  # The slot's previous tile released.
+      def _():
+        plgpu.barrier_wait(k_free.at[slot])
+        plgpu.barrier_wait(v_free.at[slot])
+      tile = (batch, pl.ds(j * block_k, block_k), head)
+      plgpu.copy_gmem_to_smem(k_ref.at[tile], k_smem.at[slot],
+                              k_ready.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[tile], v_smem.at[slot],
+                              v_ready.at[slot])
+    # Await the last releases too: every completion of a barrier is waited.
+    for i in range(stages):
+      last = stop - first - stages + i
+
+      @pl.when(last >= 0)
+      def _():
+        slot = lax.rem(last, stages)
+        plgpu.barrier_wait(k_free.at[slot])
+        plgpu.barrier_wait(v_free.at[slot])
+
+
+def max_stages(head_dim: int, block_k: int, itemsize: int) -> int:
+  """K/V tiles in flight that fit one CTA's shared memory beside Q, the f32
+  output tile, the logsumexp and the barriers (at least one)."""
+  fixed = (config.aligned(ROWS * head_dim * itemsize)
+           + config.aligned(ROWS * head_dim * 4) + config.aligned(ROWS * 4)
+           + 1024)  # The barriers' allocation.
+  per_stage = 2 * config.aligned(block_k * head_dim * itemsize)
+  return max(1, (config.SMEM_BYTES - fixed) // per_stage)
+
+
+def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
+                 mask: Mask, num_splits: int, block_k: int = 64,
+                 num_stages: int = 4, sinks=None):
+  """Decode attention of q [B, T, N, H] against a contiguous cache k_cache,
+  v_cache [B, S, K, H] (bf16/fp16, G * T <= 64 for G = N / K, S a multiple
+  of 8, H one of the Mosaic kernels' head dims), each sequence's first
+  kv_lengths[b] positions; `mask` the band (causal, a left window) of
+  queries at positions kv_lengths[b] - T + t; sinks float32 [N] or None;
+  num_stages K/V tiles in flight, at most as many as fit shared memory.
+  Returns (out [B, T, N, H] in q.dtype, lse [B, N, T] natural log)."""
+  batch, q_len, num_heads, head_dim = q.shape
+  num_kv_heads = k_cache.shape[2]
+  group = num_heads // num_kv_heads
+  rows = group * q_len
+  if rows > ROWS:
+    raise ValueError(f"the Mosaic decode kernel takes at most {ROWS} query "
+                     f"rows a KV head (G * T), got {rows}")
+  # [B, T, K, G, H] -> [B, K, G*T, H], padded to the CTA's 64 rows (a copy
+  # of the new tokens only: a TMA box needs the rows).
+  qr = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
+  qr = qr.transpose(0, 2, 3, 1, 4).reshape(batch, num_kv_heads, rows,
+                                            head_dim)
+  qr = pad_to(qr, 2, ROWS)
+  tiles_per_split = pl.cdiv(pl.cdiv(k_cache.shape[1], block_k), num_splits)
+  num_stages = min(num_stages, max_stages(head_dim, block_k,
+                                          q.dtype.itemsize))
+  transforms = smem_transforms(q.dtype, head_dim)
+  scratch = dict(
+      buffers=(
+          plgpu.SMEM((ROWS, head_dim), q.dtype, transforms=transforms),
+          plgpu.SMEM((num_stages, block_k, head_dim), k_cache.dtype,
+                     transforms=transforms),
+          plgpu.SMEM((num_stages, block_k, head_dim), v_cache.dtype,
+                     transforms=smem_transforms(v_cache.dtype, head_dim,
+                                                block_k)),
+          plgpu.SMEM((ROWS, head_dim), jnp.float32,
+                     transforms=smem_transforms(jnp.float32, head_dim)),
+          plgpu.SMEM((ROWS,), jnp.float32),
+      ),
+      ready=(plgpu.Barrier(num_barriers=num_stages),
+             plgpu.Barrier(num_barriers=num_stages),
+             plgpu.Barrier()),
+      free=(plgpu.Barrier(num_barriers=num_stages),) * 2,
+  )
+  kernel = functools.partial(
+      _decode_kernel, scores=scores, mask=mask, q_len=q_len, block_k=block_k,
+      stages=num_stages, tiles_per_split=tiles_per_split)
+  o, lse = plgpu.kernel(
+      kernel,
+      out_type=(jax.ShapeDtypeStruct(
+          (batch, num_kv_heads, num_splits, ROWS, head_dim), jnp.float32),
+                jax.ShapeDtypeStruct(
+                    (batch, num_kv_heads, num_splits, ROWS), jnp.float32)),
+      scratch_types=scratch,
+      grid=(num_splits, batch, num_kv_heads),
+      grid_names=("split", "batch", "kv_heads"),
+      num_threads=2,
+      thread_name="wg",
+      # The row reductions stay within a warp, as the forward's.
+      compiler_params=compiler_params(reduction_scratch=False),
+      kernel_name="flash_attention_decode_mosaic",
+  )(qr, k_cache, v_cache, kv_lengths.astype(jnp.int32))
+  return softmax.merge_split_kv(o, lse, q_len=q_len, group=group,
+                                dtype=q.dtype, sinks=sinks)
