@@ -182,10 +182,13 @@ def test_mosaic_decode_of_a_few_tokens_says_why():
     _lower_decode("mosaic", 8)
 
 
+@pytest.mark.parametrize("heads_per_cta", [1, 2])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_mosaic_split_kv_decode_lowers_within_shared_memory(head_dim):
+def test_mosaic_split_kv_decode_lowers_within_shared_memory(head_dim,
+                                                            heads_per_cta):
   """The Mosaic split-KV decode kernel (not dispatched) lowers for an H200
-  at its default stage count, bounded by shared memory at head dim 256."""
+  at its default stage count, bounded by shared memory at head dim 256, a
+  CTA per KV head or for both."""
   from jax_flash.spec.scores import Scores
   from pallas_kernels.mosaic_gpu import flash_decode as mosaic_decode
   q = jax.ShapeDtypeStruct((3, 1, 8, head_dim), jnp.bfloat16)
@@ -197,7 +200,7 @@ def test_mosaic_split_kv_decode_lowers_within_shared_memory(head_dim):
   def f(q, k, v, lengths):
     return mosaic_decode.flash_decode(
         q, k, v, lengths, scores=Scores(scale=0.1), mask=Mask(is_causal=True),
-        num_splits=2)
+        num_splits=2, heads_per_cta=heads_per_cta)
   with jax.sharding.use_abstract_mesh(
       mesh_lib.AbstractMesh((1,), ("x",), abstract_device=H200)):
     text = jax.jit(f).trace(q, kv, kv, lengths).lower(

@@ -34,18 +34,21 @@ from pallas_kernels.mosaic_gpu import config
 from pallas_kernels.mosaic_gpu.config import compiler_params
 from pallas_kernels.mosaic_gpu.flash_fwd import smem_transforms
 
-ROWS = 64  # wgmma's rows: the most query rows (G * T) a CTA takes.
+ROWS = 64  # wgmma's rows: the most query rows a CTA takes.
 ROW = plgpu.Layout.WGMMA.reduce(1)
 
 
 def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, o_ref, lse_ref, *,
                    buffers, ready, free, scores: Scores, mask: Mask,
-                   q_len: int, block_k: int, stages: int,
-                   tiles_per_split: int):
-  """q_ref [B, K, ROWS, H] (rows g * T + t, zero past G * T), k_ref/v_ref
-  [B, S, K, H], lengths_ref int32 [B]; o_ref [B, K, splits, ROWS, H] and
-  lse_ref [B, K, splits, ROWS] float32 (natural log, -inf for a chunk with
-  no visible key)."""
+                   q_len: int, heads: int, group: int, block_k: int,
+                   stages: int, tiles_per_split: int):
+  """q_ref [B, K / heads, ROWS, H] (rows (h * G + g) * T + t for the
+  CTA's KV head h < heads, zero past heads * G * T); k_ref/v_ref [B, S, K,
+  H] when heads == 1, else [B, S * K, H] (row p * K + h: position p, KV
+  head h); lengths_ref int32 [B]; o_ref [B, K / heads, splits, ROWS, H] and
+  lse_ref [B, K / heads, splits, ROWS] float32 (natural log, -inf for a
+  chunk with no visible key). A K/V tile is block_k rows: block_k / heads
+  positions x the CTA's heads."""
   q_smem, k_smem, v_smem, o_smem, lse_smem = buffers
   k_ready, v_ready, q_ready = ready
   k_free, v_free = free
@@ -54,9 +57,10 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, o_ref, lse_ref, *,
   batch = lax.axis_index("batch")
   head = lax.axis_index("kv_heads")
   kv_len = lengths_ref[batch]
+  positions = block_k // heads  # Cache positions a tile.
   first = split * tiles_per_split
   stop = jnp.maximum(
-      jnp.minimum(first + tiles_per_split, cdiv(kv_len, block_k)), first)
+      jnp.minimum(first + tiles_per_split, cdiv(kv_len, positions)), first)
   dtype = q_ref.dtype
 
   @pl.when(wg == 0)
@@ -65,8 +69,16 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, o_ref, lse_ref, *,
     plgpu.copy_gmem_to_smem(q_ref.at[batch, head], q_smem, q_ready)
     plgpu.barrier_wait(q_ready)
     shape = (ROWS, block_k)
-    query = lax.rem(plgpu.broadcasted_iota(
-        jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA), q_len)
+    rows = plgpu.broadcasted_iota(jnp.int32, shape, 0,
+                                  layout=plgpu.Layout.WGMMA)
+    query = lax.rem(rows, q_len)
+    tile_cols = plgpu.broadcasted_iota(jnp.int32, shape, 1,
+                                       layout=plgpu.Layout.WGMMA)
+    # A row's KV head against a column's (heads > 1: rows of padding match
+    # none).
+    same_head = (lax.div(rows, group * q_len) == lax.rem(tile_cols, heads)
+                 if heads > 1 else None)
+    tile_positions = lax.div(tile_cols, heads) if heads > 1 else tile_cols
 
     def step(j, carry):
       acc, m, l = carry
@@ -78,10 +90,11 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, o_ref, lse_ref, *,
         return acc_ref[...]
       s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
       plgpu.barrier_arrive(k_free.at[slot])
-      cols = j * block_k + plgpu.broadcasted_iota(
-          jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+      cols = j * positions + tile_positions
       s, c, _ = scores.factored_logits2(s, query, cols)
       ok = mask.visible(query, cols, kv_len, q_offset=kv_len - q_len)
+      if same_head is not None:
+        ok = jnp.logical_and(ok, same_head)
       s = jnp.where(ok, s, -jnp.inf)
       m_new = jnp.maximum(m, s.max(axis=1) * c)
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -90,14 +103,15 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, o_ref, lse_ref, *,
       l = l * alpha + p.sum(axis=1)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       plgpu.barrier_wait(v_ready.at[slot])
-      valid = kv_len - j * block_k  # V's rows past it may hold NaN.
+      valid = (kv_len - j * positions) * heads  # V rows past it may be NaN.
 
       @pl.when(valid < block_k)
       def _():  # Zeroed, or 0 * NaN would reach P V.
         v = plgpu.load(v_smem.at[slot], layout=plgpu.Layout.WGMMA)
-        rows = plgpu.broadcasted_iota(jnp.int32, v.shape, 0,
-                                      layout=plgpu.Layout.WGMMA)
-        v_smem.at[slot][...] = jnp.where(rows < valid, v, jnp.zeros_like(v))
+        v_rows = plgpu.broadcasted_iota(jnp.int32, v.shape, 0,
+                                        layout=plgpu.Layout.WGMMA)
+        v_smem.at[slot][...] = jnp.where(v_rows < valid, v,
+                                         jnp.zeros_like(v))
         plgpu.commit_smem()
       acc = pl.run_state(lambda acc_ref: plgpu.wgmma(
           acc_ref, p.astype(dtype), v_smem.at[slot]))(plgpu.ACC.init(acc))
@@ -130,7 +144,10 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, o_ref, lse_ref, *,
       def _():
         plgpu.barrier_wait(k_free.at[slot])
         plgpu.barrier_wait(v_free.at[slot])
-      tile = (batch, pl.ds(j * block_k, block_k), head)
+      if heads == 1:
+        tile = (batch, pl.ds(j * block_k, block_k), head)
+      else:  # All KV heads of block_k / K positions: contiguous rows.
+        tile = (batch, pl.ds(j * block_k, block_k))
       plgpu.copy_gmem_to_smem(k_ref.at[tile], k_smem.at[slot],
                               k_ready.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[tile], v_smem.at[slot],
@@ -158,28 +175,39 @@ def max_stages(head_dim: int, block_k: int, itemsize: int) -> int:
 
 def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
                  mask: Mask, num_splits: int, block_k: int = 64,
-                 num_stages: int = 4, sinks=None):
+                 num_stages: int = 4, heads_per_cta: int = 1, sinks=None):
   """Decode attention of q [B, T, N, H] against a contiguous cache k_cache,
-  v_cache [B, S, K, H] (bf16/fp16, G * T <= 64 for G = N / K, S a multiple
-  of 8, H one of the Mosaic kernels' head dims), each sequence's first
-  kv_lengths[b] positions; `mask` the band (causal, a left window) of
-  queries at positions kv_lengths[b] - T + t; sinks float32 [N] or None;
-  num_stages K/V tiles in flight, at most as many as fit shared memory.
+  v_cache [B, S, K, H] (bf16/fp16, S a multiple of 8, H one of the Mosaic
+  kernels' head dims), each sequence's first kv_lengths[b] positions;
+  `mask` the band (causal, a left window) of queries at positions
+  kv_lengths[b] - T + t; sinks float32 [N] or None; num_stages K/V tiles
+  in flight, at most as many as fit shared memory. heads_per_cta: 1 (a
+  CTA per KV head; G * T <= 64 for G = N / K) or K (a CTA takes every KV
+  head, its tiles block_k / K positions of all of them, contiguous in the
+  cache; N * T <= 64 and K dividing block_k).
   Returns (out [B, T, N, H] in q.dtype, lse [B, N, T] natural log)."""
   batch, q_len, num_heads, head_dim = q.shape
-  num_kv_heads = k_cache.shape[2]
+  cache_len, num_kv_heads = k_cache.shape[1:3]
   group = num_heads // num_kv_heads
-  rows = group * q_len
+  heads = heads_per_cta
+  rows = heads * group * q_len
+  if heads not in (1, num_kv_heads) or block_k % heads:
+    raise ValueError(f"heads_per_cta must be 1 or the KV heads ("
+                     f"{num_kv_heads}) dividing block_k ({block_k}), got "
+                     f"{heads}")
   if rows > ROWS:
     raise ValueError(f"the Mosaic decode kernel takes at most {ROWS} query "
-                     f"rows a KV head (G * T), got {rows}")
-  # [B, T, K, G, H] -> [B, K, G*T, H], padded to the CTA's 64 rows (a copy
-  # of the new tokens only: a TMA box needs the rows).
-  qr = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
-  qr = qr.transpose(0, 2, 3, 1, 4).reshape(batch, num_kv_heads, rows,
-                                            head_dim)
+                     f"rows a CTA (heads_per_cta * G * T), got {rows}")
+  # [B, T, N, H] -> [B, N, T, H] -> [B, K / heads, heads * G * T, H]: row
+  # (h * G + g) * T + t, padded to the CTA's 64 rows (a copy of the new
+  # tokens only: a TMA box needs the rows).
+  qr = q.transpose(0, 2, 1, 3).reshape(batch, num_kv_heads // heads, rows,
+                                       head_dim)
   qr = pad_to(qr, 2, ROWS)
-  tiles_per_split = pl.cdiv(pl.cdiv(k_cache.shape[1], block_k), num_splits)
+  if heads > 1:  # [B, S * K, H]: row p * K + h (free: the cache's order).
+    k_cache = k_cache.reshape(batch, cache_len * heads, head_dim)
+    v_cache = v_cache.reshape(batch, cache_len * heads, head_dim)
+  tiles_per_split = pl.cdiv(pl.cdiv(cache_len, block_k // heads), num_splits)
   num_stages = min(num_stages, max_stages(head_dim, block_k,
                                           q.dtype.itemsize))
   transforms = smem_transforms(q.dtype, head_dim)
@@ -201,16 +229,18 @@ def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
       free=(plgpu.Barrier(num_barriers=num_stages),) * 2,
   )
   kernel = functools.partial(
-      _decode_kernel, scores=scores, mask=mask, q_len=q_len, block_k=block_k,
-      stages=num_stages, tiles_per_split=tiles_per_split)
+      _decode_kernel, scores=scores, mask=mask, q_len=q_len, heads=heads,
+      group=group, block_k=block_k, stages=num_stages,
+      tiles_per_split=tiles_per_split)
+  ctas = num_kv_heads // heads
   o, lse = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct(
-          (batch, num_kv_heads, num_splits, ROWS, head_dim), jnp.float32),
+          (batch, ctas, num_splits, ROWS, head_dim), jnp.float32),
                 jax.ShapeDtypeStruct(
-                    (batch, num_kv_heads, num_splits, ROWS), jnp.float32)),
+                    (batch, ctas, num_splits, ROWS), jnp.float32)),
       scratch_types=scratch,
-      grid=(num_splits, batch, num_kv_heads),
+      grid=(num_splits, batch, ctas),
       grid_names=("split", "batch", "kv_heads"),
       num_threads=2,
       thread_name="wg",
@@ -218,5 +248,11 @@ def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
       compiler_params=compiler_params(reduction_scratch=False),
       kernel_name="flash_attention_decode_mosaic",
   )(qr, k_cache, v_cache, kv_lengths.astype(jnp.int32))
+  if heads > 1:  # [B, 1, splits, K * G * T, H] -> [B, K, splits, G * T, H].
+    o = o[:, 0, :, :rows].reshape(batch, num_splits, num_kv_heads,
+                                  group * q_len, head_dim)
+    o = o.transpose(0, 2, 1, 3, 4)
+    lse = lse[:, 0, :, :rows].reshape(batch, num_splits, num_kv_heads,
+                                      group * q_len).transpose(0, 2, 1, 3)
   return softmax.merge_split_kv(o, lse, q_len=q_len, group=group,
                                 dtype=q.dtype, sinks=sinks)
