@@ -52,8 +52,9 @@ def main(argv=None):
                       help="BATCHxCACHE")
   parser.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4])
   parser.add_argument("--mosaic", nargs="*", default=["2:2", "4:1", "4:4"],
-                      help="STAGES:SPLITS[:HEADS] of the Mosaic split-KV "
-                      "kernel, HEADS its KV heads a CTA (1 or 4; GPU only)")
+                      help="STAGES:SPLITS[:HEADS[:CONSUMERS]] of the Mosaic "
+                      "split-KV kernel: HEADS its KV heads a CTA (1 or 4), "
+                      "CONSUMERS its consumer warpgroups (1 or 2; GPU only)")
   parser.add_argument("--calls", type=int, default=50)
   parser.add_argument("--implementation", default="pallas",
                       help="'interpret' tries the script on a CPU")
@@ -78,14 +79,16 @@ def main(argv=None):
       cases += [(f"splits_{n}", ours(n)) for n in args.splits]
       cases.append(("kernel_only", ours(None)))
       for config_text in args.mosaic if on_gpu else ():
-        stages, n, *heads = map(int, config_text.split(":"))
-        heads = heads[0] if heads else 1
-        cases.append((f"mosaic_s{stages}_splits{n}_heads{heads}",
-                      functools.partial(
-            lambda q, k, v, n, stages, heads: mosaic_decode.flash_decode(
-                q, k, v, lengths, scores=Scores(scale=head_dim ** -0.5),
-                mask=Mask(is_causal=True), num_splits=n, num_stages=stages,
-                heads_per_cta=heads)[0], n=n, stages=stages, heads=heads)))
+        stages, n, heads, consumers = (
+            list(map(int, config_text.split(":"))) + [1, 1])[:4]
+        cases.append((
+            f"mosaic_s{stages}_splits{n}_heads{heads}_wg{consumers}",
+            functools.partial(
+                lambda q, k, v, **kw: mosaic_decode.flash_decode(
+                    q, k, v, lengths, scores=Scores(scale=head_dim ** -0.5),
+                    mask=Mask(is_causal=True), **kw)[0], num_splits=n,
+                num_stages=stages, heads_per_cta=heads,
+                consumers=consumers)))
       if on_gpu:
         cases.insert(0, ("cudnn", lambda q, k, v: (
             jax.nn.dot_product_attention(

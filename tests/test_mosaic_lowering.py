@@ -182,30 +182,36 @@ def test_mosaic_decode_of_a_few_tokens_says_why():
     _lower_decode("mosaic", 8)
 
 
+@pytest.mark.parametrize("consumers", [1, 2])
 @pytest.mark.parametrize("heads_per_cta", [1, 2])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_mosaic_split_kv_decode_lowers_within_shared_memory(head_dim,
-                                                            heads_per_cta):
+def test_mosaic_split_kv_decode_lowers_within_shared_memory(
+    head_dim, heads_per_cta, consumers):
   """The Mosaic split-KV decode kernel (not dispatched) lowers for an H200
-  at its default stage count, bounded by shared memory at head dim 256, a
-  CTA per KV head or for both."""
+  at its default stage count, bounded by shared memory (at head dim 256
+  and with two consumers' outputs), a CTA per KV head or for both."""
   from jax_flash.spec.scores import Scores
   from pallas_kernels.mosaic_gpu import flash_decode as mosaic_decode
   q = jax.ShapeDtypeStruct((3, 1, 8, head_dim), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((3, 1000, 2, head_dim), jnp.bfloat16)
   lengths = jax.ShapeDtypeStruct((3,), jnp.int32)
-  assert mosaic_decode.max_stages(head_dim, 64, 2) == {
-      64: 12, 128: 5, 256: 2}[head_dim]
+  assert mosaic_decode.max_stages(head_dim, 64, 2, consumers) == {
+      (64, 1): 12, (128, 1): 5, (256, 1): 2,
+      (64, 2): 10, (128, 2): 4, (256, 2): 0}[head_dim, consumers]
 
   def f(q, k, v, lengths):
     return mosaic_decode.flash_decode(
         q, k, v, lengths, scores=Scores(scale=0.1), mask=Mask(is_causal=True),
-        num_splits=2, heads_per_cta=heads_per_cta)
+        num_splits=2, heads_per_cta=heads_per_cta, consumers=consumers)
   with jax.sharding.use_abstract_mesh(
       mesh_lib.AbstractMesh((1,), ("x",), abstract_device=H200)):
-    text = jax.jit(f).trace(q, kv, kv, lengths).lower(
+    lower = lambda: jax.jit(f).trace(q, kv, kv, lengths).lower(
         lowering_platforms=("cuda",)).as_text()
-  assert MOSAIC_CALL in text
+    if head_dim == 256 and consumers == 2:
+      with pytest.raises(ValueError, match="exceed shared memory"):
+        lower()
+    else:
+      assert MOSAIC_CALL in lower()
 
 
 def test_mosaic_without_a_gpu_is_a_clear_error():

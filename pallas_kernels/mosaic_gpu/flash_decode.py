@@ -41,14 +41,16 @@ ROW = plgpu.Layout.WGMMA.reduce(1)
 def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, o_ref, lse_ref, *,
                    buffers, ready, free, scores: Scores, mask: Mask,
                    q_len: int, heads: int, group: int, block_k: int,
-                   stages: int, tiles_per_split: int):
+                   stages: int, tiles_per_split: int, consumers: int):
   """q_ref [B, K / heads, ROWS, H] (rows (h * G + g) * T + t for the
   CTA's KV head h < heads, zero past heads * G * T); k_ref/v_ref [B, S, K,
   H] when heads == 1, else [B, S * K, H] (row p * K + h: position p, KV
-  head h); lengths_ref int32 [B]; o_ref [B, K / heads, splits, ROWS, H] and
-  lse_ref [B, K / heads, splits, ROWS] float32 (natural log, -inf for a
-  chunk with no visible key). A K/V tile is block_k rows: block_k / heads
-  positions x the CTA's heads."""
+  head h); lengths_ref int32 [B]; o_ref [B, K / heads, splits * consumers,
+  R, H] and lse_ref [B, K / heads, splits * consumers, R] float32 (the
+  first R of the ROWS rows; natural log, -inf for a part with no visible
+  key). A K/V tile is block_k rows: block_k / heads positions x the CTA's
+  heads; consumer warpgroup w takes a chunk's tiles w, w + consumers, ...
+  and writes its own part."""
   q_smem, k_smem, v_smem, o_smem, lse_smem = buffers
   k_ready, v_ready, q_ready = ready
   k_free, v_free = free
@@ -63,10 +65,9 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, o_ref, lse_ref, *,
       jnp.minimum(first + tiles_per_split, cdiv(kv_len, positions)), first)
   dtype = q_ref.dtype
 
-  @pl.when(wg == 0)
+  @pl.when(wg < consumers)
   def _consumer():
     plgpu.set_max_registers(232, action="increase")
-    plgpu.copy_gmem_to_smem(q_ref.at[batch, head], q_smem, q_ready)
     plgpu.barrier_wait(q_ready)
     shape = (ROWS, block_k)
     rows = plgpu.broadcasted_iota(jnp.int32, shape, 0,
@@ -80,8 +81,9 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, o_ref, lse_ref, *,
                  if heads > 1 else None)
     tile_positions = lax.div(tile_cols, heads) if heads > 1 else tile_cols
 
-    def step(j, carry):
+    def step(i, carry):
       acc, m, l = carry
+      j = first + wg + consumers * i
       slot = lax.rem(j - first, stages)
       plgpu.barrier_wait(k_ready.at[slot])
 
@@ -122,18 +124,24 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, o_ref, lse_ref, *,
     l = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), ROW)
     acc = plgpu.layout_cast(jnp.zeros((ROWS, v_smem.shape[-1]), jnp.float32),
                             plgpu.Layout.WGMMA)
-    acc, m, l = lax.fori_loop(first, stop, step, (acc, m, l))
+    tiles = cdiv(jnp.maximum(stop - first - wg, 0), consumers)
+    acc, m, l = lax.fori_loop(0, tiles, step, (acc, m, l))
     o, lse = softmax.finalize(acc, m, l)
-    o_smem[...] = o
-    lse_smem[...] = lse
+    o_smem.at[wg][...] = o
+    lse_smem.at[wg][...] = lse
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[batch, head, split])
-    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, split])
+    part = split * consumers + wg
+    out_rows = pl.ds(0, o_ref.shape[-2])
+    plgpu.copy_smem_to_gmem(o_smem.at[wg, out_rows],
+                            o_ref.at[batch, head, part])
+    plgpu.copy_smem_to_gmem(lse_smem.at[wg, out_rows],
+                            lse_ref.at[batch, head, part])
     plgpu.wait_smem_to_gmem(0)
 
-  @pl.when(wg == 1)
+  @pl.when(wg == consumers)
   def _producer():
     plgpu.set_max_registers(40, action="decrease")
+    plgpu.copy_gmem_to_smem(q_ref.at[batch, head], q_smem, q_ready)
 
     @pl.loop(first, stop)
     def _(j):
@@ -163,19 +171,24 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, o_ref, lse_ref, *,
         plgpu.barrier_wait(v_free.at[slot])
 
 
-def max_stages(head_dim: int, block_k: int, itemsize: int) -> int:
-  """K/V tiles in flight that fit one CTA's shared memory beside Q, the f32
-  output tile, the logsumexp and the barriers (at least one)."""
+def max_stages(head_dim: int, block_k: int, itemsize: int,
+               consumers: int = 1) -> int:
+  """K/V tiles in flight that fit one CTA's shared memory beside Q, each
+  consumer's f32 output tile and logsumexp and the barriers, rounded down to
+  a multiple of `consumers` (each takes every consumers-th slot)."""
   fixed = (config.aligned(ROWS * head_dim * itemsize)
-           + config.aligned(ROWS * head_dim * 4) + config.aligned(ROWS * 4)
+           + config.aligned(consumers * ROWS * head_dim * 4)
+           + config.aligned(consumers * ROWS * 4)
            + 1024)  # The barriers' allocation.
   per_stage = 2 * config.aligned(block_k * head_dim * itemsize)
-  return max(1, (config.SMEM_BYTES - fixed) // per_stage)
+  stages = (config.SMEM_BYTES - fixed) // per_stage
+  return stages - stages % consumers
 
 
 def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
                  mask: Mask, num_splits: int, block_k: int = 64,
-                 num_stages: int = 4, heads_per_cta: int = 1, sinks=None):
+                 num_stages: int = 4, heads_per_cta: int = 1,
+                 consumers: int = 1, sinks=None):
   """Decode attention of q [B, T, N, H] against a contiguous cache k_cache,
   v_cache [B, S, K, H] (bf16/fp16, S a multiple of 8, H one of the Mosaic
   kernels' head dims), each sequence's first kv_lengths[b] positions;
@@ -184,7 +197,8 @@ def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
   in flight, at most as many as fit shared memory. heads_per_cta: 1 (a
   CTA per KV head; G * T <= 64 for G = N / K) or K (a CTA takes every KV
   head, its tiles block_k / K positions of all of them, contiguous in the
-  cache; N * T <= 64 and K dividing block_k).
+  cache; N * T <= 64 and K dividing block_k). consumers: 1 or 2 consumer
+  warpgroups a CTA, taking alternate tiles (each its own partial output).
   Returns (out [B, T, N, H] in q.dtype, lse [B, N, T] natural log)."""
   batch, q_len, num_heads, head_dim = q.shape
   cache_len, num_kv_heads = k_cache.shape[1:3]
@@ -195,6 +209,11 @@ def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
     raise ValueError(f"heads_per_cta must be 1 or the KV heads ("
                      f"{num_kv_heads}) dividing block_k ({block_k}), got "
                      f"{heads}")
+  if consumers not in (1, 2):
+    raise ValueError(f"consumers must be 1 or 2, got {consumers}")
+  if cache_len % 8:
+    raise ValueError(f"the Mosaic decode kernel needs the cache's length a "
+                     f"multiple of 8 (TMA's row tiles), got {cache_len}")
   if rows > ROWS:
     raise ValueError(f"the Mosaic decode kernel takes at most {ROWS} query "
                      f"rows a CTA (heads_per_cta * G * T), got {rows}")
@@ -208,8 +227,14 @@ def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
     k_cache = k_cache.reshape(batch, cache_len * heads, head_dim)
     v_cache = v_cache.reshape(batch, cache_len * heads, head_dim)
   tiles_per_split = pl.cdiv(pl.cdiv(cache_len, block_k // heads), num_splits)
-  num_stages = min(num_stages, max_stages(head_dim, block_k,
-                                          q.dtype.itemsize))
+  fits = max_stages(head_dim, block_k, q.dtype.itemsize, consumers)
+  if fits < consumers:
+    raise ValueError(f"{consumers} consumers' outputs and {consumers} K/V "
+                     f"tiles of {block_k} rows at head dim {head_dim} exceed "
+                     f"shared memory ({config.SMEM_BYTES} bytes)")
+  num_stages = max(consumers, min(num_stages, fits))
+  num_stages -= num_stages % consumers
+  out_rows = min(ROWS, -(-rows // 8) * 8)  # Written rows: TMA's 8-row tiles.
   transforms = smem_transforms(q.dtype, head_dim)
   scratch = dict(
       buffers=(
@@ -219,9 +244,9 @@ def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
           plgpu.SMEM((num_stages, block_k, head_dim), v_cache.dtype,
                      transforms=smem_transforms(v_cache.dtype, head_dim,
                                                 block_k)),
-          plgpu.SMEM((ROWS, head_dim), jnp.float32,
+          plgpu.SMEM((consumers, ROWS, head_dim), jnp.float32,
                      transforms=smem_transforms(jnp.float32, head_dim)),
-          plgpu.SMEM((ROWS,), jnp.float32),
+          plgpu.SMEM((consumers, ROWS), jnp.float32),
       ),
       ready=(plgpu.Barrier(num_barriers=num_stages),
              plgpu.Barrier(num_barriers=num_stages),
@@ -231,28 +256,31 @@ def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
   kernel = functools.partial(
       _decode_kernel, scores=scores, mask=mask, q_len=q_len, heads=heads,
       group=group, block_k=block_k, stages=num_stages,
-      tiles_per_split=tiles_per_split)
+      tiles_per_split=tiles_per_split, consumers=consumers)
   ctas = num_kv_heads // heads
   o, lse = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct(
-          (batch, ctas, num_splits, ROWS, head_dim), jnp.float32),
+          (batch, ctas, num_splits * consumers, out_rows, head_dim),
+          jnp.float32),
                 jax.ShapeDtypeStruct(
-                    (batch, ctas, num_splits, ROWS), jnp.float32)),
+                    (batch, ctas, num_splits * consumers, out_rows),
+                    jnp.float32)),
       scratch_types=scratch,
       grid=(num_splits, batch, ctas),
       grid_names=("split", "batch", "kv_heads"),
-      num_threads=2,
+      num_threads=consumers + 1,
       thread_name="wg",
       # The row reductions stay within a warp, as the forward's.
       compiler_params=compiler_params(reduction_scratch=False),
       kernel_name="flash_attention_decode_mosaic",
   )(qr, k_cache, v_cache, kv_lengths.astype(jnp.int32))
   if heads > 1:  # [B, 1, splits, K * G * T, H] -> [B, K, splits, G * T, H].
-    o = o[:, 0, :, :rows].reshape(batch, num_splits, num_kv_heads,
-                                  group * q_len, head_dim)
+    parts = num_splits * consumers
+    o = o[:, 0, :, :rows].reshape(batch, parts, num_kv_heads, group * q_len,
+                                  head_dim)
     o = o.transpose(0, 2, 1, 3, 4)
-    lse = lse[:, 0, :, :rows].reshape(batch, num_splits, num_kv_heads,
+    lse = lse[:, 0, :, :rows].reshape(batch, parts, num_kv_heads,
                                       group * q_len).transpose(0, 2, 1, 3)
   return softmax.merge_split_kv(o, lse, q_len=q_len, group=group,
                                 dtype=q.dtype, sinks=sinks)
