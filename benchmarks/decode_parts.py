@@ -51,10 +51,11 @@ def main(argv=None):
                       default=["64x32768", "64x131072", "8x32768"],
                       help="BATCHxCACHE")
   parser.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4])
-  parser.add_argument("--mosaic", nargs="*", default=["2:2", "4:1", "4:4"],
-                      help="STAGES:SPLITS[:HEADS[:CONSUMERS]] of the Mosaic "
-                      "split-KV kernel: HEADS its KV heads a CTA (1 or 4), "
-                      "CONSUMERS its consumer warpgroups (1 or 2; GPU only)")
+  parser.add_argument("--mosaic", nargs="*", default=["4:0:1:2", "4:0:4:2"],
+                      help="STAGES:CTAS[:HEADS[:CONSUMERS]] of the Mosaic "
+                      "split-KV kernel: CTAS 0 for one a multiprocessor, "
+                      "HEADS the KV heads a tile (1 or 4), CONSUMERS its "
+                      "consumer warpgroups (1 or 2; GPU only)")
   parser.add_argument("--calls", type=int, default=50)
   parser.add_argument("--implementation", default="pallas",
                       help="'interpret' tries the script on a CPU")
@@ -82,11 +83,11 @@ def main(argv=None):
         stages, n, heads, consumers = (
             list(map(int, config_text.split(":"))) + [1, 1])[:4]
         cases.append((
-            f"mosaic_s{stages}_splits{n}_heads{heads}_wg{consumers}",
+            f"mosaic_s{stages}_ctas{n}_heads{heads}_wg{consumers}",
             functools.partial(
                 lambda q, k, v, **kw: mosaic_decode.flash_decode(
                     q, k, v, lengths, scores=Scores(scale=head_dim ** -0.5),
-                    mask=Mask(is_causal=True), **kw)[0], num_splits=n,
+                    mask=Mask(is_causal=True), **kw)[0], num_ctas=n or None,
                 num_stages=stages, heads_per_cta=heads,
                 consumers=consumers)))
       if on_gpu:

@@ -262,13 +262,13 @@ def test_mosaic_decodes_a_prompt_chunk(q_len, paged):
                     dtype=jnp.bfloat16, num_pages=160, logits_soft_cap=30.0)
 
 
-MOSAIC_SPLIT_KV_CASES = {  # b, t, s, n, k, h, lengths, splits, options
-    "h128_gqa_ragged": (3, 1, 1000, 16, 4, 128, [1000, 1, 517], 3, {}),
-    "h64_window_soft_cap_sinks": (2, 3, 520, 8, 2, 64, [520, 40], 2,
+MOSAIC_SPLIT_KV_CASES = {  # b, t, s, n, k, h, lengths, CTAs, options
+    "h128_gqa_ragged": (3, 1, 1000, 16, 4, 128, [1000, 1, 517], 5, {}),
+    "h64_window_soft_cap_sinks": (2, 3, 520, 8, 2, 64, [520, 40], 3,
                                   dict(window=100, soft_cap=30.0,
                                        sinks=True)),
-    "h256_mqa": (2, 1, 264, 8, 1, 256, [264, 130], 4, {}),
-    "h128_k8_t2": (2, 2, 704, 16, 8, 128, [704, 333], 2, {}),
+    "h256_mqa": (2, 1, 264, 8, 1, 256, [264, 130], None, {}),
+    "h128_k8_t2": (2, 2, 704, 16, 8, 128, [704, 333], 7, {}),
 }
 
 
@@ -279,13 +279,14 @@ MOSAIC_SPLIT_KV_CASES = {  # b, t, s, n, k, h, lengths, splits, options
 @pytest.mark.parametrize("name", MOSAIC_SPLIT_KV_CASES)
 def test_mosaic_split_kv_decode_matches_reference(name, stages, all_heads,
                                                   consumers):
-  """The Mosaic GPU split-KV decode kernel (not dispatched yet), a CTA per
-  KV head or for all of them, one or two consumer warpgroups, bf16, NaN in
-  the cache past each length, against the dense reference."""
+  """The Mosaic GPU split-KV decode kernel (not dispatched yet): tiles of
+  one KV head or of all, one or two consumer warpgroups, a few CTAs (each
+  run crossing sequences and heads) or the default one a multiprocessor;
+  bf16, NaN in the cache past each length, against the dense reference."""
   from jax_flash.spec.mask import Mask
   from jax_flash.spec.scores import Scores
   from pallas_kernels.mosaic_gpu import flash_decode as mosaic_decode
-  b, t, s, n, k, h, lengths, splits, opts = MOSAIC_SPLIT_KV_CASES[name]
+  b, t, s, n, k, h, lengths, ctas, opts = MOSAIC_SPLIT_KV_CASES[name]
   if h == 256 and consumers == 2:
     pytest.skip("two consumers' outputs at head dim 256 exceed shared "
                 "memory (test_mosaic_lowering checks the error)")
@@ -297,7 +298,7 @@ def test_mosaic_split_kv_decode_matches_reference(name, stages, all_heads,
       q, kc, vc, lengths, scores=Scores(scale=h ** -0.5,
                                         soft_cap=opts.get("soft_cap")),
       mask=Mask(is_causal=True, window_left=opts.get("window")),
-      num_splits=splits, num_stages=stages,
+      num_ctas=ctas, num_stages=stages,
       heads_per_cta=k if all_heads else 1, consumers=consumers,
       sinks=sinks))(
           q, cache["key_cache"], cache["value_cache"])

@@ -202,7 +202,7 @@ def test_mosaic_split_kv_decode_lowers_within_shared_memory(
   def f(q, k, v, lengths):
     return mosaic_decode.flash_decode(
         q, k, v, lengths, scores=Scores(scale=0.1), mask=Mask(is_causal=True),
-        num_splits=2, heads_per_cta=heads_per_cta, consumers=consumers)
+        heads_per_cta=heads_per_cta, consumers=consumers)
   with jax.sharding.use_abstract_mesh(
       mesh_lib.AbstractMesh((1,), ("x",), abstract_device=H200)):
     lower = lambda: jax.jit(f).trace(q, kv, kv, lengths).lower(
@@ -212,6 +212,30 @@ def test_mosaic_split_kv_decode_lowers_within_shared_memory(
         lower()
     else:
       assert MOSAIC_CALL in lower()
+
+
+@pytest.mark.parametrize("groups, tiles, ctas", [
+    (256, 512, 132), (32, 512, 132), (3, 7, 132), (12, 16, 5), (1, 1, 4)])
+def test_decode_schedule_streams_each_tile_once_balanced(groups, tiles, ctas):
+  """The Mosaic decode kernel's stream-K schedule: CTAs' runs cover the
+  flattened tiles once, differ by at most one tile, and each group's parts
+  name exactly the (CTA, segment) pairs whose runs cross it."""
+  from pallas_kernels.mosaic_gpu.flash_decode import schedule
+  bounds, segments, parts = schedule(groups, tiles, ctas)
+  used = len(bounds) - 1
+  assert used == min(ctas, groups * tiles)
+  assert bounds[0] == 0 and bounds[-1] == groups * tiles
+  assert np.ptp(np.diff(bounds)) <= 1 and np.all(np.diff(bounds) >= 1)
+  seen = {}
+  for cta in range(used):
+    for t in range(bounds[cta], bounds[cta + 1]):
+      g = t // tiles
+      seen.setdefault(g, set()).add(cta * segments + g - bounds[cta] // tiles)
+  assert max((bounds[c + 1] - 1) // tiles - bounds[c] // tiles
+             for c in range(used)) == segments - 1
+  for g in range(groups):
+    named = set(parts[g][parts[g] < used * segments].tolist())
+    assert named == seen[g], g
 
 
 def test_mosaic_without_a_gpu_is_a_clear_error():

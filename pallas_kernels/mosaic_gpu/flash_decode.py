@@ -1,19 +1,26 @@
-"""Split-KV decoding for Hopper in Pallas Mosaic GPU: a TMA ring of K/V tiles.
+"""Split-KV decoding for Hopper in Pallas Mosaic GPU: a balanced TMA stream.
 
-A CTA owns one chunk ("split") of one sequence's cache for one KV head, as
-the Triton decode kernel's programs do (`pallas_kernels.triton.flash_decode`),
-and runs two warpgroups:
+The cache is cut into tiles of `block_k` rows: block_k / heads positions of
+a group of `heads` KV heads (one head, or all of them: a run of the cache
+that is contiguous in memory). The (sequence, head group, tile) space,
+flattened, is cut into one equal run a CTA, one CTA a multiprocessor
+(stream-K), so every multiprocessor streams the same number of tiles of a
+full cache; a run crosses from one sequence's tiles into the next in at
+most a few segments. A CTA runs three or two warpgroups:
 
-* warpgroup 1, the producer, streams the chunk's K/V tiles with TMA into a
-  ring of `num_stages` shared-memory slots (tiles past the sequence's
-  length are never loaded);
-* warpgroup 0, the consumer, holds the group's G * T query rows (padded to
-  wgmma's 64) and for each tile forms S = Q K^T by wgmma, the masked
-  online-softmax update (base 2) and O += P V by wgmma with P from
-  registers, then writes its normalized partial output and logsumexp.
+* the producer streams its run's tiles with TMA into a ring of
+  `num_stages` shared-memory slots (tiles past a sequence's length are
+  never loaded);
+* each of `consumers` consumer warpgroups takes every consumers-th tile
+  (always the same slots), holds the segment's query rows (the head
+  group's G * T rows a head, padded to wgmma's 64) and for each tile forms
+  S = Q K^T by wgmma, the masked online-softmax update (base 2) and O += P
+  V by wgmma with P from registers, and at a segment's end writes its
+  normalized partial output and logsumexp.
 
-`softmax.merge_split_kv` combines the chunks (XLA). Query t of sequence b
-(of T) sits at position kv_len[b] - T + t (the shared `Mask`'s query
+`softmax.merge_split_kv` combines a sequence's partials (XLA, gathered by
+a static index: the schedule depends on shapes only). Query t of sequence
+b (of T) sits at position kv_len[b] - T + t (the shared `Mask`'s query
 offset); row r of a CTA is query t = r % T of the group's head r // T.
 """
 from __future__ import annotations
@@ -22,11 +29,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_flash.spec import softmax
+from jax_flash.spec.device import num_multiprocessors
 from jax_flash.spec.mask import Mask, cdiv
 from jax_flash.spec.padding import pad_to
 from jax_flash.spec.scores import Scores
@@ -38,37 +47,46 @@ ROWS = 64  # wgmma's rows: the most query rows a CTA takes.
 ROW = plgpu.Layout.WGMMA.reduce(1)
 
 
-def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, o_ref, lse_ref, *,
-                   buffers, ready, free, scores: Scores, mask: Mask,
-                   q_len: int, heads: int, group: int, block_k: int,
-                   stages: int, tiles_per_split: int, consumers: int):
+def _segment(bounds_ref, lengths_ref, s: int, *, groups: int,
+             head_groups: int, tiles: int, positions: int):
+  """Segment s of this CTA's run: (batch, head group, first tile, tiles
+  to stream: 0 past the run, past the last group or the length)."""
+  cta = lax.axis_index("cta")
+  start, end = bounds_ref[cta], bounds_ref[cta + 1]
+  group = lax.div(start, tiles) + s
+  clamped = jnp.minimum(group, groups - 1)
+  batch = lax.div(clamped, head_groups)
+  lo = jnp.maximum(start - group * tiles, 0)
+  hi = jnp.minimum(end - group * tiles, tiles)
+  hi = jnp.minimum(hi, cdiv(lengths_ref[batch], positions))
+  count = jnp.where(group < groups, jnp.maximum(hi - lo, 0), 0)
+  return batch, lax.rem(clamped, head_groups), lo, count
+
+
+def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, bounds_ref, o_ref,
+                   lse_ref, *, buffers, ready, free, scores: Scores,
+                   mask: Mask, q_len: int, heads: int, group: int,
+                   block_k: int, stages: int, consumers: int,
+                   segments: int, segment):
   """q_ref [B, K / heads, ROWS, H] (rows (h * G + g) * T + t for the
-  CTA's KV head h < heads, zero past heads * G * T); k_ref/v_ref [B, S, K,
-  H] when heads == 1, else [B, S * K, H] (row p * K + h: position p, KV
-  head h); lengths_ref int32 [B]; o_ref [B, K / heads, splits * consumers,
-  R, H] and lse_ref [B, K / heads, splits * consumers, R] float32 (the
-  first R of the ROWS rows; natural log, -inf for a part with no visible
-  key). A K/V tile is block_k rows: block_k / heads positions x the CTA's
-  heads; consumer warpgroup w takes a chunk's tiles w, w + consumers, ...
-  and writes its own part."""
+  group's KV head h < heads, zero past heads * G * T); k_ref/v_ref [B, S,
+  K, H] when heads == 1, else [B, S * K, H] (row p * K + h: position p,
+  KV head h); lengths_ref int32 [B]; bounds_ref int32 [CTAs + 1] (CTA c
+  streams flattened tiles bounds[c] to bounds[c + 1]); o_ref [CTAs,
+  segments, consumers, R, H] and lse_ref [CTAs, segments, consumers, R]
+  float32 (the first R of the ROWS rows; natural log, -inf for a part that
+  saw no key)."""
   q_smem, k_smem, v_smem, o_smem, lse_smem = buffers
   k_ready, v_ready, q_ready = ready
   k_free, v_free = free
   wg = lax.axis_index("wg")
-  split = lax.axis_index("split")
-  batch = lax.axis_index("batch")
-  head = lax.axis_index("kv_heads")
-  kv_len = lengths_ref[batch]
+  cta = lax.axis_index("cta")
   positions = block_k // heads  # Cache positions a tile.
-  first = split * tiles_per_split
-  stop = jnp.maximum(
-      jnp.minimum(first + tiles_per_split, cdiv(kv_len, positions)), first)
   dtype = q_ref.dtype
 
   @pl.when(wg < consumers)
   def _consumer():
     plgpu.set_max_registers(232, action="increase")
-    plgpu.barrier_wait(q_ready)
     shape = (ROWS, block_k)
     rows = plgpu.broadcasted_iota(jnp.int32, shape, 0,
                                   layout=plgpu.Layout.WGMMA)
@@ -80,89 +98,107 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, o_ref, lse_ref, *,
     same_head = (lax.div(rows, group * q_len) == lax.rem(tile_cols, heads)
                  if heads > 1 else None)
     tile_positions = lax.div(tile_cols, heads) if heads > 1 else tile_cols
+    q_mine = q_smem.at[wg]
+    base = jnp.int32(0)  # Tiles of the run before the segment.
+    for seg in range(segments):
+      batch, head, lo, count = segment(bounds_ref, lengths_ref, seg)
+      kv_len = lengths_ref[batch]
+      plgpu.copy_gmem_to_smem(q_ref.at[batch, head], q_mine,
+                              q_ready.at[wg])
+      plgpu.barrier_wait(q_ready.at[wg])
 
-    def step(i, carry):
-      acc, m, l = carry
-      j = first + wg + consumers * i
-      slot = lax.rem(j - first, stages)
-      plgpu.barrier_wait(k_ready.at[slot])
+      def step(i, carry, base=base, lo=lo, kv_len=kv_len, first=None):
+        acc, m, l = carry
+        n = first + consumers * i  # The tile's place in the run.
+        j = lo + n - base
+        slot = lax.rem(n, stages)
+        plgpu.barrier_wait(k_ready.at[slot])
 
-      def qk(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
-        return acc_ref[...]
-      s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
-      plgpu.barrier_arrive(k_free.at[slot])
-      cols = j * positions + tile_positions
-      s, c, _ = scores.factored_logits2(s, query, cols)
-      ok = mask.visible(query, cols, kv_len, q_offset=kv_len - q_len)
-      if same_head is not None:
-        ok = jnp.logical_and(ok, same_head)
-      s = jnp.where(ok, s, -jnp.inf)
-      m_new = jnp.maximum(m, s.max(axis=1) * c)
-      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      alpha = jnp.exp2(m - m_safe)
-      p = jnp.exp2(s * c - lax.broadcast_in_dim(m_safe, shape, [0]))
-      l = l * alpha + p.sum(axis=1)
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      plgpu.barrier_wait(v_ready.at[slot])
-      valid = (kv_len - j * positions) * heads  # V rows past it may be NaN.
+        def qk(acc_ref):
+          plgpu.wgmma(acc_ref, q_mine, k_smem.at[slot].T)
+          return acc_ref[...]
+        s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
+        plgpu.barrier_arrive(k_free.at[slot])
+        cols = j * positions + tile_positions
+        s, c, _ = scores.factored_logits2(s, query, cols)
+        ok = mask.visible(query, cols, kv_len, q_offset=kv_len - q_len)
+        if same_head is not None:
+          ok = jnp.logical_and(ok, same_head)
+        s = jnp.where(ok, s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=1) * c)
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m - m_safe)
+        p = jnp.exp2(s * c - lax.broadcast_in_dim(m_safe, shape, [0]))
+        l = l * alpha + p.sum(axis=1)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        plgpu.barrier_wait(v_ready.at[slot])
+        valid = (kv_len - j * positions) * heads  # V rows past it: NaN?
 
-      @pl.when(valid < block_k)
-      def _():  # Zeroed, or 0 * NaN would reach P V.
-        v = plgpu.load(v_smem.at[slot], layout=plgpu.Layout.WGMMA)
-        v_rows = plgpu.broadcasted_iota(jnp.int32, v.shape, 0,
-                                        layout=plgpu.Layout.WGMMA)
-        v_smem.at[slot][...] = jnp.where(v_rows < valid, v,
-                                         jnp.zeros_like(v))
-        plgpu.commit_smem()
-      acc = pl.run_state(lambda acc_ref: plgpu.wgmma(
-          acc_ref, p.astype(dtype), v_smem.at[slot]))(plgpu.ACC.init(acc))
-      plgpu.barrier_arrive(v_free.at[slot])
-      return acc, m_new, l
+        @pl.when(valid < block_k)
+        def _():  # Zeroed, or 0 * NaN would reach P V.
+          v = plgpu.load(v_smem.at[slot], layout=plgpu.Layout.WGMMA)
+          v_rows = plgpu.broadcasted_iota(jnp.int32, v.shape, 0,
+                                          layout=plgpu.Layout.WGMMA)
+          v_smem.at[slot][...] = jnp.where(v_rows < valid, v,
+                                           jnp.zeros_like(v))
+          plgpu.commit_smem()
+        acc = pl.run_state(lambda acc_ref: plgpu.wgmma(
+            acc_ref, p.astype(dtype), v_smem.at[slot]))(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc, m_new, l
 
-    m = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), ROW)
-    l = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), ROW)
-    acc = plgpu.layout_cast(jnp.zeros((ROWS, v_smem.shape[-1]), jnp.float32),
-                            plgpu.Layout.WGMMA)
-    tiles = cdiv(jnp.maximum(stop - first - wg, 0), consumers)
-    acc, m, l = lax.fori_loop(0, tiles, step, (acc, m, l))
-    o, lse = softmax.finalize(acc, m, l)
-    o_smem.at[wg][...] = o
-    lse_smem.at[wg][...] = lse
-    plgpu.commit_smem()
-    part = split * consumers + wg
-    out_rows = pl.ds(0, o_ref.shape[-2])
-    plgpu.copy_smem_to_gmem(o_smem.at[wg, out_rows],
-                            o_ref.at[batch, head, part])
-    plgpu.copy_smem_to_gmem(lse_smem.at[wg, out_rows],
-                            lse_ref.at[batch, head, part])
-    plgpu.wait_smem_to_gmem(0)
+      # This consumer's tiles: run places base + t, t < count, that are
+      # wg modulo `consumers` (the slots it always takes).
+      first = base + lax.rem(wg - lax.rem(base, consumers) + consumers,
+                             consumers)
+      mine = cdiv(jnp.maximum(base + count - first, 0), consumers)
+      m = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), ROW)
+      l = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), ROW)
+      acc = plgpu.layout_cast(
+          jnp.zeros((ROWS, v_smem.shape[-1]), jnp.float32),
+          plgpu.Layout.WGMMA)
+      acc, m, l = lax.fori_loop(0, mine,
+                                functools.partial(step, first=first),
+                                (acc, m, l))
+      o, lse = softmax.finalize(acc, m, l)
+      o_smem.at[wg][...] = o
+      lse_smem.at[wg][...] = lse
+      plgpu.commit_smem()
+      out_rows = pl.ds(0, o_ref.shape[-2])
+      plgpu.copy_smem_to_gmem(o_smem.at[wg, out_rows],
+                              o_ref.at[cta, seg, wg])
+      plgpu.copy_smem_to_gmem(lse_smem.at[wg, out_rows],
+                              lse_ref.at[cta, seg, wg])
+      plgpu.wait_smem_to_gmem(0)  # Before the next segment's writes.
+      base = base + count
 
   @pl.when(wg == consumers)
   def _producer():
     plgpu.set_max_registers(40, action="decrease")
-    plgpu.copy_gmem_to_smem(q_ref.at[batch, head], q_smem, q_ready)
+    base = jnp.int32(0)
+    for seg in range(segments):
+      batch, head, lo, count = segment(bounds_ref, lengths_ref, seg)
 
-    @pl.loop(first, stop)
-    def _(j):
-      count = j - first
-      slot = lax.rem(count, stages)
+      @pl.loop(0, count)
+      def _(t, base=base, batch=batch, head=head, lo=lo):
+        n = base + t
+        slot = lax.rem(n, stages)
 
-      @pl.when(count >= stages)  # The slot's previous tile released.
-      def _():
-        plgpu.barrier_wait(k_free.at[slot])
-        plgpu.barrier_wait(v_free.at[slot])
-      if heads == 1:
-        tile = (batch, pl.ds(j * block_k, block_k), head)
-      else:  # All KV heads of block_k / K positions: contiguous rows.
-        tile = (batch, pl.ds(j * block_k, block_k))
-      plgpu.copy_gmem_to_smem(k_ref.at[tile], k_smem.at[slot],
-                              k_ready.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[tile], v_smem.at[slot],
-                              v_ready.at[slot])
+        @pl.when(n >= stages)  # The slot's previous tile released.
+        def _():
+          plgpu.barrier_wait(k_free.at[slot])
+          plgpu.barrier_wait(v_free.at[slot])
+        rows = pl.ds((lo + t) * block_k, block_k)
+        # heads > 1: every KV head of block_k / K positions, contiguous.
+        tile = (batch, rows, head) if heads == 1 else (batch, rows)
+        plgpu.copy_gmem_to_smem(k_ref.at[tile], k_smem.at[slot],
+                                k_ready.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[tile], v_smem.at[slot],
+                                v_ready.at[slot])
+      base = base + count
     # Await the last releases too: every completion of a barrier is waited.
     for i in range(stages):
-      last = stop - first - stages + i
+      last = base - stages + i
 
       @pl.when(last >= 0)
       def _():
@@ -173,10 +209,11 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, o_ref, lse_ref, *,
 
 def max_stages(head_dim: int, block_k: int, itemsize: int,
                consumers: int = 1) -> int:
-  """K/V tiles in flight that fit one CTA's shared memory beside Q, each
-  consumer's f32 output tile and logsumexp and the barriers, rounded down to
-  a multiple of `consumers` (each takes every consumers-th slot)."""
-  fixed = (config.aligned(ROWS * head_dim * itemsize)
+  """K/V tiles in flight that fit one CTA's shared memory beside each
+  consumer's Q tile, f32 output tile and logsumexp and the barriers,
+  rounded down to a multiple of `consumers` (each takes every
+  consumers-th slot)."""
+  fixed = (config.aligned(consumers * ROWS * head_dim * itemsize)
            + config.aligned(consumers * ROWS * head_dim * 4)
            + config.aligned(consumers * ROWS * 4)
            + 1024)  # The barriers' allocation.
@@ -185,20 +222,43 @@ def max_stages(head_dim: int, block_k: int, itemsize: int,
   return stages - stages % consumers
 
 
+def schedule(groups: int, tiles: int, ctas: int):
+  """The stream-K schedule of `groups` x `tiles` flattened tiles over at
+  most `ctas` CTAs: (bounds int [CTAs + 1], segments a CTA at most, parts:
+  int [groups, M], for each group the indices of the (CTA, segment) pairs
+  that stream its tiles (CTA * segments + segment), padded with CTAs *
+  segments)."""
+  total = groups * tiles
+  ctas = min(ctas, total)
+  bounds = np.arange(ctas + 1, dtype=np.int64) * total // ctas
+  first, last = bounds[:-1] // tiles, (bounds[1:] - 1) // tiles
+  segments = int(np.max(last - first)) + 1
+  owners = [[] for _ in range(groups)]
+  for cta in range(ctas):
+    for s, g in enumerate(range(first[cta], last[cta] + 1)):
+      owners[g].append(cta * segments + s)
+  width = max(map(len, owners))
+  parts = np.full((groups, width), ctas * segments, np.int32)
+  for g, own in enumerate(owners):
+    parts[g, :len(own)] = own
+  return bounds.astype(np.int32), segments, parts
+
+
 def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
-                 mask: Mask, num_splits: int, block_k: int = 64,
-                 num_stages: int = 4, heads_per_cta: int = 1,
-                 consumers: int = 1, sinks=None):
+                 mask: Mask, block_k: int = 64, num_stages: int = 4,
+                 heads_per_cta: int = 1, consumers: int = 1,
+                 num_ctas: int | None = None, sinks=None):
   """Decode attention of q [B, T, N, H] against a contiguous cache k_cache,
   v_cache [B, S, K, H] (bf16/fp16, S a multiple of 8, H one of the Mosaic
   kernels' head dims), each sequence's first kv_lengths[b] positions;
   `mask` the band (causal, a left window) of queries at positions
   kv_lengths[b] - T + t; sinks float32 [N] or None; num_stages K/V tiles
   in flight, at most as many as fit shared memory. heads_per_cta: 1 (a
-  CTA per KV head; G * T <= 64 for G = N / K) or K (a CTA takes every KV
-  head, its tiles block_k / K positions of all of them, contiguous in the
-  cache; N * T <= 64 and K dividing block_k). consumers: 1 or 2 consumer
-  warpgroups a CTA, taking alternate tiles (each its own partial output).
+  tile one KV head's; G * T <= 64 for G = N / K) or K (a tile every KV
+  head's block_k / K positions, contiguous in the cache; N * T <= 64 and K
+  dividing block_k). consumers: 1 or 2 consumer warpgroups a CTA, taking
+  alternate tiles (each its own partial output). num_ctas: the CTAs
+  (default: the GPU's multiprocessors).
   Returns (out [B, T, N, H] in q.dtype, lse [B, N, T] natural log)."""
   batch, q_len, num_heads, head_dim = q.shape
   cache_len, num_kv_heads = k_cache.shape[1:3]
@@ -217,28 +277,34 @@ def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
   if rows > ROWS:
     raise ValueError(f"the Mosaic decode kernel takes at most {ROWS} query "
                      f"rows a CTA (heads_per_cta * G * T), got {rows}")
-  # [B, T, N, H] -> [B, N, T, H] -> [B, K / heads, heads * G * T, H]: row
-  # (h * G + g) * T + t, padded to the CTA's 64 rows (a copy of the new
-  # tokens only: a TMA box needs the rows).
-  qr = q.transpose(0, 2, 1, 3).reshape(batch, num_kv_heads // heads, rows,
-                                       head_dim)
-  qr = pad_to(qr, 2, ROWS)
-  if heads > 1:  # [B, S * K, H]: row p * K + h (free: the cache's order).
-    k_cache = k_cache.reshape(batch, cache_len * heads, head_dim)
-    v_cache = v_cache.reshape(batch, cache_len * heads, head_dim)
-  tiles_per_split = pl.cdiv(pl.cdiv(cache_len, block_k // heads), num_splits)
   fits = max_stages(head_dim, block_k, q.dtype.itemsize, consumers)
   if fits < consumers:
-    raise ValueError(f"{consumers} consumers' outputs and {consumers} K/V "
+    raise ValueError(f"{consumers} consumers' tiles and {consumers} K/V "
                      f"tiles of {block_k} rows at head dim {head_dim} exceed "
                      f"shared memory ({config.SMEM_BYTES} bytes)")
   num_stages = max(consumers, min(num_stages, fits))
   num_stages -= num_stages % consumers
   out_rows = min(ROWS, -(-rows // 8) * 8)  # Written rows: TMA's 8-row tiles.
+  # [B, T, N, H] -> [B, N, T, H] -> [B, K / heads, heads * G * T, H]: row
+  # (h * G + g) * T + t, padded to the CTA's 64 rows (a copy of the new
+  # tokens only: a TMA box needs the rows).
+  head_groups = num_kv_heads // heads
+  qr = q.transpose(0, 2, 1, 3).reshape(batch, head_groups, rows, head_dim)
+  qr = pad_to(qr, 2, ROWS)
+  if heads > 1:  # [B, S * K, H]: row p * K + h (free: the cache's order).
+    k_cache = k_cache.reshape(batch, cache_len * heads, head_dim)
+    v_cache = v_cache.reshape(batch, cache_len * heads, head_dim)
+  positions = block_k // heads
+  tiles = pl.cdiv(cache_len, positions)
+  groups = batch * head_groups
+  bounds, segments, parts = schedule(groups, tiles,
+                                     num_ctas or num_multiprocessors())
+  ctas = len(bounds) - 1
   transforms = smem_transforms(q.dtype, head_dim)
   scratch = dict(
       buffers=(
-          plgpu.SMEM((ROWS, head_dim), q.dtype, transforms=transforms),
+          plgpu.SMEM((consumers, ROWS, head_dim), q.dtype,
+                     transforms=transforms),
           plgpu.SMEM((num_stages, block_k, head_dim), k_cache.dtype,
                      transforms=transforms),
           plgpu.SMEM((num_stages, block_k, head_dim), v_cache.dtype,
@@ -250,37 +316,43 @@ def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
       ),
       ready=(plgpu.Barrier(num_barriers=num_stages),
              plgpu.Barrier(num_barriers=num_stages),
-             plgpu.Barrier()),
+             plgpu.Barrier(num_barriers=consumers)),
       free=(plgpu.Barrier(num_barriers=num_stages),) * 2,
   )
   kernel = functools.partial(
       _decode_kernel, scores=scores, mask=mask, q_len=q_len, heads=heads,
-      group=group, block_k=block_k, stages=num_stages,
-      tiles_per_split=tiles_per_split, consumers=consumers)
-  ctas = num_kv_heads // heads
+      group=group, block_k=block_k, stages=num_stages, consumers=consumers,
+      segments=segments, segment=functools.partial(
+          _segment, groups=groups, head_groups=head_groups, tiles=tiles,
+          positions=positions))
   o, lse = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct(
-          (batch, ctas, num_splits * consumers, out_rows, head_dim),
-          jnp.float32),
+          (ctas, segments, consumers, out_rows, head_dim), jnp.float32),
                 jax.ShapeDtypeStruct(
-                    (batch, ctas, num_splits * consumers, out_rows),
-                    jnp.float32)),
+                    (ctas, segments, consumers, out_rows), jnp.float32)),
       scratch_types=scratch,
-      grid=(num_splits, batch, ctas),
-      grid_names=("split", "batch", "kv_heads"),
+      grid=(ctas,),
+      grid_names=("cta",),
       num_threads=consumers + 1,
       thread_name="wg",
       # The row reductions stay within a warp, as the forward's.
       compiler_params=compiler_params(reduction_scratch=False),
       kernel_name="flash_attention_decode_mosaic",
-  )(qr, k_cache, v_cache, kv_lengths.astype(jnp.int32))
-  if heads > 1:  # [B, 1, splits, K * G * T, H] -> [B, K, splits, G * T, H].
-    parts = num_splits * consumers
-    o = o[:, 0, :, :rows].reshape(batch, parts, num_kv_heads, group * q_len,
-                                  head_dim)
-    o = o.transpose(0, 2, 1, 3, 4)
-    lse = lse[:, 0, :, :rows].reshape(batch, parts, num_kv_heads,
+  )(qr, k_cache, v_cache, kv_lengths.astype(jnp.int32), jnp.asarray(bounds))
+  # Each group's parts: [groups, M * consumers, R(, H)], an empty part (o
+  # 0, lse -inf) where a group has fewer.
+  o = jnp.concatenate([o.reshape(-1, consumers, out_rows, head_dim),
+                       jnp.zeros((1, consumers, out_rows, head_dim))])
+  lse = jnp.concatenate([lse.reshape(-1, consumers, out_rows),
+                         jnp.full((1, consumers, out_rows), -jnp.inf)])
+  width = parts.shape[1] * consumers
+  o = o[parts].reshape(batch, head_groups, width, out_rows, head_dim)
+  lse = lse[parts].reshape(batch, head_groups, width, out_rows)
+  if heads > 1:  # [B, 1, parts, K * G * T, H] -> [B, K, parts, G * T, H].
+    o = o[:, 0, :, :rows].reshape(batch, width, num_kv_heads, group * q_len,
+                                  head_dim).transpose(0, 2, 1, 3, 4)
+    lse = lse[:, 0, :, :rows].reshape(batch, width, num_kv_heads,
                                       group * q_len).transpose(0, 2, 1, 3)
   return softmax.merge_split_kv(o, lse, q_len=q_len, group=group,
                                 dtype=q.dtype, sinks=sinks)
