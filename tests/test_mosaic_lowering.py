@@ -218,24 +218,26 @@ def test_mosaic_split_kv_decode_lowers_within_shared_memory(
     (256, 512, 132), (32, 512, 132), (3, 7, 132), (12, 16, 5), (1, 1, 4)])
 def test_decode_schedule_streams_each_tile_once_balanced(groups, tiles, ctas):
   """The Mosaic decode kernel's stream-K schedule: CTAs' runs cover the
-  flattened tiles once, differ by at most one tile, and each group's parts
-  name exactly the (CTA, segment) pairs whose runs cross it."""
+  flattened tiles once and differ by at most one tile; a group's owner is
+  the first CTA whose run crosses it and its written parts are exactly
+  the CTAs that do; no run crosses more than `segments` groups."""
   from pallas_kernels.mosaic_gpu.flash_decode import schedule
-  bounds, segments, parts = schedule(groups, tiles, ctas)
+  bounds, segments, owners, crossed = schedule(groups, tiles, ctas)
   used = len(bounds) - 1
   assert used == min(ctas, groups * tiles)
   assert bounds[0] == 0 and bounds[-1] == groups * tiles
   assert np.ptp(np.diff(bounds)) <= 1 and np.all(np.diff(bounds) >= 1)
-  seen = {}
+  crossing = {}
   for cta in range(used):
     for t in range(bounds[cta], bounds[cta + 1]):
-      g = t // tiles
-      seen.setdefault(g, set()).add(cta * segments + g - bounds[cta] // tiles)
-  assert max((bounds[c + 1] - 1) // tiles - bounds[c] // tiles
-             for c in range(used)) == segments - 1
+      crossing.setdefault(t // tiles, set()).add(cta)
+  assert segments == max(
+      len({t // tiles for t in range(bounds[c], bounds[c + 1])})
+      for c in range(used))
   for g in range(groups):
-    named = set(parts[g][parts[g] < used * segments].tolist())
-    assert named == seen[g], g
+    named = {owners[g] + m for m in np.flatnonzero(crossed[g])}
+    assert named == crossing[g], g
+    assert owners[g] == min(crossing[g])
 
 
 def test_mosaic_without_a_gpu_is_a_clear_error():

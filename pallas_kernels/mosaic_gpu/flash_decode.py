@@ -49,8 +49,9 @@ ROW = plgpu.Layout.WGMMA.reduce(1)
 
 def _segment(bounds_ref, lengths_ref, s: int, *, groups: int,
              head_groups: int, tiles: int, positions: int):
-  """Segment s of this CTA's run: (batch, head group, first tile, tiles
-  to stream: 0 past the run, past the last group or the length)."""
+  """Segment s of this CTA's run: (group, batch, head group, whether the
+  run crosses the group, its first tile, tiles to stream: those of the run
+  within the sequence's length)."""
   cta = lax.axis_index("cta")
   start, end = bounds_ref[cta], bounds_ref[cta + 1]
   group = lax.div(start, tiles) + s
@@ -58,24 +59,30 @@ def _segment(bounds_ref, lengths_ref, s: int, *, groups: int,
   batch = lax.div(clamped, head_groups)
   lo = jnp.maximum(start - group * tiles, 0)
   hi = jnp.minimum(end - group * tiles, tiles)
+  in_run = jnp.logical_and(group < groups, hi > lo)
   hi = jnp.minimum(hi, cdiv(lengths_ref[batch], positions))
-  count = jnp.where(group < groups, jnp.maximum(hi - lo, 0), 0)
-  return batch, lax.rem(clamped, head_groups), lo, count
+  count = jnp.where(in_run, jnp.maximum(hi - lo, 0), 0)
+  return (clamped, batch, lax.rem(clamped, head_groups), in_run, lo,
+          count)
 
 
-def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, bounds_ref, o_ref,
-                   lse_ref, *, buffers, ready, free, scores: Scores,
+def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, bounds_ref, owners_ref,
+                   o_ref, lse_ref, *, buffers, ready, free, scores: Scores,
                    mask: Mask, q_len: int, heads: int, group: int,
                    block_k: int, stages: int, consumers: int,
                    segments: int, segment):
-  """q_ref [B, K / heads, ROWS, H] (rows (h * G + g) * T + t for the
-  group's KV head h < heads, zero past heads * G * T); k_ref/v_ref [B, S,
-  K, H] when heads == 1, else [B, S * K, H] (row p * K + h: position p,
-  KV head h); lengths_ref int32 [B]; bounds_ref int32 [CTAs + 1] (CTA c
-  streams flattened tiles bounds[c] to bounds[c + 1]); o_ref [CTAs,
-  segments, consumers, R, H] and lse_ref [CTAs, segments, consumers, R]
-  float32 (the first R of the ROWS rows; natural log, -inf for a part that
-  saw no key)."""
+  """q_ref [B, K / heads, Rq, H] (rows (h * G + g) * T + t for the
+  group's KV head h < heads, zero past heads * G * T; Rq <= ROWS, a
+  multiple of 8 or ROWS: the buffer's rows past Rq are never written, and
+  only rows that are dropped or masked read them); k_ref/v_ref [B, S, K, H]
+  when heads == 1, else [B, S * K, H] (row p * K + h: position p, KV head
+  h); lengths_ref int32 [B]; bounds_ref int32 [CTAs + 1] (CTA c streams
+  flattened tiles bounds[c] to bounds[c + 1]); owners_ref int32 [groups]
+  (the first CTA whose run crosses each head group); o_ref [groups, M,
+  consumers, R, H] and lse_ref [groups, M, consumers, R] float32: part (m,
+  w) of a group from the group's m-th CTA's consumer w (the first R of the
+  ROWS rows; natural log, -inf for a part that saw no key; parts past a
+  group's CTAs are not written)."""
   q_smem, k_smem, v_smem, o_smem, lse_smem = buffers
   k_ready, v_ready, q_ready = ready
   k_free, v_free = free
@@ -100,11 +107,13 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, bounds_ref, o_ref,
     tile_positions = lax.div(tile_cols, heads) if heads > 1 else tile_cols
     q_mine = q_smem.at[wg]
     base = jnp.int32(0)  # Tiles of the run before the segment.
+    q_rows = q_ref.shape[-2]
+    q_dst = q_mine if q_rows == ROWS else q_mine.at[pl.ds(0, q_rows)]
     for seg in range(segments):
-      batch, head, lo, count = segment(bounds_ref, lengths_ref, seg)
+      group_index, batch, head, in_run, lo, count = segment(
+          bounds_ref, lengths_ref, seg)
       kv_len = lengths_ref[batch]
-      plgpu.copy_gmem_to_smem(q_ref.at[batch, head], q_mine,
-                              q_ready.at[wg])
+      plgpu.copy_gmem_to_smem(q_ref.at[batch, head], q_dst, q_ready.at[wg])
       plgpu.barrier_wait(q_ready.at[wg])
 
       def step(i, carry, base=base, lo=lo, kv_len=kv_len, first=None):
@@ -165,10 +174,14 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, bounds_ref, o_ref,
       lse_smem.at[wg][...] = lse
       plgpu.commit_smem()
       out_rows = pl.ds(0, o_ref.shape[-2])
-      plgpu.copy_smem_to_gmem(o_smem.at[wg, out_rows],
-                              o_ref.at[cta, seg, wg])
-      plgpu.copy_smem_to_gmem(lse_smem.at[wg, out_rows],
-                              lse_ref.at[cta, seg, wg])
+      part = cta - owners_ref[group_index]
+
+      @pl.when(in_run)
+      def _():
+        plgpu.copy_smem_to_gmem(o_smem.at[wg, out_rows],
+                                o_ref.at[group_index, part, wg])
+        plgpu.copy_smem_to_gmem(lse_smem.at[wg, out_rows],
+                                lse_ref.at[group_index, part, wg])
       plgpu.wait_smem_to_gmem(0)  # Before the next segment's writes.
       base = base + count
 
@@ -177,7 +190,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, bounds_ref, o_ref,
     plgpu.set_max_registers(40, action="decrease")
     base = jnp.int32(0)
     for seg in range(segments):
-      batch, head, lo, count = segment(bounds_ref, lengths_ref, seg)
+      _, batch, head, _, lo, count = segment(bounds_ref, lengths_ref, seg)
 
       @pl.loop(0, count)
       def _(t, base=base, batch=batch, head=head, lo=lo):
@@ -224,24 +237,23 @@ def max_stages(head_dim: int, block_k: int, itemsize: int,
 
 def schedule(groups: int, tiles: int, ctas: int):
   """The stream-K schedule of `groups` x `tiles` flattened tiles over at
-  most `ctas` CTAs: (bounds int [CTAs + 1], segments a CTA at most, parts:
-  int [groups, M], for each group the indices of the (CTA, segment) pairs
-  that stream its tiles (CTA * segments + segment), padded with CTAs *
-  segments)."""
+  most `ctas` CTAs: (bounds int32 [CTAs + 1]: CTA c streams tiles bounds[c]
+  to bounds[c + 1]; segments: the most groups one run crosses; owners
+  int32 [groups]: the first CTA whose run crosses each group; crossed bool
+  [groups, M]: whether group g's m-th part is written, i.e. a run of CTA
+  owners[g] + m crosses it)."""
   total = groups * tiles
   ctas = min(ctas, total)
   bounds = np.arange(ctas + 1, dtype=np.int64) * total // ctas
   first, last = bounds[:-1] // tiles, (bounds[1:] - 1) // tiles
   segments = int(np.max(last - first)) + 1
-  owners = [[] for _ in range(groups)]
-  for cta in range(ctas):
-    for s, g in enumerate(range(first[cta], last[cta] + 1)):
-      owners[g].append(cta * segments + s)
-  width = max(map(len, owners))
-  parts = np.full((groups, width), ctas * segments, np.int32)
-  for g, own in enumerate(owners):
-    parts[g, :len(own)] = own
-  return bounds.astype(np.int32), segments, parts
+  # CTAs crossing group g: those with first <= g <= last (runs in order).
+  starts = np.arange(groups) * tiles
+  owners = np.searchsorted(bounds, starts, side="right") - 1
+  ends = np.searchsorted(bounds, starts + tiles - 1, side="right") - 1
+  crossed = np.arange(int(np.max(ends - owners)) + 1) <= (ends - owners)[:,
+                                                                         None]
+  return bounds.astype(np.int32), segments, owners.astype(np.int32), crossed
 
 
 def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
@@ -286,20 +298,20 @@ def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
   num_stages -= num_stages % consumers
   out_rows = min(ROWS, -(-rows // 8) * 8)  # Written rows: TMA's 8-row tiles.
   # [B, T, N, H] -> [B, N, T, H] -> [B, K / heads, heads * G * T, H]: row
-  # (h * G + g) * T + t, padded to the CTA's 64 rows (a copy of the new
-  # tokens only: a TMA box needs the rows).
+  # (h * G + g) * T + t (free at T = 1), padded to 8 rows only if they are
+  # not a multiple (TMA's row tiles).
   head_groups = num_kv_heads // heads
   qr = q.transpose(0, 2, 1, 3).reshape(batch, head_groups, rows, head_dim)
-  qr = pad_to(qr, 2, ROWS)
+  qr = pad_to(qr, 2, -(-rows // 8) * 8)
   if heads > 1:  # [B, S * K, H]: row p * K + h (free: the cache's order).
     k_cache = k_cache.reshape(batch, cache_len * heads, head_dim)
     v_cache = v_cache.reshape(batch, cache_len * heads, head_dim)
   positions = block_k // heads
   tiles = pl.cdiv(cache_len, positions)
   groups = batch * head_groups
-  bounds, segments, parts = schedule(groups, tiles,
-                                     num_ctas or num_multiprocessors())
-  ctas = len(bounds) - 1
+  bounds, segments, owners, crossed = schedule(
+      groups, tiles, num_ctas or num_multiprocessors())
+  ctas, width = len(bounds) - 1, crossed.shape[1]
   transforms = smem_transforms(q.dtype, head_dim)
   scratch = dict(
       buffers=(
@@ -328,9 +340,9 @@ def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
   o, lse = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct(
-          (ctas, segments, consumers, out_rows, head_dim), jnp.float32),
+          (groups, width, consumers, out_rows, head_dim), jnp.float32),
                 jax.ShapeDtypeStruct(
-                    (ctas, segments, consumers, out_rows), jnp.float32)),
+                    (groups, width, consumers, out_rows), jnp.float32)),
       scratch_types=scratch,
       grid=(ctas,),
       grid_names=("cta",),
@@ -339,20 +351,17 @@ def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
       # The row reductions stay within a warp, as the forward's.
       compiler_params=compiler_params(reduction_scratch=False),
       kernel_name="flash_attention_decode_mosaic",
-  )(qr, k_cache, v_cache, kv_lengths.astype(jnp.int32), jnp.asarray(bounds))
-  # Each group's parts: [groups, M * consumers, R(, H)], an empty part (o
-  # 0, lse -inf) where a group has fewer.
-  o = jnp.concatenate([o.reshape(-1, consumers, out_rows, head_dim),
-                       jnp.zeros((1, consumers, out_rows, head_dim))])
-  lse = jnp.concatenate([lse.reshape(-1, consumers, out_rows),
-                         jnp.full((1, consumers, out_rows), -jnp.inf)])
-  width = parts.shape[1] * consumers
-  o = o[parts].reshape(batch, head_groups, width, out_rows, head_dim)
-  lse = lse[parts].reshape(batch, head_groups, width, out_rows)
-  if heads > 1:  # [B, 1, parts, K * G * T, H] -> [B, K, parts, G * T, H].
-    o = o[:, 0, :, :rows].reshape(batch, width, num_kv_heads, group * q_len,
-                                  head_dim).transpose(0, 2, 1, 3, 4)
-    lse = lse[:, 0, :, :rows].reshape(batch, width, num_kv_heads,
-                                      group * q_len).transpose(0, 2, 1, 3)
-  return softmax.merge_split_kv(o, lse, q_len=q_len, group=group,
+  )(qr, k_cache, v_cache, kv_lengths.astype(jnp.int32), jnp.asarray(bounds),
+    jnp.asarray(owners))
+  # A group's parts [B, K / heads, M * consumers, R(, H)], the unwritten
+  # ones emptied (o 0, lse -inf); its rows are its heads' in order, so the
+  # merge takes them as one group of heads * G heads.
+  parts = width * consumers
+  written = np.repeat(crossed, consumers, axis=1).reshape(
+      batch, head_groups, parts, 1)
+  o = jnp.where(written[..., None], o.reshape(
+      batch, head_groups, parts, out_rows, head_dim), 0.0)
+  lse = jnp.where(written, lse.reshape(batch, head_groups, parts, out_rows),
+                  -jnp.inf)
+  return softmax.merge_split_kv(o, lse, q_len=q_len, group=heads * group,
                                 dtype=q.dtype, sinks=sinks)
