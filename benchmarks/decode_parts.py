@@ -56,6 +56,9 @@ def main(argv=None):
                       "split-KV kernel: CTAS 0 for one a multiprocessor, "
                       "HEADS the KV heads a tile (1 or 4), CONSUMERS its "
                       "consumer warpgroups (1 or 2; GPU only)")
+  parser.add_argument("--hlo", action="store_true",
+                      help="also write each row's compiled program to "
+                      "DIR/hlo/<batch>x<cache>_<row>.txt")
   parser.add_argument("--calls", type=int, default=50)
   parser.add_argument("--implementation", default="pallas",
                       help="'interpret' tries the script on a CPU")
@@ -80,15 +83,16 @@ def main(argv=None):
       cases += [(f"splits_{n}", ours(n)) for n in args.splits]
       cases.append(("kernel_only", ours(None)))
       for config_text in args.mosaic if on_gpu else ():
-        stages, n, heads, consumers = (
+        # (Not `heads`: that is the query heads of every shape.)
+        stages, n, tile_heads, consumers = (
             list(map(int, config_text.split(":"))) + [1, 1])[:4]
         cases.append((
-            f"mosaic_s{stages}_ctas{n}_heads{heads}_wg{consumers}",
+            f"mosaic_s{stages}_ctas{n}_heads{tile_heads}_wg{consumers}",
             functools.partial(
                 lambda q, k, v, **kw: mosaic_decode.flash_decode(
                     q, k, v, lengths, scores=Scores(scale=head_dim ** -0.5),
                     mask=Mask(is_causal=True), **kw)[0], num_ctas=n or None,
-                num_stages=stages, heads_per_cta=heads,
+                num_stages=stages, heads_per_cta=tile_heads,
                 consumers=consumers)))
       if on_gpu:
         cases.insert(0, ("cudnn", lambda q, k, v: (
@@ -106,11 +110,17 @@ def main(argv=None):
         finally:
           softmax.merge = merge
         base = base or seconds
-        row = dict(batch=batch, cache_len=cache_len, impl=name,
+        row = dict(batch=batch, cache_len=cache_len, q_heads=q.shape[2],
+                   impl=name,
                    us=round(seconds * 1e6, 1),
                    tb_s=round(nbytes / seconds / 1e12, 3),
                    of_first=round(base / seconds, 3),
                    kernels=kernels(compiled))
+        if args.hlo:
+          os.makedirs(os.path.join(args.out, "hlo"), exist_ok=True)
+          with open(os.path.join(args.out, "hlo", f"{shape}_{name}.txt"),
+                    "w") as f:
+            f.write(compiled.as_text())
         print(json.dumps(row), flush=True)
         log.write(json.dumps(row) + "\n")
 
