@@ -52,13 +52,17 @@ def main(argv=None):
                       help="BATCHxCACHE")
   parser.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4])
   parser.add_argument("--mosaic", nargs="*", default=["4:0:1:2", "4:0:4:2"],
-                      help="STAGES:CTAS[:HEADS[:CONSUMERS]] of the Mosaic "
-                      "split-KV kernel: CTAS 0 for one a multiprocessor, "
-                      "HEADS the KV heads a tile (1 or 4), CONSUMERS its "
-                      "consumer warpgroups (1 or 2; GPU only)")
+                      help="STAGES:CTAS[:HEADS[:CONSUMERS[:ROWS]]] of the "
+                      "Mosaic split-KV kernel: CTAS 0 for one a "
+                      "multiprocessor, HEADS the KV heads a tile (1 or 4), "
+                      "CONSUMERS its consumer warpgroups (1 or 2), ROWS a "
+                      "tile's rows (64; GPU only)")
   parser.add_argument("--hlo", action="store_true",
                       help="also write each row's compiled program to "
                       "DIR/hlo/<batch>x<cache>_<row>.txt")
+  parser.add_argument("--repeat", type=int, default=1,
+                      help="time every row this many times, in turn (the "
+                      "spread between a row's times is the run's noise)")
   parser.add_argument("--calls", type=int, default=50)
   parser.add_argument("--implementation", default="pallas",
                       help="'interpret' tries the script on a CPU")
@@ -84,23 +88,24 @@ def main(argv=None):
       cases.append(("kernel_only", ours(None)))
       for config_text in args.mosaic if on_gpu else ():
         # (Not `heads`: that is the query heads of every shape.)
-        stages, n, tile_heads, consumers = (
-            list(map(int, config_text.split(":"))) + [1, 1])[:4]
+        stages, n, tile_heads, consumers, rows = (
+            list(map(int, config_text.split(":"))) + [1, 1, 64])[:5]
         cases.append((
-            f"mosaic_s{stages}_ctas{n}_heads{tile_heads}_wg{consumers}",
+            f"mosaic_s{stages}_ctas{n}_heads{tile_heads}_wg{consumers}"
+            + (f"_rows{rows}" if rows != 64 else ""),
             functools.partial(
                 lambda q, k, v, **kw: mosaic_decode.flash_decode(
                     q, k, v, lengths, scores=Scores(scale=head_dim ** -0.5),
                     mask=Mask(is_causal=True), **kw)[0], num_ctas=n or None,
                 num_stages=stages, heads_per_cta=tile_heads,
-                consumers=consumers)))
+                consumers=consumers, block_k=rows)))
       if on_gpu:
         cases.insert(0, ("cudnn", lambda q, k, v: (
             jax.nn.dot_product_attention(
                 q, k, v, key_value_seq_lengths=lengths,
                 implementation="cudnn"))))
       base = None
-      for name, fn in cases:
+      for name, fn in cases * args.repeat:
         merge = softmax.merge
         if name == "kernel_only":
           softmax.merge = _first_part
@@ -109,7 +114,8 @@ def main(argv=None):
           seconds = benchmark._time(compiled, (q, kc, vc), args.calls, 5)
         finally:
           softmax.merge = merge
-        base = base or seconds
+        if base is None or name == cases[0][0]:
+          base = seconds  # The round's first row (cuDNN on a GPU).
         row = dict(batch=batch, cache_len=cache_len, q_heads=q.shape[2],
                    impl=name,
                    us=round(seconds * 1e6, 1),
