@@ -88,8 +88,9 @@ def main(argv=None):
       cases.append(("kernel_only", ours(None)))
       for config_text in args.mosaic if on_gpu else ():
         # (Not `heads`: that is the query heads of every shape.)
+        given = list(map(int, config_text.split(":")))
         stages, n, tile_heads, consumers, rows = (
-            list(map(int, config_text.split(":"))) + [1, 1, 64])[:5]
+            given + [1, 1, 64][len(given) - 2:])
         cases.append((
             f"mosaic_s{stages}_ctas{n}_heads{tile_heads}_wg{consumers}"
             + (f"_rows{rows}" if rows != 64 else ""),
