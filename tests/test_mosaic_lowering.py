@@ -182,27 +182,30 @@ def test_mosaic_decode_of_a_few_tokens_says_why():
     _lower_decode("mosaic", 8)
 
 
+@pytest.mark.parametrize("num_ctas", [None, 5])
 @pytest.mark.parametrize("consumers", [1, 2])
 @pytest.mark.parametrize("heads_per_cta", [1, 2])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_mosaic_split_kv_decode_lowers_within_shared_memory(
-    head_dim, heads_per_cta, consumers):
+    head_dim, heads_per_cta, consumers, num_ctas):
   """The Mosaic split-KV decode kernel (not dispatched) lowers for an H200
   at its default stage count, bounded by shared memory (at head dim 256
-  and with two consumers' outputs), a CTA per KV head or for both."""
+  and with two consumers' outputs), tiles of one KV head or both, runs of
+  one tile (a CTA a tile here) or crossing groups (5 CTAs: two Q
+  buffers)."""
   from jax_flash.spec.scores import Scores
   from pallas_kernels.mosaic_gpu import flash_decode as mosaic_decode
   q = jax.ShapeDtypeStruct((3, 1, 8, head_dim), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((3, 1000, 2, head_dim), jnp.bfloat16)
   lengths = jax.ShapeDtypeStruct((3,), jnp.int32)
   assert mosaic_decode.max_stages(head_dim, 64, 2, consumers) == {
-      (64, 1): 12, (128, 1): 5, (256, 1): 2,
+      (64, 1): 12, (128, 1): 5, (256, 1): 1,  # Two Q buffers (one: 2).
       (64, 2): 10, (128, 2): 4, (256, 2): 0}[head_dim, consumers]
 
   def f(q, k, v, lengths):
     return mosaic_decode.flash_decode(
         q, k, v, lengths, scores=Scores(scale=0.1), mask=Mask(is_causal=True),
-        heads_per_cta=heads_per_cta, consumers=consumers)
+        heads_per_cta=heads_per_cta, consumers=consumers, num_ctas=num_ctas)
   with jax.sharding.use_abstract_mesh(
       mesh_lib.AbstractMesh((1,), ("x",), abstract_device=H200)):
     lower = lambda: jax.jit(f).trace(q, kv, kv, lengths).lower(

@@ -85,7 +85,13 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, bounds_ref, owners_ref,
   group's CTAs are not written)."""
   q_smem, k_smem, v_smem, o_smem, lse_smem = buffers
   k_ready, v_ready, q_ready = ready
-  k_free, v_free = free
+  k_free, v_free, q_free = free
+  q_buffers = q_smem.shape[0]
+  q_rows = q_ref.shape[-2]
+
+  def q_buffer(seg):
+    q = q_smem.at[seg % q_buffers]
+    return q if q_rows == ROWS else q.at[pl.ds(0, q_rows)]
   wg = lax.axis_index("wg")
   cta = lax.axis_index("cta")
   positions = block_k // heads  # Cache positions a tile.
@@ -105,16 +111,13 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, bounds_ref, owners_ref,
     same_head = (lax.div(rows, group * q_len) == lax.rem(tile_cols, heads)
                  if heads > 1 else None)
     tile_positions = lax.div(tile_cols, heads) if heads > 1 else tile_cols
-    q_mine = q_smem.at[wg]
     base = jnp.int32(0)  # Tiles of the run before the segment.
-    q_rows = q_ref.shape[-2]
-    q_dst = q_mine if q_rows == ROWS else q_mine.at[pl.ds(0, q_rows)]
     for seg in range(segments):
-      group_index, batch, head, in_run, lo, count = segment(
+      group_index, batch, _, in_run, lo, count = segment(
           bounds_ref, lengths_ref, seg)
       kv_len = lengths_ref[batch]
-      plgpu.copy_gmem_to_smem(q_ref.at[batch, head], q_dst, q_ready.at[wg])
-      plgpu.barrier_wait(q_ready.at[wg])
+      q_seg = q_smem.at[seg % q_buffers]  # The producer's load of it.
+      plgpu.barrier_wait(q_ready.at[seg % q_buffers])
 
       def step(i, carry, base=base, lo=lo, kv_len=kv_len, first=None):
         acc, m, l = carry
@@ -124,7 +127,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, bounds_ref, owners_ref,
         plgpu.barrier_wait(k_ready.at[slot])
 
         def qk(acc_ref):
-          plgpu.wgmma(acc_ref, q_mine, k_smem.at[slot].T)
+          plgpu.wgmma(acc_ref, q_seg, k_smem.at[slot].T)
           return acc_ref[...]
         s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
         plgpu.barrier_arrive(k_free.at[slot])
@@ -169,7 +172,10 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, bounds_ref, owners_ref,
       acc, m, l = lax.fori_loop(0, mine,
                                 functools.partial(step, first=first),
                                 (acc, m, l))
+      plgpu.barrier_arrive(q_free.at[seg % q_buffers])
       o, lse = softmax.finalize(acc, m, l)
+      # The last segment's store has read the buffer (it ran meanwhile).
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       o_smem.at[wg][...] = o
       lse_smem.at[wg][...] = lse
       plgpu.commit_smem()
@@ -182,8 +188,8 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, bounds_ref, owners_ref,
                                 o_ref.at[group_index, part, wg])
         plgpu.copy_smem_to_gmem(lse_smem.at[wg, out_rows],
                                 lse_ref.at[group_index, part, wg])
-      plgpu.wait_smem_to_gmem(0)  # Before the next segment's writes.
       base = base + count
+    plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == consumers)
   def _producer():
@@ -191,6 +197,12 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, bounds_ref, owners_ref,
     base = jnp.int32(0)
     for seg in range(segments):
       _, batch, head, _, lo, count = segment(bounds_ref, lengths_ref, seg)
+      # The segment's Q, into a buffer both consumers have released (the
+      # next segment's Q loads while they stream this one's tiles).
+      if seg >= q_buffers:
+        plgpu.barrier_wait(q_free.at[seg % q_buffers])
+      plgpu.copy_gmem_to_smem(q_ref.at[batch, head], q_buffer(seg),
+                              q_ready.at[seg % q_buffers])
 
       @pl.loop(0, count)
       def _(t, base=base, batch=batch, head=head, lo=lo):
@@ -210,6 +222,8 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, bounds_ref, owners_ref,
                                 v_ready.at[slot])
       base = base + count
     # Await the last releases too: every completion of a barrier is waited.
+    for seg in range(max(segments - q_buffers, 0), segments):
+      plgpu.barrier_wait(q_free.at[seg % q_buffers])
     for i in range(stages):
       last = base - stages + i
 
@@ -221,12 +235,12 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, bounds_ref, owners_ref,
 
 
 def max_stages(head_dim: int, block_k: int, itemsize: int,
-               consumers: int = 1) -> int:
-  """K/V tiles in flight that fit one CTA's shared memory beside each
-  consumer's Q tile, f32 output tile and logsumexp and the barriers,
+               consumers: int = 1, q_buffers: int = 2) -> int:
+  """K/V tiles in flight that fit one CTA's shared memory beside the Q
+  buffers, each consumer's f32 output tile and logsumexp and the barriers,
   rounded down to a multiple of `consumers` (each takes every
   consumers-th slot)."""
-  fixed = (config.aligned(consumers * ROWS * head_dim * itemsize)
+  fixed = (config.aligned(q_buffers * ROWS * head_dim * itemsize)
            + config.aligned(consumers * ROWS * head_dim * 4)
            + config.aligned(consumers * ROWS * 4)
            + 1024)  # The barriers' allocation.
@@ -289,13 +303,6 @@ def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
   if rows > ROWS:
     raise ValueError(f"the Mosaic decode kernel takes at most {ROWS} query "
                      f"rows a CTA (heads_per_cta * G * T), got {rows}")
-  fits = max_stages(head_dim, block_k, q.dtype.itemsize, consumers)
-  if fits < consumers:
-    raise ValueError(f"{consumers} consumers' tiles and {consumers} K/V "
-                     f"tiles of {block_k} rows at head dim {head_dim} exceed "
-                     f"shared memory ({config.SMEM_BYTES} bytes)")
-  num_stages = max(consumers, min(num_stages, fits))
-  num_stages -= num_stages % consumers
   out_rows = min(ROWS, -(-rows // 8) * 8)  # Written rows: TMA's 8-row tiles.
   # [B, T, N, H] -> [B, N, T, H] -> [B, K / heads, heads * G * T, H]: row
   # (h * G + g) * T + t (free at T = 1), padded to 8 rows only if they are
@@ -312,10 +319,23 @@ def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
   bounds, segments, owners, crossed = schedule(
       groups, tiles, num_ctas or num_multiprocessors())
   ctas, width = len(bounds) - 1, crossed.shape[1]
+  # Two Q buffers (the next segment's Q loads early) where a run crosses
+  # groups and the second costs no stage asked for (it does at head dim
+  # 256).
+  fits = max_stages(head_dim, block_k, q.dtype.itemsize, consumers, 1)
+  fits_two = max_stages(head_dim, block_k, q.dtype.itemsize, consumers, 2)
+  q_buffers = 2 if segments > 1 and fits_two >= min(num_stages, fits) else 1
+  fits = fits_two if q_buffers == 2 else fits
+  if fits < consumers:
+    raise ValueError(f"{consumers} consumers' outputs, Q and {consumers} K/V "
+                     f"tiles of {block_k} rows at head dim {head_dim} exceed "
+                     f"shared memory ({config.SMEM_BYTES} bytes)")
+  num_stages = max(consumers, min(num_stages, fits))
+  num_stages -= num_stages % consumers
   transforms = smem_transforms(q.dtype, head_dim)
   scratch = dict(
       buffers=(
-          plgpu.SMEM((consumers, ROWS, head_dim), q.dtype,
+          plgpu.SMEM((q_buffers, ROWS, head_dim), q.dtype,
                      transforms=transforms),
           plgpu.SMEM((num_stages, block_k, head_dim), k_cache.dtype,
                      transforms=transforms),
@@ -328,8 +348,9 @@ def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
       ),
       ready=(plgpu.Barrier(num_barriers=num_stages),
              plgpu.Barrier(num_barriers=num_stages),
-             plgpu.Barrier(num_barriers=consumers)),
-      free=(plgpu.Barrier(num_barriers=num_stages),) * 2,
+             plgpu.Barrier(num_barriers=q_buffers)),
+      free=(plgpu.Barrier(num_barriers=num_stages),) * 2 + (
+          plgpu.Barrier(num_arrivals=consumers, num_barriers=q_buffers),),
   )
   kernel = functools.partial(
       _decode_kernel, scores=scores, mask=mask, q_len=q_len, heads=heads,
