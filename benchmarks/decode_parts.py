@@ -5,11 +5,12 @@
 One new token per sequence (16 query heads and 4 KV heads of 128, bf16)
 against a full contiguous cache, for each BATCHxCACHE shape: cuDNN
 (`jax.nn.dot_product_attention(implementation="cudnn")`), `flash_decode`
-with its default split count and with each `--splits`, and "kernel_only":
-the default with the merge of the splits' partial outputs replaced by
-taking the first split's (a wrong answer, timed to see what the split-KV
-kernel costs without the merge; `softmax.merge` patched for that row
-only). Each row: microseconds a call, TB/s of K+V read, the ratio to cuDNN
+by default (the Mosaic split-KV kernel on an H100/H200), the Triton
+split-KV kernel with its default split count and with each `--splits`,
+"kernel_only": the default with the merge of the parts' partial outputs
+replaced by taking the first part's (a wrong answer, timed to see what
+the kernel costs without the merge; `softmax.merge` patched for that row
+only), and the Mosaic kernel's `--mosaic` variants. Each row: microseconds a call, TB/s of K+V read, the ratio to cuDNN
 in the same run, and the kernels in the compiled program's entry
 computation (fusions and custom calls). One JSON line a row, printed and
 written to DIR/decode_parts.jsonl.
@@ -78,13 +79,18 @@ def main(argv=None):
           keys, batch, cache_len, heads, kv_heads, head_dim, jnp.bfloat16)
       nbytes = 2 * kc.size * kc.dtype.itemsize
 
-      def ours(splits):
+      def ours(splits, implementation=args.implementation):
         return lambda q, k, v: jax_flash.flash_decode(
             q, k, v, kv_lengths=lengths, num_splits=splits,
-            implementation=args.implementation)
+            implementation=implementation)
 
+      # Triton's split-KV kernel by name on a GPU (on an H100/H200 the
+      # default is the Mosaic one); --splits are its split counts.
+      triton = "triton" if on_gpu else args.implementation
       cases = [("default", ours(None))]
-      cases += [(f"splits_{n}", ours(n)) for n in args.splits]
+      if on_gpu:
+        cases.append(("triton", ours(None, triton)))
+      cases += [(f"splits_{n}", ours(n, triton)) for n in args.splits]
       cases.append(("kernel_only", ours(None)))
       for config_text in args.mosaic if on_gpu else ():
         # (Not `heads`: that is the query heads of every shape.)

@@ -6,7 +6,8 @@ backend is an object with:
 
     name, needs_gpu, config_type
     unsupported(problem, dtype, *, mask, scores, version, decode)
-        -> str | None (why it cannot take the call)
+        -> str | None (why it cannot take the call; decode: False, or a
+        `flash_decode` call's cache, "contiguous" or "paged")
     config(block_sizes, problem, dtype, *, is_causal, version, scores)
         -> config (scores: optional, `Scores`, for tiles that depend on them)
     forward(q, k, v, operands, *, mask, scores, config, version)

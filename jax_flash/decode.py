@@ -21,7 +21,9 @@ def flash_decode(query, key_cache=None, value_cache=None, *, kv_lengths,
     query: [B, T, N, H]: the last T positions of each sequence, any T (one
       new token, or a prompt chunk). Query t of sequence b sees cache
       positions < kv_lengths[b] - T + t + 1 (so T = 1 sees the whole cache).
-      Short chunks run a split-KV kernel, long ones the training kernel.
+      Short chunks run a split-KV kernel (on an H100/H200 with a
+      contiguous cache at head dims 64/128, the Mosaic GPU one), long ones
+      the training kernel.
     key_cache, value_cache: [B, S_max, K, H] and [B, S_max, K, Hv] (value's
       head dim may differ), K dividing N (GQA: the group's query heads share
       one read of K/V). None when paged.
@@ -31,9 +33,11 @@ def flash_decode(query, key_cache=None, value_cache=None, *, kv_lengths,
     scale, logits_soft_cap: as in `flash_attention`.
     local_window_size: int w or (left, right): query at position p sees
       p - left ... p (nothing lies to its right in a cache).
-    num_splits: chunks each sequence's cache is split into (one program
-      each, merged by logsumexp); default fills the GPU. An int >= 1; the
-      "xla" implementation ignores it.
+    num_splits: chunks each sequence's cache is split into by the Triton
+      split-KV kernel (one program each, merged by logsumexp); default
+      fills the GPU. An int >= 1; the Mosaic kernels (their split-KV kernel
+      gives each multiprocessor an equal run of the cache's tiles) and the
+      "xla" implementation ignore it.
     key_pages, value_pages, page_table: a paged cache instead: pages
       [num_pages, page_size, K, H] and int32 page_table [B, pages_per_seq];
       page j of sequence b holds its positions j*page_size ... (j+1)*page_size-1.
@@ -93,7 +97,8 @@ def flash_decode(query, key_cache=None, value_cache=None, *, kv_lengths,
                   soft_cap=checks.check_soft_cap(logits_soft_cap),
                   sinks=sinks is not None)
   backend = _dispatch.select(implementation, query, p, query.dtype, mask=mask,
-                             scores=scores, decode=True)
+                             scores=scores,
+                             decode="paged" if paged else "contiguous")
   out, lse = backend.decode(query, k, v, kv_lengths, mask=mask, scores=scores,
                             num_splits=num_splits,
                             page_table=page_table if paged else None,

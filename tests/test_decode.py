@@ -262,6 +262,18 @@ def test_mosaic_decodes_a_prompt_chunk(q_len, paged):
                     dtype=jnp.bfloat16, num_pages=160, logits_soft_cap=30.0)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("q_len", [1, 7, 16])
+def test_mosaic_decodes_a_few_tokens(q_len, head_dim):
+  """flash_decode(implementation="mosaic") of a few new tokens against a
+  contiguous cache: the Mosaic split-KV kernel (tiles of both KV heads up
+  to 64 query rows, of one past them: 16 tokens x 8 heads), bf16, ragged
+  lengths, NaN past them, sinks, a window, a soft-cap."""
+  _check_new_tokens("mosaic", q_len, False, s=1000, head_dim=head_dim,
+                    dtype=jnp.bfloat16, num_pages=0, logits_soft_cap=30.0)
+
+
 MOSAIC_SPLIT_KV_CASES = {  # b, t, s, n, k, h, lengths, CTAs, options
     "h128_gqa_ragged": (3, 1, 1000, 16, 4, 128, [1000, 1, 517], 5, {}),
     "h64_window_soft_cap_sinks": (2, 3, 520, 8, 2, 64, [520, 40], 3,

@@ -173,13 +173,21 @@ def test_mosaic_decodes_a_prompt_chunk(page_size, kwargs):
     assert "flash_attention_forward_mosaic" in text, implementation
 
 
-def test_mosaic_decode_of_a_few_tokens_says_why():
-  """Short chunks are the split-KV kernel's (Triton): "pallas" picks it,
-  naming Mosaic says why."""
-  assert MOSAIC_CALL not in _lower_decode("pallas", 8)
-  with pytest.raises(ValueError, match="prompt chunks of 65 or more new "
-                     "tokens .* got 8"):
-    _lower_decode("mosaic", 8)
+def test_mosaic_decodes_a_few_tokens_against_a_contiguous_cache():
+  """Short chunks against a contiguous cache at head dim 128: the Mosaic
+  split-KV kernel, named or by default on an H200; against a paged cache,
+  or with more query rows than a CTA takes, Triton's split-KV kernel
+  ("pallas", the default), and naming Mosaic says why."""
+  for implementation in ("mosaic", "pallas", None):
+    text = _lower_decode(implementation, 8)
+    assert "flash_attention_decode_mosaic" in text, implementation
+  for implementation in ("pallas", None):
+    assert MOSAIC_CALL not in _lower_decode(implementation, 8, 16)
+  with pytest.raises(ValueError, match="fewer only where the cache is "
+                     "contiguous .* got 8"):
+    _lower_decode("mosaic", 8, 16)
+  with pytest.raises(ValueError, match="query rows .* at most 64"):
+    _lower_decode("mosaic", 17)  # 4 query heads a KV head x 17 > 64.
 
 
 @pytest.mark.parametrize("num_ctas", [None, 5])

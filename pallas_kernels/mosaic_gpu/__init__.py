@@ -11,13 +11,15 @@ attention's mask_mods that close over no array, lengths and segment ids
 soft-cap, ALiBi and score_mods (`Scores.logits2`), sinks (in each row's
 denominator; their gradient comes from the logsumexp) and dropout (the keep
 bits of `spec.dropout`, every backend's); `flash_decode`'s prompt chunks of
-`config.MIN_DECODE_QUERIES` or more tokens (the forward with query offsets).
+`config.MIN_DECODE_QUERIES` or more tokens (the forward with query offsets)
+and, against a contiguous cache at head dims `config.SPLIT_KV_HEAD_DIMS`,
+shorter ones (the split-KV kernel `flash_decode`: a balanced stream of
+K/V tiles a multiprocessor, two consumer warpgroups).
 Dense masks and bias (a [Bm, Nm, T, S] tile read from global memory on
 every tile, a row or column vector where it broadcasts; the dispatch takes
 the bias gradient from the Triton backend's dbias kernel, and the whole
 backward from the Triton kernels for a bias per (query, key) pair:
-`backward_by`). No split-KV
-decode. Everything it takes has run on an H200 (tests/test_gpu.py,
+`backward_by`). Everything it takes has run on an H200 (tests/test_gpu.py,
 test_flex.py, test_decode.py).
 """
 from __future__ import annotations
@@ -34,6 +36,7 @@ from jax_flash.spec.operands import Operands
 from jax_flash.spec.problem import decode_as_forward
 from jax_flash.spec.scores import Scores
 from pallas_kernels.mosaic_gpu import config
+from pallas_kernels.mosaic_gpu import flash_decode
 from pallas_kernels.mosaic_gpu.config import BlockSizes
 from pallas_kernels.mosaic_gpu.flash_bwd import flash_backward
 from pallas_kernels.mosaic_gpu.flash_fwd import flash_forward
@@ -73,6 +76,34 @@ def mod_primitives_missing(mask: Mask, scores: Scores) -> set:
   return used - MOD_PRIMITIVES
 
 
+def split_kv_heads(q_len: int, num_heads: int, num_kv_heads: int) -> int:
+  """KV heads a tile of the split-KV kernel: all of them (a tile is a
+  contiguous run of the cache: 0.5-2% faster than one head's rows at batch
+  64, benchmarks/NOTES.md, sixteenth session) where every query row fits one
+  CTA and K divides its 64 rows; otherwise one."""
+  rows = num_heads * q_len
+  if rows <= flash_decode.ROWS and flash_decode.ROWS % num_kv_heads == 0:
+    return num_kv_heads
+  return 1
+
+
+def split_kv_unsupported(problem: Problem, *, paged: bool) -> str | None:
+  """Why the split-KV kernel cannot take a decode call, or None."""
+  if paged:
+    return "the cache is contiguous (a paged one's short chunks are Triton's)"
+  if problem.head_dim not in config.SPLIT_KV_HEAD_DIMS:
+    return f"the head dim is one of {config.SPLIT_KV_HEAD_DIMS}"
+  heads = split_kv_heads(problem.q_len, problem.num_heads,
+                         problem.num_kv_heads)
+  group = problem.num_heads // problem.num_kv_heads
+  if heads * group * problem.q_len > flash_decode.ROWS:
+    return (f"a KV head's query rows (new tokens x query heads a KV head) "
+            f"are at most {flash_decode.ROWS}")
+  if problem.kv_len % 8:
+    return "the cache's length is a multiple of 8"
+  return None
+
+
 @dataclasses.dataclass(frozen=True)
 class MosaicGpuBackend:
   """The backend interface of `jax_flash._dispatch`."""
@@ -82,13 +113,16 @@ class MosaicGpuBackend:
 
   def unsupported(self, problem: Problem, dtype, *, mask: Mask,
                   scores: Scores, version: int = 2,
-                  decode: bool = False) -> str | None:
-    """Why the Mosaic GPU kernels cannot take the call, or None."""
+                  decode: bool | str = False) -> str | None:
+    """Why the Mosaic GPU kernels cannot take the call, or None. decode:
+    False, or the cache's storage ("contiguous" or "paged")."""
     if decode and problem.q_len < config.MIN_DECODE_QUERIES:
-      return (f"the Mosaic GPU kernels decode prompt chunks of "
-              f"{config.MIN_DECODE_QUERIES} or more new tokens (fewer leave "
-              f"most of a CTA's rows idle; Triton's split-KV kernel takes "
-              f"them), got {problem.q_len}")
+      why = split_kv_unsupported(problem, paged=decode == "paged")
+      if why:
+        return (f"the Mosaic GPU kernels decode prompt chunks of "
+                f"{config.MIN_DECODE_QUERIES} or more new tokens, and fewer "
+                f"only where {why} (Triton's split-KV kernel takes them), got "
+                f"{problem.q_len}")
     if version != 2:
       return "the Mosaic GPU backend runs only the FlashAttention-2 forward"
     if jnp.dtype(dtype).name not in config.DTYPES:
@@ -153,12 +187,20 @@ class MosaicGpuBackend:
 
   def decode(self, q, k, v, kv_lengths, *, mask: Mask, scores: Scores,
              num_splits=None, page_table=None, sinks=None):
-    """(o [B, T, N, Hv], lse [B, N, T]) of a prompt chunk (T >=
-    `config.MIN_DECODE_QUERIES` new tokens, at positions kv_lengths[b] - T
-    + t) against a contiguous or paged cache: the forward kernel with
-    query offsets and key ids (`spec.problem.decode_as_forward`; pages
+    """(o [B, T, N, Hv], lse [B, N, T]) of T new tokens at positions
+    kv_lengths[b] - T + t: fewer than `config.MIN_DECODE_QUERIES` against a
+    contiguous cache, the split-KV kernel (`split_kv_heads` KV heads a
+    tile); more, against a contiguous or paged cache, the forward kernel
+    with query offsets and key ids (`spec.problem.decode_as_forward`; pages
     gathered by XLA first, positions past a length zeroed)."""
-    del num_splits  # A CTA per 2 * block_q queries; the cache is not split.
+    # The split-KV kernel balances equal runs of tiles over the
+    # multiprocessors; the forward takes a CTA per 2 * block_q queries.
+    del num_splits
+    if q.shape[1] < config.MIN_DECODE_QUERIES:
+      return flash_decode.flash_decode(
+          q, k, v, kv_lengths, scores=scores, mask=mask,
+          heads_per_cta=split_kv_heads(q.shape[1], q.shape[2], k.shape[2]),
+          consumers=2, sinks=sinks)
     k, v, mask, operands, problem = decode_as_forward(
         q, k, v, kv_lengths, mask, page_table, sinks)
     return self.forward(q, k, v, operands, mask=mask, scores=scores,

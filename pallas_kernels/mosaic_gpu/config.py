@@ -14,9 +14,12 @@ DTYPES = ("bfloat16", "float16")
 HEAD_DIMS = (64, 96, 128, 192, 256)
 SMEM_BYTES = 227 * 1024  # Shared memory of one Hopper CTA.
 # flash_decode: prompt chunks of at least this many new tokens run the
-# forward kernel (a CTA takes 2 * block_q >= 128 query rows); fewer go to
-# Triton's split-KV kernel.
+# forward kernel (a CTA takes 2 * block_q >= 128 query rows); fewer run the
+# split-KV kernel (`flash_decode.py`) against a contiguous cache at
+# SPLIT_KV_HEAD_DIMS (two consumer warpgroups' outputs and four K/V stages
+# fit shared memory there), Triton's otherwise.
 MIN_DECODE_QUERIES = 65
+SPLIT_KV_HEAD_DIMS = (64, 128)
 
 
 # `BlockSizes.fused_dq`'s head dims: 128-byte swizzled K rows, which the
