@@ -291,7 +291,7 @@ MOSAIC_SPLIT_KV_CASES = {  # b, t, s, n, k, h, lengths, CTAs, options
 @pytest.mark.parametrize("name", MOSAIC_SPLIT_KV_CASES)
 def test_mosaic_split_kv_decode_matches_reference(name, stages, all_heads,
                                                   consumers):
-  """The Mosaic GPU split-KV decode kernel (not dispatched yet): tiles of
+  """The Mosaic GPU split-KV decode kernel, its options by name: tiles of
   one KV head or of all, one or two consumer warpgroups, a few CTAs (each
   run crossing sequences and heads) or the default one a multiprocessor;
   bf16, NaN in the cache past each length, against the dense reference."""

@@ -196,7 +196,7 @@ def test_mosaic_decodes_a_few_tokens_against_a_contiguous_cache():
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_mosaic_split_kv_decode_lowers_within_shared_memory(
     head_dim, heads_per_cta, consumers, num_ctas):
-  """The Mosaic split-KV decode kernel (not dispatched) lowers for an H200
+  """The Mosaic split-KV decode kernel lowers for an H200
   at its default stage count, bounded by shared memory (at head dim 256
   and with two consumers' outputs), tiles of one KV head or both, runs of
   one tile (a CTA a tile here) or crossing groups (5 CTAs: two Q

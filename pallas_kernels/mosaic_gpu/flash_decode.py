@@ -5,23 +5,25 @@ a group of `heads` KV heads (one head, or all of them: a run of the cache
 that is contiguous in memory). The (sequence, head group, tile) space,
 flattened, is cut into one equal run a CTA, one CTA a multiprocessor
 (stream-K), so every multiprocessor streams the same number of tiles of a
-full cache; a run crosses from one sequence's tiles into the next in at
-most a few segments. A CTA runs three or two warpgroups:
+full cache; a run crosses from one head group's tiles into the next in at
+most a few segments. A CTA runs three warpgroups (two with one consumer):
 
-* the producer streams its run's tiles with TMA into a ring of
-  `num_stages` shared-memory slots (tiles past a sequence's length are
+* the producer loads each segment's query rows (the head group's G * T
+  rows a head, padded to 8; two buffers, so the next segment's load while
+  this one streams) and streams the run's K/V tiles with TMA into a ring
+  of `num_stages` shared-memory slots (tiles past a sequence's length are
   never loaded);
 * each of `consumers` consumer warpgroups takes every consumers-th tile
-  (always the same slots), holds the segment's query rows (the head
-  group's G * T rows a head, padded to wgmma's 64) and for each tile forms
-  S = Q K^T by wgmma, the masked online-softmax update (base 2) and O += P
-  V by wgmma with P from registers, and at a segment's end writes its
-  normalized partial output and logsumexp.
+  (always the same slots) and for each forms S = Q K^T by wgmma (64 rows),
+  the masked online-softmax update (base 2) and O += P V by wgmma with P
+  from registers, and at a segment's end writes its normalized partial
+  output and logsumexp into the head group's next slot.
 
-`softmax.merge_split_kv` combines a sequence's partials (XLA, gathered by
-a static index: the schedule depends on shapes only). Query t of sequence
-b (of T) sits at position kv_len[b] - T + t (the shared `Mask`'s query
-offset); row r of a CTA is query t = r % T of the group's head r // T.
+`softmax.merge_split_kv` merges a head group's parts in XLA (which slots
+are written is static: the schedule depends on shapes only). Query t of
+sequence b (of T) sits at position kv_len[b] - T + t (the shared `Mask`'s
+query offset); row r of a CTA is query t = r % T of the group's head r //
+T. Measured on the H200: benchmarks/NOTES.md, sixteenth session.
 """
 from __future__ import annotations
 
