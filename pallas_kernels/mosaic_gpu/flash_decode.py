@@ -43,7 +43,8 @@ from jax_flash.spec.padding import pad_to
 from jax_flash.spec.scores import Scores
 from pallas_kernels.mosaic_gpu import config
 from pallas_kernels.mosaic_gpu.config import compiler_params
-from pallas_kernels.mosaic_gpu.flash_fwd import smem_transforms
+from pallas_kernels.mosaic_gpu.flash_fwd import (await_last_releases,
+                                                smem_transforms)
 
 ROWS = 64  # wgmma's rows: the most query rows a CTA takes.
 ROW = plgpu.Layout.WGMMA.reduce(1)
@@ -226,14 +227,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, bounds_ref, owners_ref,
     # Await the last releases too: every completion of a barrier is waited.
     for seg in range(max(segments - q_buffers, 0), segments):
       plgpu.barrier_wait(q_free.at[seg % q_buffers])
-    for i in range(stages):
-      last = base - stages + i
-
-      @pl.when(last >= 0)
-      def _():
-        slot = lax.rem(last, stages)
-        plgpu.barrier_wait(k_free.at[slot])
-        plgpu.barrier_wait(v_free.at[slot])
+    await_last_releases(base, stages, k_free, v_free)
 
 
 def max_stages(head_dim: int, block_k: int, itemsize: int,

@@ -110,6 +110,20 @@ class _Schedule:
     self.wait(turn)
 
 
+def await_last_releases(loaded, stages: int, *free):
+  """A producer's wait, after its last load, on the consumers' release of
+  each of the last `stages` slots of `loaded` (traced) tiles, for each
+  barrier array in `free`: every completion of a barrier is waited."""
+  for i in range(stages):
+    last = loaded - stages + i
+
+    @pl.when(last >= 0)
+    def _():
+      slot = lax.rem(last, stages)
+      for barrier in free:
+        plgpu.barrier_wait(barrier.at[slot])
+
+
 def smem_transforms(dtype, minor_dim: int, rows: int | None = None):
   """Tiling and swizzle for a [rows, minor_dim] tile read by wgmma; with
   `rows`, for the right operand of a matmul over them (P V: wgmma wants its
@@ -541,16 +555,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
   @pl.when(wg == COMPUTE_WGS)
   def _producer():
     plgpu.set_max_registers(blocks.producer_registers, action="decrease")
-    loaded = for_each_item(producer_item)
-    # Await the last releases too: every completion of a barrier is waited.
-    for i in range(stages):
-      last = loaded - stages + i
-
-      @pl.when(last >= 0)
-      def _():
-        slot = lax.rem(last, stages)
-        plgpu.barrier_wait(k_free.at[slot])
-        plgpu.barrier_wait(v_free.at[slot])
+    await_last_releases(for_each_item(producer_item), stages, k_free, v_free)
 
 
 def flash_forward(q, k, v, *, mask: Mask, scores: Scores,
