@@ -190,17 +190,15 @@ def test_mosaic_decodes_a_few_tokens_against_a_contiguous_cache():
     _lower_decode("mosaic", 17)  # 4 query heads a KV head x 17 > 64.
 
 
-@pytest.mark.parametrize("num_ctas", [None, 5])
 @pytest.mark.parametrize("consumers", [1, 2])
 @pytest.mark.parametrize("heads_per_cta", [1, 2])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_mosaic_split_kv_decode_lowers_within_shared_memory(
-    head_dim, heads_per_cta, consumers, num_ctas):
-  """The Mosaic split-KV decode kernel lowers for an H200
-  at its default stage count, bounded by shared memory (at head dim 256
-  and with two consumers' outputs), tiles of one KV head or both, runs of
-  one tile (a CTA a tile here) or crossing groups (5 CTAs: two Q
-  buffers)."""
+    head_dim, heads_per_cta, consumers):
+  """The Mosaic split-KV decode kernel lowers for an H200 at its default
+  stage count, bounded by shared memory (at head dim 256 and with two
+  consumers' outputs), tiles of one KV head or both, on 5 CTAs (runs
+  crossing groups: two Q buffers, one at head dim 256)."""
   from jax_flash.spec.scores import Scores
   from pallas_kernels.mosaic_gpu import flash_decode as mosaic_decode
   q = jax.ShapeDtypeStruct((3, 1, 8, head_dim), jnp.bfloat16)
@@ -213,7 +211,7 @@ def test_mosaic_split_kv_decode_lowers_within_shared_memory(
   def f(q, k, v, lengths):
     return mosaic_decode.flash_decode(
         q, k, v, lengths, scores=Scores(scale=0.1), mask=Mask(is_causal=True),
-        heads_per_cta=heads_per_cta, consumers=consumers, num_ctas=num_ctas)
+        heads_per_cta=heads_per_cta, consumers=consumers, num_ctas=5)
   with jax.sharding.use_abstract_mesh(
       mesh_lib.AbstractMesh((1,), ("x",), abstract_device=H200)):
     lower = lambda: jax.jit(f).trace(q, kv, kv, lengths).lower(
