@@ -299,13 +299,15 @@ def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
   if rows > ROWS:
     raise ValueError(f"the Mosaic decode kernel takes at most {ROWS} query "
                      f"rows a CTA (heads_per_cta * G * T), got {rows}")
-  out_rows = min(ROWS, -(-rows // 8) * 8)  # Written rows: TMA's 8-row tiles.
+  # Rows of Q read and of each part written: a multiple of TMA's 8-row
+  # tiles (at most ROWS).
+  out_rows = -(-rows // 8) * 8
   # [B, T, N, H] -> [B, N, T, H] -> [B, K / heads, heads * G * T, H]: row
-  # (h * G + g) * T + t (free at T = 1), padded to 8 rows only if they are
-  # not a multiple (TMA's row tiles).
+  # (h * G + g) * T + t (free at T = 1), padded to out_rows (a copy only if
+  # the rows are not a multiple of 8).
   head_groups = num_kv_heads // heads
   qr = q.transpose(0, 2, 1, 3).reshape(batch, head_groups, rows, head_dim)
-  qr = pad_to(qr, 2, -(-rows // 8) * 8)
+  qr = pad_to(qr, 2, out_rows)
   if heads > 1:  # [B, S * K, H]: row p * K + h (free: the cache's order).
     k_cache = k_cache.reshape(batch, cache_len * heads, head_dim)
     v_cache = v_cache.reshape(batch, cache_len * heads, head_dim)
