@@ -122,7 +122,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, bounds_ref, owners_ref,
       q_seg = q_smem.at[seg % q_buffers]  # The producer's load of it.
       plgpu.barrier_wait(q_ready.at[seg % q_buffers])
 
-      def step(i, carry, base=base, lo=lo, kv_len=kv_len, first=None):
+      def step(i, carry):  # Traced below, in this segment's iteration.
         acc, m, l = carry
         n = first + consumers * i  # The tile's place in the run.
         j = lo + n - base
@@ -172,9 +172,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, bounds_ref, owners_ref,
       acc = plgpu.layout_cast(
           jnp.zeros((ROWS, v_smem.shape[-1]), jnp.float32),
           plgpu.Layout.WGMMA)
-      acc, m, l = lax.fori_loop(0, mine,
-                                functools.partial(step, first=first),
-                                (acc, m, l))
+      acc, m, l = lax.fori_loop(0, mine, step, (acc, m, l))
       plgpu.barrier_arrive(q_free.at[seg % q_buffers])
       o, lse = softmax.finalize(acc, m, l)
       # The last segment's store has read the buffer (it ran meanwhile).
