@@ -80,9 +80,9 @@ def split_kv_heads(q_len: int, num_heads: int, num_kv_heads: int) -> int:
   """KV heads a tile of the split-KV kernel: all of them (a tile is a
   contiguous run of the cache: 0.5-2% faster than one head's rows at batch
   64, benchmarks/NOTES.md, sixteenth session) where every query row fits one
-  CTA and K divides its 64 rows; otherwise one."""
+  CTA and K divides a tile's rows; otherwise one."""
   rows = num_heads * q_len
-  if rows <= flash_decode.ROWS and flash_decode.ROWS % num_kv_heads == 0:
+  if rows <= flash_decode.ROWS and flash_decode.BLOCK_K % num_kv_heads == 0:
     return num_kv_heads
   return 1
 

@@ -47,6 +47,7 @@ from pallas_kernels.mosaic_gpu.flash_fwd import (await_last_releases,
                                                 smem_transforms)
 
 ROWS = 64  # wgmma's rows: the most query rows a CTA takes.
+BLOCK_K = 64  # Cache rows a K/V tile by default.
 ROW = plgpu.Layout.WGMMA.reduce(1)
 
 
@@ -265,7 +266,7 @@ def schedule(groups: int, tiles: int, ctas: int):
 
 
 def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
-                 mask: Mask, block_k: int = 64, num_stages: int = 4,
+                 mask: Mask, block_k: int = BLOCK_K, num_stages: int = 4,
                  heads_per_cta: int = 1, consumers: int = 1,
                  num_ctas: int | None = None, sinks=None):
   """Decode attention of q [B, T, N, H] against a contiguous cache k_cache,
