@@ -1,34 +1,19 @@
-"""One dispatch: which backend runs a call, for every entry point.
+"""One dispatch: which backends run a call, for every entry point.
 
-`flash_attention`, `flash_decode` and `ring_attention` describe their call
-(the `Problem`, dtype, `Mask`, `Scores`) and ask `select` for a backend. A
-backend is an object with:
+`flash_attention`, `flex_attention`, `flash_decode` and `ring_attention`
+describe their call (the `Problem`, dtype, `Mask`, `Scores`, `Operands`) and
+ask `select` for a `Plan`: the backend of the forward (or of the decode),
+the backend of the backward, and, for a differentiable operand whose
+gradient that backward leaves out, a backend that gives it. Backends
+implement `jax_flash.spec.backend.Backend`; `backends()` is the registry by
+implementation name, `PALLAS` the Pallas backends for a GPU, best first.
+Nothing here knows one backend from another: each says why it refuses a
+call, and the next is asked.
 
-    name, needs_gpu, config_type
-    unsupported(problem, dtype, *, mask, scores, version, decode)
-        -> str | None (why it cannot take the call; decode: False, or a
-        `flash_decode` call's cache, "contiguous" or "paged")
-    config(block_sizes, problem, dtype, *, is_causal, version, scores)
-        -> config (scores: optional, `Scores`, for tiles that depend on them)
-    forward(q, k, v, operands, *, mask, scores, config, version)
-        -> (o [B, T, N, H], lse [B, N, T])
-    backward(q, k, v, operands, o, lse, do, dlse, *, mask, scores, config)
-        -> (dq, dk, dv, Operands of the differentiable operands' gradients:
-            bias, score_consts; None where not computed)
-    decode(q, k, v, kv_lengths, *, mask, scores, num_splits, page_table,
-           sinks) -> (o [B, T, N, H], lse [B, N, T])
-    backward_by(operands) -> str | None (optional: the backend whose
-        backward runs after this one's forward, from the same logsumexp,
-        when it is the better one; None: its own)
-
-with lse the natural-log logsumexp, float32, everywhere. Backends:
-"mosaic" (Pallas Mosaic GPU kernels, forward and backward; Hopper GPUs),
-"triton" (Pallas kernels lowered through Triton; any CUDA GPU), "interpret"
-(the Triton kernels run by the Pallas interpreter; any machine) and "xla"
-(`blockwise`: FlashAttention in plain jnp; any device, any input). "pallas" names the best Pallas backend
-for the device that takes the call (`PALLAS`, best first).
 `implementation=None` picks "pallas" when the query lives on a GPU and a
-Pallas backend takes the call, else "xla".
+Pallas backend takes the call, else "xla"; "pallas" is the first of
+`PALLAS` that takes it; any other name is that backend alone, and a
+`ValueError` says why when it cannot.
 """
 from __future__ import annotations
 
@@ -38,13 +23,23 @@ import functools
 import jax
 
 from jax_flash import blockwise
+from jax_flash.spec import device
+from jax_flash.spec.backend import Backend, Decode
 from jax_flash.spec.checks import Problem
 from jax_flash.spec.mask import Mask
+from jax_flash.spec.operands import Operands
 from jax_flash.spec.problem import decode_as_forward
 from jax_flash.spec.scores import Scores
 
 IMPLEMENTATIONS = ("pallas", "mosaic", "triton", "interpret", "xla")
 VERSIONS = (1, 2)
+# The Pallas backends for a GPU, best first (the Mosaic GPU kernels only
+# take calls on Hopper; their measurements against Triton's:
+# benchmarks/NOTES.md).
+PALLAS = ("mosaic", "triton")
+# Operands a backward may differentiate (a sink's gradient comes from the
+# logsumexp, whatever the backend: `_primitive`).
+GRADIENT_OPERANDS = ("bias", "score_consts")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,9 +50,13 @@ class XlaBackend:
   name = "xla"
   needs_gpu = False
   config_type = blockwise.BlockSizes
+  operand_gradients = frozenset(GRADIENT_OPERANDS)
 
   def unsupported(self, problem, dtype, *, mask, scores, version=2,
                   decode=False):
+    return None
+
+  def backward_unsupported(self, problem, dtype, *, mask, scores, operands):
     return None
 
   def config(self, block_sizes, problem, dtype, *, is_causal, version=2,
@@ -89,7 +88,7 @@ XLA = XlaBackend()
 
 
 @functools.cache
-def backends() -> dict:
+def backends() -> dict[str, Backend]:
   """The backends by implementation name. (Imported on first use: the
   kernel packages import `jax_flash.spec`, so importing one of them first
   must not need this module.)"""
@@ -98,88 +97,57 @@ def backends() -> dict:
           "triton": triton.TRITON, "interpret": triton.INTERPRET, "xla": XLA}
 
 
-def _triton_backward(q, k, v, operands, o, lse, do, dlse, *, mask: Mask,
-                     scores: Scores):
-  """The Triton backend's backward at its default tiles."""
-  triton = backends()["triton"]
-  blocks = triton.config_type.get_default(
-      q.shape[-1], q.dtype, mask.is_causal).clipped(q.shape[1], k.shape[1])
-  return triton.backward(q, k, v, operands, o, lse, do, dlse, mask=mask,
-                         scores=scores, config=blocks)
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """The backends of one call (hashable: part of the primitive's
+  parameters). `gradients`: (operand field, backend) for each
+  differentiable operand present whose gradient `backward` leaves out."""
+  forward: Backend
+  backward: Backend
+  gradients: tuple[tuple[str, Backend], ...] = ()
 
 
-def backward(backend, q, k, v, operands, o, lse, do, dlse, *, mask: Mask,
-             scores: Scores, config):
-  """(dq, dk, dv, operands' gradients) of a call that `backend` ran
-  forward: its own backward, or the one its `backward_by` names (only
-  "triton" so far), at that backend's default tiles."""
-  by = getattr(backend, "backward_by", lambda operands: None)(operands)
-  if by == "triton":
-    return _triton_backward(q, k, v, operands, o, lse, do, dlse, mask=mask,
-                            scores=scores)
-  if by is not None:
-    raise NotImplementedError(f"a backward by {by!r} after {backend.name!r}")
-  return backend.backward(q, k, v, operands, o, lse, do, dlse, mask=mask,
-                          scores=scores, config=config)
+@dataclasses.dataclass(frozen=True)
+class Configs:
+  """The block sizes of a `Plan`'s backends, in its order."""
+  forward: object
+  backward: object
+  gradients: tuple = ()
 
 
-def missing_gradients(q, k, v, operands, o, lse, do, dlse, grads, *,
-                      mask: Mask, scores: Scores):
-  """`grads` (a backend's operand gradients, `Operands`) with those it
-  leaves out (None) computed by a backend that gives them: a bias's by the
-  Triton backend's dbias kernel (the Mosaic kernels read a bias but give no
-  gradient), a score_mod's arrays' by the blockwise loops (the kernels read
-  them element by element). Same inputs and residuals; XLA drops the rest
-  of that backward (unused), and all of it when nothing uses the gradient."""
+def configure(plan: Plan, block_sizes, problem: Problem, dtype, *,
+              is_causal: bool, version: int, scores: Scores,
+              mask: Mask) -> Configs:
+  """Each backend's block sizes: `block_sizes` for the backend whose type it
+  is, the defaults for the others."""
+  def one(backend):
+    own = block_sizes if isinstance(block_sizes, backend.config_type) else None
+    return backend.config(own, problem, dtype, is_causal=is_causal,
+                          version=version, scores=scores, mask=mask)
+  return Configs(forward=one(plan.forward), backward=one(plan.backward),
+                 gradients=tuple(one(b) for _, b in plan.gradients))
+
+
+def backward(plan: Plan, configs: Configs, q, k, v, operands: Operands, o,
+             lse, do, dlse, *, mask: Mask, scores: Scores):
+  """(dq, dk, dv, operand gradients) of a call `plan` ran forward: the
+  backward backend's, with each gradient it leaves out from the backend
+  `plan.gradients` names (the same inputs and residuals; XLA drops the
+  rest of that backward, unused)."""
+  dq, dk, dv, grads = plan.backward.backward(
+      q, k, v, operands, o, lse, do, dlse, mask=mask, scores=scores,
+      config=configs.backward)
   changes = {}
-  if operands.bias is not None and grads.bias is None:
-    changes["bias"] = _triton_backward(q, k, v, operands, o, lse, do, dlse,
-                                       mask=mask, scores=scores)[3].bias
-  if operands.score_consts and grads.score_consts is None:
-    changes["score_consts"] = XLA.backward(
+  for (name, backend), config in zip(plan.gradients, configs.gradients):
+    changes[name] = getattr(backend.backward(
         q, k, v, operands, o, lse, do, dlse, mask=mask, scores=scores,
-        config=blockwise.BlockSizes())[3].score_consts
-  return dataclasses.replace(grads, **changes)
-
-
-# The Pallas backends for a GPU, best first: on an H100/H200 the Mosaic GPU
-# forward measured 1.15-1.52x the Triton one at 8k (every head dim, causal
-# and not; benchmarks/results/2026-11-30-h200-session3/mosaic_8k.md), its
-# backward 1.2-2.6x (results/2026-11-30-h200-session4/).
-PALLAS = ("mosaic", "triton")
-# Backends that need a Hopper (sm90) GPU.
-HOPPER_ONLY = ("mosaic",)
-
-
-def on_gpu(x) -> bool:
-  """Whether `x` lives on a GPU (a tracer: where the computation runs)."""
-  try:
-    return any(d.platform == "gpu" for d in x.devices())
-  except Exception:
-    return gpu_target()
-
-
-def gpu_target() -> bool:
-  """A GPU to run on, or one to compile for (an abstract mesh's device)."""
-  if jax.default_backend() == "gpu":
-    return True
-  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-  return device is not None and device.platform == "gpu"
-
-
-def hopper_target() -> bool:
-  """An sm90 GPU (H100/H200) to run on, or one to compile for."""
-  if jax.default_backend() == "gpu":
-    return all(getattr(d, "compute_capability", "") == "9.0"
-               for d in jax.local_devices())
-  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-  return device is not None and device.platform == "gpu" and any(
-      name in device.device_kind for name in ("H100", "H200", "H800"))
+        config=config)[3], name)
+  return dq, dk, dv, dataclasses.replace(grads, **changes)
 
 
 def check_options(block_sizes, version) -> None:
   """`block_sizes` and `version`, checked for every implementation."""
-  types = tuple({b.config_type for b in backends().values()} - {type(None)})
+  types = tuple({b.config_type for b in backends().values()})
   if block_sizes is not None and not isinstance(block_sizes, types):
     raise ValueError(
         f"block_sizes must be a jax_flash.BlockSizes, "
@@ -190,36 +158,52 @@ def check_options(block_sizes, version) -> None:
 
 
 def select(implementation, query, problem: Problem, dtype, *, mask: Mask,
-           scores: Scores, version: int = 2, decode: bool = False):
-  """The backend that runs this call; ValueError if the one named cannot."""
-  def reason(name):
-    """Why backend `name` cannot take the call (None if it can)."""
-    if name in HOPPER_ONLY and not hopper_target():
-      return f"implementation {name!r} needs a Hopper GPU (H100/H200)"
-    backend = backends()[name]
+           scores: Scores, operands: Operands | None = None,
+           version: int = 2, decode: Decode = False) -> Plan:
+  """The backends of this call; ValueError if the one named cannot take it.
+
+  The forward's backend as the module docstring says; the backward's is the
+  forward's own unless it declines (`backward_unsupported`), then the next
+  Pallas backend that takes the call (after a Pallas forward), then "xla".
+  """
+  operands = Operands() if operands is None else operands
+
+  def reason(backend):
     return backend.unsupported(problem, dtype, mask=mask, scores=scores,
                                version=version, decode=decode)
 
   if implementation is None:
-    if on_gpu(query):
-      for name in PALLAS:
-        if reason(name) is None:
-          return backends()[name]
-    return XLA
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or "
-                     f"None, got {implementation!r}")
-  names = PALLAS if implementation == "pallas" else (implementation,)
-  if backends()[names[-1]].needs_gpu and not gpu_target():
-    raise ValueError(
-        f"implementation={implementation!r} runs the GPU kernels and needs a "
-        "GPU; on this machine use implementation='interpret' (the same "
-        "kernels, interpreted) or 'xla'")
-  reasons = []
-  for name in names:
-    why = reason(name)
-    if why is None:
-      return backends()[name]
-    reasons.append(why)
-  raise ValueError("; ".join(reasons) + "; implementation='xla' takes any "
-                   "input")
+    candidates = [backends()[n] for n in PALLAS] if device.on_gpu(query) else []
+    forward = next((b for b in candidates if reason(b) is None), XLA)
+  else:
+    if implementation not in IMPLEMENTATIONS:
+      raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or "
+                       f"None, got {implementation!r}")
+    names = PALLAS if implementation == "pallas" else (implementation,)
+    if backends()[names[-1]].needs_gpu and not device.gpu_target():
+      raise ValueError(
+          f"implementation={implementation!r} runs the GPU kernels and needs "
+          "a GPU; on this machine use implementation='interpret' (the same "
+          "kernels, interpreted) or 'xla'")
+    reasons = {n: reason(backends()[n]) for n in names}
+    forward = next((backends()[n] for n in names if reasons[n] is None), None)
+    if forward is None:
+      raise ValueError("; ".join(reasons.values()) + "; implementation='xla' "
+                       "takes any input")
+  if decode:
+    return Plan(forward=forward, backward=forward)
+  # Backwards to ask, best first: the forward's own, the Pallas backends
+  # after a Pallas forward, then the blockwise one (which takes anything).
+  fallbacks = [backends()[n] for n in PALLAS] if forward.name in PALLAS else []
+  candidates = [forward] + [b for b in fallbacks + [XLA] if b != forward]
+  takes = [b for b in candidates if b == forward or reason(b) is None]
+  backward = next(b for b in takes if b.backward_unsupported(
+      problem, dtype, mask=mask, scores=scores, operands=operands) is None
+                  or b == XLA)
+  gradients = []
+  for name in GRADIENT_OPERANDS:
+    if jax.tree.leaves(getattr(operands, name)) and (
+        name not in backward.operand_gradients):
+      gradients.append((name, next(b for b in takes[takes.index(backward):]
+                                   if name in b.operand_gradients)))
+  return Plan(forward=forward, backward=backward, gradients=tuple(gradients))

@@ -98,7 +98,7 @@ def flash_decode(query, key_cache=None, value_cache=None, *, kv_lengths,
                   sinks=sinks is not None)
   backend = _dispatch.select(implementation, query, p, query.dtype, mask=mask,
                              scores=scores,
-                             decode="paged" if paged else "contiguous")
+                             decode="paged" if paged else "contiguous").forward
   out, lse = backend.decode(query, k, v, kv_lengths, mask=mask, scores=scores,
                             num_splits=num_splits,
                             page_table=page_table if paged else None,

@@ -32,7 +32,7 @@ once (`a.max()`) runs on the blockwise plain-JAX FlashAttention loops
 (`blockwise`, the "xla" implementation), on any device, its arrays passed
 as operands (`Operands.mask_consts` / `score_consts`); so does every call
 off the GPU with implementation=None. Either way the call goes through
-`flash_attention`'s primitive (`attention._FlashPrim`) with the same
+`flash_attention`'s primitive (`_primitive.flash_p`) with the same
 `Mask.mod` / `Scores.mod`.
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_flash import _dispatch, attention
-from jax_flash.spec import checks, mods
+from jax_flash.spec import checks, device, mods
 from jax_flash.spec.mask import EMPTY, FULL, PARTIAL, Mask
 from jax_flash.spec.mods import ElementwiseMod
 from jax_flash.spec.operands import Operands
@@ -199,9 +199,9 @@ def flex_attention(query, key, value, score_mod: Callable | None = None,
     raise ValueError(
         f"block_mask was made for B={bm}, N={nm}; query has B={p.batch}, "
         f"N={p.num_heads} (create it with those, or None to broadcast)")
-  backend, mask, scores, operands = _problem(query, p, block_mask,
-                                             score_mod, scale, implementation)
-  cfg = attention.config(backend, None, p, query.dtype, mask, scores)
+  plan, mask, scores, operands = _problem(query, p, block_mask, score_mod,
+                                          scale, implementation)
+  cfg = attention.config(plan, None, p, query.dtype, mask, scores)
   out, lse = attention.flash_call(query, key, value, operands, cfg)
   lse = lse.transpose(0, 2, 1)
   return (out, lse) if return_residual else out
@@ -209,7 +209,7 @@ def flex_attention(query, key, value, score_mod: Callable | None = None,
 
 def _problem(query, p, block_mask: BlockMask, score_mod, scale: float,
              implementation):
-  """(backend, Mask, Scores, Operands) of a flex call: the kernels when one
+  """(plan, Mask, Scores, Operands) of a flex call: the kernels when one
   takes it (a score_mod closes over no array; a mask_mod's arrays are read
   element by element, `mods.unsupported_reads`), else the blockwise loops;
   either way the functions' jaxprs with their arrays as operands.
@@ -243,11 +243,12 @@ def _problem(query, p, block_mask: BlockMask, score_mod, scale: float,
   operands = Operands(tile_kinds=tile_kinds,
                       mask_consts=block_mask.consts or None,
                       score_consts=score_consts or None)
-  backend = _dispatch.XLA
+  plan = _dispatch.select("xla", query, p, query.dtype, mask=mask,
+                          scores=scores, operands=operands)
   if implementation != "xla" and why is None and (
-      implementation is not None or _dispatch.on_gpu(query)):
-    backend = _dispatch.select(implementation, query, p, query.dtype,
-                               mask=mask, scores=scores)
+      implementation is not None or device.on_gpu(query)):
+    plan = _dispatch.select(implementation, query, p, query.dtype,
+                            mask=mask, scores=scores, operands=operands)
   elif implementation not in (None, "xla"):
     raise ValueError(f"implementation={implementation!r}: {why}")
-  return backend, mask, scores, operands
+  return plan, mask, scores, operands

@@ -36,8 +36,8 @@ class _Ring:
   size: int
   causal: bool
   scores: Scores
-  backend: object  # A backend of `_dispatch`.
-  config: object  # Its config for one pair of chunks.
+  plan: _dispatch.Plan  # The backends of one pair of chunks,
+  configs: _dispatch.Configs  # and their block sizes.
 
 
 def _masks(ids):
@@ -51,9 +51,9 @@ def _masks(ids):
 def _pair_forward(kind, q, k, v, ids, ring: _Ring):
   """(o, lse) of one (query chunk, key chunk) pair: full, causal or skipped."""
   def run(mask):
-    return lambda q, k, v, ids: ring.backend.forward(
+    return lambda q, k, v, ids: ring.plan.forward.forward(
         q, k, v, Operands(q_ids=ids[0], kv_ids=ids[1]), mask=mask,
-        scores=ring.scores, config=ring.config)
+        scores=ring.scores, config=ring.configs.forward)
 
   def skip(q, k, v, ids):
     b, t, n, _ = q.shape
@@ -67,10 +67,10 @@ def _pair_forward(kind, q, k, v, ids, ring: _Ring):
 def _pair_backward(kind, q, k, v, ids, o, lse, do, ring: _Ring):
   def run(mask):
     def f(q, k, v, ids, o, lse, do):
-      dq, dk, dv, _ = ring.backend.backward(
+      dq, dk, dv, _ = ring.plan.backward.backward(
           q, k, v, Operands(q_ids=ids[0], kv_ids=ids[1]), o, lse, do,
           jnp.zeros_like(lse), mask=mask, scores=ring.scores,
-          config=ring.config)
+          config=ring.configs.backward)
       return tuple(x.astype(jnp.float32) for x in (dq, dk, dv))
     return f
 
@@ -241,12 +241,14 @@ def ring_attention(query, key, value, *, mesh, axis_name, is_causal=False,
   scores = Scores(scale=checks.check_scale(scale, p.head_dim))
   mask = Mask(is_causal=bool(is_causal), has_ids=segment_ids is not None,
               segments_only=segment_ids is not None)
-  backend = _dispatch.select(implementation, query, pair, query.dtype,
-                             mask=mask, scores=scores)
+  plan = _dispatch.select(implementation, query, pair, query.dtype,
+                          mask=mask, scores=scores)
   ring = _Ring(axis=axis_name, size=size, causal=bool(is_causal),
-               scores=scores, backend=backend,
-               config=backend.config(block_sizes, pair, query.dtype,
-                                     is_causal=is_causal, mask=mask))
+               scores=scores, plan=plan,
+               configs=_dispatch.configure(plan, block_sizes, pair,
+                                           query.dtype, is_causal=is_causal,
+                                           version=2, scores=scores,
+                                           mask=mask))
 
   def reorder(x, order):
     b, t = x.shape[:2]

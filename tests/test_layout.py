@@ -48,3 +48,21 @@ def test_a_backend_package_imports_first():
         [sys.executable, "-c", f"import {package}, jax_flash"],
         capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_every_backend_implements_the_interface():
+  """Each registered backend is a `spec.backend.Backend`, hashable, and its
+  methods take the interface's parameters by the same names."""
+  import inspect
+
+  from jax_flash import _dispatch
+  from jax_flash.spec.backend import Backend
+  for name, backend in _dispatch.backends().items():
+    assert isinstance(backend, Backend), name
+    assert backend.name == name
+    hash(backend)
+    for method in ("unsupported", "backward_unsupported", "config",
+                   "forward", "backward", "decode"):
+      want = inspect.signature(getattr(Backend, method)).parameters
+      have = inspect.signature(getattr(backend, method)).parameters
+      assert list(have) == list(want)[1:], (name, method)

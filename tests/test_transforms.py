@@ -194,3 +194,75 @@ def test_forward_mode_composes_with_vmap_jit_and_checkpoint():
             "dq": jax.jit(grad)(q, k, v)}
 
   assert_attention_close(both(_flash), both(_ref))
+
+
+def _python_calls(fn, *args) -> list[str]:
+  """The Python functions a warm call of `fn` enters (jit's C++ path: none).
+
+  Two calls warm it: the process's first one imports the kernel packages,
+  whose new config options change the key of jit's cache once."""
+  import sys
+  for _ in range(2):
+    jax.block_until_ready(fn(*args))
+  names = []
+
+  def profile(frame, event, arg):
+    if event == "call":
+      names.append(frame.f_code.co_qualname)
+
+  sys.setprofile(profile)
+  try:
+    fn(*args)
+  finally:
+    sys.setprofile(None)
+  return names
+
+
+@pytest.mark.parametrize("call", ["forward", "grad", "jvp", "flex", "decode"])
+def test_a_warm_jitted_call_runs_no_python(call):
+  """jit's C++ dispatch takes every entry point: a warm jitted call runs no
+  Python function (a primitive JAX cannot dispatch from C++ costs about
+  0.1 ms of Python a call)."""
+  q, k, v, do = inputs(CASE)
+  fns = {
+      "forward": lambda q: _flash(q, k, v),
+      "grad": lambda q: jax.grad(_loss(_flash, do))(q, k, v),
+      "jvp": lambda q: jax.jvp(lambda q: _flash(q, k, v), (q,), (q,))[1],
+      "flex": lambda q: jax_flash.flex_attention(
+          q, k, v, block_mask=jax_flash.create_block_mask(
+              lambda b, h, i, j: i >= j, None, None, 100, 70, block_size=32),
+          implementation=KERNEL_IMPL),
+      "decode": lambda q: jax_flash.flash_decode(
+          q[:, :1], k, v, kv_lengths=jnp.array([70, 33]),
+          implementation=KERNEL_IMPL),
+  }
+  assert _python_calls(jax.jit(fns[call]), q) == []
+
+
+def test_layers_trace_and_lower_each_kernel_once(monkeypatch):
+  """Four layers of the same attention in one program: its forward and its
+  backward are traced once each and lowered as one function each, called
+  from every layer."""
+  from jax_flash import _dispatch
+  traced = []
+  for name in ("forward", "backward"):
+    original = getattr(_dispatch.XlaBackend, name)
+
+    def counting(self, *args, original=original, name=name, **kwargs):
+      traced.append(name)
+      return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(_dispatch.XlaBackend, name, counting)
+  x = jax.random.normal(jax.random.key(0), (2, 64, 4, 32))
+
+  def model(x):
+    for layer in range(4):
+      x = x + jax_flash.flash_attention(x * (layer + 1), x, x, is_causal=True,
+                                        implementation="xla")
+    return jnp.sum(x)
+
+  text = jax.jit(jax.grad(model)).lower(x).as_text()
+  assert sorted(traced) == ["backward", "forward"]
+  assert text.count("func.func private @forward") == 1
+  assert text.count("call @forward") == 4
+  assert text.count("func.func private @backward") == 1

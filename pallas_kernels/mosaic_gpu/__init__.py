@@ -19,7 +19,7 @@ Dense masks and bias (a [Bm, Nm, T, S] tile read from global memory on
 every tile, a row or column vector where it broadcasts; the dispatch takes
 the bias gradient from the Triton backend's dbias kernel, and the whole
 backward from the Triton kernels for a bias per (query, key) pair:
-`backward_by`). Everything it takes has run on an H200 (tests/test_gpu.py,
+`backward_unsupported`). Everything it takes has run on an H200 (tests/test_gpu.py,
 test_flex.py, test_decode.py).
 """
 from __future__ import annotations
@@ -30,6 +30,7 @@ import jax
 import jax.extend.core
 import jax.numpy as jnp
 
+from jax_flash.spec import device
 from jax_flash.spec.checks import Problem
 from jax_flash.spec.mask import Mask, without_padding
 from jax_flash.spec.operands import Operands
@@ -106,16 +107,19 @@ def split_kv_unsupported(problem: Problem, *, paged: bool) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class MosaicGpuBackend:
-  """The backend interface of `jax_flash._dispatch`."""
+  """The `jax_flash.spec.backend.Backend` of the Mosaic GPU kernels."""
   name = "mosaic"
   needs_gpu = True
   config_type = BlockSizes
+  operand_gradients = frozenset()  # A bias's comes from another backend.
 
   def unsupported(self, problem: Problem, dtype, *, mask: Mask,
                   scores: Scores, version: int = 2,
                   decode: bool | str = False) -> str | None:
     """Why the Mosaic GPU kernels cannot take the call, or None. decode:
     False, or the cache's storage ("contiguous" or "paged")."""
+    if not device.hopper_target():
+      return "the Mosaic GPU kernels need a Hopper GPU (H100/H200)"
     if decode and problem.q_len < config.MIN_DECODE_QUERIES:
       why = split_kv_unsupported(problem, paged=decode == "paged")
       if why:
@@ -207,25 +211,26 @@ class MosaicGpuBackend:
                         config=self.config(None, problem, q.dtype,
                                            is_causal=True, mask=mask))
 
-  def backward_by(self, operands: Operands) -> str | None:
-    """"triton" for a bias per (query, key) pair: the dK/dV kernel reads
-    per-pair tiles keys-down, so XLA writes a transposed copy of such a
-    bias on every backward (4.3 GB at 8k tokens, 16 heads, float32):
-    forward+backward 6.67 ms on these kernels against Triton's 5.65, while
-    this forward takes 1.11 ms against 1.35 (H200, 2026-12-01,
-    results/2026-12-01-h200-session8/call4/padding/); this forward with the
-    Triton backward: 5.41 ms (results/2026-12-01-h200-session9/padding.md).
-    None otherwise."""
+  def backward_unsupported(self, problem: Problem, dtype, *, mask: Mask,
+                           scores: Scores,
+                           operands: Operands) -> str | None:
+    """Declines a bias per (query, key) pair: the dK/dV kernel reads such
+    tiles keys-down, so XLA would write a transposed copy of the bias on
+    every backward (measured slower than this forward followed by the
+    Triton backward: benchmarks/NOTES.md, "a bias per pair takes the
+    Triton backward")."""
+    del problem, dtype, mask, scores
     bias = operands.bias
     if bias is not None and bias.shape[2] > 1 and bias.shape[3] > 1:
-      return "triton"
+      return ("the Mosaic GPU backward reads a bias per (query, key) pair "
+              "transposed (a copy of it every step)")
     return None
 
   def backward(self, q, k, v, operands: Operands, o, lse, do, dlse, *,
                mask: Mask, scores: Scores, config: BlockSizes):
-    """(dq, dk, dv, Operands()): no operand's gradient (a bias's comes from
-    the Triton backend's dbias kernel: `_dispatch.missing_gradients`; no
-    arrays a score_mod closes over, see `unsupported`)."""
+    """(dq, dk, dv, Operands()): no operand's gradient (the dispatch takes
+    a bias's from a backend that gives it; no arrays a score_mod closes
+    over, see `unsupported`)."""
     (q, do), (k, v) = without_padding(mask, operands.q_ids, operands.kv_ids,
                                       (q, do), (k, v))
     dq, dk, dv = flash_backward(q, k, v, o, lse, do, dlse, mask=mask,

@@ -30,9 +30,10 @@ from pallas_kernels.triton.flash_fwd_v1 import flash_forward_v1
 
 @dataclasses.dataclass(frozen=True)
 class TritonBackend:
-  """The backend interface `jax_flash._dispatch` expects (see there)."""
+  """The `jax_flash.spec.backend.Backend` of the Triton kernels."""
   interpret: bool = False
   config_type = BlockSizes
+  operand_gradients = frozenset({"bias"})  # The dbias kernel.
 
   @property
   def name(self) -> str:
@@ -62,6 +63,11 @@ class TritonBackend:
         return (f"{name} must be in [{config.MIN_HEAD_DIM}, "
                 f"{config.MAX_HEAD_DIM}] for the Triton kernels, got {h}")
     return None
+
+  def backward_unsupported(self, problem: Problem, dtype, *, mask: Mask,
+                           scores: Scores,
+                           operands: Operands) -> str | None:
+    return None  # Its backward follows any forward it could have run.
 
   def config(self, block_sizes: BlockSizes | None, problem: Problem, dtype,
              *, is_causal: bool, version: int = 2,

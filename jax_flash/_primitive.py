@@ -1,0 +1,372 @@
+"""The attention primitives: one call's kernels as standard JAX primitives.
+
+* `flash_p` (q, k, v, *operands) -> (o [B, T, N, Hv], lse [B, N, T]
+  float32 natural log): lowered to the plan's forward (`_forward`); under
+  vmap a mapped axis folds into the batch axis (or the call runs once per
+  slice where an operand cannot fold); its JVP is itself for the primal and
+  `flash_tangent_p` for the tangent.
+* `flash_tangent_p` (q, k, v, *operands, o, lse, tq, tk, tv,
+  *operand tangents) -> (to, tlse): linear in the tangents. Its value is
+  `jax.jvp` of the blockwise forward (FlashAttention's loop carried with its
+  tangents: memory linear in the length); its transpose is the plan's
+  backward (the kernels), which is how grad, vjp and checkpoint reach them.
+
+Standard primitives (not `jax.experimental.hijax` ones), so a jitted
+function holding one is dispatched by jit's C++ path. `operands` travel
+flat, with their treedef as a parameter; of them only the bias, the sinks
+and a score_mod's arrays are differentiable (the rest are constants, in
+forward mode too). Each distinct forward and backward is traced once per
+process and lowered once per program, however many layers call it (cached
+`jax.jit`s). Derivatives of the rules are second order: a clear error.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from jax_flash import _dispatch, _sharding, blockwise
+from jax_flash.spec import softmax
+from jax_flash.spec.backend import DIFFERENTIABLE_OPERANDS
+from jax_flash.spec.mask import Mask
+from jax_flash.spec.operands import Operands
+from jax_flash.spec.scores import Scores
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Everything static about one call: the primitives' parameter."""
+  plan: _dispatch.Plan
+  configs: _dispatch.Configs
+  mask: Mask
+  scores: Scores
+  version: int
+
+
+SECOND_ORDER = (
+    "flash_attention's derivatives cannot themselves be differentiated "
+    "(grad of grad, jvp of grad, grad of jvp): its kernels and blockwise "
+    "loops have no derivative of their own. For second-order derivatives "
+    "use jax_flash.reference_attention (the same arguments; dense, T x S "
+    "memory)")
+
+
+@jax.custom_jvp
+def _first_order_only(x):
+  """The identity, whose derivative is a clear error: what flows through it
+  (the backward's inputs) may not be differentiated again."""
+  return x
+
+
+@_first_order_only.defjvp
+def _first_order_only_jvp(primals, tangents):
+  raise NotImplementedError(SECOND_ORDER)
+
+
+# --- The forward and the backward of a plan. ---
+
+def _plain_forward(q, k, v, cfg: Config):
+  return cfg.plan.forward.forward(q, k, v, Operands(), mask=cfg.mask,
+                                  scores=cfg.scores,
+                                  config=cfg.configs.forward,
+                                  version=cfg.version)
+
+
+def _plain_backward(q, k, v, o, lse, do, dlse, cfg: Config):
+  dq, dk, dv, _ = _dispatch.backward(cfg.plan, cfg.configs, q, k, v,
+                                     Operands(), o, lse, do, dlse,
+                                     mask=cfg.mask, scores=cfg.scores)
+  return dq, dk, dv
+
+
+# Without optional operands (static masks and score modifications only),
+# batch- and head-sharded inputs run shard by shard: see `_sharding`.
+_sharded_forward = _sharding.sharded_forward(_plain_forward)
+_sharded_backward = _sharding.sharded_backward(_plain_backward)
+
+
+def _partitioned(operands: Operands) -> bool:
+  """Use the batch/head-partitioned op: several devices, no optional operands.
+
+  (On one device there is nothing to partition, and the plain call also
+  lowers ahead of time for a GPU that is not present.)
+  """
+  return jax.device_count() > 1 and operands.empty
+
+
+def _forward(q, k, v, operands: Operands, cfg: Config):
+  if _partitioned(operands):
+    return _sharded_forward(q, k, v, cfg)
+  return cfg.plan.forward.forward(q, k, v, operands, mask=cfg.mask,
+                                  scores=cfg.scores,
+                                  config=cfg.configs.forward,
+                                  version=cfg.version)
+
+
+def _backward(cfg: Config, residuals, cotangents):
+  """(dq, dk, dv, operands' cotangents) from the plan's backward."""
+  q, k, v, operands, o, lse = _first_order_only(residuals)
+  do, dlse = _first_order_only(cotangents)
+  do = do.astype(q.dtype)
+  if _partitioned(operands):
+    dq, dk, dv = _sharded_backward(q, k, v, o, lse, do, dlse, cfg)
+    return dq, dk, dv, jax.tree.map(jnp.zeros_like, operands)
+  dq, dk, dv, grads = _dispatch.backward(
+      cfg.plan, cfg.configs, q, k, v, operands, o, lse, do, dlse,
+      mask=cfg.mask, scores=cfg.scores)
+  # Ids, the dense mask, the ALiBi slopes, the seed, the tile kinds and the
+  # mask_mod's arrays get no gradient; the plan's backends give the bias's
+  # and the score_mod's arrays'.
+  d_operands = jax.tree.map(jnp.zeros_like, operands)
+  for name in _dispatch.GRADIENT_OPERANDS:
+    if getattr(grads, name) is not None:
+      d_operands = dataclasses.replace(d_operands,
+                                       **{name: getattr(grads, name)})
+  if operands.sinks is not None:
+    d_operands = dataclasses.replace(
+        d_operands, sinks=_sink_gradient(operands.sinks, o, lse, do, dlse))
+  return dq, dk, dv, d_operands
+
+
+def _sink_gradient(sinks, o, lse, do, dlse):
+  """dL/dsinks [N]. The sink's probability in row i is p_i = exp(sink - L_i),
+  and dL/dsink = -sum_i p_i (rowsum(dO_i * O_i) - dlse_i): the same D as the
+  backward's dS = P (dP - D), since dL/dL_i enters through it."""
+  delta = softmax.backward_delta(o, do, dlse)
+  p_sink = jnp.exp(sinks[None, :, None] - lse)
+  return -jnp.sum(p_sink * delta, axis=(0, 2))
+
+
+@functools.cache
+def _differentiable(tree) -> tuple[int, ...]:
+  """Positions, among the flat operands of `tree`, of the differentiable
+  ones (bias, sinks, a score_mod's arrays)."""
+  numbered = jax.tree.unflatten(tree, list(range(tree.num_leaves)))
+  return tuple(sorted(i for name in DIFFERENTIABLE_OPERANDS
+                      for i in jax.tree.leaves(getattr(numbered, name))))
+
+
+# One `jax.jit` per distinct call: JAX traces each once per process (its
+# cache is by function and input types) and lowers each once per program.
+
+@functools.cache
+def _forward_jit(cfg: Config, tree):
+  def forward(q, k, v, *leaves):
+    return list(_forward(q, k, v, jax.tree.unflatten(tree, leaves), cfg))
+  return jax.jit(forward)
+
+
+@functools.cache
+def _backward_jit(cfg: Config, tree):
+  def backward(q, k, v, leaves, o, lse, do, dlse):
+    operands = jax.tree.unflatten(tree, leaves)
+    dq, dk, dv, d_operands = _backward(cfg, (q, k, v, operands, o, lse),
+                                       (do, dlse))
+    d_leaves = jax.tree.leaves(d_operands)
+    return [dq, dk, dv] + [d_leaves[i] for i in _differentiable(tree)]
+  return jax.jit(backward)
+
+
+@functools.cache
+def _tangent_jit(cfg: Config, tree):
+  config = cfg.configs.forward
+  if not isinstance(config, blockwise.BlockSizes):
+    config = blockwise.BlockSizes()
+  positions = _differentiable(tree)
+
+  def tangent(q, k, v, leaves, tangents):
+    def forward(q, k, v, *diff):
+      flat = list(leaves)
+      for i, x in zip(positions, diff):
+        flat[i] = x
+      return blockwise.forward(q, k, v, jax.tree.unflatten(tree, flat),
+                               mask=cfg.mask, scores=cfg.scores,
+                               config=config)
+    primals = (q, k, v) + tuple(leaves[i] for i in positions)
+    return list(jax.jvp(forward, primals, tuple(tangents))[1])
+  return jax.jit(tangent)
+
+
+# --- flash_p ---
+
+flash_p = Primitive("jax_flash_attention")
+flash_p.multiple_results = True
+flash_tangent_p = Primitive("jax_flash_attention_tangent")
+flash_tangent_p.multiple_results = True
+
+
+def bind(q, k, v, operands: Operands, cfg: Config):
+  """(o [B, T, N, Hv], lse [B, N, T]) of one call through `flash_p`."""
+  leaves, tree = jax.tree.flatten(operands)
+  o, lse = flash_p.bind(q, k, v, *leaves, cfg=cfg, tree=tree)
+  return o, lse
+
+
+def _out_avals(q, v):
+  """Avals of (o [B, T, N, Hv] like q, lse [B, N, T] float32), sharded as
+  q is along batch, queries and heads (and varying where q varies)."""
+  batch, q_len, num_heads, _ = q.shape
+  spec = tuple(q.sharding.spec) + (None,) * (4 - len(q.sharding.spec))
+  o = q.update(shape=(batch, q_len, num_heads, v.shape[-1]), weak_type=False,
+               sharding=q.sharding.update(spec=jax.P(*spec[:3], None)))
+  lse = q.update(shape=(batch, num_heads, q_len), dtype=jnp.float32,
+                 weak_type=False,
+                 sharding=q.sharding.update(
+                     spec=jax.P(spec[0], spec[2], spec[1])))
+  return [o, lse]
+
+
+@functools.lru_cache(maxsize=4096)
+def _eager(prim, params):
+  """A jitted call of `prim` alone: how either primitive runs outside jit."""
+  return jax.jit(lambda *args: prim.bind(*args, **dict(params)))
+
+
+def _impl(prim):
+  return lambda *args, **params: _eager(prim, tuple(params.items()))(*args)
+
+
+flash_p.def_impl(_impl(flash_p))
+flash_p.def_abstract_eval(
+    lambda q, k, v, *leaves, cfg, tree: _out_avals(q, v))
+mlir.register_lowering(flash_p, mlir.lower_fun(
+    lambda *args, cfg, tree: _forward_jit(cfg, tree)(*args),
+    multiple_results=True))
+
+
+def _flash_jvp(primals, tangents, *, cfg, tree):
+  out = flash_p.bind(*primals, cfg=cfg, tree=tree)
+  positions = (0, 1, 2) + tuple(3 + i for i in _differentiable(tree))
+  tangents = [tangents[i] for i in positions]
+  if all(type(t) is ad.Zero for t in tangents):
+    return out, [ad.Zero(jax.typeof(x).to_tangent_aval()) for x in out]
+  tangents = [ad.instantiate_zeros(t) for t in tangents]
+  return out, flash_tangent_p.bind(*primals, *out, *tangents, cfg=cfg,
+                                   tree=tree)
+
+
+ad.primitive_jvps[flash_p] = _flash_jvp
+
+# Operands without a batch axis: a vmapped one cannot fold into the batch.
+_UNFOLDABLE = ("dropout_seed", "sinks", "mask_consts", "score_consts")
+# Operands whose axis 0 is the batch (B), or broadcasts over it (1 or B).
+_BATCH_AXIS = ("q_ids", "kv_ids", "alibi_slopes", "q_offsets")
+_BROADCAST_BATCH_AXIS = ("bias", "dense_mask", "tile_kinds")
+
+
+def _front(x, dim, size: int):
+  """x with its mapped axis first (broadcast to `size` if unmapped)."""
+  if dim is None:
+    return jnp.broadcast_to(x, (size,) + x.shape)
+  return jnp.moveaxis(x, dim, 0)
+
+
+def _fold(xs, dims, size: int):
+  """[V, B, ...] -> [V * B, ...] for each x (V the mapped axis); (xs, B)."""
+  fronts = [_front(x, d, size) for x, d in zip(xs, dims)]
+  batch = fronts[0].shape[1]
+  return [x.reshape((size * batch,) + x.shape[2:]) for x in fronts], batch
+
+
+def _fold_operands(operands: Operands, dims: Operands, size: int, batch: int):
+  """The operands with a mapped axis folded into (or tiled over) the batch
+  axis; those that broadcast over the batch (axis 0 of size 1) and are not
+  mapped stay as they are."""
+  changes = {}
+  for name in _BATCH_AXIS + _BROADCAST_BATCH_AXIS:
+    x, d = getattr(operands, name), getattr(dims, name)
+    if x is None or (d is None and name in _BROADCAST_BATCH_AXIS and
+                     x.shape[0] == 1):
+      continue
+    x = _front(x, d, size)
+    x = jnp.broadcast_to(x, (size, batch) + x.shape[2:])
+    changes[name] = x.reshape((size * batch,) + x.shape[2:])
+  return dataclasses.replace(operands, **changes)
+
+
+def _map_slices(prim_call, args, dims):
+  """prim_call(*args) on each slice along the mapped axes (`dims`), the
+  outputs stacked along axis 0."""
+  mapped = [i for i, d in enumerate(dims) if d is not None]
+
+  def one(slices):
+    flat = list(args)
+    for i, x in zip(mapped, slices):
+      flat[i] = x
+    return prim_call(*flat)
+
+  return jax.lax.map(one, [jnp.moveaxis(args[i], dims[i], 0) for i in mapped])
+
+
+def _axis_size(args, dims) -> int:
+  return next(x.shape[d] for x, d in zip(args, dims)
+              if d is not None)
+
+
+def _flash_batch(args, dims, *, cfg, tree):
+  size = _axis_size(args, dims)
+  operand_dims = jax.tree.unflatten(tree, dims[3:])
+  if cfg.scores.dropout or any(
+      jax.tree.leaves(getattr(operand_dims, name)) for name in _UNFOLDABLE):
+    out = _map_slices(lambda *a: flash_p.bind(*a, cfg=cfg, tree=tree), args,
+                      dims)
+    return out, (0, 0)
+  (q, k, v), batch = _fold(args[:3], dims[:3], size)
+  operands = _fold_operands(jax.tree.unflatten(tree, args[3:]), operand_dims,
+                            size, batch)
+  o, lse = bind(q, k, v, operands, cfg)
+  return ([o.reshape((size, batch) + o.shape[1:]),
+           lse.reshape((size, batch) + lse.shape[1:])], (0, 0))
+
+
+batching.primitive_batchers[flash_p] = _flash_batch
+
+# --- flash_tangent_p ---
+
+
+def _split(args, tree):
+  """(q, k, v, leaves, o, lse), tangents of a `flash_tangent_p` call."""
+  n = tree.num_leaves
+  q, k, v = args[:3]
+  leaves, (o, lse) = list(args[3:3 + n]), args[3 + n:5 + n]
+  return (q, k, v, leaves, o, lse), list(args[5 + n:])
+
+
+def _tangent_value(*args, cfg, tree):
+  (q, k, v, leaves, _, _), tangents = _split(args, tree)
+  return _tangent_jit(cfg, tree)(q, k, v, leaves, tangents)
+
+
+def _tangent_transpose(cotangents, *args, cfg, tree):
+  (q, k, v, leaves, o, lse), tangents = _split(args, tree)
+  if any(ad.is_undefined_primal(x) for x in (q, k, v, o, lse, *leaves)):
+    raise NotImplementedError(SECOND_ORDER)
+  do, dlse = (ad.instantiate_zeros(ct) for ct in cotangents)
+  grads = _backward_jit(cfg, tree)(q, k, v, leaves, o, lse, do, dlse)
+  return [None] * (5 + len(leaves)) + [
+      g if ad.is_undefined_primal(t) else None
+      for g, t in zip(grads, tangents)]
+
+
+def _second_order(*args, **params):
+  raise NotImplementedError(SECOND_ORDER)
+
+
+def _tangent_batch(args, dims, *, cfg, tree):
+  return _map_slices(
+      lambda *a: flash_tangent_p.bind(*a, cfg=cfg, tree=tree), args,
+      dims), (0, 0)
+
+
+flash_tangent_p.def_impl(_impl(flash_tangent_p))
+flash_tangent_p.def_abstract_eval(
+    lambda *args, cfg, tree: _out_avals(args[0], args[2]))
+mlir.register_lowering(flash_tangent_p, mlir.lower_fun(
+    _tangent_value, multiple_results=True))
+ad.primitive_jvps[flash_tangent_p] = _second_order
+ad.primitive_transposes[flash_tangent_p] = _tangent_transpose
+batching.primitive_batchers[flash_tangent_p] = _tangent_batch
