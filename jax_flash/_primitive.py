@@ -26,6 +26,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax._src import dispatch  # The registry of device-bound lowerings.
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
@@ -193,16 +194,28 @@ def _tangent_jit(cfg: Config, tree):
 
 # --- flash_p ---
 
-flash_p = Primitive("jax_flash_attention")
-flash_p.multiple_results = True
+
+def _forward_primitive(name):
+  prim = Primitive(name)
+  prim.multiple_results = True
+  return prim
+
+
+flash_p = _forward_primitive("jax_flash_attention")
+# The same, for a call whose lowering splits it over devices (`_sharding`'s
+# custom_partitioning, which needs the program's devices as it lowers).
+flash_partitioned_p = _forward_primitive("jax_flash_attention_partitioned")
+dispatch.prim_requires_devices_during_lowering.add(flash_partitioned_p)
 flash_tangent_p = Primitive("jax_flash_attention_tangent")
 flash_tangent_p.multiple_results = True
 
 
 def bind(q, k, v, operands: Operands, cfg: Config):
-  """(o [B, T, N, Hv], lse [B, N, T]) of one call through `flash_p`."""
+  """(o [B, T, N, Hv], lse [B, N, T]) of one call through `flash_p` (or
+  `flash_partitioned_p`)."""
   leaves, tree = jax.tree.flatten(operands)
-  o, lse = flash_p.bind(q, k, v, *leaves, cfg=cfg, tree=tree)
+  prim = flash_partitioned_p if _partitioned(operands) else flash_p
+  o, lse = prim.bind(q, k, v, *leaves, cfg=cfg, tree=tree)
   return o, lse
 
 
@@ -222,7 +235,7 @@ def _out_avals(q, v):
 
 @functools.lru_cache(maxsize=4096)
 def _eager(prim, params):
-  """A jitted call of `prim` alone: how either primitive runs outside jit."""
+  """A jitted call of `prim` alone: how a primitive runs outside jit."""
   return jax.jit(lambda *args: prim.bind(*args, **dict(params)))
 
 
@@ -230,16 +243,8 @@ def _impl(prim):
   return lambda *args, **params: _eager(prim, tuple(params.items()))(*args)
 
 
-flash_p.def_impl(_impl(flash_p))
-flash_p.def_abstract_eval(
-    lambda q, k, v, *leaves, cfg, tree: _out_avals(q, v))
-mlir.register_lowering(flash_p, mlir.lower_fun(
-    lambda *args, cfg, tree: _forward_jit(cfg, tree)(*args),
-    multiple_results=True))
-
-
-def _flash_jvp(primals, tangents, *, cfg, tree):
-  out = flash_p.bind(*primals, cfg=cfg, tree=tree)
+def _flash_jvp(prim, primals, tangents, *, cfg, tree):
+  out = prim.bind(*primals, cfg=cfg, tree=tree)
   positions = (0, 1, 2) + tuple(3 + i for i in _differentiable(tree))
   tangents = [tangents[i] for i in positions]
   if all(type(t) is ad.Zero for t in tangents):
@@ -248,8 +253,6 @@ def _flash_jvp(primals, tangents, *, cfg, tree):
   return out, flash_tangent_p.bind(*primals, *out, *tangents, cfg=cfg,
                                    tree=tree)
 
-
-ad.primitive_jvps[flash_p] = _flash_jvp
 
 # Operands without a batch axis: a vmapped one cannot fold into the batch.
 _UNFOLDABLE = ("dropout_seed", "sinks", "mask_consts", "score_consts")
@@ -307,12 +310,12 @@ def _axis_size(args, dims) -> int:
               if d is not None)
 
 
-def _flash_batch(args, dims, *, cfg, tree):
+def _flash_batch(prim, args, dims, *, cfg, tree):
   size = _axis_size(args, dims)
   operand_dims = jax.tree.unflatten(tree, dims[3:])
   if cfg.scores.dropout or any(
       jax.tree.leaves(getattr(operand_dims, name)) for name in _UNFOLDABLE):
-    out = _map_slices(lambda *a: flash_p.bind(*a, cfg=cfg, tree=tree), args,
+    out = _map_slices(lambda *a: prim.bind(*a, cfg=cfg, tree=tree), args,
                       dims)
     return out, (0, 0)
   (q, k, v), batch = _fold(args[:3], dims[:3], size)
@@ -323,7 +326,15 @@ def _flash_batch(args, dims, *, cfg, tree):
            lse.reshape((size, batch) + lse.shape[1:])], (0, 0))
 
 
-batching.primitive_batchers[flash_p] = _flash_batch
+for _prim in (flash_p, flash_partitioned_p):
+  _prim.def_impl(_impl(_prim))
+  _prim.def_abstract_eval(
+      lambda q, k, v, *leaves, cfg, tree: _out_avals(q, v))
+  mlir.register_lowering(_prim, mlir.lower_fun(
+      lambda *args, cfg, tree: _forward_jit(cfg, tree)(*args),
+      multiple_results=True))
+  ad.primitive_jvps[_prim] = functools.partial(_flash_jvp, _prim)
+  batching.primitive_batchers[_prim] = functools.partial(_flash_batch, _prim)
 
 # --- flash_tangent_p ---
 

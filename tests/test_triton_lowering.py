@@ -219,9 +219,8 @@ def test_score_mod_reading_a_table_gets_tiles_that_fit():
     with jax.sharding.use_abstract_mesh(
         mesh_lib.AbstractMesh((1,), ("x",), abstract_device=H200)):
       jaxpr = jax.make_jaxpr(f)(q, q, q)
-    (cfg,) = [e.params["_prim"].cfg for e in jaxpr.eqns
-              if "_prim" in e.params]
-    return cfg.block_sizes.block_k, cfg.block_sizes.num_stages
+    (cfg,) = [e.params["cfg"] for e in jaxpr.eqns if "cfg" in e.params]
+    return cfg.configs.forward.block_k, cfg.configs.forward.num_stages
 
   assert tiles(lambda s, b, h, qi, ki: s + table[qi - ki + t]) == (64, 2)
   assert tiles(lambda s, b, h, qi, ki: s * 0.5) == (128, 3)

@@ -1,0 +1,132 @@
+"""Where a first call's time goes: tracing, lowering, XLA's compile, the first run.
+
+    PYTHONPATH=. python benchmarks/compile_time.py [--impls ours cudnn] \
+        [--shapes 4x8192x32x8x128 ...] [--modes fwd fwd+bwd] [--cache]
+
+Each measurement runs in a fresh process (nothing cached in memory), on
+bf16 inputs of shape batch x seq x heads x kv_heads x head_dim, causal:
+
+* `first_call_s`: the wall time of `jax.jit(f)(*args)` to its result, what
+  a user's first call costs;
+* the same first call in stages, in another fresh process: `trace_s`
+  (`jax.jit(f).trace`: Python, our checks, the kernels' Pallas tracing of
+  a forward or backward, which run at trace time), `lower_s` (`.lower()`:
+  MLIR, Mosaic GPU and Triton lowering of the kernels), `compile_s`
+  (`.compile()`: XLA, and the kernels' own compilation where it happens
+  there) and `first_run_s` (the first execution: kernels compiled at
+  their first launch);
+* with `--cache`: JAX's persistent compilation cache in a fresh folder,
+  one process filling it and a second one measured (`cached_first_call_s`).
+
+f is the forward (`fwd`) or `jax.vjp` of it applied to a cotangent
+(`fwd+bwd`). Prints one JSON line a measurement; ratios to cuDNN are the
+reader's (same process kinds, same shapes).
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def _child(impl, shape, mode, staged):
+  import jax
+  import jax.numpy as jnp
+
+  import jax_flash
+  batch, seq, heads, kv_heads, head_dim = shape
+  dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+  keys = jax.random.split(jax.random.key(0), 4)
+  q = jax.random.normal(keys[0], (batch, seq, heads, head_dim), dtype)
+  k = jax.random.normal(keys[1], (batch, seq, kv_heads, head_dim), dtype)
+  v = jax.random.normal(keys[2], k.shape, dtype)
+  do = jax.random.normal(keys[3], q.shape, dtype)
+  jax.block_until_ready((q, k, v, do))
+  if impl == "ours":
+    attn = lambda q, k, v: jax_flash.flash_attention(q, k, v, is_causal=True)
+  else:
+    attn = lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, implementation=impl)
+  if mode == "fwd":
+    f, args = attn, (q, k, v)
+  else:
+    f, args = (lambda q, k, v, do: jax.vjp(attn, q, k, v)[1](do)), (q, k, v,
+                                                                    do)
+  row = {}
+  start = time.perf_counter()
+  if not staged:
+    jax.block_until_ready(jax.jit(f)(*args))
+    row["first_call_s"] = time.perf_counter() - start
+    return row
+  traced = jax.jit(f).trace(*args)
+  row["trace_s"] = time.perf_counter() - start
+  start = time.perf_counter()
+  lowered = traced.lower()
+  row["lower_s"] = time.perf_counter() - start
+  start = time.perf_counter()
+  compiled = lowered.compile()
+  row["compile_s"] = time.perf_counter() - start
+  start = time.perf_counter()
+  jax.block_until_ready(compiled(*args))
+  row["first_run_s"] = time.perf_counter() - start
+  start = time.perf_counter()
+  jax.block_until_ready(compiled(*args))
+  row["second_run_s"] = time.perf_counter() - start
+  return row
+
+
+def _spawn(impl, shape, mode, staged, env=None):
+  command = [sys.executable, __file__, "--child", impl, mode,
+             "x".join(map(str, shape)), "staged" if staged else "plain"]
+  result = subprocess.run(command, capture_output=True, text=True,
+                          env=env or os.environ.copy(), timeout=900)
+  if result.returncode:
+    return {"error": result.stderr.strip().splitlines()[-1][:300]}
+  return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main():
+  if len(sys.argv) > 1 and sys.argv[1] == "--child":
+    impl, mode, shape, staged = sys.argv[2:6]
+    shape = tuple(int(x) for x in shape.split("x"))
+    print(json.dumps(_child(impl, shape, mode, staged == "staged")))
+    return
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--impls", nargs="+", default=["ours", "cudnn"],
+                      help="ours (flash_attention), or a jax.nn "
+                      "implementation (cudnn, xla)")
+  parser.add_argument("--shapes", nargs="+",
+                      default=["4x8192x32x8x128", "2x8192x32x32x64"],
+                      help="batch x seq x heads x kv_heads x head_dim")
+  parser.add_argument("--modes", nargs="+", default=["fwd+bwd"],
+                      choices=["fwd", "fwd+bwd"])
+  parser.add_argument("--cache", action="store_true",
+                      help="also measure a second process's first call "
+                      "with the persistent compilation cache")
+  args = parser.parse_args()
+  for shape_text in args.shapes:
+    shape = tuple(int(x) for x in shape_text.split("x"))
+    for mode in args.modes:
+      for impl in args.impls:
+        row = dict(impl=impl, mode=mode, shape=shape_text)
+        row.update(_spawn(impl, shape, mode, staged=False))
+        row.update(_spawn(impl, shape, mode, staged=True))
+        if args.cache:
+          with tempfile.TemporaryDirectory() as folder:
+            env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=folder,
+                       JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                       JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+            filled = _spawn(impl, shape, mode, staged=False, env=env)
+            cached = _spawn(impl, shape, mode, staged=False, env=env)
+            row["filling_first_call_s"] = filled.get("first_call_s")
+            row["cached_first_call_s"] = cached.get("first_call_s",
+                                                    cached.get("error"))
+            row["cache_files"] = len(os.listdir(folder))
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v
+                          for k, v in row.items()}), flush=True)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,150 @@
+"""A language model's training step, ours against cuDNN's attention: tokens/s and where the time goes.
+
+    PYTHONPATH=. python benchmarks/train_step.py [--configs llama_4k ...] \
+        [--impls pallas cudnn] [--steps 20] [--profile DIR] [--hlo DIR]
+
+The model is `examples/train_lm.py`'s (pre-LayerNorm blocks, GQA
+attention through `jax_flash.nnx.FlashAttention`, or the same
+`nnx.MultiHeadAttention` with jax.nn's cuDNN attention for "cudnn"), bf16
+compute, AdamW, on random tokens; each configuration is named after the
+model family its shape follows (`CONFIGS`). For each (config, impl):
+the first step's time (compilation included), the steady-state step time
+and tokens/s (`--steps` steps after two warm-up steps, one sync at the
+end), the ratio to the first impl's; with `--profile`, three steps under
+`jax.profiler` and the GPU time per step of the 25 costliest XLA ops and
+kernels (the part of the step each one is); with `--hlo`, the optimized
+HLO of the step written to DIR. One JSON line a row.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+import train_lm  # noqa: E402
+
+# name -> (layers, d_model, heads, kv_heads, seq_len, batch)
+CONFIGS = {
+    # Llama-like: 16 query heads of 64 on 4 KV heads.
+    "llama_4k": (8, 1024, 16, 4, 4096, 4),
+    "llama_2k_h128": (8, 2048, 16, 8, 2048, 8),
+    "llama_8k_h128": (4, 2048, 16, 8, 8192, 2),
+    # GPT-2 small: 12 heads of 64, MHA.
+    "gpt2_1k": (12, 768, 12, 12, 1024, 16),
+}
+VOCAB = 128
+
+
+def _model(config, impl):
+  layers, d_model, heads, kv_heads, seq_len, _ = CONFIGS[config]
+  model = train_lm.LanguageModel(VOCAB, seq_len, d_model, layers, heads,
+                                 kv_heads, 0.0, impl, jnp.bfloat16,
+                                 rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
+  return model, optimizer
+
+
+def _gpu_times(folder, steps: int):
+  """{"ops": {hlo op: ms a step}, "kernels": {kernel: ms a step}} from the
+  profile in `folder`."""
+  path = glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True)
+  data = jax.profiler.ProfileData.from_file(path[0])
+  ops, kernels = collections.Counter(), collections.Counter()
+  for plane in data.planes:
+    if not plane.name.startswith("/device:GPU"):
+      continue
+    for line in plane.lines:
+      into = ops if line.name == "XLA Ops" else (
+          kernels if line.name.startswith("Stream") else None)
+      if into is None:
+        continue
+      for event in line.events:
+        into[event.name] += event.duration_ns / 1e6 / steps
+  return {"ops": ops, "kernels": kernels}
+
+
+def measure(config, impl, steps, profile=None, hlo=None):
+  layers, d_model, heads, kv_heads, seq_len, batch = CONFIGS[config]
+  model, optimizer = _model(config, impl)
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(rng.integers(0, VOCAB, (batch, seq_len + 1)),
+                       jnp.int32)
+  row = dict(config=config, impl=impl, layers=layers, d_model=d_model,
+             heads=heads, kv_heads=kv_heads, seq_len=seq_len, batch=batch)
+  start = time.perf_counter()
+  loss = float(train_lm.train_step(model, optimizer, tokens))
+  row["first_step_s"] = time.perf_counter() - start
+  for _ in range(2):
+    float(train_lm.train_step(model, optimizer, tokens))
+  start = time.perf_counter()
+  for _ in range(steps):
+    loss = train_lm.train_step(model, optimizer, tokens)
+  loss = float(loss)
+  seconds = (time.perf_counter() - start) / steps
+  row.update(step_ms=seconds * 1e3, tokens_per_s=batch * seq_len / seconds,
+             loss=loss)
+  if hlo:
+    os.makedirs(hlo, exist_ok=True)
+    text = train_lm.train_step.lower(model, optimizer, tokens).compile(
+    ).as_text()
+    with open(os.path.join(hlo, f"{config}_{impl}.hlo.txt"), "w") as f:
+      f.write(text)
+    row["hlo_copies"] = text.count(" copy(") + text.count(" copy.")
+    row["hlo_transposes"] = text.count(" transpose(")
+    row["hlo_custom_calls"] = text.count("custom-call(")
+  if profile:
+    folder = tempfile.mkdtemp(dir=profile)
+    with jax.profiler.trace(folder):
+      for _ in range(3):
+        loss = train_lm.train_step(model, optimizer, tokens)
+      float(loss)
+    times = _gpu_times(folder, 3)
+    row["gpu_ms"] = sum(times["kernels"].values())
+    for kind in ("ops", "kernels"):
+      row[f"top_{kind}"] = [(name, round(ms, 3)) for name, ms in
+                            times[kind].most_common(25)]
+  return row
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--configs", nargs="+", default=list(CONFIGS),
+                      choices=list(CONFIGS))
+  parser.add_argument("--impls", nargs="+", default=["pallas", "cudnn"],
+                      help="the model's --implementation (examples/"
+                      "train_lm.py): pallas, mosaic, triton, cudnn, flax")
+  parser.add_argument("--steps", type=int, default=20)
+  parser.add_argument("--profile", default=None,
+                      help="a folder for profiles: report GPU time per op")
+  parser.add_argument("--hlo", default=None,
+                      help="a folder for each step's optimized HLO")
+  args = parser.parse_args()
+  for config in args.configs:
+    first = None
+    for impl in args.impls:
+      try:
+        row = measure(config, impl, args.steps, args.profile, args.hlo)
+      except Exception as e:  # A refused configuration: say so, go on.
+        row = dict(config=config, impl=impl,
+                   error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+      if first is None and "tokens_per_s" in row:
+        first = row["tokens_per_s"]
+      if first and "tokens_per_s" in row:
+        row["tokens_per_s_over_first"] = row["tokens_per_s"] / first
+      print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+  main()
