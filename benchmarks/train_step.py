@@ -43,6 +43,8 @@ CONFIGS = {
     "llama_8k_h128": (4, 2048, 16, 8, 8192, 2),
     # GPT-2 small: 12 heads of 64, MHA.
     "gpt2_1k": (12, 768, 12, 12, 1024, 16),
+    # A CPU-sized check of the script itself.
+    "tiny": (2, 128, 4, 2, 128, 2),
 }
 VOCAB = 128
 
@@ -105,6 +107,7 @@ def measure(config, impl, steps, profile=None, hlo=None):
     row["hlo_transposes"] = text.count(" transpose(")
     row["hlo_custom_calls"] = text.count("custom-call(")
   if profile:
+    os.makedirs(profile, exist_ok=True)
     folder = tempfile.mkdtemp(dir=profile)
     with jax.profiler.trace(folder):
       for _ in range(3):
@@ -120,7 +123,8 @@ def measure(config, impl, steps, profile=None, hlo=None):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--configs", nargs="+", default=list(CONFIGS),
+  parser.add_argument("--configs", nargs="+",
+                      default=[c for c in CONFIGS if c != "tiny"],
                       choices=list(CONFIGS))
   parser.add_argument("--impls", nargs="+", default=["pallas", "cudnn"],
                       help="the model's --implementation (examples/"

@@ -101,9 +101,7 @@ def _impls(causal: bool):
 
 MIN_TIMED_SECONDS = 0.02
 # Untimed back-to-back calls before the timed batches (the GPU idles while
-# each program compiles). Added for 1k forward rows measured up to 1.9x
-# slow (thirteenth session); their cause was the host's dispatch of jitted
-# calls, which `_time` now avoids (fourteenth session).
+# each program compiles).
 WARMUP_SECONDS = 0.2
 
 
@@ -111,18 +109,10 @@ def _time(fn, args, calls: int, repeats: int) -> float:
   """Median seconds a call over `repeats` batches of back-to-back calls,
   after a warm-up of WARMUP_SECONDS; a batch has `calls` calls or more,
   enough to last MIN_TIMED_SECONDS (fast kernels: a few calls would time
-  the launch).
-
-  A jitted `fn` is compiled ahead of time and its executable timed: a jitted
-  function holding `flash_attention` (a hijax primitive) is dispatched by
-  JAX 0.11's Python path on every call, about 0.1 ms of host time (2-core
-  CPU, jax 0.11.2; 17 us for its compiled executable, and for the jitted
-  call on jax 0.12: benchmarks/dispatch_overhead.py), which would time the
-  host rather than the kernel for calls shorter than that.
+  the launch). `fn` is called as users call it: a jitted function
+  (dispatched by jit's C++ path), or a compiled executable.
   """
-  if hasattr(fn, "lower"):
-    fn = fn.lower(*args).compile()
-  jax.block_until_ready(fn(*args))  # First run (a compiled `fn` compiles).
+  jax.block_until_ready(fn(*args))  # First run (a jitted `fn` compiles).
   start = time.perf_counter()
   jax.block_until_ready(fn(*args))
   once = time.perf_counter() - start
@@ -194,12 +184,19 @@ def compiled_gib(jitted, *args) -> float:
 
 
 def _measure(fn, mode, q, k, v, do, fwd_flops, calls, repeats):
-  """{"ms", "tflops"} of `fn` forward, backward or both, or {"error"}."""
+  """{"ms", "tflops", "first_call_s"} of `fn` forward, backward or both,
+  or {"error"}. first_call_s: the first call of the jitted function in this
+  process (tracing and compiling it; kernels another row traced already
+  are not traced again)."""
   try:
     f, args = _jitted(fn, mode, q, k, v, do)
+    start = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    first = time.perf_counter() - start
     seconds = _time(f, args, calls, repeats)
     flops = fwd_flops * _FLOPS[mode]
-    return dict(ms=seconds * 1e3, tflops=flops / seconds / 1e12)
+    return dict(ms=seconds * 1e3, tflops=flops / seconds / 1e12,
+                first_call_s=first)
   except Exception as e:  # OOM or unsupported: say so, go on.
     traceback.print_exc(limit=2)
     return dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
@@ -600,6 +597,24 @@ def markdown(rows) -> str:
   return "\n".join(lines)
 
 
+def markdown_first_calls(rows) -> str:
+  """One line per (head dim, seq, causal): each row's first_call_s."""
+  columns = sorted({(r["impl"], r["mode"]) for r in rows
+                    if "first_call_s" in r})
+  head = "| H | seq | causal | " + " | ".join(
+      f"{i} {m}" for i, m in columns) + " |"
+  lines = [head, "|" + "---|" * (head.count("|") - 1)]
+  groups = {}
+  for r in rows:
+    groups.setdefault((r["head_dim"], r["seq_len"], r["causal"]), {})[
+        (r["impl"], r["mode"])] = r
+  for (h, seq, causal), group in sorted(groups.items()):
+    cells = [f"{group[c]['first_call_s']:.2f}"
+             if "first_call_s" in group.get(c, {}) else "-" for c in columns]
+    lines.append(f"| {h} | {seq} | {causal} | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
 def plot(rows, out_dir):
   """tflops.png: TFLOP/s against sequence length, per head dim and mode."""
   import matplotlib
@@ -674,7 +689,10 @@ def render(meta, rows, note="") -> str:
           "TFLOP/s (forward 4*B*N*T*S*H, halved for causal; fwd+bwd 3.5x "
           "forward); batch = tokens / seq_len, num_heads = hidden / head_dim. "
           "OOM: ran out of the GPU's memory; -: not run.\n\n"
-          + (note + "\n\n" if note else "") + markdown(rows) + "\n")
+          + (note + "\n\n" if note else "") + markdown(rows) + "\n\n"
+          "First call of each jitted function, seconds (tracing and "
+          "compiling it in a process that ran the rows above it):\n\n"
+          + markdown_first_calls(rows) + "\n")
 
 
 def main(argv=None):

