@@ -7,19 +7,24 @@ The model is `examples/train_lm.py`'s (pre-LayerNorm blocks, GQA
 attention through `jax_flash.nnx.FlashAttention`, or the same
 `nnx.MultiHeadAttention` with jax.nn's cuDNN attention for "cudnn"), bf16
 compute, AdamW, on random tokens; each configuration is named after the
-model family its shape follows (`CONFIGS`). For each (config, impl):
+model family its shape follows (`CONFIGS`). For each (config, driver, impl):
 the first step's time (compilation included), the steady-state step time
 and tokens/s (`--steps` steps after two warm-up steps, one sync at the
-end), the ratio to the first impl's; with `--profile`, three steps under
-`jax.profiler` and the GPU time per step of the 25 costliest XLA ops and
-kernels (the part of the step each one is); with `--hlo`, the optimized
-HLO of the step written to DIR. One JSON line a row.
+end; `host_ms`: the host's time to dispatch a step, before that sync), the
+ratio to the first impl's; with `--profile`, three steps under
+`jax.profiler`, the GPU's kernel time and launches per step and its 12
+costliest XLA ops and kernels; with `--hlo`, the optimized HLO of the step
+written to DIR. Drivers: "jit" (the step as one `jax.jit` of the model's
+state, as the example's loop runs it) and "nnx_jit" (`train_lm.train_step`,
+`nnx.jit`, which walks the module graph on every call). One
+JSON line a row.
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import glob
+import itertools
 import json
 import os
 import sys
@@ -59,11 +64,12 @@ def _model(config, impl):
 
 
 def _gpu_times(folder, steps: int):
-  """{"ops": {hlo op: ms a step}, "kernels": {kernel: ms a step}} from the
-  profile in `folder`."""
+  """{"ops": {hlo op: ms a step}, "kernels": {kernel: ms a step},
+  "launches": kernels a step} from the profile in `folder`."""
   path = glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True)
   data = jax.profiler.ProfileData.from_file(path[0])
   ops, kernels = collections.Counter(), collections.Counter()
+  launches = 0
   for plane in data.planes:
     if not plane.name.startswith("/device:GPU"):
       continue
@@ -74,34 +80,51 @@ def _gpu_times(folder, steps: int):
         continue
       for event in line.events:
         into[event.name] += event.duration_ns / 1e6 / steps
-  return {"ops": ops, "kernels": kernels}
+        launches += into is kernels
+  return {"ops": ops, "kernels": kernels, "launches": launches / steps}
 
 
-def measure(config, impl, steps, profile=None, hlo=None):
+def measure(config, impl, steps, profile=None, hlo=None, driver="jit"):
+  """One row: `driver` "nnx_jit" runs train_lm's `nnx.jit` step, "jit" the
+  same step as one `jax.jit` of the state (`train_lm.jitted_train_step`,
+  what the example's loop runs)."""
   layers, d_model, heads, kv_heads, seq_len, batch = CONFIGS[config]
   model, optimizer = _model(config, impl)
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(0, VOCAB, (batch, seq_len + 1)),
                        jnp.int32)
-  row = dict(config=config, impl=impl, layers=layers, d_model=d_model,
-             heads=heads, kv_heads=kv_heads, seq_len=seq_len, batch=batch)
+  row = dict(config=config, impl=impl, driver=driver, layers=layers,
+             d_model=d_model, heads=heads, kv_heads=kv_heads,
+             seq_len=seq_len, batch=batch)
+  if driver == "jit":
+    step, state = train_lm.jitted_train_step(model, optimizer)
+
+    def run():
+      nonlocal state
+      loss, state = step(state, tokens)
+      return loss
+    lowered = lambda: step.lower(state, tokens)
+  else:
+    run = lambda: train_lm.train_step(model, optimizer, tokens)
+    lowered = lambda: train_lm.train_step.lower(model, optimizer, tokens)
   start = time.perf_counter()
-  loss = float(train_lm.train_step(model, optimizer, tokens))
+  loss = float(run())
   row["first_step_s"] = time.perf_counter() - start
   for _ in range(2):
-    float(train_lm.train_step(model, optimizer, tokens))
+    float(run())
   start = time.perf_counter()
   for _ in range(steps):
-    loss = train_lm.train_step(model, optimizer, tokens)
+    loss = run()
+  row["host_ms"] = (time.perf_counter() - start) / steps * 1e3
   loss = float(loss)
   seconds = (time.perf_counter() - start) / steps
   row.update(step_ms=seconds * 1e3, tokens_per_s=batch * seq_len / seconds,
              loss=loss)
   if hlo:
     os.makedirs(hlo, exist_ok=True)
-    text = train_lm.train_step.lower(model, optimizer, tokens).compile(
-    ).as_text()
-    with open(os.path.join(hlo, f"{config}_{impl}.hlo.txt"), "w") as f:
+    text = lowered().compile().as_text()
+    with open(os.path.join(hlo, f"{config}_{impl}_{driver}.hlo.txt"),
+              "w") as f:
       f.write(text)
     row["hlo_copies"] = text.count(" copy(") + text.count(" copy.")
     row["hlo_transposes"] = text.count(" transpose(")
@@ -111,13 +134,14 @@ def measure(config, impl, steps, profile=None, hlo=None):
     folder = tempfile.mkdtemp(dir=profile)
     with jax.profiler.trace(folder):
       for _ in range(3):
-        loss = train_lm.train_step(model, optimizer, tokens)
+        loss = run()
       float(loss)
     times = _gpu_times(folder, 3)
     row["gpu_ms"] = sum(times["kernels"].values())
+    row["gpu_kernels_a_step"] = times["launches"]
     for kind in ("ops", "kernels"):
       row[f"top_{kind}"] = [(name, round(ms, 3)) for name, ms in
-                            times[kind].most_common(25)]
+                            times[kind].most_common(12)]
   return row
 
 
@@ -130,18 +154,23 @@ def main():
                       help="the model's --implementation (examples/"
                       "train_lm.py): pallas, mosaic, triton, cudnn, flax")
   parser.add_argument("--steps", type=int, default=20)
+  parser.add_argument("--drivers", nargs="+", default=["jit", "nnx_jit"],
+                      choices=["jit", "nnx_jit"],
+                      help="jit: the step as one jax.jit of the model's "
+                      "state; nnx_jit: train_lm's nnx.jit step")
   parser.add_argument("--profile", default=None,
                       help="a folder for profiles: report GPU time per op")
   parser.add_argument("--hlo", default=None,
                       help="a folder for each step's optimized HLO")
   args = parser.parse_args()
-  for config in args.configs:
+  for config, driver in itertools.product(args.configs, args.drivers):
     first = None
     for impl in args.impls:
       try:
-        row = measure(config, impl, args.steps, args.profile, args.hlo)
+        row = measure(config, impl, args.steps, args.profile, args.hlo,
+                      driver)
       except Exception as e:  # A refused configuration: say so, go on.
-        row = dict(config=config, impl=impl,
+        row = dict(config=config, impl=impl, driver=driver,
                    error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
       if first is None and "tokens_per_s" in row:
         first = row["tokens_per_s"]
