@@ -16,7 +16,8 @@ bf16 inputs of shape batch x seq x heads x kv_heads x head_dim, causal:
   there) and `first_run_s` (the first execution: kernels compiled at
   their first launch);
 * with `--cache`: JAX's persistent compilation cache in a fresh folder,
-  one process filling it and a second one measured (`cached_first_call_s`).
+  one process filling it and a second one measured (`cached_first_call_s`;
+  `cached_matches`: both processes' results have the same checksum).
 
 f is the forward (`fwd`) or `jax.vjp` of it applied to a cotangent
 (`fwd+bwd`). Prints one JSON line a measurement; ratios to cuDNN are the
@@ -57,8 +58,10 @@ def _child(impl, shape, mode, staged):
   row = {}
   start = time.perf_counter()
   if not staged:
-    jax.block_until_ready(jax.jit(f)(*args))
+    out = jax.block_until_ready(jax.jit(f)(*args))
     row["first_call_s"] = time.perf_counter() - start
+    row["checksum"] = float(sum(jnp.sum(jnp.abs(x.astype(jnp.float32)))
+                                for x in jax.tree.leaves(out)))
     return row
   traced = jax.jit(f).trace(*args)
   row["trace_s"] = time.perf_counter() - start
@@ -124,6 +127,8 @@ def main():
             row["cached_first_call_s"] = cached.get("first_call_s",
                                                     cached.get("error"))
             row["cache_files"] = len(os.listdir(folder))
+            row["cached_matches"] = (filled.get("checksum") ==
+                                     cached.get("checksum"))
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v
                           for k, v in row.items()}), flush=True)
 

@@ -17,7 +17,9 @@ flat, with their treedef as a parameter; of them only the bias, the sinks
 and a score_mod's arrays are differentiable (the rest are constants, in
 forward mode too). Each distinct forward and backward is traced once per
 process and lowered once per program, however many layers call it (cached
-`jax.jit`s). Derivatives of the rules are second order: a clear error.
+`jax.jit`s), and, with JAX's persistent compilation cache on, kept as
+exported programs for later processes (`_kernel_cache`). Derivatives of the
+rules are second order: a clear error.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from jax._src import dispatch  # The registry of device-bound lowerings.
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from jax_flash import _dispatch, _sharding, blockwise
+from jax_flash import _dispatch, _kernel_cache, _sharding, blockwise
 from jax_flash.spec import softmax
 from jax_flash.spec.backend import DIFFERENTIABLE_OPERANDS
 from jax_flash.spec.mask import Mask
@@ -326,13 +328,19 @@ def _flash_batch(prim, args, dims, *, cfg, tree):
            lse.reshape((size, batch) + lse.shape[1:])], (0, 0))
 
 
+def _forward_value(*args, cfg, tree):
+  if _kernel_cache.keepable(cfg):
+    return _kernel_cache.call(_forward_jit(cfg, tree), ("forward", cfg, tree),
+                              *args)
+  return _forward_jit(cfg, tree)(*args)
+
+
 for _prim in (flash_p, flash_partitioned_p):
   _prim.def_impl(_impl(_prim))
   _prim.def_abstract_eval(
       lambda q, k, v, *leaves, cfg, tree: _out_avals(q, v))
-  mlir.register_lowering(_prim, mlir.lower_fun(
-      lambda *args, cfg, tree: _forward_jit(cfg, tree)(*args),
-      multiple_results=True))
+  mlir.register_lowering(_prim, mlir.lower_fun(_forward_value,
+                                               multiple_results=True))
   ad.primitive_jvps[_prim] = functools.partial(_flash_jvp, _prim)
   batching.primitive_batchers[_prim] = functools.partial(_flash_batch, _prim)
 
@@ -357,7 +365,12 @@ def _tangent_transpose(cotangents, *args, cfg, tree):
   if any(ad.is_undefined_primal(x) for x in (q, k, v, o, lse, *leaves)):
     raise NotImplementedError(SECOND_ORDER)
   do, dlse = (ad.instantiate_zeros(ct) for ct in cotangents)
-  grads = _backward_jit(cfg, tree)(q, k, v, leaves, o, lse, do, dlse)
+  args = _first_order_only((q, k, v, leaves, o, lse, do, dlse))
+  if _kernel_cache.keepable(cfg):
+    grads = _kernel_cache.call(_backward_jit(cfg, tree),
+                               ("backward", cfg, tree), *args)
+  else:
+    grads = _backward_jit(cfg, tree)(*args)
   return [None] * (5 + len(leaves)) + [
       g if ad.is_undefined_primal(t) else None
       for g, t in zip(grads, tangents)]
