@@ -89,7 +89,7 @@ def call(jitted, static, *args):
       logger.warning("jax_flash: ignoring the stored kernel %s: %s", path, e)
   try:
     exported = export.export(
-        jitted, platforms=(jax.devices()[0].platform,),
+        jitted, platforms=(export.default_export_platform(),),
         disabled_checks=[export.DisabledSafetyCheck.custom_call(t)
                          for t in _KERNEL_TARGETS])(*jax.tree.map(_spec, args))
     data = exported.serialize()
