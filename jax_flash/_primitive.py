@@ -35,6 +35,7 @@ from jax.interpreters import ad, batching, mlir
 from jax_flash import _dispatch, _kernel_cache, _sharding, blockwise
 from jax_flash.spec import softmax
 from jax_flash.spec.backend import DIFFERENTIABLE_OPERANDS
+from jax_flash.spec.checks import x64_scope
 from jax_flash.spec.mask import Mask
 from jax_flash.spec.operands import Operands
 from jax_flash.spec.scores import Scores
@@ -170,7 +171,9 @@ def _backward_jit(cfg: Config, tree):
     dq, dk, dv, d_operands = _backward(cfg, (q, k, v, operands, o, lse),
                                        (do, dlse))
     d_leaves = jax.tree.leaves(d_operands)
-    return [dq, dk, dv] + [d_leaves[i] for i in _differentiable(tree)]
+    primals = [q, k, v] + [leaves[i] for i in _differentiable(tree)]
+    grads = [dq, dk, dv] + [d_leaves[i] for i in _differentiable(tree)]
+    return [g.astype(x.dtype) for g, x in zip(grads, primals)]
   return jax.jit(backward)
 
 
@@ -197,19 +200,32 @@ def _tangent_jit(cfg: Config, tree):
 # --- flash_p ---
 
 
-def _forward_primitive(name):
-  prim = Primitive(name)
-  prim.multiple_results = True
-  return prim
+def _twins(name):
+  """(primitive, its twin for a call whose lowering splits it over devices:
+  `_sharding`'s custom_partitioning, which needs the program's devices as
+  it lowers)."""
+  prims = (Primitive(name), Primitive(name + "_partitioned"))
+  for prim in prims:
+    prim.multiple_results = True
+  dispatch.prim_requires_devices_during_lowering.add(prims[1])
+  return prims
 
 
-flash_p = _forward_primitive("jax_flash_attention")
-# The same, for a call whose lowering splits it over devices (`_sharding`'s
-# custom_partitioning, which needs the program's devices as it lowers).
-flash_partitioned_p = _forward_primitive("jax_flash_attention_partitioned")
-dispatch.prim_requires_devices_during_lowering.add(flash_partitioned_p)
+flash_p, flash_partitioned_p = _twins("jax_flash_attention")
 flash_tangent_p = Primitive("jax_flash_attention_tangent")
 flash_tangent_p.multiple_results = True
+flash_backward_p, flash_backward_partitioned_p = _twins(
+    "jax_flash_attention_backward")
+
+
+def _scoped(rule):
+  """A lowering rule run in the call's `x64_scope`: the kernels' lowering
+  (the Pallas interpreter's, Triton's, Mosaic GPU's) makes index constants
+  of Python ints."""
+  def lowering(ctx, *args, **params):
+    with x64_scope(ctx.avals_in[0]):
+      return rule(ctx, *args, **params)
+  return lowering
 
 
 def bind(q, k, v, operands: Operands, cfg: Config):
@@ -339,8 +355,8 @@ for _prim in (flash_p, flash_partitioned_p):
   _prim.def_impl(_impl(_prim))
   _prim.def_abstract_eval(
       lambda q, k, v, *leaves, cfg, tree: _out_avals(q, v))
-  mlir.register_lowering(_prim, mlir.lower_fun(_forward_value,
-                                               multiple_results=True))
+  mlir.register_lowering(_prim, _scoped(mlir.lower_fun(
+      _forward_value, multiple_results=True)))
   ad.primitive_jvps[_prim] = functools.partial(_flash_jvp, _prim)
   batching.primitive_batchers[_prim] = functools.partial(_flash_batch, _prim)
 
@@ -364,13 +380,12 @@ def _tangent_transpose(cotangents, *args, cfg, tree):
   (q, k, v, leaves, o, lse), tangents = _split(args, tree)
   if any(ad.is_undefined_primal(x) for x in (q, k, v, o, lse, *leaves)):
     raise NotImplementedError(SECOND_ORDER)
-  do, dlse = (ad.instantiate_zeros(ct) for ct in cotangents)
-  args = _first_order_only((q, k, v, leaves, o, lse, do, dlse))
-  if _kernel_cache.keepable(cfg):
-    grads = _kernel_cache.call(_backward_jit(cfg, tree),
-                               ("backward", cfg, tree), *args)
-  else:
-    grads = _backward_jit(cfg, tree)(*args)
+  do, dlse = _first_order_only(
+      tuple(ad.instantiate_zeros(ct) for ct in cotangents))
+  prim = (flash_backward_partitioned_p
+          if _partitioned(jax.tree.unflatten(tree, leaves))
+          else flash_backward_p)
+  grads = prim.bind(q, k, v, *leaves, o, lse, do, dlse, cfg=cfg, tree=tree)
   return [None] * (5 + len(leaves)) + [
       g if ad.is_undefined_primal(t) else None
       for g, t in zip(grads, tangents)]
@@ -389,8 +404,59 @@ def _tangent_batch(args, dims, *, cfg, tree):
 flash_tangent_p.def_impl(_impl(flash_tangent_p))
 flash_tangent_p.def_abstract_eval(
     lambda *args, cfg, tree: _out_avals(args[0], args[2]))
-mlir.register_lowering(flash_tangent_p, mlir.lower_fun(
-    _tangent_value, multiple_results=True))
+mlir.register_lowering(flash_tangent_p, _scoped(mlir.lower_fun(
+    _tangent_value, multiple_results=True)))
 ad.primitive_jvps[flash_tangent_p] = _second_order
 ad.primitive_transposes[flash_tangent_p] = _tangent_transpose
 batching.primitive_batchers[flash_tangent_p] = _tangent_batch
+
+# --- flash_backward_p ---
+# (q, k, v, *operands, o, lse, do, dlse) -> (dq, dk, dv, *gradients of the
+# differentiable operands): the plan's backward, what `flash_tangent_p`'s
+# transpose binds.
+
+
+def _backward_value(*args, cfg, tree):
+  (q, k, v, leaves, o, lse), (do, dlse) = _split(args, tree)
+  args = (q, k, v, leaves, o, lse, do, dlse)
+  if _kernel_cache.keepable(cfg):
+    return _kernel_cache.call(_backward_jit(cfg, tree),
+                              ("backward", cfg, tree), *args)
+  return _backward_jit(cfg, tree)(*args)
+
+
+def _backward_avals(*args, cfg, tree):
+  (q, k, v, leaves, _, _), _ = _split(args, tree)
+  return [x.update(weak_type=False) for x in
+          [q, k, v] + [leaves[i] for i in _differentiable(tree)]]
+
+
+def _backward_batch(prim, args, dims, *, cfg, tree):
+  """The mapped axis folded into the batch axis, as the forward's; once per
+  slice where an operand cannot fold or has a gradient (whose slices the
+  folded batch would sum)."""
+  size = _axis_size(args, dims)
+  n = tree.num_leaves
+  operand_dims = jax.tree.unflatten(tree, dims[3:3 + n])
+  if cfg.scores.dropout or _differentiable(tree) or any(
+      jax.tree.leaves(getattr(operand_dims, name)) for name in _UNFOLDABLE):
+    outs = _map_slices(lambda *a: prim.bind(*a, cfg=cfg, tree=tree), args,
+                       dims)
+    return outs, (0,) * len(outs)
+  (q, k, v), batch = _fold(args[:3], dims[:3], size)
+  (o, lse, do, dlse), _ = _fold(args[3 + n:], dims[3 + n:], size)
+  operands = _fold_operands(jax.tree.unflatten(tree, args[3:3 + n]),
+                            operand_dims, size, batch)
+  outs = prim.bind(q, k, v, *jax.tree.leaves(operands), o, lse, do, dlse,
+                   cfg=cfg, tree=tree)
+  return [x.reshape((size, batch) + x.shape[1:]) for x in outs], (0, 0, 0)
+
+
+for _prim in (flash_backward_p, flash_backward_partitioned_p):
+  _prim.def_impl(_impl(_prim))
+  _prim.def_abstract_eval(_backward_avals)
+  mlir.register_lowering(_prim, _scoped(mlir.lower_fun(
+      _backward_value, multiple_results=True)))
+  ad.primitive_jvps[_prim] = _second_order
+  batching.primitive_batchers[_prim] = functools.partial(_backward_batch,
+                                                         _prim)

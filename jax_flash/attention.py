@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 
 from jax_flash import _dispatch, _primitive
+from jax_flash.spec import checks
 from jax_flash.spec.checks import Problem
 from jax_flash.spec.mask import Mask
 from jax_flash.spec.operands import Operands
@@ -30,6 +31,7 @@ def flash_call(query, key, value, operands: Operands, cfg: _primitive.Config):
     return _primitive.bind(query, key, value, operands, cfg)
 
 
+@checks.in_x64_scope
 def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
                     is_causal=False, query_seq_lengths=None,
                     key_value_seq_lengths=None, local_window_size=None,

@@ -10,6 +10,7 @@ from jax_flash.spec.mask import Mask
 from jax_flash.spec.scores import Scores
 
 
+@checks.in_x64_scope
 def flash_decode(query, key_cache=None, value_cache=None, *, kv_lengths,
                  scale=None, logits_soft_cap=None, local_window_size=None,
                  num_splits=None, implementation=None, key_pages=None,

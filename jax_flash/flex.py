@@ -100,6 +100,7 @@ class BlockMask:
             f"kinds={tuple(self.kinds.shape)})")
 
 
+@checks.in_int32_scope
 def create_block_mask(mask_mod: Callable, B: int | None, N: int | None,
                       T: int, S: int, *, block_size=None) -> BlockMask:
   """Evaluates `mask_mod(b, h, q_idx, kv_idx)` tile by tile.
@@ -156,6 +157,7 @@ def or_masks(*mask_mods: Callable) -> Callable:
       jnp.logical_or, [m(b, h, q, k) for m in mask_mods])
 
 
+@checks.in_x64_scope
 def flex_attention(query, key, value, score_mod: Callable | None = None,
                    block_mask: BlockMask | None = None, *, scale=None,
                    return_residual: bool = False, implementation=None):

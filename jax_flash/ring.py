@@ -203,6 +203,7 @@ def _zigzag_order(size):
   return order
 
 
+@checks.in_x64_scope
 def ring_attention(query, key, value, *, mesh, axis_name, is_causal=False,
                    segment_ids=None, scale=None, sinks=None,
                    implementation=None, block_sizes=None):

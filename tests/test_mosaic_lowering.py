@@ -867,3 +867,24 @@ def test_profiler_is_on_only_when_its_directory_is_named(monkeypatch):
   monkeypatch.setenv(config.PROFILE_EVENTS_ENV, "lots")
   with pytest.raises(ValueError, match="JAX_FLASH_MOSAIC_PROFILE_EVENTS"):
     config.compiler_params()
+
+
+@pytest.mark.parametrize("implementation", ["mosaic", "triton"])
+def test_kernels_lower_with_64_bit_types_on(implementation):
+  """`jax_enable_x64` on: the forward, backward and decode kernels lower
+  as they do with it off (the library traces and lowers them in int32)."""
+  kwargs = dict(is_causal=True, key_value_seq_lengths=np.array([900]),
+                segment_ids=(np.zeros((1, 300), np.int64),
+                             np.zeros((1, 1003), np.int64)))
+  want = _lower_grad(implementation, (1, 300, 1003, 4, 2, 128), **kwargs)
+  with jax.enable_x64(True):
+    got = _lower_grad(implementation, (1, 300, 1003, 4, 2, 128), **kwargs)
+    q = jax.ShapeDtypeStruct((2, 1, 4, 128), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((2, 1024, 2, 128), jnp.bfloat16)
+    with jax.sharding.use_abstract_mesh(
+        mesh_lib.AbstractMesh((1,), ("x",), abstract_device=H200)):
+      jax.jit(lambda q, k, v: jax_flash.flash_decode(
+          q, k, v, kv_lengths=np.array([1000, 3]),
+          implementation=implementation)).trace(q, cache, cache).lower(
+              lowering_platforms=("cuda",))
+  assert got.count("custom_call") == want.count("custom_call")

@@ -6,9 +6,12 @@ backend's business: see `jax_flash._dispatch`.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -100,6 +103,35 @@ def check_scale(scale, head_dim: int) -> float:
 
 
 
+def x64_scope(query):
+  """The precision the library traces a call in. With 64-bit types on
+  (`jax_enable_x64`) and a query of 32 bits or fewer, they are off inside:
+  index arithmetic stays int32, as every kernel's is, whatever the user's
+  setting (the results are the same dtypes either way). A float64 query
+  (the blockwise path's) keeps them on."""
+  wide = jnp.dtype(getattr(query, "dtype", jnp.float32)).itemsize > 4
+  return contextlib.nullcontext() if wide else jax.enable_x64(False)
+
+
+def in_x64_scope(fn):
+  """fn(query, ...) traced in `x64_scope(query)`."""
+  @functools.wraps(fn)
+  def wrapped(query, *args, **kwargs):
+    with x64_scope(query):
+      return fn(query, *args, **kwargs)
+  return wrapped
+
+
+def in_int32_scope(fn):
+  """fn traced with 64-bit types off: it computes only int32 indices and
+  tables (a flex block mask's), whatever `jax_enable_x64` says."""
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    with jax.enable_x64(False):
+      return fn(*args, **kwargs)
+  return wrapped
+
+
 def int_array(x, name, shape, expected):
   if not hasattr(x, "shape") or not hasattr(x, "dtype"):
     raise ValueError(f"{name} must be an integer array of shape {expected}, "
@@ -109,7 +141,7 @@ def int_array(x, name, shape, expected):
   if tuple(x.shape) != tuple(shape):
     raise ValueError(f"{name} must have shape {expected} = {tuple(shape)}, "
                      f"got {tuple(x.shape)}")
-  return x
+  return x if x.dtype == jnp.int32 else jnp.asarray(x).astype(jnp.int32)
 
 
 def check_lengths(lengths, name, p: Problem):

@@ -112,7 +112,14 @@ class Mask:
 
 def cdiv(a, b):
   """Ceiling division that lowers on every backend (operands are >= 0)."""
-  return lax.div(a + (b - 1), b)
+  return div(a + (b - 1), b)
+
+
+def div(a, b):
+  """a / b rounded toward zero (`lax.div`), b (an int or an array) taken in
+  a's integer dtype: with 64-bit types on, a Python int alone is int64."""
+  a = jnp.asarray(a)
+  return lax.div(a, jnp.asarray(b, a.dtype))
 
 
 def _i32(x):
@@ -180,13 +187,13 @@ def kv_block_ranges(mask: Mask, q_start, block_q: int, block_k: int,
   full_hi = _i32(num_whole)
   if left is not None:
     # Column c0 of tile j is visible from row r1 iff c0 >= r1 - left, ...
-    lo = lax.div(jnp.maximum(r0 - left, 0), block_k)
+    lo = div(jnp.maximum(r0 - left, 0), block_k)
     # Every visible column is past kv_len: nothing to visit.
     lo = jnp.where(r0 - left >= kv_len, num_tiles, lo)
     full_lo = cdiv(jnp.maximum(r1 - left, 0), block_k)
   if right is not None:
-    hi = jnp.minimum(lax.div(r1 + right, block_k) + 1, num_tiles)
-    full_hi = jnp.minimum(lax.div(r0 + right + 1, block_k), num_whole)
+    hi = jnp.minimum(div(r1 + right, block_k) + 1, num_tiles)
+    full_hi = jnp.minimum(div(r0 + right + 1, block_k), num_whole)
   return clamp_ranges(jnp.minimum(lo, hi), full_lo, full_hi, hi)
 
 
@@ -208,11 +215,11 @@ def q_block_ranges(mask: Mask, kv_start, block_k: int, block_q: int,
   hi = _i32(num_tiles)
   full_hi = _i32(num_tiles)
   if right is not None:  # Row r sees column c iff c - right <= r <= c + left.
-    lo = lax.div(jnp.maximum(c0 - right, 0), block_q)
+    lo = div(jnp.maximum(c0 - right, 0), block_q)
     full_lo = cdiv(jnp.maximum(c1 - right, 0), block_q)
   if left is not None:
-    hi = jnp.minimum(lax.div(c1 + left, block_q) + 1, num_tiles)
-    full_hi = jnp.minimum(lax.div(c0 + left + 1, block_q), num_tiles)
+    hi = jnp.minimum(div(c1 + left, block_q) + 1, num_tiles)
+    full_hi = jnp.minimum(div(c0 + left + 1, block_q), num_tiles)
   return clamp_ranges(jnp.minimum(lo, hi), full_lo, full_hi, hi)
 
 
