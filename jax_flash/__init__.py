@@ -26,4 +26,13 @@ __all__ = ["flash_attention", "flash_decode", "reference_attention",
            "ring_attention",
            "BlockSizes", "MosaicBlockSizes", "XlaBlockSizes",
            "dropout_keep_mask"]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
+
+
+def __getattr__(name):
+  """`jax_flash.nnx` and `jax_flash.linen` on first use (flax is imported
+  only then)."""
+  if name in ("nnx", "linen"):
+    import importlib
+    return importlib.import_module(f"jax_flash.{name}")
+  raise AttributeError(f"module 'jax_flash' has no attribute {name!r}")

@@ -3,6 +3,7 @@ the attention primitive, `_primitive`)."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from jax_flash import _dispatch, _primitive
 from jax_flash.spec import checks
@@ -29,6 +30,17 @@ def flash_call(query, key, value, operands: Operands, cfg: _primitive.Config):
   what `flash_attention` and the kernel path of `flex_attention` run."""
   with jax.named_scope("jax_flash_attention"):
     return _primitive.bind(query, key, value, operands, cfg)
+
+
+def _empty(query, p: Problem, return_residual: bool):
+  """The result of a call with no query or no key (jax.nn's): out zeros
+  [B, T, N, Hv] (a row that sees no key outputs 0), logsumexp -inf."""
+  out = jnp.zeros((p.batch, p.q_len, p.num_heads, p.value_head_dim),
+                  query.dtype)
+  lse = jnp.full((p.batch, p.q_len, p.num_heads), -jnp.inf, jnp.float32)
+  if p.unbatched:
+    out, lse = out[0], lse[0]
+  return (out, lse) if return_residual else out
 
 
 @checks.in_x64_scope
@@ -59,7 +71,9 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
       sequence axis only ([B, 1, 1, S] or [B, 1, T, 1]), becomes ids as
       lengths do: its masked tiles are skipped, and masked keys or queries
       may hold NaN.
-    scale: multiplies the scores; default 1 / sqrt(H). A static number.
+    scale: multiplies the scores; default 1 / sqrt(H). A Python number is
+      a constant of the kernels; a traced scalar multiplies the query
+      instead (the same softmax; it gets a gradient).
     is_causal: query i attends to keys j <= i, aligned top-left when T != S
       (as jax.nn does). For T=3, S=5 the visible pairs are::
 
@@ -132,6 +146,7 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
   Gradients with respect to query, key and value are deterministic (no
   atomics). Errors in the arguments are raised at trace time as ValueError.
   """
+  query, scale = checks.fold_traced_scale(query, scale)
   args = dict(bias=bias, mask=mask, scale=scale, is_causal=is_causal,
               query_seq_lengths=query_seq_lengths,
               key_value_seq_lengths=key_value_seq_lengths,
@@ -139,9 +154,12 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
               logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
               dropout_rate=dropout_rate, dropout_rng=dropout_rng,
               dropout_broadcast=dropout_broadcast, sinks=sinks)
-  spec = with_dense_kinds(masks_as_ids(prepare(query, key, value, **args)))
+  spec = prepare(query, key, value, **args)
   p = spec.problem
   _dispatch.check_options(block_sizes, version)
+  if p.batch * p.q_len * p.kv_len == 0:
+    return _empty(query, p, return_residual)
+  spec = with_dense_kinds(masks_as_ids(spec))
   plan = _dispatch.select(implementation, query, p, query.dtype,
                           mask=spec.mask, scores=spec.scores,
                           operands=spec.operands, version=version)

@@ -69,6 +69,7 @@ def flash_decode(query, key_cache=None, value_cache=None, *, kv_lengths,
   if getattr(query, "ndim", None) != 4:
     raise ValueError(f"query must have shape [batch, q_len, num_heads, "
                      f"head_dim], got {getattr(query, 'shape', None)}")
+  query, scale = checks.fold_traced_scale(query, scale)
   batch, q_len, _, head_dim = query.shape
   if paged:
     page_table = checks.int_array(

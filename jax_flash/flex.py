@@ -181,6 +181,7 @@ def flex_attention(query, key, value, score_mod: Callable | None = None,
   Returns:
     out [B, T, N, H] in query.dtype, or (out, logsumexp).
   """
+  query, scale = checks.fold_traced_scale(query, scale)
   p = checks.check_qkv(query, key, value)
   if p.unbatched:
     raise ValueError("flex_attention takes batched inputs: query "

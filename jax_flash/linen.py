@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax.linen import dtypes
 
-from jax_flash.nnx import attend, check_sow_weights
+from jax_flash.nnx import attend, check_module_options, check_sow_weights
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None,
@@ -67,6 +67,8 @@ class FlashAttention(nn.MultiHeadDotProductAttention):
   sinks: bool = False
 
   def __post_init__(self):
+    check_module_options(self.implementation, self.block_sizes)
+    _name_as_flax(self)
     if self.attention_fn is nn.dot_product_attention:
       object.__setattr__(self, "attention_fn", functools.partial(
           dot_product_attention, is_causal=self.is_causal,
@@ -90,8 +92,24 @@ class FlashAttention(nn.MultiHeadDotProductAttention):
       object.__setattr__(self, "attention_fn", attention_fn)
 
 
-# Flax names an unnamed submodule after its class (`type(m).__name__` and the
-# parent's counter for that name): reporting flax's class name gives a model
-# that swaps this in the parameter paths it had, and shares flax's counter
-# with any nn.MultiHeadDotProductAttention beside it.
-FlashAttention.__name__ = nn.MultiHeadDotProductAttention.__name__
+def _name_as_flax(module):
+  """Names an unnamed instance as flax names its own
+  (`MultiHeadDotProductAttention_0`, ... with the parent's counter for that
+  name), so the parameter paths of a model do not change when it swaps this
+  in. Flax's autonaming is internal to `Module.__post_init__`: this mirrors
+  it, and leaves flax's own naming (`FlashAttention_0`) where its internals
+  differ."""
+  try:
+    from flax.linen import module as linen_module
+    parent = module.parent
+    if parent is linen_module._unspecified_parent:
+      parent = linen_module._context.module_stack[-1]
+    if (module.name is not None or not isinstance(parent, nn.Module)
+        or parent._state.in_setup or not parent._initialization_allowed):
+      return
+    prefix = nn.MultiHeadDotProductAttention.__name__
+    cursor = parent._state.autoname_cursor.get(prefix, 0)
+    parent._state.autoname_cursor[prefix] = cursor + 1
+    object.__setattr__(module, "name", f"{prefix}_{cursor}")
+  except AttributeError:
+    return

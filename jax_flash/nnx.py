@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes
 
+from jax_flash import _dispatch
 from jax_flash.attention import flash_attention
 from jax_flash.decode import flash_decode
 
@@ -59,6 +60,17 @@ def attend(query, key, value, bias, mask, *, broadcast_dropout, dropout_rng,
       dropout_broadcast=broadcast_dropout, sinks=sinks,
       implementation=implementation, block_sizes=block_sizes)
   return out.reshape(batch_dims + out.shape[-3:])
+
+
+def check_module_options(implementation, block_sizes):
+  """A module's `implementation` and `block_sizes`, checked when it is
+  built (not at its first call)."""
+  if implementation is not None and (
+      implementation not in _dispatch.IMPLEMENTATIONS):
+    raise ValueError(f"implementation must be one of "
+                     f"{_dispatch.IMPLEMENTATIONS} or None, got "
+                     f"{implementation!r}")
+  _dispatch.check_options(block_sizes, 2)
 
 
 def check_sow_weights(module, sinks):
@@ -122,6 +134,7 @@ class FlashAttention(nnx.MultiHeadAttention):
 
   def __init__(self, *args, implementation=None, block_sizes=None,
                sinks: bool = False, attention_fn=None, **kwargs):
+    check_module_options(implementation, block_sizes)
     if attention_fn is None:
       attention_fn = functools.partial(dot_product_attention,
                                        implementation=implementation,

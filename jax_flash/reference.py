@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from jax_flash.spec import dropout
+from jax_flash.spec import checks, dropout
 from jax_flash.spec import mask as mask_lib
 from jax_flash.spec.operands import Operands
 from jax_flash.spec.problem import prepare
@@ -135,6 +135,7 @@ def reference_attention(query, key, value, bias=None, mask=None, *, scale=None,
   logsumexp [B, T, N] (natural log) when `return_residual`.
   """
   del implementation, block_sizes, version
+  query, scale = checks.fold_traced_scale(query, scale)
   spec = prepare(query, key, value, bias=bias, mask=mask, scale=scale,
                  is_causal=is_causal, query_seq_lengths=query_seq_lengths,
                  key_value_seq_lengths=key_value_seq_lengths,

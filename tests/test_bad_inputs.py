@@ -60,8 +60,8 @@ BAD = {
                                  k=_sds((B, S, K, H), I32),
                                  v=_sds((B, S, K, H), I32)),
                       "query dtype must be floating"),
-    "zero_size": (_attention(k=_sds((B, 0, K, H)), v=_sds((B, 0, K, H))),
-                  "must have no zero-sized dimension"),
+    "zero_heads": (_attention(k=_sds((B, S, 0, H)), v=_sds((B, S, 0, H))),
+                   "must have heads and head dims of size 1 or more"),
     # What the kernels take, when they are named.
     "kernel_head_dim_8": (_attention(q=_sds((B, T, N, 8)), k=_sds((B, S, K, 8)),
                                      v=_sds((B, S, K, 8))),
@@ -176,10 +176,40 @@ def test_bad_argument_raises_value_error(name):
     call()
 
 
-def test_traced_scale_is_rejected():
-  with pytest.raises(ValueError, match="scale must be a static Python number"):
-    jax.jit(lambda q, k, v, s: jax_flash.flash_attention(
-        q, k, v, scale=s, implementation=KERNEL_IMPL)).trace(Q, KV, KV, 0.5)
+def test_a_traced_scale_is_the_static_one():
+  """jax.nn takes a traced scale; so do we (it multiplies the query), with
+  its gradient; a scale of many elements is a clear error."""
+  q = jax.random.normal(jax.random.key(0), Q.shape)
+  kv = jax.random.normal(jax.random.key(1), KV.shape)
+
+  def both(scale):
+    return jax_flash.flash_attention(q, kv, kv, scale=scale,
+                                     implementation=KERNEL_IMPL)
+  assert_attention_close(jax.jit(both)(0.3), both(0.3))
+  grad = jax.grad(lambda s: jnp.sum(both(s) ** 2))(0.3)
+  ref = jax.grad(lambda s: jnp.sum(jax_flash.reference_attention(
+      q, kv, kv, scale=s) ** 2))(0.3)
+  assert_attention_close(grad, ref)
+  with pytest.raises(ValueError, match="scale must be a scalar"):
+    jax_flash.flash_attention(q, kv, kv, scale=jnp.ones(2))
+
+
+@pytest.mark.parametrize("empty", ["queries", "keys", "batch"])
+def test_empty_sequences_as_jax_nn(empty):
+  """No query, no key or no batch: jax.nn's result (zeros; a row that sees
+  no key outputs 0), logsumexp -inf, zero gradients."""
+  shapes = {"queries": ((2, 0, 4, 32), (2, 9, 2, 32)),
+            "keys": ((2, 9, 4, 32), (2, 0, 2, 32)),
+            "batch": ((0, 9, 4, 32), (0, 9, 2, 32))}[empty]
+  q, kv = (jnp.ones(s) for s in shapes)
+  out, lse = jax_flash.flash_attention(q, kv, kv, return_residual=True,
+                                       implementation=KERNEL_IMPL)
+  want = jax.nn.dot_product_attention(q, kv, kv)
+  assert out.shape == want.shape and not out.any()
+  np.testing.assert_array_equal(want, out)
+  assert lse.shape == q.shape[:3] and bool(jnp.all(lse == -jnp.inf))
+  grad = jax.grad(lambda q: jnp.sum(jax_flash.flash_attention(q, kv, kv)))(q)
+  assert grad.shape == q.shape and not grad.any()
 
 
 def test_gpu_kernels_without_gpu_are_a_clear_error():

@@ -335,3 +335,41 @@ def test_linen_sinks_in_cached_decoding():
     cache = update["cache"]
     steps.append(out)
   assert relative_error(jnp.concatenate(steps, axis=1), full) <= TOL.out
+
+
+def test_modules_reachable_from_the_package_and_flax_imported_lazily():
+  import subprocess
+  import sys
+  code = ("import sys, jax_flash; assert 'flax' not in sys.modules; "
+          "jax_flash.nnx.FlashAttention; jax_flash.linen.FlashAttention; "
+          "assert 'flax' in sys.modules")
+  result = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                          text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("kind", ["nnx", "linen"])
+def test_modules_check_their_options_when_built(kind):
+  build = {
+      "nnx": lambda **kw: jax_flash.nnx.FlashAttention(
+          num_heads=2, in_features=8, rngs=nnx.Rngs(0), **kw),
+      "linen": lambda **kw: jax_flash.linen.FlashAttention(num_heads=2, **kw),
+  }[kind]
+  with pytest.raises(ValueError, match="implementation must be one of"):
+    build(implementation="cuda")
+  with pytest.raises(ValueError, match="block_sizes must be"):
+    build(block_sizes=64)
+
+
+def test_linen_module_is_named_as_flax_names_its_own_and_reports_its_class():
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      ours = jax_flash.linen.FlashAttention(num_heads=2, implementation="xla")
+      return ours(x) + nn.MultiHeadDotProductAttention(num_heads=2)(x)
+
+  params = Model().init(jax.random.key(0), jnp.ones((1, 4, 32)))["params"]
+  assert sorted(params) == ["MultiHeadDotProductAttention_0",
+                            "MultiHeadDotProductAttention_1"]
+  assert type(jax_flash.linen.FlashAttention(num_heads=2)).__name__ == (
+      "FlashAttention")

@@ -71,9 +71,10 @@ def check_qkv(query, key, value) -> Problem:
     raise ValueError(f"key head_dim {kh} must equal query head_dim {h} "
                      f"(query {tuple(query.shape)}, key {tuple(key.shape)})")
   hv = vs[-1]
-  if min(t, s, n, k, h, hv) < 1:
-    raise ValueError(f"query {tuple(query.shape)} and key {tuple(key.shape)} "
-                     "must have no zero-sized dimension")
+  if min(n, k, h, hv) < 1:
+    raise ValueError(f"query {tuple(query.shape)}, key {tuple(key.shape)} "
+                     f"and value {tuple(value.shape)} must have heads and "
+                     "head dims of size 1 or more")
   if n % k:
     raise ValueError(
         f"key num_kv_heads={k} must divide query num_heads={n} "
@@ -86,6 +87,23 @@ def check_qkv(query, key, value) -> Problem:
   if not jnp.issubdtype(query.dtype, jnp.floating):
     raise ValueError(f"query dtype must be floating point, got {query.dtype}")
   return Problem(b, t, s, n, k, h, unbatched, hv)
+
+
+def fold_traced_scale(query, scale):
+  """(query, scale). A traced scale (jax.nn takes one; the kernels' is a
+  compile-time constant) multiplies the query instead, since
+  softmax((s q) k^T) = softmax(s (q k^T)), and the static scale becomes 1;
+  its gradient flows through that product. A static scale (a Python or
+  numpy number) is returned as it is."""
+  if scale is None or isinstance(scale, (int, float, np.number, np.ndarray)):
+    return query, scale
+  if jnp.ndim(scale) != 0:
+    raise ValueError(f"scale must be a scalar, got shape {jnp.shape(scale)}")
+  if not jnp.issubdtype(jnp.result_type(scale), jnp.floating) and (
+      not jnp.issubdtype(jnp.result_type(scale), jnp.integer)):
+    raise ValueError(f"scale must be a real number, got {scale!r}")
+  scaled = query * jnp.asarray(scale, jnp.float32)
+  return scaled.astype(query.dtype), 1.0
 
 
 def check_scale(scale, head_dim: int) -> float:
