@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 benchmarks/mosaic_tune.py [--head-dims 64 128]
         [--seq-len 8192] [--modes fwd bwd] [--candidates JSON] [--out DIR]
-        [--calls 10] [--repeats 3]
+        [--runs 10] [--repeats 3]
 
 bf16, 16k tokens (batch = 16384 / seq), hidden 2048, causal and not. For each
 (head dim, causal, mode): cuDNN, then the Mosaic kernels under every

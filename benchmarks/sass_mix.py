@@ -1,4 +1,4 @@
-"""Static instruction mix of the kernels in a SASS dump (issue 12's
+"""Static instruction mix of the kernels in a SASS dump (the Mosaic-forward goal's
 attribution of the Mosaic forward against cuDNN).
 
     MOSAIC_GPU_DUMP_TO=/tmp/dump python ...   # NAME.ptx (.sass) per module

@@ -41,7 +41,7 @@ mkdir -p "$OUT"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 PYTHONPATH=.
 # The tests compile XLA's own programs (the float32 reference, its gradient)
 # without autotuning their matmuls: with it, one Mosaic test took 30.8 s
-# against 5.9 s without (H200, 2026-11-30, session 7), and 16 workers
+# against 5.9 s without (H200, 2026-11-30, the Mosaic tests, head dim 512 runs), and 16 workers
 # autotuning on one GPU cut every run short. Benchmarks keep autotuning.
 TEST_XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0"
 if [ -d .whl ]; then  # tokamax for the benchmark (scripts/tokamax_wheels.sh).
@@ -208,7 +208,7 @@ for mode in "$@"; do
       done
       ;;
     persistent)
-      # The persistent forward (thirteenth session: items query tiles
+      # The persistent forward (persistent forward in L2 order runs (2026-12-01): items query tiles
       # fastest, `persistent_order`): its GPU tests, then against one CTA
       # an item at 1k-16k, head dims 64 and 128 (96 and 256 at 4k and 16k),
       # in batches of about 20 ms (PERSISTENT_SEQ_LENS to choose).
@@ -237,7 +237,7 @@ for line in sys.stdin:
       done
       ;;
     profile)
-      # Where the Mosaic forward's time goes at 2k (issue 12's short
+      # Where the Mosaic forward's time goes at 2k (the Mosaic-forward goal's short
       # sequences): Mosaic GPU's profiler over its named regions (q_load,
       # tiles with k_wait and v_wait a tile, epilogue) and the CTAs' start
       # times; head dims 64 and 128, causal and not. Each is launched 5
@@ -275,8 +275,8 @@ for h in map(int, '${PROFILE_HEAD_DIMS:-64 128}'.split()):
       done
       ;;
     pending)
-      # The fifteenth session's plan for the next (benchmarks/NOTES.md, "For
-      # the next GPU session (written 2026-12-01, fifteenth session)"): the
+      # The 80-row tiles runs' (2026-12-01) plan for the next (benchmarks/NOTES.md, "For
+      # the next GPU runs (written 2026-12-01, after the 80-row tiles runs)"): the
       # test files not run since head dim 192 took 96-row tiles, and the
       # persistent cases (one now on the dispatch's 128-key tiles; ~4 min).
       for tests in "tests/test_variants.py tests/test_decode.py" \
@@ -325,7 +325,7 @@ for h in map(int, '${PROFILE_HEAD_DIMS:-64 128}'.split()):
       ;;
     ptxas)
       # ptxas's register and spill report of the Mosaic forward and backward
-      # kernels (issue 12's attribution), 8k, bf16, per head dim.
+      # kernels (the Mosaic-forward goal's attribution), 8k, bf16, per head dim.
       for h in 64 128 192 256; do
         MOSAIC_GPU_DUMP_PTXAS=1 timeout 120 python3 -c "
 import jax, jax.numpy as jnp, jax_flash
@@ -338,7 +338,7 @@ jax.jit(jax.grad(f)).lower(q).compile()" > "$OUT/ptxas_h$h.log" 2>&1
       done
       ;;
     sass)
-      # The Mosaic kernels' PTX for their static instruction mix (issue 12's
+      # The Mosaic kernels' PTX for their static instruction mix (the Mosaic-forward goal's
       # attribution): 8k, bf16, causal forward and backward, head dims 128,
       # 64 and 256, and tokamax's Mosaic attention at 128 beside them, dumped
       # by MOSAIC_GPU_DUMP_TO (NAME.ptx and ptxas's report NAME.ptxas per

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Fetches tokamax and the pure-Python packages it imports that the GPU
-# machine lacks, into .whl/ (ignored by git; carry it with the device call),
+# machine lacks, into .whl/ (ignored by git; carry it with the GPU run),
 # and a stub of xprof (tokamax imports it for its own profiling only; the
 # real one is ~100 MB with its dependencies). On the GPU machine
 # scripts/gpu_check.sh installs them when .whl/ is there. Import checked on

@@ -80,7 +80,7 @@ def mod_primitives_missing(mask: Mask, scores: Scores) -> set:
 def split_kv_heads(q_len: int, num_heads: int, num_kv_heads: int) -> int:
   """KV heads a tile of the split-KV kernel: all of them (a tile is a
   contiguous run of the cache: 0.5-2% faster than one head's rows at batch
-  64, benchmarks/NOTES.md, sixteenth session) where every query row fits one
+  64, benchmarks/NOTES.md, Mosaic split-KV decode runs (2026-12-01)) where every query row fits one
   CTA and K divides a tile's rows; otherwise one."""
   rows = num_heads * q_len
   if rows <= flash_decode.ROWS and flash_decode.BLOCK_K % num_kv_heads == 0:

@@ -206,17 +206,17 @@ class BlockSizes:
                   fused_dq: bool = False, band_only: bool = False,
                   kv_len: int | None = None) -> "BlockSizes":
     """Per head dim and causality, from the sweep in
-    benchmarks/results/2026-11-30-h200-session4/mosaic_tune.json (bf16, 8k,
+    benchmarks/results/2026-11-30-h200-mosaic-backward-tokamax/mosaic_tune.json (bf16, 8k,
     one run; `benchmarks/mosaic_tune.py`).
 
     Forward: 64-row consumer tiles, K/V tiles of 256 rows at head dim 64
     (0.92x cuDNN non-causal against 0.88x with 128), but 128 causal up to
     SHORT_KV_LEN keys (`kv_len`; the persistent forward at 1k / 2k 279 / 343
     TFLOP/s against 215 / 327 with 256, at 3k / 4k / 16k 369 / 375 / 418
-    against 373 / 384 / 454: .../2026-12-01-h200-session14/pending/,
+    against 373 / 384 / 454: .../2026-12-01-h200-short-kv-tiles/pending/,
     h64_3072/ and default_8c60781/), 128 at 128, 96 at 192 (against 64:
     +5-9% non-causal, +1-11% causal at 2k-16k; 112 fits too but was slower
-    causal, 80 within 1% at 4k: .../2026-12-01-h200-session15/), at 256 the
+    causal, 80 within 1% at 4k: .../2026-12-01-h200-80-row-tiles/), at 256 the
     largest that fit shared memory: 64, or 80 above LONG_KV_LEN keys (80
     against 64 in two runs: at 8k +0.1 / +1.6% non-causal, -0.1 / +1.5%
     causal, at 16k +2.0 / +2.3%, +4.4 / +2.1%; at 2k and 4k -1 to -3%:
@@ -230,12 +230,12 @@ class BlockSizes:
     3 backward stages at head dim 64 (forward+backward 1.004 / 1.037x
     cuDNN at 16k against 0.94 / 0.97x with 2), 2 at 128 (with 3 ptxas
     spills 388 bytes and causal forward+backward loses 19%):
-    benchmarks/results/2026-12-01-h200-session11/fused_410603f.json.
+    benchmarks/results/2026-12-01-h200-backward-options-persistent/fused_410603f.json.
 
     `persistent` for a call with no mask but causality (`band_only`: the
     schedule weighs its items by the band) at PERSISTENT_HEAD_DIMS: with
     items query tiles fastest, one `mosaic_tune.py` sweep at 1k-16k
-    (benchmarks/results/2026-12-01-h200-session13/persistent/) had it
+    (benchmarks/results/2026-12-01-h200-persistent-l2-order/persistent/) had it
     faster than one CTA an item in 20 of the 24 cases at these head dims
     (up to +10%, head dim 128 16k non-causal); of the other four, two were
     faster in both later runs that measured them (128 at 1k non-causal

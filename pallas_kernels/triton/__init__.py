@@ -109,7 +109,7 @@ class TritonBackend:
     cache is first gathered into a contiguous one by XLA (a copy of the
     cache, linear in its length): reading the pages through the table inside
     the kernel measured 0.68-0.70x of a contiguous cache on the H200 (a
-    2048-token chunk against 32k, results/2026-11-30-h200-session5/).
+    2048-token chunk against 32k, results/2026-11-30-h200-flex-paged-train/).
     """
     if q.shape[1] > config.SPLIT_KV_MAX_QUERIES:
       k, v, mask, operands, problem = decode_as_forward(

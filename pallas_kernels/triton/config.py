@@ -73,7 +73,7 @@ class BlockSizes:
     hp = padded_head_dim(head_dim)
     if hp > 256:
       # Head dims 257..512 (padded to 512; Gemma-style global layers), 8k
-      # non-causal bf16 (results/2026-11-30-h200-session7/tune_h512.json):
+      # non-causal bf16 (results/2026-11-30-h200-mosaic-tests-head-dim-512/tune_h512.json):
       # forward 64x32 tiles, 8 warps, 2 stages, 173 TFLOP/s against 55 for
       # 32x16 in one stage; backward 32x32 tiles with 8 warps, 68 against
       # 29 for 16x16. float32 and the FlashAttention-1 forward (more tiles
@@ -90,7 +90,7 @@ class BlockSizes:
     if np.dtype(dtype).itemsize >= 4:
       # float32 runs full-precision dots on CUDA cores: small tiles that fit
       # shared memory. Not tuned: they pass the H200 suite
-      # (results/2026-11-30-h200-session2/gpu_tests_run1.log); nobody times
+      # (results/2026-11-30-h200-dense-decode-ring/gpu_tests_run1.log); nobody times
       # float32 attention against bf16.
       if hp <= 64:
         return cls(block_q=64, block_k=64, block_q_dkv=32, block_k_dq=32)
@@ -103,7 +103,7 @@ class BlockSizes:
     # Head dims up to 128: 128-row query tiles, the backward's 64x64 tiles with
     # 4 warps and 2 stages (the class defaults). What they reach against cuDNN
     # at 1k-16k: results/2026-11-30-h200/sweep.md, at 8k:
-    # results/2026-11-30-h200-session2/dense_8k.md. No sweep of alternatives
+    # results/2026-11-30-h200-dense-decode-ring/dense_8k.md. No sweep of alternatives
     # at these head dims is kept in this repository yet (benchmarks/tune.py
     # takes --head-dim 64/128 for one).
     if hp <= 64:
@@ -113,7 +113,7 @@ class BlockSizes:
         return cls(block_q=128, block_k=64, num_warps=4, num_stages=2)
       return cls(block_q=128, block_k=128, num_warps=8, num_stages=3)
     # Head dims 160..256 (padded to 256), 8k non-causal
-    # (results/2026-11-30-h200-session2/tune_h256.json): forward 128x64 tiles
+    # (results/2026-11-30-h200-dense-decode-ring/tune_h256.json): forward 128x64 tiles
     # with 8 warps and 2 stages, 436 TFLOP/s against 316 for 64x64/4 warps
     # (3 stages of 128-row tiles overflow shared memory); backward 64x64
     # tiles with 8 warps and 1 stage, 160 TFLOP/s against 100 for 32/64 tiles
@@ -122,7 +122,7 @@ class BlockSizes:
     if version == 1:
       # The FlashAttention-1 forward keeps more tiles in shared memory: 128x64
       # overflows it at this head dim (327680 of 232448 bytes,
-      # results/2026-11-30-h200-session2/gpu_tests_run3_h256_failure.txt).
+      # results/2026-11-30-h200-dense-decode-ring/gpu_tests_run3_h256_failure.txt).
       return cls(block_q=64, block_k=64, num_warps=4, num_stages=2,
                  **backward)
     return cls(block_q=128, block_k=64, num_warps=8, num_stages=2, **backward)
@@ -180,7 +180,7 @@ def decode_blocks(head_dim: int, kv_len: int, page_size: int | None = None
 
   H200 measurements (bf16, 16 query / 4 KV heads of 128; pages shuffled;
   `benchmarks/decode_tune.py`, with `decode_splits` rounding down:
-  results/2026-12-01-h200-session12/decode_tune_*_floor.jsonl; times at
+  results/2026-12-01-h200-profile-decode-splits/decode_tune_*_floor.jsonl; times at
   batch 8 x 32k / 8 x 128k / 64 x 8k):
   - Contiguous: key tiles of 64 rows up to head dim 256, 32 above, never
     more than the cache; 2 stages, 4 programs a multiprocessor: 138 / 501
@@ -193,11 +193,11 @@ def decode_blocks(head_dim: int, kv_len: int, page_size: int | None = None
   - 16 tokens: four pages a 64-row tile, each read and multiplied on its
     own (`page_dots`), 3 stages, ids a tile ahead, 2 programs a
     multiprocessor: 0.97 / 0.98x of contiguous at batch 8 / 64 x 32k
-    (one run, results/2026-12-01-h200-session13/page_dots/; with 2 stages
+    (one run, results/2026-12-01-h200-persistent-l2-order/page_dots/; with 2 stages
     and 4 programs 0.94 / 0.95x), where one gathered load of the four pages
-    was 0.92 / 0.90x in the same run (151 / 553 / 281 us last session;
+    was 0.92 / 0.90x in the same run (151 / 553 / 281 us the runs before;
     2 or 4 stages 0.72-0.85x). Ids read in the tile's own iteration cost
-    0.74 / 0.70x before (session 9: the loads wait on the id read).
+    0.74 / 0.70x before (tile kinds, paged decode, SASS runs: the loads wait on the id read).
   """
   hp = padded_head_dim(head_dim)
   tile = min(64 if hp <= 256 else 32,
