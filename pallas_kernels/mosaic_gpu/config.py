@@ -205,43 +205,16 @@ class BlockSizes:
   def get_default(cls, head_dim: int, is_causal: bool = False,
                   fused_dq: bool = False, band_only: bool = False,
                   kv_len: int | None = None) -> "BlockSizes":
-    """Per head dim and causality, from the sweep in
-    benchmarks/results/2026-11-30-h200-mosaic-backward-tokamax/mosaic_tune.json (bf16, 8k,
-    one run; `benchmarks/mosaic_tune.py`).
+    """The default tiles for a head dim, causality and key length.
 
-    Forward: 64-row consumer tiles, K/V tiles of 256 rows at head dim 64
-    (0.92x cuDNN non-causal against 0.88x with 128), but 128 causal up to
-    SHORT_KV_LEN keys (`kv_len`; the persistent forward at 1k / 2k 279 / 343
-    TFLOP/s against 215 / 327 with 256, at 3k / 4k / 16k 369 / 375 / 418
-    against 373 / 384 / 454: .../2026-12-01-h200-short-kv-tiles/pending/,
-    h64_3072/ and default_8c60781/), 128 at 128, 96 at 192 (against 64:
-    +5-9% non-causal, +1-11% causal at 2k-16k; 112 fits too but was slower
-    causal, 80 within 1% at 4k: .../2026-12-01-h200-80-row-tiles/), at 256 the
-    largest that fit shared memory: 64, or 80 above LONG_KV_LEN keys (80
-    against 64 in two runs: at 8k +0.1 / +1.6% non-causal, -0.1 / +1.5%
-    causal, at 16k +2.0 / +2.3%, +4.4 / +2.1%; at 2k and 4k -1 to -3%:
-    power-of-two lengths end in a partial 80-row tile); 2 stages (3
-    gained nothing).
-    Backward: 64-row tiles, except dQ's K/V tiles of 128 rows at head dim 64
-    and at 128 non-causal (0.94 / 0.98x cuDNN against 0.90 / 0.96x; 128 lost
-    1% at 128 causal); 128-row query tiles in dK/dV spill (0.50-0.65x).
-
-    `fused_dq` (head dims 64, 128; opt-in, dQ not bitwise deterministic):
-    3 backward stages at head dim 64 (forward+backward 1.004 / 1.037x
-    cuDNN at 16k against 0.94 / 0.97x with 2), 2 at 128 (with 3 ptxas
-    spills 388 bytes and causal forward+backward loses 19%):
-    benchmarks/results/2026-12-01-h200-backward-options-persistent/fused_410603f.json.
-
-    `persistent` for a call with no mask but causality (`band_only`: the
-    schedule weighs its items by the band) at PERSISTENT_HEAD_DIMS: with
-    items query tiles fastest, one `mosaic_tune.py` sweep at 1k-16k
-    (benchmarks/results/2026-12-01-h200-persistent-l2-order/persistent/) had it
-    faster than one CTA an item in 20 of the 24 cases at these head dims
-    (up to +10%, head dim 128 16k non-causal); of the other four, two were
-    faster in both later runs that measured them (128 at 1k non-causal
-    and 2k causal: .../readahead/) and two within 2% (128 4k and 64 16k,
-    non-causal). At 256 (one Q buffer) +5% at 4k but -6% at 16k
-    non-causal: off.
+    Forward: 64-row consumer tiles; K/V tiles of 256 rows at head dim 64
+    (128 causal up to SHORT_KV_LEN keys), 128 at 65-128, 96 at 129-192, 64
+    at 193-256 (80 above LONG_KV_LEN keys); 2 stages. Backward: 64-row
+    tiles, dQ's K/V tiles 128 rows at head dim 64 and at 65-128 non-causal.
+    `fused_dq` (head dims 64, 128): 3 backward stages at 64, 2 at 128.
+    `persistent` for a call whose mask is at most causal (`band_only`) at
+    PERSISTENT_HEAD_DIMS. Measurements behind each choice: benchmarks/NOTES.md,
+    "The Mosaic GPU block-size defaults".
     """
     if head_dim > 192:
       long = kv_len is not None and kv_len > LONG_KV_LEN

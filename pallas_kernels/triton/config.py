@@ -176,28 +176,13 @@ class DecodeBlocks:
 
 def decode_blocks(head_dim: int, kv_len: int, page_size: int | None = None
                   ) -> DecodeBlocks:
-  """The decode kernel's tiling for a cache of kv_len positions.
-
-  H200 measurements (bf16, 16 query / 4 KV heads of 128; pages shuffled;
-  `benchmarks/decode_tune.py`, with `decode_splits` rounding down:
-  results/2026-12-01-h200-profile-decode-splits/decode_tune_*_floor.jsonl; times at
-  batch 8 x 32k / 8 x 128k / 64 x 8k):
-  - Contiguous: key tiles of 64 rows up to head dim 256, 32 above, never
-    more than the cache; 2 stages, 4 programs a multiprocessor: 138 / 501
-    / 259 us (2 programs: 149 / 535 / 269; 3 stages with 4 programs
-    overrun the resident programs: 155 / 570 / 289).
-  - 64 tokens a page or more: one page a tile (or part of one), as
-    contiguous.
-  - 32 tokens: one page a 32-row tile, 3 stages, page ids read a tile
-    ahead, 4 programs a multiprocessor: 0.98-0.99x of contiguous.
-  - 16 tokens: four pages a 64-row tile, each read and multiplied on its
-    own (`page_dots`), 3 stages, ids a tile ahead, 2 programs a
-    multiprocessor: 0.97 / 0.98x of contiguous at batch 8 / 64 x 32k
-    (one run, results/2026-12-01-h200-persistent-l2-order/page_dots/; with 2 stages
-    and 4 programs 0.94 / 0.95x), where one gathered load of the four pages
-    was 0.92 / 0.90x in the same run (151 / 553 / 281 us the runs before;
-    2 or 4 stages 0.72-0.85x). Ids read in the tile's own iteration cost
-    0.74 / 0.70x before (tile kinds, paged decode, SASS runs: the loads wait on the id read).
+  """The decode kernel's tiling for a cache of kv_len positions: key tiles
+  of 64 rows (32 above head dim 256, never more than the cache), 2 stages,
+  4 programs a multiprocessor; pages of 64 tokens or more as contiguous;
+  32-token pages a 32-row tile in 3 stages, ids read a tile ahead;
+  16-token pages four a 64-row tile, each its own load and matmul
+  (`page_dots`), 2 programs a multiprocessor. Measurements:
+  benchmarks/NOTES.md, "The Triton decode tiling".
   """
   hp = padded_head_dim(head_dim)
   tile = min(64 if hp <= 256 else 32,
