@@ -28,6 +28,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax._src import config as jax_config  # shard_map's vma checks.
+from jax._src import core as jax_core
 from jax._src import dispatch  # The registry of device-bound lowerings.
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
@@ -219,12 +221,17 @@ flash_backward_p, flash_backward_partitioned_p = _twins(
 
 
 def _scoped(rule):
-  """A lowering rule run in the call's `x64_scope`: the kernels' lowering
-  (the Pallas interpreter's, Triton's, Mosaic GPU's) makes index constants
-  of Python ints."""
+  """A lowering rule run in the call's `x64_scope` (the kernels' lowering,
+  the Pallas interpreter's, Triton's and Mosaic GPU's, makes index
+  constants of Python ints) and without shard_map's checks of how values
+  vary over manual axes (the call is per device whole: its loops start
+  from constants, as Pallas kernels' do, which it checks without either)."""
   def lowering(ctx, *args, **params):
-    with x64_scope(ctx.avals_in[0]):
-      return rule(ctx, *args, **params)
+    avals = [a.update(manual_axis_type=jax_core.empty_mat)
+             if isinstance(a, jax_core.ShapedArray) else a
+             for a in ctx.avals_in]
+    with x64_scope(ctx.avals_in[0]), jax_config._check_vma(False):
+      return rule(ctx.replace(avals_in=avals), *args, **params)
   return lowering
 
 

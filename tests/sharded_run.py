@@ -53,6 +53,18 @@ def main(num_kv_heads):
                                     implementation="interpret")
   np.testing.assert_array_equal(outs[0], out)
   np.testing.assert_array_equal(outs[1], minus)
+  # Inside shard_map (its checks of varying values on): each device's
+  # block, forward and gradient, as the whole call computes it.
+  per_device = jax.shard_map(
+      lambda q, k, v: jax_flash.flash_attention(
+          q, k, v, is_causal=True, implementation="interpret"),
+      mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+  grad_q = lambda f: jax.grad(lambda q: jnp.sum(f(q, k, v) * do))(q)
+  whole = lambda q, k, v: jax_flash.flash_attention(
+      q, k, v, is_causal=True, implementation="interpret")
+  np.testing.assert_array_equal(jax.jit(per_device)(q, k, v), out)
+  np.testing.assert_allclose(jax.jit(lambda q: grad_q(per_device))(q),
+                             grad_q(whole), rtol=1e-5, atol=1e-5)
   if num_kv_heads % 4 == 0:  # Heads shard whole GQA groups: all local.
     assert gathers == 0, gathers
     assert tuple(out_s.sharding.spec)[:3] == ("data", None, "model")
