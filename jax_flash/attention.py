@@ -94,7 +94,7 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
       skipped. Ids must be > -2**31 + 1 (the two lowest are padding).
     logits_soft_cap: float c > 0; logits become c * tanh(logits / c) (before
       ALiBi, bias and masking), forward and backward.
-    alibi_slopes: float [N] or [B, N]; adds -slope * |i - j| to the logits,
+    alibi_slopes: float [N] or [B, N]; adds -slope * abs(i - j) to the logits,
       computed in the kernel. Treated as constants (no gradient).
     dropout_rate, dropout_rng: dropout on the attention probabilities with a
       static rate in [0, 1) and a jax.random key. The keep bits come from a

@@ -117,11 +117,11 @@ def reference_attention(query, key, value, bias=None, mask=None, *, scale=None,
                         dropout_broadcast=False, sinks=None,
                         return_residual=False, implementation=None,
                         block_sizes=None, version=2):
-  """softmax(logits, masked) V, with the signature of `flash_attention`.
+  """softmax(logits, masked) V, with the signature of `flash_attention`::
 
       logits = scale * Q K^T
       logits = cap * tanh(logits / cap)           (logits_soft_cap)
-      logits = logits - slope[b, n] * |i - j|     (alibi_slopes)
+      logits = logits - slope[b, n] * abs(i - j)  (alibi_slopes)
       logits = logits + bias                      (bias)
       P      = exp(logits) / (sum_j exp(logits_j) + exp(sinks[n]))
       P      = P * keep / (1 - dropout_rate)      (dropout: the keep bits of

@@ -14,7 +14,7 @@ import pytest
 HERE = os.path.dirname(__file__)
 
 
-@pytest.mark.parametrize("num_kv_heads", [8, 4, 2, 1])
+@pytest.mark.parametrize("num_kv_heads", [4, 1])
 def test_sharded_over_batch_and_heads(num_kv_heads):
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              PYTHONPATH=os.pathsep.join([os.path.dirname(HERE)] + sys.path))
