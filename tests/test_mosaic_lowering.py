@@ -20,7 +20,7 @@ import jax_flash
 from jax_flash.spec.checks import Problem
 from jax_flash.spec.mask import Mask, kv_block_ranges
 from pallas_kernels.mosaic_gpu import MosaicGpuBackend
-from pallas_kernels.mosaic_gpu import flash_fwd
+from pallas_kernels.mosaic_gpu import flash_fwd, tiles
 from pallas_kernels.mosaic_gpu import config
 
 H200 = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
@@ -700,7 +700,7 @@ def test_swizzle_of_a_tile_follows_its_contracted_rows():
   """V's tile for P V (`smem_transforms(..., rows)`): the widest swizzle
   whose elements divide both its rows and head dim."""
   def swizzle(minor, rows=None):
-    return flash_fwd.smem_transforms(jnp.bfloat16, minor, rows)[1].swizzle
+    return tiles.smem_transforms(jnp.bfloat16, minor, rows)[1].swizzle
   assert swizzle(256) == swizzle(256, 128) == swizzle(256, 64) == 128
   assert swizzle(256, 80) == 32 and swizzle(256, 96) == 64
   assert swizzle(96, 128) == 64
@@ -794,13 +794,13 @@ def test_mosaic_head_dims_96_and_192_lower_unpadded(head_dim, causal):
 
 @pytest.mark.parametrize("transposed", [False, True])
 def test_mosaic_range_table_of_a_mask_mod_and_ids(transposed):
-  """`flash_fwd.range_table` (the Mosaic kernels' tile ranges, on the CPU:
+  """`tiles.range_table` (the Mosaic kernels' tile ranges, on the CPU:
   plain XLA): a mask_mod's kinds intersected with segment ids' ranges; every
   visible pair's tile is visited, every tile of the full range is wholly
   visible, the rows the kernel pads with are empty."""
   import numpy as np
   from jax_flash.spec import mask as mask_lib
-  from pallas_kernels.mosaic_gpu.flash_fwd import range_table
+  from pallas_kernels.mosaic_gpu.tiles import range_table
   b, t, s, rows, cols = 2, 200, 300, 64, 32
   mod = lambda _b, _h, q, k: (q >= k) | (k < 40)
   block_mask = jax_flash.create_block_mask(mod, None, None, t, s,

@@ -106,7 +106,7 @@ class BlockSizes:
   varies from run to run, so dQ is not bitwise deterministic: opt-in.
   `block_kv` may be a multiple of 16 rather than 64 (80: FA3's tile at
   head dim 256, the largest two stages of which fit beside its Q tiles):
-  V's tile then takes a narrower swizzle (`flash_fwd.smem_transforms`) and
+  V's tile then takes a narrower swizzle (`tiles.smem_transforms`) and
   the forward no reduction scratch (`reduction_scratch`); tile kinds (a
   mask_mod's, a dense mask's) are regridded to them (`mask._regrid`). The
   defaults at head dims 192 (96 rows) and 256 (80 above LONG_KV_LEN keys).

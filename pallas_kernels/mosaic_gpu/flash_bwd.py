@@ -50,13 +50,12 @@ from jax_flash.spec.padding import pad_pairs, pad_to, round_up
 from jax_flash.spec.scores import Scores
 from pallas_kernels.mosaic_gpu.config import (FUSED_DQ_HEAD_DIMS, BlockSizes,
                                               compiler_params, fused_dq_columns)
-from pallas_kernels.mosaic_gpu.flash_fwd import (COL, COMPUTE_WGS, ROW,
-                                                 dropped, load_ids,
-                                                 needs_positions, pad_ids,
-                                                 pair_tile,
-                                                 range_table, cta_row_tile,
-                                                 smem_transforms,
-                                                 split_refs, table_ranges)
+from pallas_kernels.mosaic_gpu.tiles import (COL, COMPUTE_WGS, ROW,
+                                             cta_row_tile, dropped, load_ids,
+                                             needs_positions, pad_ids,
+                                             pair_tile, range_table,
+                                             smem_transforms, split_refs,
+                                             table_ranges)
 
 
 def _meet(barrier):

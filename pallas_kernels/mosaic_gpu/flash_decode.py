@@ -43,8 +43,8 @@ from jax_flash.spec.padding import pad_to
 from jax_flash.spec.scores import Scores
 from pallas_kernels.mosaic_gpu import config
 from pallas_kernels.mosaic_gpu.config import compiler_params
-from pallas_kernels.mosaic_gpu.flash_fwd import (await_last_releases,
-                                                smem_transforms)
+from pallas_kernels.mosaic_gpu.tiles import (await_last_releases,
+                                             smem_transforms)
 
 ROWS = 64  # wgmma's rows: the most query rows a CTA takes.
 BLOCK_K = 64  # Cache rows a K/V tile by default.

@@ -1,0 +1,165 @@
+"""The Mosaic GPU kernels' shared tile work: what the forward, the backward and
+the decode kernel each do with a tile of refs.
+
+Layouts of a consumer warpgroup's values (`ROW`, `COL`), shared-memory
+swizzles (`smem_transforms`), the tile ranges a CTA's row tile visits
+(`cta_row_tile`, `table_ranges`, `range_table`: the band's intersected with
+a mask_mod's or the ids' table), tiles of a per-(query, key) operand
+(`pair_tile`), ids (`load_ids`, `pad_ids`), dropout (`needs_positions`,
+`dropped`), the kernels' refs split into inputs, extras and outputs
+(`split_refs`), and a producer's wait on the last releases of its ring
+(`await_last_releases`). Built on the backend-neutral `jax_flash.spec`.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jax_flash.spec import dropout
+from jax_flash.spec.mask import (KV_PAD_ID, Q_PAD_ID, Mask, id_block_table,
+                                  intersect_ranges, intersect_tables,
+                                  kinds_block_table, without_full_tiles)
+from jax_flash.spec.padding import pad_to
+from jax_flash.spec.scores import Scores
+
+COMPUTE_WGS = 2
+ROW = plgpu.Layout.WGMMA.reduce(1)  # One value per row of a wgmma tile.
+COL = plgpu.Layout.WGMMA.reduce(0)  # One value per column.
+
+
+def await_last_releases(loaded, stages: int, *free):
+  """A producer's wait, after its last load, on the consumers' release of
+  each of the last `stages` slots of `loaded` (traced) tiles, for each
+  barrier array in `free`: every completion of a barrier is waited."""
+  for i in range(stages):
+    last = loaded - stages + i
+
+    @pl.when(last >= 0)
+    def _():
+      slot = lax.rem(last, stages)
+      for barrier in free:
+        plgpu.barrier_wait(barrier.at[slot])
+
+
+def smem_transforms(dtype, minor_dim: int, rows: int | None = None):
+  """Tiling and swizzle for a [rows, minor_dim] tile read by wgmma; with
+  `rows`, for the right operand of a matmul over them (P V: wgmma wants its
+  contracted dim a multiple of the swizzle's elements), the largest swizzle
+  whose elements divide both (32 bytes for 80-row tiles)."""
+  itemsize = jnp.dtype(dtype).itemsize
+  swizzle = plgpu.find_swizzle(minor_dim * itemsize * 8)
+  while rows is not None and rows % (swizzle // itemsize):
+    swizzle //= 2
+  elems = swizzle // itemsize
+  return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
+
+
+def cta_row_tile(mask: Mask, axis: str, num_tiles: int):
+  """The row tile a CTA owns, from its index along grid axis `axis` (of
+  `num_tiles`): reversed under a causal mask, so the tiles that see the
+  most key tiles start first and the last wave of CTAs holds short ones
+  (the hardware starts CTAs in grid order; tokamax does the same)."""
+  index = lax.axis_index(axis)
+  return num_tiles - 1 - index if mask.is_causal else index
+
+
+def table_ranges(mask: Mask, ranges, table_ref, batch, row_tile):
+  """`ranges` (lo, full_lo, full_hi, hi) intersected with row `row_tile` of
+  a range table ref [Bm, row tiles, 4] (`range_table`; Bm is 1 or B), read
+  as scalars from global memory (`ranges` itself without a table); no tile
+  full with a dense mask."""
+  if table_ref is not None:
+    b = batch if table_ref.shape[0] > 1 else 0
+    ranges = intersect_ranges(ranges, tuple(table_ref[b, row_tile, c]
+                                            for c in range(4)))
+  return without_full_tiles(mask, ranges)
+
+
+def pair_tile(ref, batch, head, rows, cols):
+  """ref[batch, head, rows, cols] (a `pad_pairs` ref in global memory) as a
+  [rows, cols] tile in the wgmma layout: each dim of 1 broadcast, a row or
+  column vector loaded once and broadcast in registers."""
+  b = batch if ref.shape[0] > 1 else 0
+  h = head if ref.shape[1] > 1 else 0
+  shape = (rows.size, cols.size)
+  if ref.shape[2] > 1 and ref.shape[3] > 1:
+    return plgpu.load(ref.at[b, h, rows, cols], layout=plgpu.Layout.WGMMA,
+                      optimized=False)
+  if ref.shape[2] > 1:  # One value per row.
+    x = plgpu.load(ref.at[b, h, rows, 0], layout=ROW, optimized=False)
+    return lax.broadcast_in_dim(x, shape, [0])
+  if ref.shape[3] > 1:  # One value per column.
+    x = plgpu.load(ref.at[b, h, 0, cols], layout=COL, optimized=False)
+    return lax.broadcast_in_dim(x, shape, [1])
+  return plgpu.layout_cast(jnp.full(shape, ref[b, h, 0, 0]),
+                           plgpu.Layout.WGMMA)
+
+
+def split_refs(refs, num_inputs: int, extras):
+  """A kernel's refs as (inputs, extras' refs, outputs): `extras` are the
+  optional inputs after the first num_inputs, None for those absent (their
+  ref is then None)."""
+  inputs, rest = refs[:num_inputs], iter(refs[num_inputs:])
+  extra_refs = tuple(None if x is None else next(rest) for x in extras)
+  return inputs, extra_refs, tuple(rest)
+
+
+def load_ids(ids_ref, batch, start, size: int, layout):
+  """ids_ref[batch, start:start + size] (int32, global memory) in `layout`
+  (ROW or COL of a wgmma tile), or None without ids."""
+  if ids_ref is None:
+    return None
+  return plgpu.load(ids_ref.at[batch, pl.ds(start, size)], layout=layout,
+                    optimized=False)
+
+
+def needs_positions(mask: Mask, scores: Scores) -> bool:
+  """Whether every tile (not only boundary ones) needs its rows' and
+  columns' positions: for a mask_mod, a score_mod, ALiBi or dropout."""
+  return (mask.mod is not None or scores.mod is not None or scores.alibi
+          or scores.dropout)
+
+
+def dropped(x, scores: Scores, seed_ref, batch, head, rows, cols):
+  """x * keep / (1 - rate) (`dropout.dropped`, the bits of every backend)
+  for query head `head`, or x without dropout; seed_ref: int32 [2] in
+  global memory."""
+  if not scores.dropout:
+    return x
+  if scores.dropout_broadcast:
+    batch = head = jnp.int32(0)
+  return dropout.dropped(x, seed_ref[0], seed_ref[1], scores.dropout_rate,
+                         batch, head, rows, cols)
+
+
+def range_table(mask: Mask, tile_kinds, q_ids, kv_ids, block_rows: int,
+                block_cols: int, q_len: int, kv_len: int, num_row_tiles: int,
+                *, transposed: bool = False):
+  """The tile-range table of a kernel's row tiles (query tiles, or key
+  tiles with `transposed`), int32 [Bm, num_row_tiles, 4]: the tile kinds'
+  (a mask_mod's or a dense mask's: `mask.kinds_block_table`) intersected
+  with the ids' (`mask.id_block_table`), padded with empty rows past the
+  lengths (the kernel's padding reads them); None without either."""
+  tables = []
+  if tile_kinds is not None:
+    tables.append(kinds_block_table(tile_kinds, mask, block_rows, block_cols,
+                                    q_len, kv_len, transposed=transposed))
+  if mask.has_ids:
+    rows, cols = (kv_ids, q_ids) if transposed else (q_ids, kv_ids)
+    tables.append(id_block_table(rows, cols, block_rows, block_cols))
+  if not tables:
+    return None
+  return intersect_tables(
+      [jnp.pad(t, ((0, 0), (0, num_row_tiles - t.shape[1]), (0, 0)))
+       for t in tables])
+
+
+def pad_ids(q_ids, kv_ids, q_rows: int, kv_rows: int):
+  """Query and key ids padded to a kernel's rows with ids that match
+  nothing (`mask.Q_PAD_ID`, `KV_PAD_ID`); (None, None) without ids."""
+  if q_ids is None:
+    return None, None
+  return (pad_to(q_ids, 1, q_rows, Q_PAD_ID),
+          pad_to(kv_ids, 1, kv_rows, KV_PAD_ID))
