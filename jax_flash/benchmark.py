@@ -518,6 +518,130 @@ def markdown_decode(rows) -> str:
   return "\n".join(lines)
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+  """One attention call of a public model's configuration."""
+  name: str
+  source: str  # Where the configuration comes from.
+  batch: int
+  q_len: int
+  kv_len: int
+  heads: int
+  kv_heads: int
+  head_dim: int
+  value_head_dim: int | None = None
+  causal: bool = False
+  soft_cap: float | None = None
+
+
+# Shapes from public model configurations (batch sizes are ours: a few
+# thousand to a few hundred thousand tokens a call).
+MODELS = (
+    ModelShape("gpt2_small", "GPT-2 small: 12 heads of 64, 1024 tokens",
+               16, 1024, 1024, 12, 12, 64, causal=True),
+    ModelShape("llama3_8b", "Llama 3 8B: 32 heads of 128 on 8 KV heads",
+               2, 8192, 8192, 32, 8, 128, causal=True),
+    ModelShape("phi2", "Phi-2: 32 heads of 80", 4, 2048, 2048, 32, 32, 80,
+               causal=True),
+    ModelShape("gemma2_9b", "Gemma 2 9B: 16 heads of 256 on 8, soft-cap 50",
+               2, 4096, 4096, 16, 8, 256, causal=True, soft_cap=50.0),
+    ModelShape("deepseek_v2_mla", "DeepSeek-V2 MLA: query/key 192, value 128",
+               1, 4096, 4096, 16, 16, 192, value_head_dim=128, causal=True),
+    ModelShape("vit_b16", "ViT-B/16 at 224 px: 197 tokens, 12 heads of 64",
+               128, 197, 197, 12, 12, 64),
+    ModelShape("dit_xl2", "DiT-XL/2 at 256 px: 256 tokens, 16 heads of 72",
+               64, 256, 256, 16, 16, 72),
+    ModelShape("sd15_unet", "Stable Diffusion 1.5 UNet, 64x64 latents: 8 "
+               "heads of 40", 8, 4096, 4096, 8, 8, 40),
+    ModelShape("sd15_cross", "Stable Diffusion 1.5 cross-attention: 4096 "
+               "queries on 77 text tokens", 8, 4096, 77, 8, 8, 40),
+    ModelShape("whisper_cross", "Whisper large decoder cross-attention: 448 "
+               "queries on 1500 audio frames, 20 heads of 64",
+               16, 448, 1500, 20, 20, 64),
+    ModelShape("whisper_encoder", "Whisper large encoder: 1500 frames",
+               8, 1500, 1500, 20, 20, 64),
+)
+
+
+def model_rows(shapes, impl_names, dtype, calls, repeats, log=None):
+  """Forward and forward+backward of each model shape, each implementation
+  in turn (jitted calls); a shape an implementation refuses gets its error.
+  jax.nn's rows (no soft-cap; V padded to the query's head dim where it
+  has its own) are the baselines the targets name. FLOPs: 2 B N T S
+  (H + Hv) forward, halved for causal; 3.5x that forward+backward."""
+  rows = []
+  for m in shapes:
+    hv = m.value_head_dim or m.head_dim
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (m.batch, m.q_len, m.heads, m.head_dim),
+                          dtype)
+    k = jax.random.normal(keys[1], (m.batch, m.kv_len, m.kv_heads,
+                                    m.head_dim), dtype)
+    v = jax.random.normal(keys[2], (m.batch, m.kv_len, m.kv_heads, hv), dtype)
+    do = jax.random.normal(keys[3], q.shape[:-1] + (hv,), dtype)
+    flops = 2 * m.batch * m.heads * m.q_len * m.kv_len * (m.head_dim + hv)
+    flops /= 2 if m.causal else 1
+    def jax_nn(impl, m=m, hv=hv):
+      # jax.nn takes no value head dim of its own: V padded to the query's
+      # (MLA's baseline, cuDNN at 192/192), the output cut back.
+      def f(q, k, v):
+        if hv == m.head_dim:
+          return jax.nn.dot_product_attention(
+              q, k, v, is_causal=m.causal, implementation=impl)
+        v = jnp.pad(v, ((0, 0),) * 3 + ((0, m.head_dim - hv),))
+        return jax.nn.dot_product_attention(
+            q, k, v, is_causal=m.causal, implementation=impl)[..., :hv]
+      return f
+
+    impls = {
+        "flash": lambda q, k, v, m=m: jax_flash.flash_attention(
+            q, k, v, is_causal=m.causal, logits_soft_cap=m.soft_cap),
+        "cudnn": jax_nn("cudnn"), "xla": jax_nn("xla"),
+    }
+    for name in impl_names:
+      for mode in ("fwd", "fwd+bwd"):
+        row = dict(model=m.name, source=m.source, impl=name, mode=mode,
+                   batch=m.batch, q_len=m.q_len, kv_len=m.kv_len,
+                   heads=m.heads, kv_heads=m.kv_heads, head_dim=m.head_dim,
+                   value_head_dim=hv, causal=m.causal, soft_cap=m.soft_cap,
+                   dtype=jnp.dtype(dtype).name)
+        row.update(_measure(impls[name], mode, q, k, v, do, flops, calls,
+                            repeats))
+        _record(rows, row, log)
+  return rows
+
+
+def markdown_models(rows) -> str:
+  """One line per model: ms of each implementation, forward and
+  forward+backward, and ours against cuDNN (or XLA where cuDNN refuses)."""
+  impls = [i for i in ("flash", "cudnn", "xla") if any(
+      r["impl"] == i for r in rows)]
+  cols = [(i, m) for m in ("fwd", "fwd+bwd") for i in impls]
+  head = ("| model | shape | " + " | ".join(f"{i} {m} ms" for i, m in cols)
+          + " | flash / best other fwd | fwd+bwd |")
+  lines = [head, "|" + "---|" * (head.count("|") - 1)]
+  by = {}
+  for r in rows:
+    by.setdefault(r["model"], {})[(r["impl"], r["mode"])] = r
+  for model, group in by.items():
+    r0 = next(iter(group.values()))
+    shape = (f"{r0['batch']} x {r0['q_len']}/{r0['kv_len']}, "
+             f"{r0['heads']}/{r0['kv_heads']} x {r0['head_dim']}"
+             f"{'/' + str(r0['value_head_dim']) if r0['value_head_dim'] != r0['head_dim'] else ''}"
+             f"{', causal' if r0['causal'] else ''}")
+    cells = [f"{group[c]['ms']:.3f}" if "ms" in group.get(c, {}) else
+             "refused" for c in cols]
+    ratios = []
+    for mode in ("fwd", "fwd+bwd"):
+      ours = group.get(("flash", mode), {}).get("ms")
+      others = [group[(i, mode)]["ms"] for i in ("cudnn", "xla")
+                if "ms" in group.get((i, mode), {})]
+      ratios.append(f"{min(others) / ours:.2f}" if ours and others else "-")
+    lines.append(f"| {model} | {shape} | " + " | ".join(cells) + " | "
+                 + " | ".join(ratios) + " |")
+  return "\n".join(lines)
+
+
 def markdown_sparse(rows) -> str:
   full = {(r["impl"], r["mode"]): r.get("ms") for r in rows
           if r["case"] == "full causal"}
@@ -745,7 +869,7 @@ def main(argv=None):
                       help="decode: batch sizes")
   parser.add_argument("--scenario",
                       choices=["dense", "window", "documents", "padding",
-                               "decode", "prefill"],
+                               "decode", "prefill", "models"],
                       default="dense",
                       help="window: causal sliding windows of --sizes over "
                       "one --seq-lens[0] sequence; documents: --sizes packed "
@@ -754,7 +878,9 @@ def main(argv=None):
                       "decode: one new token against "
                       "caches of --seq-lens, --batches; prefill: chunks of "
                       "--sizes tokens against a --seq-lens[0] cache, "
-                      "contiguous and paged")
+                      "contiguous and paged; models: shapes of public model "
+                      "configurations (`MODELS`), ours against cuDNN and "
+                      "XLA")
   parser.add_argument("--sizes", type=int, nargs="+",
                       default=[1024, 2048, 4096],
                       help="window sizes, numbers of documents, or padding "
@@ -786,6 +912,19 @@ def main(argv=None):
       f.write(f"`python -m jax_flash.benchmark {' '.join(sys.argv[1:])}`\n\n"
               + "\n".join(lines) + "\n")
     print("\n".join(lines))
+    return
+  if args.scenario == "models":
+    rows = model_rows(MODELS, ["flash", "cudnn", "xla"],
+                      jnp.dtype(args.dtype), args.calls, args.repeats,
+                      log=os.path.join(args.out, "benchmark.jsonl"))
+    table = markdown_models(rows)
+    with open(os.path.join(args.out, "models.json"), "w") as f:
+      json.dump(dict(command="python -m jax_flash.benchmark " + " ".join(
+          sys.argv[1:] if argv is None else argv), rows=rows), f, indent=1)
+    with open(os.path.join(args.out, "models.md"), "w") as f:
+      f.write(f"`python -m jax_flash.benchmark {' '.join(sys.argv[1:])}`\n\n"
+              + table + "\n")
+    print(table)
     return
   if args.scenario == "decode":
     rows = run_decode(args.head_dims[0], args.hidden, args.kv_heads,

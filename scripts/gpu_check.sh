@@ -19,6 +19,7 @@
 #   bash scripts/gpu_check.sh dispatch  # host time a call: jit vs compiled vs jax.nn
 #   bash scripts/gpu_check.sh compile   # first calls in stages, persistent cache (COMPILE_ARGS)
 #   bash scripts/gpu_check.sh train_step # a training step, ours vs cuDNN, profiled (TRAIN_ARGS)
+#   bash scripts/gpu_check.sh models    # shapes of public model configurations vs cuDNN and XLA
 #   bash scripts/gpu_check.sh profile   # the Mosaic forward's named regions at 2k (profiler;
 #                                       # PROFILE_SEQ_LEN, PROFILE_OPTIONS)
 #   bash scripts/gpu_check.sh persistent # the persistent forward: tests, vs one CTA an item 1k-16k
@@ -86,6 +87,9 @@ for mode in "$@"; do
         --ignore=tests/test_ring.py > "$OUT/gpu_tests.log" 2>&1
       echo "pytest exit: $?; passed: $(grep -c ' PASSED ' "$OUT/gpu_tests.log")"
       grep -E " FAILED |^(FAILED|ERROR)| passed| failed" "$OUT/gpu_tests.log" | tail -30
+      ;;
+    models)
+      bench models "${BENCH_LIMIT:-400}" --scenario models
       ;;
     dispatch)
       timeout "${DISPATCH_LIMIT:-240}" python3 benchmarks/dispatch_overhead.py \

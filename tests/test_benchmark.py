@@ -244,3 +244,26 @@ def test_mosaic_impls_lower_for_an_h200(name, causal):
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(
         x, x, x).lower(lowering_platforms=("cuda",)).as_text()
   assert "flash_attention_forward_mosaic" in text
+
+
+def test_model_rows_time_every_shape_and_name_refusals():
+  """The models scenario on the CPU, at small sizes: every implementation
+  and mode gets a time or its error, and the table compares ours with the
+  best other."""
+  import dataclasses
+
+  import jax.numpy as jnp
+
+  from jax_flash.benchmark import MODELS, markdown_models, model_rows
+  small = [dataclasses.replace(m, batch=1, q_len=min(m.q_len, 40),
+                               kv_len=min(m.kv_len, 30))
+           for m in MODELS if m.name in ("phi2", "deepseek_v2_mla",
+                                         "sd15_cross")]
+  rows = model_rows(small, ["flash", "cudnn", "xla"], jnp.float32, calls=1,
+                    repeats=1)
+  assert len(rows) == 3 * 3 * 2
+  assert all(("ms" in r) != ("error" in r) for r in rows)
+  assert all("ms" in r for r in rows if r["impl"] != "cudnn")
+  table = markdown_models(rows)
+  assert table.count("\n") == 1 + len(small)
+  assert "phi2" in table and "refused" in table
