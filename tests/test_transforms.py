@@ -85,9 +85,14 @@ def test_vmap_with_operands_equals_each_slice(mapped):
                            {"out": want[0], "dq": want[1]})
 
 
-def test_checkpoint():
+@pytest.mark.parametrize("policy", [None, "nothing_saveable",
+                                    "everything_saveable"])
+def test_checkpoint(policy):
+  """jax.checkpoint, also with a policy that saves nothing (the forward
+  runs again in the backward) and one that saves everything."""
   q, k, v, do = inputs(CASE)
-  f = jax.checkpoint(_loss(_flash, do))
+  policy = policy and getattr(jax.checkpoint_policies, policy)
+  f = jax.checkpoint(_loss(_flash, do), policy=policy)
   grads = jax.jit(jax.grad(f, argnums=(0, 1, 2)))(q, k, v)
   ref = jax.grad(_loss(_ref, do), argnums=(0, 1, 2))(q, k, v)
   assert_attention_close(grads, ref)
