@@ -19,7 +19,8 @@ forward mode too). Each distinct forward and backward is traced once per
 process and lowered once per program, however many layers call it (cached
 `jax.jit`s), and, with JAX's persistent compilation cache on, kept as
 exported programs for later processes (`_kernel_cache`). Derivatives of the
-rules are second order: a clear error.
+rules are second order: a clear error (the tangent's and the backward's JVP
+rules raise it).
 """
 from __future__ import annotations
 
@@ -61,25 +62,17 @@ SECOND_ORDER = (
     "memory)")
 
 
-@jax.custom_jvp
-def _first_order_only(x):
-  """The identity, whose derivative is a clear error: what flows through it
-  (the backward's inputs) may not be differentiated again."""
-  return x
-
-
-@_first_order_only.defjvp
-def _first_order_only_jvp(primals, tangents):
-  raise NotImplementedError(SECOND_ORDER)
-
-
 # --- The forward and the backward of a plan. ---
 
-def _plain_forward(q, k, v, cfg: Config):
-  return cfg.plan.forward.forward(q, k, v, Operands(), mask=cfg.mask,
+def _backend_forward(q, k, v, operands: Operands, cfg: Config):
+  return cfg.plan.forward.forward(q, k, v, operands, mask=cfg.mask,
                                   scores=cfg.scores,
                                   config=cfg.configs.forward,
                                   version=cfg.version)
+
+
+def _plain_forward(q, k, v, cfg: Config):
+  return _backend_forward(q, k, v, Operands(), cfg)
 
 
 def _plain_backward(q, k, v, o, lse, do, dlse, cfg: Config):
@@ -107,16 +100,13 @@ def _partitioned(operands: Operands) -> bool:
 def _forward(q, k, v, operands: Operands, cfg: Config):
   if _partitioned(operands):
     return _sharded_forward(q, k, v, cfg)
-  return cfg.plan.forward.forward(q, k, v, operands, mask=cfg.mask,
-                                  scores=cfg.scores,
-                                  config=cfg.configs.forward,
-                                  version=cfg.version)
+  return _backend_forward(q, k, v, operands, cfg)
 
 
 def _backward(cfg: Config, residuals, cotangents):
   """(dq, dk, dv, operands' cotangents) from the plan's backward."""
-  q, k, v, operands, o, lse = _first_order_only(residuals)
-  do, dlse = _first_order_only(cotangents)
+  q, k, v, operands, o, lse = residuals
+  do, dlse = cotangents
   do = do.astype(q.dtype)
   if _partitioned(operands):
     dq, dk, dv = _sharded_backward(q, k, v, o, lse, do, dlse, cfg)
@@ -335,20 +325,31 @@ def _axis_size(args, dims) -> int:
               if d is not None)
 
 
-def _flash_batch(prim, args, dims, *, cfg, tree):
+def _batched(prim, args, dims, *, cfg, tree, per_slice: bool = False):
+  """`prim`'s outputs under vmap, each with the mapped axis first: args are
+  (q, k, v, *operand leaves, then any more batch-major arrays). The mapped
+  axis folds into the batch axis (the same call on a larger batch), or the
+  call runs once per slice (`lax.map`) with `per_slice` or where an operand
+  cannot fold (dropout, whose bits depend on the batch index; sinks or a
+  mod's arrays that differ along the axis)."""
   size = _axis_size(args, dims)
-  operand_dims = jax.tree.unflatten(tree, dims[3:])
-  if cfg.scores.dropout or any(
+  n = tree.num_leaves
+  operand_dims = jax.tree.unflatten(tree, dims[3:3 + n])
+  if per_slice or cfg.scores.dropout or any(
       jax.tree.leaves(getattr(operand_dims, name)) for name in _UNFOLDABLE):
-    out = _map_slices(lambda *a: prim.bind(*a, cfg=cfg, tree=tree), args,
-                      dims)
-    return out, (0, 0)
+    return _map_slices(lambda *a: prim.bind(*a, cfg=cfg, tree=tree), args,
+                       dims)
   (q, k, v), batch = _fold(args[:3], dims[:3], size)
-  operands = _fold_operands(jax.tree.unflatten(tree, args[3:]), operand_dims,
-                            size, batch)
-  o, lse = bind(q, k, v, operands, cfg)
-  return ([o.reshape((size, batch) + o.shape[1:]),
-           lse.reshape((size, batch) + lse.shape[1:])], (0, 0))
+  tail = _fold(args[3 + n:], dims[3 + n:], size)[0] if args[3 + n:] else []
+  operands = _fold_operands(jax.tree.unflatten(tree, args[3:3 + n]),
+                            operand_dims, size, batch)
+  outs = prim.bind(q, k, v, *jax.tree.leaves(operands), *tail, cfg=cfg,
+                   tree=tree)
+  return [x.reshape((size, batch) + x.shape[1:]) for x in outs]
+
+
+def _flash_batch(prim, args, dims, *, cfg, tree):
+  return _batched(prim, args, dims, cfg=cfg, tree=tree), (0, 0)
 
 
 def _forward_value(*args, cfg, tree):
@@ -387,8 +388,7 @@ def _tangent_transpose(cotangents, *args, cfg, tree):
   (q, k, v, leaves, o, lse), tangents = _split(args, tree)
   if any(ad.is_undefined_primal(x) for x in (q, k, v, o, lse, *leaves)):
     raise NotImplementedError(SECOND_ORDER)
-  do, dlse = _first_order_only(
-      tuple(ad.instantiate_zeros(ct) for ct in cotangents))
+  do, dlse = (ad.instantiate_zeros(ct) for ct in cotangents)
   prim = (flash_backward_partitioned_p
           if _partitioned(jax.tree.unflatten(tree, leaves))
           else flash_backward_p)
@@ -439,24 +439,11 @@ def _backward_avals(*args, cfg, tree):
 
 
 def _backward_batch(prim, args, dims, *, cfg, tree):
-  """The mapped axis folded into the batch axis, as the forward's; once per
-  slice where an operand cannot fold or has a gradient (whose slices the
-  folded batch would sum)."""
-  size = _axis_size(args, dims)
-  n = tree.num_leaves
-  operand_dims = jax.tree.unflatten(tree, dims[3:3 + n])
-  if cfg.scores.dropout or _differentiable(tree) or any(
-      jax.tree.leaves(getattr(operand_dims, name)) for name in _UNFOLDABLE):
-    outs = _map_slices(lambda *a: prim.bind(*a, cfg=cfg, tree=tree), args,
-                       dims)
-    return outs, (0,) * len(outs)
-  (q, k, v), batch = _fold(args[:3], dims[:3], size)
-  (o, lse, do, dlse), _ = _fold(args[3 + n:], dims[3 + n:], size)
-  operands = _fold_operands(jax.tree.unflatten(tree, args[3:3 + n]),
-                            operand_dims, size, batch)
-  outs = prim.bind(q, k, v, *jax.tree.leaves(operands), o, lse, do, dlse,
-                   cfg=cfg, tree=tree)
-  return [x.reshape((size, batch) + x.shape[1:]) for x in outs], (0, 0, 0)
+  """As the forward's; once per slice where an operand has a gradient
+  (whose slices the folded batch would sum)."""
+  outs = _batched(prim, args, dims, cfg=cfg, tree=tree,
+                  per_slice=bool(_differentiable(tree)))
+  return outs, (0,) * len(outs)
 
 
 for _prim in (flash_backward_p, flash_backward_partitioned_p):
