@@ -568,7 +568,9 @@ def model_rows(shapes, impl_names, dtype, calls, repeats, log=None):
   in turn (jitted calls); a shape an implementation refuses gets its error.
   jax.nn's rows (no soft-cap; V padded to the query's head dim where it
   has its own) are the baselines the targets name. FLOPs: 2 B N T S
-  (H + Hv) forward, halved for causal; 3.5x that forward+backward."""
+  (H + Hv) forward, halved for causal; 3.5x that forward+backward.
+  "flash_triton": our Triton kernels named, beside the default (the Mosaic
+  GPU kernels on Hopper where they take the call)."""
   rows = []
   for m in shapes:
     hv = m.value_head_dim or m.head_dim
@@ -596,6 +598,9 @@ def model_rows(shapes, impl_names, dtype, calls, repeats, log=None):
     impls = {
         "flash": lambda q, k, v, m=m: jax_flash.flash_attention(
             q, k, v, is_causal=m.causal, logits_soft_cap=m.soft_cap),
+        "flash_triton": lambda q, k, v, m=m: jax_flash.flash_attention(
+            q, k, v, is_causal=m.causal, logits_soft_cap=m.soft_cap,
+            implementation="triton"),
         "cudnn": jax_nn("cudnn"), "xla": jax_nn("xla"),
     }
     for name in impl_names:
@@ -614,7 +619,7 @@ def model_rows(shapes, impl_names, dtype, calls, repeats, log=None):
 def markdown_models(rows) -> str:
   """One line per model: ms of each implementation, forward and
   forward+backward, and ours against cuDNN (or XLA where cuDNN refuses)."""
-  impls = [i for i in ("flash", "cudnn", "xla") if any(
+  impls = [i for i in ("flash", "flash_triton", "cudnn", "xla") if any(
       r["impl"] == i for r in rows)]
   cols = [(i, m) for m in ("fwd", "fwd+bwd") for i in impls]
   head = ("| model | shape | " + " | ".join(f"{i} {m} ms" for i, m in cols)
@@ -914,7 +919,7 @@ def main(argv=None):
     print("\n".join(lines))
     return
   if args.scenario == "models":
-    rows = model_rows(MODELS, ["flash", "cudnn", "xla"],
+    rows = model_rows(MODELS, ["flash", "flash_triton", "cudnn", "xla"],
                       jnp.dtype(args.dtype), args.calls, args.repeats,
                       log=os.path.join(args.out, "benchmark.jsonl"))
     table = markdown_models(rows)

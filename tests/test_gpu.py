@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 import jax_flash
-from pallas_kernels.mosaic_gpu import flash_fwd
+from pallas_kernels.mosaic_gpu import config, flash_fwd
 from jax_flash.testing import assert_attention_close
 from tests.cases import Case, compare_with_reference, inputs, plain_attention
 from tests.test_correctness import _check
@@ -295,6 +295,50 @@ def test_mosaic_80_row_key_tiles_match_reference(name, persistent):
   case, options = KV80_CASES[name]
   _compare_mosaic(case, options,
                   _default_with(case, block_kv=80, persistent=persistent))
+
+
+# Head dims off 64/96/128/192/256: multiples of 16 unpadded (32-byte
+# swizzled rows at 80, 112, 144, 208, 240), others padded to the next
+# (`config.kernel_head_dim`); a value head dim of its own (MLA); keys in
+# one short tile (`config.short_kv_tile`). name: (case, value head dim).
+MOSAIC_HEAD_DIMS = {
+    "h80_causal_gqa": (Case(2, 1000, 1003, 8, 2, 80, "bfloat16", True), None),
+    "h72_short_tokens": (Case(3, 256, 256, 4, 4, 72, "bfloat16", False),
+                         None),
+    "h40_cross_77_keys": (Case(2, 777, 77, 4, 4, 40, "float16", False), None),
+    "h32_causal": (Case(1, 640, 640, 4, 1, 32, "bfloat16", True), None),
+    "h112_f16": (Case(1, 512, 777, 4, 2, 112, "float16", False), None),
+    "h144_causal": (Case(1, 512, 600, 4, 2, 144, "bfloat16", True), None),
+    "h208": (Case(1, 300, 1003, 4, 2, 208, "bfloat16", False), None),
+    "h240_causal_long_keys": (Case(1, 256, 5003, 4, 2, 240, "bfloat16",
+                                   False), None),
+    "h20_padded": (Case(1, 300, 300, 4, 4, 20, "bfloat16", False), None),
+    "mla_192_128_causal": (Case(1, 1000, 1003, 8, 8, 192, "bfloat16", True),
+                           128),
+    "mla_128_64_gqa": (Case(2, 512, 640, 8, 2, 128, "float16", False), 64),
+    "v_wider_64_128": (Case(1, 512, 512, 4, 4, 64, "bfloat16", True), 128),
+    "vit_197_tokens": (Case(4, 197, 197, 12, 12, 64, "bfloat16", False),
+                       None),
+    "whisper_cross_448_1500": (Case(2, 448, 1500, 4, 4, 64, "bfloat16",
+                                    False), None),
+}
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("name", MOSAIC_HEAD_DIMS)
+def test_mosaic_head_dims_match_reference(name, persistent, monkeypatch):
+  """Forward and gradients against the reference, the default tiles, one
+  CTA an item or persistent (5 CTAs, so each runs many items)."""
+  case, value_head_dim = MOSAIC_HEAD_DIMS[name]
+  dim = config.kernel_head_dim(case.head_dim,
+                               value_head_dim or case.head_dim)
+  blocks = dataclasses.replace(jax_flash.MosaicBlockSizes.get_default(
+      dim, case.causal, kv_len=case.kv_len), persistent=persistent)
+  monkeypatch.setattr(flash_fwd, "num_multiprocessors", lambda: 5)
+  compare_with_reference(dict(is_causal=case.causal), case.dtype,
+                         shape=case.shape, block_sizes=blocks,
+                         implementation="mosaic",
+                         value_head_dim=value_head_dim)
 
 
 def test_default_on_h200_is_mosaic_where_it_takes_the_call():

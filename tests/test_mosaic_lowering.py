@@ -97,6 +97,10 @@ def test_mosaic_takes_any_length(head_dim, q_len, kv_len):
     ("odd_kv_len", (2, 256, 300, 8, 2, 128), jnp.bfloat16, {}, True),
     ("head_dim_96", (2, 256, 512, 8, 2, 96), jnp.bfloat16, {}, True),
     ("head_dim_192", (2, 256, 512, 8, 2, 192), jnp.bfloat16, {}, True),
+    ("head_dim_80", (2, 256, 512, 8, 2, 80), jnp.bfloat16,
+     dict(is_causal=True), True),
+    ("head_dim_72_padded", (2, 256, 512, 8, 2, 72), jnp.bfloat16, {}, True),
+    ("head_dim_264", (2, 256, 512, 8, 2, 264), jnp.bfloat16, {}, False),
     ("float32", (2, 256, 512, 8, 2, 128), jnp.float32, {}, False),
     ("window", (2, 256, 512, 8, 2, 128), jnp.bfloat16,
      dict(local_window_size=64), True),
@@ -131,9 +135,10 @@ def test_pallas_picks_mosaic_where_it_takes_the_call(name, shape, dtype,
 
 
 def test_mosaic_named_for_a_call_it_cannot_take_says_why():
-  with pytest.raises(ValueError, match="head_dim must be one of .* for the "
-                     "Mosaic GPU kernels, got 80"):
-    _lower_grad("mosaic", (2, 256, 512, 8, 2, 80))
+  with pytest.raises(ValueError, match=r"head_dim \(last axis of query, "
+                     r"key\) must be at most 256 for the Mosaic GPU kernels, "
+                     "got 264"):
+    _lower_grad("mosaic", (2, 256, 512, 8, 2, 264))
   with pytest.raises(ValueError, match="query dtype must be bfloat16 or "
                      "float16 for the Mosaic GPU kernels, got float32"):
     _lower_grad("mosaic", dtype=jnp.float32)
@@ -888,3 +893,52 @@ def test_kernels_lower_with_64_bit_types_on(implementation):
           implementation=implementation)).trace(q, cache, cache).lower(
               lowering_platforms=("cuda",))
   assert got.count("custom_call") == want.count("custom_call")
+
+
+def _kernel_operands(text, kernel):
+  """The operand types of the first call of Mosaic GPU kernel `kernel`."""
+  call = next(line for line in text.splitlines()
+              if MOSAIC_CALL in line and kernel in line)
+  return re.findall(r"tensor<([0-9x]+)x(?:bf16|f16)>", call)
+
+
+@pytest.mark.parametrize("head_dim, value_head_dim, kernel_dim", [
+    (80, 80, 80), (72, 72, 80), (20, 20, 32), (192, 128, 192),
+    (128, 64, 128), (64, 128, 128)])
+def test_head_dims_run_at_a_multiple_of_16(head_dim, value_head_dim,
+                                           kernel_dim):
+  """Q, K and V reach the kernels with `config.kernel_head_dim` columns (a
+  multiple of 16: zero columns added only where the head dims are not, or
+  differ), and the gradients come back at the inputs' own head dims."""
+  assert config.kernel_head_dim(head_dim, value_head_dim) == kernel_dim
+  q = jax.ShapeDtypeStruct((1, 256, 4, head_dim), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, 300, 2, head_dim), jnp.bfloat16)
+  v = jax.ShapeDtypeStruct((1, 300, 2, value_head_dim), jnp.bfloat16)
+
+  def loss(q, k, v):
+    return jnp.sum(jax_flash.flash_attention(
+        q, k, v, is_causal=True, implementation="mosaic").astype(jnp.float32))
+
+  with jax.sharding.use_abstract_mesh(
+      mesh_lib.AbstractMesh((1,), ("x",), abstract_device=H200)):
+    traced = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v)
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+  assert [g.shape for g in traced.out_info] == [q.shape, k.shape, v.shape]
+  for kernel in ("flash_attention_forward_mosaic",) + MOSAIC_BACKWARD:
+    operands = _kernel_operands(text, kernel)
+    assert operands and all(o.endswith(f"x{kernel_dim}") for o in operands)
+
+
+@pytest.mark.parametrize("head_dim, causal, kv_len, block_kv", [
+    (64, False, 197, 208), (64, True, 197, 128), (48, False, 77, 80),
+    (128, False, 30, 64), (64, False, 1500, 256), (128, False, 100, 112),
+    (256, False, 77, 64)])
+def test_short_keys_take_one_tile_of_their_length(head_dim, causal, kv_len,
+                                                  block_kv):
+  """Keys fewer than the default K/V tile's rows run in one tile of their
+  length rounded up to 16 rows (at least 64): 208 for ViT's 197 tokens
+  where 256 rows would be 23% masked columns."""
+  blocks = jax_flash.MosaicBlockSizes.get_default(head_dim, causal,
+                                                  kv_len=kv_len)
+  assert blocks.block_kv == block_kv
+

@@ -4,7 +4,9 @@ and warp specialization.
 A forward kernel (`flash_fwd`) and a backward of two kernels (`flash_bwd`:
 dK/dV and dQ). What it takes is narrower than the Triton backend
 (`unsupported` says what, and the dispatch then runs Triton): bf16/fp16,
-head dims 64/96/128/192/256, any lengths (XLA pads them to the tiles; the
+head dims up to 256 and value's of its own (run at `config.kernel_head_dim`,
+a multiple of 16: Q, K and V padded with zero columns where they are not),
+any lengths (XLA pads them to the tiles; the
 kernels mask keys past the length), causal masks, sliding windows, flex
 attention's mask_mods that close over no array, lengths and segment ids
 (the band and the tile-range tables of the shared mask description),
@@ -34,6 +36,7 @@ from jax_flash.spec import device
 from jax_flash.spec.checks import Problem
 from jax_flash.spec.mask import Mask, without_padding
 from jax_flash.spec.operands import Operands
+from jax_flash.spec.padding import pad_to
 from jax_flash.spec.problem import decode_as_forward
 from jax_flash.spec.scores import Scores
 from pallas_kernels.mosaic_gpu import config
@@ -92,8 +95,10 @@ def split_kv_unsupported(problem: Problem, *, paged: bool) -> str | None:
   """Why the split-KV kernel cannot take a decode call, or None."""
   if paged:
     return "the cache is contiguous (a paged one's short chunks are Triton's)"
-  if problem.head_dim not in config.SPLIT_KV_HEAD_DIMS:
-    return f"the head dim is one of {config.SPLIT_KV_HEAD_DIMS}"
+  if (problem.head_dim not in config.SPLIT_KV_HEAD_DIMS
+      or problem.value_head_dim != problem.head_dim):
+    return (f"the head dim is one of {config.SPLIT_KV_HEAD_DIMS}, value's "
+            f"the same")
   heads = split_kv_heads(problem.q_len, problem.num_heads,
                          problem.num_kv_heads)
   group = problem.num_heads // problem.num_kv_heads
@@ -103,6 +108,14 @@ def split_kv_unsupported(problem: Problem, *, paged: bool) -> str | None:
   if problem.kv_len % 8:
     return "the cache's length is a multiple of 8"
   return None
+
+
+def _pad_heads(q, k, v, *rest):
+  """q, k, v (and o, dO in `rest`, value's head dim) with zero columns up
+  to `config.kernel_head_dim`: zeros add nothing to the logits, and V's
+  give zero output columns, cut off after the kernels."""
+  size = config.kernel_head_dim(q.shape[-1], v.shape[-1])
+  return tuple(pad_to(x, x.ndim - 1, size) for x in (q, k, v, *rest))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,11 +145,12 @@ class MosaicGpuBackend:
     if jnp.dtype(dtype).name not in config.DTYPES:
       return (f"query dtype must be bfloat16 or float16 for the Mosaic GPU "
               f"kernels, got {jnp.dtype(dtype)}")
-    if problem.value_head_dim != problem.head_dim:
-      return "the Mosaic GPU kernels need value's head dim equal to the query's"
-    if problem.head_dim not in config.HEAD_DIMS:
-      return (f"head_dim must be one of {config.HEAD_DIMS} for the Mosaic GPU "
-              f"kernels, got {problem.head_dim}")
+    for name, h in (("head_dim (last axis of query, key)", problem.head_dim),
+                    ("value head_dim (last axis of value)",
+                     problem.value_head_dim)):
+      if h > config.MAX_HEAD_DIM:
+        return (f"{name} must be at most {config.MAX_HEAD_DIM} for the Mosaic "
+                f"GPU kernels, got {h}")
     if mask.mod_arrays or scores.mod_arrays:
       return ("the Mosaic GPU kernels cannot read the arrays a mask_mod or "
               "score_mod closes over (the Triton kernels do)")
@@ -153,26 +167,26 @@ class MosaicGpuBackend:
     causality, key length, and (`persistent`) whether the call's mask is at
     most causality (the persistent schedule weighs items by the band)."""
     del version, scores  # Only 2 (see `unsupported`); the tiles take any.
+    head_dim = config.kernel_head_dim(problem.head_dim, problem.value_head_dim)
     blocks = (block_sizes if isinstance(block_sizes, BlockSizes) else
               BlockSizes.get_default(
-                  problem.head_dim, is_causal,
+                  head_dim, is_causal,
                   band_only=mask in (Mask(), Mask(is_causal=True)),
                   kv_len=problem.kv_len))
-    if blocks.fused_dq and problem.head_dim not in config.FUSED_DQ_HEAD_DIMS:
+    if blocks.fused_dq and head_dim not in config.FUSED_DQ_HEAD_DIMS:
       raise ValueError(f"block_sizes.fused_dq=True needs a head_dim in "
-                       f"{config.FUSED_DQ_HEAD_DIMS}, got {problem.head_dim}")
-    smem = blocks.smem_bytes(problem.head_dim, jnp.dtype(dtype).itemsize)
+                       f"{config.FUSED_DQ_HEAD_DIMS} (value's the same), got "
+                       f"{problem.head_dim} and {problem.value_head_dim}")
+    smem = blocks.smem_bytes(head_dim, jnp.dtype(dtype).itemsize)
     if smem > config.SMEM_BYTES:
       raise ValueError(f"block_sizes {blocks} need {smem} bytes of shared "
-                       f"memory at head_dim {problem.head_dim}, more than "
+                       f"memory at head_dim {head_dim}, more than "
                        f"the {config.SMEM_BYTES} of an H100/H200")
-    smem = blocks.backward_smem_bytes(problem.head_dim,
-                                      jnp.dtype(dtype).itemsize)
+    smem = blocks.backward_smem_bytes(head_dim, jnp.dtype(dtype).itemsize)
     if smem > config.SMEM_BYTES:
       raise ValueError(f"block_sizes {blocks} need {smem} bytes of shared "
-                       f"memory in the backward at head_dim "
-                       f"{problem.head_dim}, more than the "
-                       f"{config.SMEM_BYTES} of an H100/H200")
+                       f"memory in the backward at head_dim {head_dim}, more "
+                       f"than the {config.SMEM_BYTES} of an H100/H200")
     return blocks
 
   def forward(self, q, k, v, operands: Operands, *, mask: Mask,
@@ -180,14 +194,17 @@ class MosaicGpuBackend:
     del version  # Only 2 (see `unsupported`).
     (q,), (k, v) = without_padding(mask, operands.q_ids, operands.kv_ids,
                                    (q,), (k, v))
-    return flash_forward(q, k, v, mask=mask, scores=scores,
-                         block_sizes=config, tile_kinds=operands.tile_kinds,
-                         alibi_slopes=operands.alibi_slopes,
-                         q_ids=operands.q_ids, kv_ids=operands.kv_ids,
-                         sinks=operands.sinks,
-                         dropout_seed=operands.dropout_seed,
-                         q_offsets=operands.q_offsets,
-                         dense_mask=operands.dense_mask, bias=operands.bias)
+    value_dim = v.shape[-1]
+    q, k, v = _pad_heads(q, k, v)
+    o, lse = flash_forward(q, k, v, mask=mask, scores=scores,
+                           block_sizes=config, tile_kinds=operands.tile_kinds,
+                           alibi_slopes=operands.alibi_slopes,
+                           q_ids=operands.q_ids, kv_ids=operands.kv_ids,
+                           sinks=operands.sinks,
+                           dropout_seed=operands.dropout_seed,
+                           q_offsets=operands.q_offsets,
+                           dense_mask=operands.dense_mask, bias=operands.bias)
+    return o[..., :value_dim], lse
 
   def decode(self, q, k, v, kv_lengths, *, mask: Mask, scores: Scores,
              num_splits=None, page_table=None, sinks=None):
@@ -233,6 +250,8 @@ class MosaicGpuBackend:
     over, see `unsupported`)."""
     (q, do), (k, v) = without_padding(mask, operands.q_ids, operands.kv_ids,
                                       (q, do), (k, v))
+    head_dim, value_dim = q.shape[-1], v.shape[-1]
+    q, k, v, o, do = _pad_heads(q, k, v, o, do)
     dq, dk, dv = flash_backward(q, k, v, o, lse, do, dlse, mask=mask,
                                 scores=scores, block_sizes=config,
                                 tile_kinds=operands.tile_kinds,
@@ -241,4 +260,5 @@ class MosaicGpuBackend:
                                 dropout_seed=operands.dropout_seed,
                                 dense_mask=operands.dense_mask,
                                 bias=operands.bias)
-    return dq, dk, dv, Operands()
+    return (dq[..., :head_dim], dk[..., :head_dim], dv[..., :value_dim],
+            Operands())

@@ -9,9 +9,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax_flash.spec.checks import check_block_field
 
 DTYPES = ("bfloat16", "float16")
-# Head dims the kernels take: multiples of 32 within wgmma's N <= 256 whose
-# rows TMA and wgmma swizzle (96: 64-byte swizzle), each unpadded.
-HEAD_DIMS = (64, 96, 128, 192, 256)
+# Head dims a call may have (of query/key and of value): up to wgmma's
+# N <= 256. The kernels run at `kernel_head_dim`: a multiple of 16 (bf16
+# rows of 32 bytes, the narrowest swizzle TMA and wgmma take), at least 32.
+MAX_HEAD_DIM = 256
+HEAD_DIM_MULTIPLE = 16
+MIN_KERNEL_HEAD_DIM = 32
 SMEM_BYTES = 227 * 1024  # Shared memory of one Hopper CTA.
 # flash_decode: prompt chunks of at least this many new tokens run the
 # forward kernel (a CTA takes 2 * block_q >= 128 query rows); fewer run the
@@ -27,6 +30,21 @@ SPLIT_KV_HEAD_DIMS = (64, 128)
 FUSED_DQ_HEAD_DIMS = (64, 128)
 
 
+def kernel_head_dim(head_dim: int, value_head_dim: int) -> int:
+  """The head dim the kernels run a call at: the larger of query/key's and
+  value's, rounded up to a multiple of HEAD_DIM_MULTIPLE (at least
+  MIN_KERNEL_HEAD_DIM). The backend pads Q, K and V with zero columns to
+  it (logits and outputs unchanged) and cuts the results back."""
+  dim = -(-max(head_dim, value_head_dim) // HEAD_DIM_MULTIPLE)
+  return max(MIN_KERNEL_HEAD_DIM, dim * HEAD_DIM_MULTIPLE)
+
+
+def short_kv_tile(kv_len: int) -> int:
+  """Rows of one K/V tile that holds all kv_len keys: a multiple of 16
+  (V's contracted rows, `tiles.smem_transforms`), at least 64."""
+  return max(64, -(-kv_len // 16) * 16)
+
+
 def fused_dq_columns(head_dim: int) -> int:
   """Columns of dQ each warpgroup of the dK/dV kernel forms and adds a step
   with `fused_dq`: at head dim 128 half of them, over both warpgroups' keys
@@ -35,9 +53,9 @@ def fused_dq_columns(head_dim: int) -> int:
   return head_dim // 2 if head_dim > 64 else head_dim
 
 
-# Head dims at which the forward is persistent by default
-# (`BlockSizes.get_default`).
-PERSISTENT_HEAD_DIMS = (64, 96, 128)
+# Kernel head dims up to which the forward is persistent by default
+# (`BlockSizes.get_default`; two Q buffers fit beside the K/V ring).
+PERSISTENT_MAX_HEAD_DIM = 128
 # Keys up to which the causal forward at head dim 64 takes 128-row K/V
 # tiles instead of 256 (`BlockSizes.get_default`).
 SHORT_KV_LEN = 2048
@@ -117,7 +135,8 @@ class BlockSizes:
   one's tiles run; its O stores are not awaited before the next item's
   start), items query tiles fastest so that a round's CTAs share K/V in
   L2 (`flash_fwd.persistent_order`): on by default for calls without a
-  mask other than causality at PERSISTENT_HEAD_DIMS (`get_default`).
+  mask other than causality up to PERSISTENT_MAX_HEAD_DIM (`get_default`).
+  Every `head_dim` here is the kernels' (`kernel_head_dim`).
   """
   block_q: int = 64
   block_kv: int = 128
@@ -209,11 +228,13 @@ class BlockSizes:
 
     Forward: 64-row consumer tiles; K/V tiles of 256 rows at head dim 64
     (128 causal up to SHORT_KV_LEN keys), 128 at 65-128, 96 at 129-192, 64
-    at 193-256 (80 above LONG_KV_LEN keys); 2 stages. Backward: 64-row
+    at 193-256 (80 above LONG_KV_LEN keys), or one tile of the keys rounded
+    up to 16 rows (at least 64) where that is fewer rows (`short_kv_tile`);
+    2 stages. Backward: 64-row
     tiles, dQ's K/V tiles 128 rows at head dim 64 and at 65-128 non-causal.
     `fused_dq` (head dims 64, 128): 3 backward stages at 64, 2 at 128.
-    `persistent` for a call whose mask is at most causal (`band_only`) at
-    PERSISTENT_HEAD_DIMS. Measurements behind each choice: benchmarks/NOTES.md,
+    `persistent` for a call whose mask is at most causal (`band_only`) up
+    to PERSISTENT_MAX_HEAD_DIM. Measurements behind each choice: benchmarks/NOTES.md,
     "The Mosaic GPU block-size defaults".
     """
     if head_dim > 192:
@@ -228,9 +249,11 @@ class BlockSizes:
       short = is_causal and kv_len is not None and kv_len <= SHORT_KV_LEN
       blocks = cls(block_q=64, block_kv=128 if short else 256,
                    block_kv_dq=128)
+    if kv_len is not None and short_kv_tile(kv_len) < blocks.block_kv:
+      blocks = dataclasses.replace(blocks, block_kv=short_kv_tile(kv_len))
     if fused_dq:
       blocks = dataclasses.replace(
           blocks, fused_dq=True, num_stages_bwd=3 if head_dim <= 64 else 2)
-    if band_only and head_dim in PERSISTENT_HEAD_DIMS:
+    if band_only and head_dim <= PERSISTENT_MAX_HEAD_DIM:
       blocks = dataclasses.replace(blocks, persistent=True)
     return blocks

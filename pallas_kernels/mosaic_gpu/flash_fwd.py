@@ -461,9 +461,9 @@ def flash_forward(q, k, v, *, mask: Mask, scores: Scores,
                   bias=None):
   """Runs the forward kernel.
 
-  q [B, T, N, H], k/v [B, S, K, H] (K divides N), bf16 or fp16, H in
-  `config.HEAD_DIMS` (`pallas_kernels.mosaic_gpu.MosaicGpuBackend.unsupported`
-  checks). tile_kinds: tile kinds (`Operands.tile_kinds`, a mask_mod's or
+  q [B, T, N, H], k/v [B, S, K, H] (K divides N), bf16 or fp16, H a
+  multiple of 16 in [32, 256] (`config.kernel_head_dim`: the backend pads
+  other head dims to one). tile_kinds: tile kinds (`Operands.tile_kinds`, a mask_mod's or
   a dense mask's); alibi_slopes: float32 [B, N] (with `scores.alibi`); q_ids,
   kv_ids: int32 [B, T], [B, S] (with `mask.has_ids`: segments and lengths,
   `mask.make_ids`); sinks: float32 [N], a sink logit per query head in each
