@@ -83,9 +83,13 @@ class _Problem:
     return -(-self.kv_len // self.block_k)
 
   def dot(self, spec, a, b):
-    """A block matmul accumulated in float32 (full float32 for float32)."""
-    precision = (lax.Precision.HIGHEST if self.dtype == jnp.float32 else
-                 None)
+    """A block matmul accumulated in float32 (full float32 for float32;
+    float64 operands rounded to float32 first: a GPU's BLAS has no f64 x
+    f64 -> f32 matmul)."""
+    precision = (lax.Precision.HIGHEST if jnp.dtype(self.dtype).itemsize >= 4
+                 else None)
+    if a.dtype.itemsize > 4 or b.dtype.itemsize > 4:
+      a, b = a.astype(jnp.float32), b.astype(jnp.float32)
     return jnp.einsum(spec, a, b, precision=precision,
                       preferred_element_type=jnp.float32)
 

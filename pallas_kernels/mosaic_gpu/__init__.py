@@ -174,9 +174,11 @@ class MosaicGpuBackend:
                   band_only=mask in (Mask(), Mask(is_causal=True)),
                   kv_len=problem.kv_len))
     if blocks.fused_dq and head_dim not in config.FUSED_DQ_HEAD_DIMS:
+      value = ("" if problem.value_head_dim == problem.head_dim else
+               f" (value's {problem.value_head_dim})")
       raise ValueError(f"block_sizes.fused_dq=True needs a head_dim in "
-                       f"{config.FUSED_DQ_HEAD_DIMS} (value's the same), got "
-                       f"{problem.head_dim} and {problem.value_head_dim}")
+                       f"{config.FUSED_DQ_HEAD_DIMS}, got "
+                       f"{problem.head_dim}{value}")
     smem = blocks.smem_bytes(head_dim, jnp.dtype(dtype).itemsize)
     if smem > config.SMEM_BYTES:
       raise ValueError(f"block_sizes {blocks} need {smem} bytes of shared "
