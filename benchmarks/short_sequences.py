@@ -1,0 +1,114 @@
+"""Short sequences and cross-attention: the Mosaic GPU kernels (persistent
+and one CTA an item) against the Triton kernels and cuDNN, jitted calls.
+
+    PYTHONPATH=. python benchmarks/short_sequences.py [--out DIR]
+
+The short shapes of `jax_flash.benchmark.MODELS` and held-out ones like
+them (`HELD_OUT`), forward and forward+backward, bf16; one JSON line a
+measurement, then a table of ms (and each against cuDNN's where it takes
+the call) to DIR/short_sequences.md.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+
+import jax_flash
+from jax_flash import benchmark
+from jax_flash.benchmark import ModelShape
+from pallas_kernels.mosaic_gpu import config
+
+HELD_OUT = (
+    ModelShape("vit_l14", "ViT-L/14 at 224 px: 257 tokens, 16 heads of 64",
+               64, 257, 257, 16, 16, 64),
+    ModelShape("vit_h14", "ViT-H/14 at 224 px: 257 tokens, 16 heads of 80",
+               64, 257, 257, 16, 16, 80),
+    ModelShape("bert_base", "BERT-base: 512 tokens, 12 heads of 64", 32, 512,
+               512, 12, 12, 64),
+    ModelShape("clip_text", "CLIP text encoder: 77 tokens, causal, 12 heads "
+               "of 64", 256, 77, 77, 12, 12, 64, causal=True),
+    ModelShape("t5_cross", "T5-base cross-attention: 128 queries on 512",
+               64, 128, 512, 12, 12, 64),
+    ModelShape("llava_cross", "1k queries on 576 image tokens, 32 of 128",
+               8, 1024, 576, 32, 32, 128),
+    ModelShape("seq_1k_h128_causal", "1k tokens, causal, 16 heads of 128 on 4",
+               16, 1024, 1024, 16, 4, 128, causal=True),
+)
+SHORT = ("vit_b16", "dit_xl2", "sd15_cross", "whisper_cross",
+         "whisper_encoder", "gpt2_small")
+
+
+def impls(m: ModelShape):
+  def mosaic(**fields):
+    dim = config.kernel_head_dim(m.head_dim, m.value_head_dim or m.head_dim)
+    blocks = dataclasses.replace(jax_flash.MosaicBlockSizes.get_default(
+        dim, m.causal, band_only=True, kv_len=m.kv_len), **fields)
+    return lambda q, k, v: jax_flash.flash_attention(
+        q, k, v, is_causal=m.causal, implementation="mosaic",
+        block_sizes=blocks)
+  return {
+      "mosaic_persistent": mosaic(persistent=True),
+      "mosaic_per_item": mosaic(persistent=False),
+      "triton": lambda q, k, v: jax_flash.flash_attention(
+          q, k, v, is_causal=m.causal, implementation="triton"),
+      "cudnn": lambda q, k, v: jax.nn.dot_product_attention(
+          q, k, v, is_causal=m.causal, implementation="cudnn"),
+  }
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", default="short_out")
+  parser.add_argument("--calls", type=int, default=30)
+  parser.add_argument("--repeats", type=int, default=5)
+  args = parser.parse_args()
+  os.makedirs(args.out, exist_ok=True)
+  shapes = [m for m in benchmark.MODELS if m.name in SHORT] + list(HELD_OUT)
+  rows = []
+  for m in shapes:
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (m.batch, m.q_len, m.heads, m.head_dim),
+                          jnp.bfloat16)
+    k, v = (jax.random.normal(key, (m.batch, m.kv_len, m.kv_heads,
+                                    m.head_dim), jnp.bfloat16)
+            for key in keys[1:3])
+    do = jax.random.normal(keys[3], q.shape, jnp.bfloat16)
+    flops = 4 * m.batch * m.heads * m.q_len * m.kv_len * m.head_dim
+    flops /= 2 if m.causal else 1
+    for name, fn in impls(m).items():
+      for mode in ("fwd", "fwd+bwd"):
+        row = dict(model=m.name, impl=name, mode=mode, **{
+            f: getattr(m, f) for f in ("batch", "q_len", "kv_len", "heads",
+                                       "kv_heads", "head_dim", "causal")})
+        row.update(benchmark._measure(fn, mode, q, k, v, do, flops,
+                                      args.calls, args.repeats))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+  names = list(impls(shapes[0]))
+  lines = ["| model | mode | " + " | ".join(names) + " | best mosaic / "
+           "cuDNN | triton / cuDNN |",
+           "|" + "---|" * (len(names) + 4)]
+  for m in shapes:
+    for mode in ("fwd", "fwd+bwd"):
+      ms = {r["impl"]: r.get("ms") for r in rows
+            if r["model"] == m.name and r["mode"] == mode}
+      base = ms.get("cudnn")
+      best = min(x for x in (ms["mosaic_persistent"], ms["mosaic_per_item"],
+                             float("inf")) if x)
+      cells = [f"{ms[n]:.3f}" if ms.get(n) else "refused" for n in names]
+      ratio = (lambda x: f"{base / x:.2f}" if base and x and x < 1e9 else "-")
+      lines.append(f"| {m.name} | {mode} | " + " | ".join(cells)
+                   + f" | {ratio(best)} | {ratio(ms.get('triton'))} |")
+  with open(os.path.join(args.out, "short_sequences.md"), "w") as f:
+    f.write("`python benchmarks/short_sequences.py`\n\n" + "\n".join(lines)
+            + "\n")
+  print("\n".join(lines))
+
+
+if __name__ == "__main__":
+  main()
