@@ -12,7 +12,8 @@ call, and the next is asked.
 
 `implementation=None` picks "pallas" when the query lives on a GPU and a
 Pallas backend takes the call, else "xla"; "pallas" is the first of
-`PALLAS` that takes it; any other name is that backend alone, and a
+`PALLAS` that takes it, passing over one that is measured `slower` than a
+later one that takes it too; any other name is that backend alone, and a
 `ValueError` says why when it cannot.
 """
 from __future__ import annotations
@@ -54,6 +55,9 @@ class XlaBackend:
 
   def unsupported(self, problem, dtype, *, mask, scores, version=2,
                   decode=False):
+    return None
+
+  def slower(self, problem, dtype, *, mask, scores):
     return None
 
   def backward_unsupported(self, problem, dtype, *, mask, scores, operands):
@@ -172,9 +176,17 @@ def select(implementation, query, problem: Problem, dtype, *, mask: Mask,
     return backend.unsupported(problem, dtype, mask=mask, scores=scores,
                                version=version, decode=decode)
 
+  def best(candidates):
+    """The first that takes the call and is not `slower` than a later one,
+    else the first that takes it, else None."""
+    takes = [b for b in candidates if reason(b) is None]
+    fast = [b for b in takes if decode or b == takes[-1] or b.slower(
+        problem, dtype, mask=mask, scores=scores) is None]
+    return (fast or takes or [None])[0]
+
   if implementation is None:
     candidates = [backends()[n] for n in PALLAS] if device.on_gpu(query) else []
-    forward = next((b for b in candidates if reason(b) is None), XLA)
+    forward = best(candidates) or XLA
   else:
     if implementation not in IMPLEMENTATIONS:
       raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or "
@@ -186,7 +198,7 @@ def select(implementation, query, problem: Problem, dtype, *, mask: Mask,
           "a GPU; on this machine use implementation='interpret' (the same "
           "kernels, interpreted) or 'xla'")
     reasons = {n: reason(backends()[n]) for n in names}
-    forward = next((backends()[n] for n in names if reasons[n] is None), None)
+    forward = best([backends()[n] for n in names])
     if forward is None:
       raise ValueError("; ".join(reasons.values()) + "; implementation='xla' "
                        "takes any input")

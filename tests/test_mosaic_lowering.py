@@ -94,7 +94,11 @@ def test_mosaic_takes_any_length(head_dim, q_len, kv_len):
     ("eligible", (2, 256, 512, 8, 2, 128), jnp.bfloat16,
      dict(is_causal=True), True),
     ("odd_q_len", (2, 300, 512, 8, 2, 128), jnp.bfloat16, {}, True),
-    ("odd_kv_len", (2, 256, 300, 8, 2, 128), jnp.bfloat16, {}, True),
+    ("odd_kv_len", (2, 256, 521, 8, 2, 128), jnp.bfloat16, {}, True),
+    # Up to config.TRITON_MAX_KV_LEN keys the Triton kernels (faster).
+    ("short_keys", (2, 256, 300, 8, 2, 128), jnp.bfloat16, {}, False),
+    ("short_keys_causal", (4, 197, 197, 8, 8, 64), jnp.bfloat16,
+     dict(is_causal=True), False),
     ("head_dim_96", (2, 256, 512, 8, 2, 96), jnp.bfloat16, {}, True),
     ("head_dim_192", (2, 256, 512, 8, 2, 192), jnp.bfloat16, {}, True),
     ("head_dim_80", (2, 256, 512, 8, 2, 80), jnp.bfloat16,
@@ -132,6 +136,13 @@ def test_pallas_picks_mosaic_where_it_takes_the_call(name, shape, dtype,
   assert (MOSAIC_CALL in text) == mosaic, name
   if not mosaic:
     assert TRITON_FORWARD in text
+
+
+def test_mosaic_named_runs_short_keys_too():
+  """`slower` only steers the choice when no backend is named."""
+  text = _lower_grad("mosaic", (2, 197, 197, 4, 4, 64))
+  assert "flash_attention_forward_mosaic" in text
+  assert all(name in text for name in MOSAIC_BACKWARD)
 
 
 def test_mosaic_named_for_a_call_it_cannot_take_says_why():

@@ -50,6 +50,12 @@ class Backend(Protocol):
     """Why its forward (or, with `decode`, its decode) cannot take the
     call; None if it can."""
 
+  def slower(self, problem: Problem, dtype, *, mask: Mask,
+             scores: Scores) -> str | None:
+    """Why the next backend is measured faster on this call, which this one
+    takes; None where it is not. The dispatch then prefers the next when
+    no backend is named (a named one runs anyway)."""
+
   def backward_unsupported(self, problem: Problem, dtype, *, mask: Mask,
                            scores: Scores,
                            operands: Operands) -> str | None:

@@ -160,6 +160,19 @@ class MosaicGpuBackend:
               f"of {sorted(missing)}")
     return None
 
+  def slower(self, problem: Problem, dtype, *, mask: Mask,
+             scores: Scores) -> str | None:
+    """Up to `config.TRITON_MAX_KV_LEN` keys the Triton kernels are faster:
+    an item of the forward is then one or two K/V tiles, and its fixed
+    costs (Q's load, the epilogue's stores, the consumers' stagger) are
+    most of its time (benchmarks/NOTES.md, "short keys take the Triton
+    kernels")."""
+    del dtype, mask, scores
+    if problem.kv_len <= config.TRITON_MAX_KV_LEN:
+      return (f"the Triton kernels are faster on {problem.kv_len} keys "
+              f"(at most {config.TRITON_MAX_KV_LEN})")
+    return None
+
   def config(self, block_sizes, problem: Problem, dtype, *, is_causal: bool,
              version: int = 2, scores: Scores | None = None,
              mask: Mask | None = None) -> BlockSizes:

@@ -53,6 +53,11 @@ def fused_dq_columns(head_dim: int) -> int:
   return head_dim // 2 if head_dim > 64 else head_dim
 
 
+# Keys up to which the dispatch prefers the Triton kernels when no backend
+# is named (`MosaicGpuBackend.slower`): 197-257 tokens (ViT, DiT) and 77
+# (CLIP, text cross-attention) measured 1.2-2.1x faster there on an H200,
+# 512 (BERT, T5 cross-attention) slower.
+TRITON_MAX_KV_LEN = 320
 # Kernel head dims up to which the forward is persistent by default
 # (`BlockSizes.get_default`; two Q buffers fit beside the K/V ring).
 PERSISTENT_MAX_HEAD_DIM = 128

@@ -64,6 +64,10 @@ class TritonBackend:
                 f"{config.MAX_HEAD_DIM}] for the Triton kernels, got {h}")
     return None
 
+  def slower(self, problem: Problem, dtype, *, mask: Mask,
+             scores: Scores) -> str | None:
+    return None  # The last Pallas backend: nothing after it to prefer.
+
   def backward_unsupported(self, problem: Problem, dtype, *, mask: Mask,
                            scores: Scores,
                            operands: Operands) -> str | None:
