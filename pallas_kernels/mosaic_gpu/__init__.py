@@ -211,14 +211,8 @@ class MosaicGpuBackend:
                                    (q,), (k, v))
     value_dim = v.shape[-1]
     q, k, v = _pad_heads(q, k, v)
-    o, lse = flash_forward(q, k, v, mask=mask, scores=scores,
-                           block_sizes=config, tile_kinds=operands.tile_kinds,
-                           alibi_slopes=operands.alibi_slopes,
-                           q_ids=operands.q_ids, kv_ids=operands.kv_ids,
-                           sinks=operands.sinks,
-                           dropout_seed=operands.dropout_seed,
-                           q_offsets=operands.q_offsets,
-                           dense_mask=operands.dense_mask, bias=operands.bias)
+    o, lse = flash_forward(q, k, v, operands, mask=mask, scores=scores,
+                           block_sizes=config)
     return o[..., :value_dim], lse
 
   def decode(self, q, k, v, kv_lengths, *, mask: Mask, scores: Scores,
@@ -267,13 +261,7 @@ class MosaicGpuBackend:
                                       (q, do), (k, v))
     head_dim, value_dim = q.shape[-1], v.shape[-1]
     q, k, v, o, do = _pad_heads(q, k, v, o, do)
-    dq, dk, dv = flash_backward(q, k, v, o, lse, do, dlse, mask=mask,
-                                scores=scores, block_sizes=config,
-                                tile_kinds=operands.tile_kinds,
-                                alibi_slopes=operands.alibi_slopes,
-                                q_ids=operands.q_ids, kv_ids=operands.kv_ids,
-                                dropout_seed=operands.dropout_seed,
-                                dense_mask=operands.dense_mask,
-                                bias=operands.bias)
+    dq, dk, dv = flash_backward(q, k, v, operands, o, lse, do, dlse,
+                                mask=mask, scores=scores, block_sizes=config)
     return (dq[..., :head_dim], dk[..., :head_dim], dv[..., :value_dim],
             Operands())

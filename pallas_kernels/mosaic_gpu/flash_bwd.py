@@ -46,16 +46,17 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_flash.spec import softmax
 from jax_flash.spec.mask import Mask, cdiv, kv_block_ranges, q_block_ranges
+from jax_flash.spec.operands import Operands
 from jax_flash.spec.padding import pad_pairs, pad_to, round_up
 from jax_flash.spec.scores import Scores
 from pallas_kernels.mosaic_gpu.config import (FUSED_DQ_HEAD_DIMS, BlockSizes,
                                               compiler_params, fused_dq_columns)
 from pallas_kernels.mosaic_gpu.tiles import (COL, COMPUTE_WGS, ROW,
                                              cta_row_tile, dropped, load_ids,
-                                             needs_positions, pad_ids,
-                                             pair_tile, range_table,
+                                             logits2, needs_positions,
+                                             pad_ids, range_table,
                                              smem_transforms, split_refs,
-                                             table_ranges)
+                                             table_ranges, visible)
 
 
 def _meet(barrier):
@@ -82,19 +83,15 @@ def _probabilities(s, lse, masked, *, mask: Mask, scores: Scores,
   dense_ref), each None when absent; rows_cols: the tile's positions or
   None (then `positions()` computes them for the predicate)."""
   slopes_ref, bias_ref, dense_ref = refs
-  s, c, aux = scores.factored_logits2(
-      s, *(rows_cols or (None, None)),
+  s, c, aux = logits2(
+      scores, s, *(rows_cols or (None, None)),
       slope=None if slopes_ref is None else slopes_ref[batch, head],
-      bias=(None if bias_ref is None else
-            pair_tile(bias_ref, batch, head, *pair).astype(jnp.float32)),
-      batch=batch, head=head)
+      bias_ref=bias_ref, pair=pair, batch=batch, head=head)
   p = jnp.exp2(s * c - lse)
 
   def hidden():
-    ok = mask.visible(*(rows_cols or positions()), kv_len, batch=batch,
-                      head=head, **ids)
-    if dense_ref is not None:
-      ok = ok & (pair_tile(dense_ref, batch, head, *pair) != 0)
+    ok = visible(mask, *(rows_cols or positions()), kv_len,
+                 dense_ref=dense_ref, pair=pair, batch=batch, head=head, **ids)
     return jnp.where(ok, p, 0.0)
   return lax.cond(masked, hidden, lambda: p), aux
 
@@ -439,18 +436,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
   )(k_ref.at[batch, :, kv_head], v_ref.at[batch, :, kv_head])
 
 
-def flash_backward(q, k, v, o, lse, do, dlse, *, mask: Mask, scores: Scores,
-                   block_sizes: BlockSizes, tile_kinds=None,
-                   alibi_slopes=None, q_ids=None, kv_ids=None,
-                   dropout_seed=None, dense_mask=None, bias=None):
+def flash_backward(q, k, v, operands: Operands, o, lse, do, dlse, *,
+                   mask: Mask, scores: Scores, block_sizes: BlockSizes):
   """(dq, dk, dv) of the forward's o and lse (natural log, [B, N, T]).
 
-  tile_kinds: tile kinds (a mask_mod's or a dense mask's); alibi_slopes: float32
-  [B, N] (with `scores.alibi`); q_ids, kv_ids: int32 [B, T], [B, S] (with
-  `mask.has_ids`); dropout_seed: int32 [2] (with `scores.dropout`: the
-  forward's keep bits scale P in dV and dP); dense_mask: int8 [Bm, Nm, Tm,
-  Sm] (with `mask.has_dense`); bias [Bm, Nm, Tm, Sm] (with `scores.bias`;
-  its gradient is not computed here).
+  `operands` (`jax_flash.spec.operands`): those the call has, as the
+  forward reads them (the dropout's keep bits scale P in dV and dP; a
+  bias's gradient is not computed here; sinks and query offsets are not
+  read: the sinks' share is in L).
 
   q/o/do [B, T, N, H], k/v [B, S, K, H] (K divides N), bf16 or fp16, any T
   and S: XLA pads the queries (zeros, L = +inf: they add nothing) to the
@@ -483,18 +476,18 @@ def flash_backward(q, k, v, o, lse, do, dlse, *, mask: Mask, scores: Scores,
 
   def tables(transposed):
     """The range table of one kernel's CTA rows, or None."""
+    kinds_and_ids = (operands.tile_kinds, operands.q_ids, operands.kv_ids)
     if transposed:
-      return range_table(mask, tile_kinds, q_ids, kv_ids, kv_rows,
-                         blocks.block_q_dkv, q_len, kv_len, sp // kv_rows,
-                         transposed=True)
+      return range_table(mask, *kinds_and_ids, kv_rows, blocks.block_q_dkv,
+                         q_len, kv_len, sp // kv_rows, transposed=True)
     rows = wgs * blocks.block_q_dq
-    return range_table(mask, tile_kinds, q_ids, kv_ids, rows,
-                       blocks.block_kv_dq, q_len, kv_len, tp // rows)
+    return range_table(mask, *kinds_and_ids, rows, blocks.block_kv_dq, q_len,
+                       kv_len, tp // rows)
 
   # Ids and per-pair operands padded once to both kernels' rows (the dK/dV
   # kernel reads the per-pair ones transposed).
   kv_cols = round_up(sp, blocks.block_kv_dq)
-  ids = pad_ids(q_ids, kv_ids, tp, kv_cols)
+  ids = pad_ids(operands.q_ids, operands.kv_ids, tp, kv_cols)
 
   def flat(refs, extras):
     """A kernel's refs (6 inputs, extras, outputs), None for absent extras."""
@@ -503,8 +496,10 @@ def flash_backward(q, k, v, o, lse, do, dlse, *, mask: Mask, scores: Scores,
 
   if not blocks.fused_dq:
     dq_rows = blocks.block_q_dq
-    dq_extras = (tables(False), alibi_slopes, *ids, dropout_seed,
-                 *(pad_pairs(x, tp, kv_cols) for x in (dense_mask, bias)))
+    dq_extras = (tables(False), operands.alibi_slopes, *ids,
+                 operands.dropout_seed,
+                 *(pad_pairs(x, tp, kv_cols)
+                   for x in (operands.dense_mask, operands.bias)))
     dq = plgpu.kernel(
         lambda *refs, q_smem, do_smem, ready: _dq_kernel(
             *flat(refs, dq_extras), q_smem, do_smem, ready, **kernel_args),
@@ -529,9 +524,10 @@ def flash_backward(q, k, v, o, lse, do, dlse, *, mask: Mask, scores: Scores,
   dq_sum = (jax.new_ref(jnp.zeros((batch, tp, num_heads, head_dim),
                                   jnp.float32))
             if blocks.fused_dq else None)
-  dkv_extras = (tables(True), alibi_slopes, *ids, dropout_seed,
+  dkv_extras = (tables(True), operands.alibi_slopes, *ids,
+                operands.dropout_seed,
                 *(pad_pairs(x, tp, kv_cols, transposed=True)
-                  for x in (dense_mask, bias)), dq_sum)
+                  for x in (operands.dense_mask, operands.bias)), dq_sum)
   bq_dkv = blocks.block_q_dkv
   # Both warpgroups read K/V of the other's rows (head dims above 128, or
   # `fused_dq`'s exchange of dS): they meet at `done` before writing dK/dV

@@ -43,12 +43,11 @@ from jax_flash.spec.padding import pad_to
 from jax_flash.spec.scores import Scores
 from pallas_kernels.mosaic_gpu import config
 from pallas_kernels.mosaic_gpu.config import compiler_params
-from pallas_kernels.mosaic_gpu.tiles import (await_last_releases,
-                                             smem_transforms)
+from pallas_kernels.mosaic_gpu.tiles import (ROW, await_last_releases,
+                                             online_softmax, smem_transforms)
 
 ROWS = 64  # wgmma's rows: the most query rows a CTA takes.
 BLOCK_K = 64  # Cache rows a K/V tile by default.
-ROW = plgpu.Layout.WGMMA.reduce(1)
 
 
 def _segment(bounds_ref, lengths_ref, s: int, *, groups: int,
@@ -141,12 +140,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, bounds_ref, owners_ref,
         if same_head is not None:
           ok = jnp.logical_and(ok, same_head)
         s = jnp.where(ok, s, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(axis=1) * c)
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp2(m - m_safe)
-        p = jnp.exp2(s * c - lax.broadcast_in_dim(m_safe, shape, [0]))
-        l = l * alpha + p.sum(axis=1)
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        p, m_new, l, acc = online_softmax(s, c, m, l, acc)
         plgpu.barrier_wait(v_ready.at[slot])
         valid = (kv_len - j * positions) * heads  # V rows past it: NaN?
 

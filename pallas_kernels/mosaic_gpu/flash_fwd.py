@@ -40,16 +40,17 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax_flash.spec import softmax
 from jax_flash.spec.device import num_multiprocessors
 from jax_flash.spec.mask import Mask, kv_block_ranges
+from jax_flash.spec.operands import Operands
 from jax_flash.spec.padding import pad_pairs, pad_to, round_up
 from jax_flash.spec.scores import Scores
 from pallas_kernels.mosaic_gpu.config import BlockSizes, compiler_params
 from pallas_kernels.mosaic_gpu.tiles import (COL, COMPUTE_WGS, ROW,
                                              await_last_releases, cta_row_tile,
-                                             dropped,
-                                             load_ids, needs_positions,
-                                             pad_ids, pair_tile, range_table,
+                                             dropped, load_ids, logits2,
+                                             needs_positions, online_softmax,
+                                             pad_ids, range_table,
                                              smem_transforms, split_refs,
-                                             table_ranges)
+                                             table_ranges, visible)
 
 # Hardware barrier ids of the consumers' schedule with `named_barriers`,
 # [warpgroup waiting][parity of its wait]: Mosaic GPU itself uses 0 (the
@@ -346,28 +347,19 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
         cols = j * block_kv + plgpu.broadcasted_iota(
             jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
       tile = (pl.ds(q_start, block_q), pl.ds(j * block_kv, block_kv))
-      bias = (None if bias_ref is None else
-              pair_tile(bias_ref, batch, head, *tile).astype(jnp.float32))
       # Base-2 logits s * c (c > 0; `factored_logits2`).
-      s, c, _ = scores.factored_logits2(s, rows, cols, slope=slope,
-                                        bias=bias, batch=batch, head=head)
+      s, c, _ = logits2(scores, s, rows, cols, slope=slope, bias_ref=bias_ref,
+                        pair=tile, batch=batch, head=head)
       if masked:
         ids = {}
         if mask.has_ids:
           kv_ids = load_ids(kv_ids_ref, batch, j * block_kv, block_kv, COL)
           ids = dict(q_ids=lax.broadcast_in_dim(q_ids, shape, [0]),
                      kv_ids=lax.broadcast_in_dim(kv_ids, shape, [1]))
-        ok = mask.visible(rows, cols, kv_len, q_offset=q_offset, batch=batch,
-                          head=head, **ids)
-        if dense_ref is not None:
-          ok = ok & (pair_tile(dense_ref, batch, head, *tile) != 0)
+        ok = visible(mask, rows, cols, kv_len, dense_ref=dense_ref, pair=tile,
+                     batch=batch, head=head, q_offset=q_offset, **ids)
         s = jnp.where(ok, s, -jnp.inf)
-      m_new = jnp.maximum(m, s.max(axis=1) * c)
-      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      alpha = jnp.exp2(m - m_safe)
-      p = jnp.exp2(s * c - lax.broadcast_in_dim(m_safe, s.shape, [0]))
-      l = l * alpha + p.sum(axis=1)
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      p, m_new, l, acc = online_softmax(s, c, m, l, acc)
       # l sums the undropped p; only P V sees the dropout.
       p16 = dropped(p, scores, seed_ref, batch, head, rows, cols).astype(dtype)
       schedule.arrive(1)  # Softmax done: the other may compute.
@@ -454,27 +446,19 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
     await_last_releases(for_each_item(producer_item), stages, k_free, v_free)
 
 
-def flash_forward(q, k, v, *, mask: Mask, scores: Scores,
-                  block_sizes: BlockSizes, tile_kinds=None,
-                  alibi_slopes=None, q_ids=None, kv_ids=None, sinks=None,
-                  dropout_seed=None, q_offsets=None, dense_mask=None,
-                  bias=None):
+def flash_forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
+                  block_sizes: BlockSizes):
   """Runs the forward kernel.
 
   q [B, T, N, H], k/v [B, S, K, H] (K divides N), bf16 or fp16, H a
   multiple of 16 in [32, 256] (`config.kernel_head_dim`: the backend pads
-  other head dims to one). tile_kinds: tile kinds (`Operands.tile_kinds`, a mask_mod's or
-  a dense mask's); alibi_slopes: float32 [B, N] (with `scores.alibi`); q_ids,
-  kv_ids: int32 [B, T], [B, S] (with `mask.has_ids`: segments and lengths,
-  `mask.make_ids`); sinks: float32 [N], a sink logit per query head in each
-  row's denominator (with `scores.sinks`; their gradient comes from the
-  logsumexp, in `jax_flash.attention`); dropout_seed: int32 [2] (with
-  `scores.dropout`); q_offsets: int32 [B], the position of each sequence's
-  first query (with `mask.has_q_offsets`: a prompt chunk against a cache,
-  `flash_decode`; forward only); dense_mask: int8 [Bm, Nm, Tm, Sm]
-  (`Operands.dense_mask`, with `mask.has_dense`: read tile by tile, no tile
-  skipped for it); bias: [Bm, Nm, Tm, Sm] (with `scores.bias`), each dim 1
-  or full. Any T and S: XLA pads Q to a multiple of 2 * block_q
+  other head dims to one). `operands` (`jax_flash.spec.operands`): those
+  the call has, each read as its docstring says; here the tile kinds
+  become tile ranges, the ids are padded past the tiles, a dense mask and
+  a bias (each dim 1 or full) are read tile by tile (no tile skipped for
+  a dense mask), sinks enter each row's denominator (their gradient comes
+  from the logsumexp, in `jax_flash.attention`), and query offsets (a
+  prompt chunk against a cache) are forward only. Any T and S: XLA pads Q to a multiple of 2 * block_q
   rows and K/V to a multiple of 8 (what TMA needs), and the kernel masks
   keys past S (a copy only for lengths that are not such multiples).
   GPU only: the Pallas interpreter cannot run a wgmma whose left operand is
@@ -488,8 +472,9 @@ def flash_forward(q, k, v, *, mask: Mask, scores: Scores,
   group = num_heads // k.shape[2]
   blocks = block_sizes
   table = range_table(  # One row per consumer's query tile.
-      mask, tile_kinds, q_ids, kv_ids, blocks.block_q, blocks.block_kv,
-      q_len, kv_len, padded_len // blocks.block_q)
+      mask, operands.tile_kinds, operands.q_ids, operands.kv_ids,
+      blocks.block_q, blocks.block_kv, q_len, kv_len,
+      padded_len // blocks.block_q)
   kv_rows = round_up(kv_len, blocks.block_kv)
   rows = COMPUTE_WGS * blocks.block_q
   num_tiles = padded_len // rows
@@ -503,9 +488,11 @@ def flash_forward(q, k, v, *, mask: Mask, scores: Scores,
     programs = None
     grid = (num_heads, num_tiles, batch)
     grid_names = ("heads", "q_seq", "batch")
-  extras = (table, alibi_slopes, *pad_ids(q_ids, kv_ids, padded_len, kv_rows),
-            sinks, dropout_seed, q_offsets,
-            *(pad_pairs(x, padded_len, kv_rows) for x in (dense_mask, bias)),
+  extras = (table, operands.alibi_slopes,
+            *pad_ids(operands.q_ids, operands.kv_ids, padded_len, kv_rows),
+            operands.sinks, operands.dropout_seed, operands.q_offsets,
+            *(pad_pairs(x, padded_len, kv_rows)
+              for x in (operands.dense_mask, operands.bias)),
             None if order is None else jnp.asarray(order))
   transforms = smem_transforms(q.dtype, head_dim)
   stages, q_buffers = blocks.num_stages, blocks.q_buffers(head_dim)

@@ -5,8 +5,10 @@ Layouts of a consumer warpgroup's values (`ROW`, `COL`), shared-memory
 swizzles (`smem_transforms`), the tile ranges a CTA's row tile visits
 (`cta_row_tile`, `table_ranges`, `range_table`: the band's intersected with
 a mask_mod's or the ids' table), tiles of a per-(query, key) operand
-(`pair_tile`), ids (`load_ids`, `pad_ids`), dropout (`needs_positions`,
-`dropped`), the kernels' refs split into inputs, extras and outputs
+(`pair_tile`), a score tile's logits (`logits2`), its visible pairs
+(`visible`) and the online softmax's step (`online_softmax`), ids
+(`load_ids`, `pad_ids`), dropout (`needs_positions`, `dropped`), the
+kernels' refs split into inputs, extras and outputs
 (`split_refs`), and a producer's wait on the last releases of its ring
 (`await_last_releases`). Built on the backend-neutral `jax_flash.spec`.
 """
@@ -95,6 +97,44 @@ def pair_tile(ref, batch, head, rows, cols):
     return lax.broadcast_in_dim(x, shape, [1])
   return plgpu.layout_cast(jnp.full(shape, ref[b, h, 0, 0]),
                            plgpu.Layout.WGMMA)
+
+
+def logits2(scores: Scores, s, rows, cols, *, slope, bias_ref, pair, batch,
+            head):
+  """(t, c, aux) of a raw score tile `s` (`Scores.factored_logits2`: base-2
+  logits t * c): with the ALiBi `slope` (None without) and the tile `pair`
+  (rows, cols slices) of a bias ref (None without); rows, cols: the tile's
+  positions, or None where the scores need none."""
+  bias = (None if bias_ref is None else
+          pair_tile(bias_ref, batch, head, *pair).astype(jnp.float32))
+  return scores.factored_logits2(s, rows, cols, slope=slope, bias=bias,
+                                 batch=batch, head=head)
+
+
+def visible(mask: Mask, rows, cols, kv_len, *, dense_ref, pair, batch, head,
+            q_offset=0, **ids):
+  """The boolean tile of pairs `mask` shows (`Mask.visible` on positions
+  rows, cols; ids: q_ids, kv_ids broadcast to the tile) and a dense mask's
+  tile `pair` shows (dense_ref: None without one)."""
+  ok = mask.visible(rows, cols, kv_len, q_offset=q_offset, batch=batch,
+                    head=head, **ids)
+  if dense_ref is not None:
+    ok = ok & (pair_tile(dense_ref, batch, head, *pair) != 0)
+  return ok
+
+
+def online_softmax(s, c, m, l, acc):
+  """One tile of the online softmax on base-2 logits s * c (hidden pairs
+  -inf): (p, m_new, l_new, acc) with the running row max m and sum l
+  updated, p = 2**(s c - m_new) and acc [rows, Hv] rescaled to m_new (a
+  row that has seen no key keeps max -inf and p 0)."""
+  m_new = jnp.maximum(m, s.max(axis=1) * c)
+  m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+  alpha = jnp.exp2(m - m_safe)
+  p = jnp.exp2(s * c - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+  l = l * alpha + p.sum(axis=1)
+  acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+  return p, m_new, l, acc
 
 
 def split_refs(refs, num_inputs: int, extras):
