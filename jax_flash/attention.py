@@ -7,6 +7,7 @@ import jax.numpy as jnp
 
 from jax_flash import _dispatch, _primitive
 from jax_flash.spec import checks
+from jax_flash.spec import fp8 as fp8_lib
 from jax_flash.spec.checks import Problem
 from jax_flash.spec.mask import Mask
 from jax_flash.spec.operands import Operands
@@ -43,6 +44,64 @@ def _empty(query, p: Problem, return_residual: bool):
   return (out, lse) if return_residual else out
 
 
+def _as(result, out_dtype):
+  """`result` (out, or (out, lse)) with out in out_dtype (None: as is)."""
+  if out_dtype is None:
+    return result
+  if isinstance(result, tuple):
+    return result[0].astype(out_dtype), result[1]
+  return result.astype(out_dtype)
+
+
+def _fp8_inputs(query, key, value, fp8, descale, out_dtype):
+  """(query, key, value, out_dtype) for an FP8 call: float8_e4m3fn inputs
+  dequantized with `descale`, or (`fp8`) inputs rounded to e4m3 with
+  per-(batch, KV head) scales, straight-through (`jax_flash.spec.fp8`),
+  as float32 for the blockwise path; out_dtype the result's (None for a
+  call without FP8)."""
+  fp8_lib.check_fp8(fp8)
+  e4m3 = {jnp.dtype(x.dtype) == fp8_lib.E4M3 for x in (query, key, value)}
+  if e4m3 == {False}:
+    if descale is not None or out_dtype is not None:
+      raise ValueError("descale and out_dtype are for float8_e4m3fn query, "
+                       "key and value; with other inputs use fp8=True")
+    if fp8 is False:
+      return query, key, value, None
+    checks.check_qkv(query, key, value)
+    if jnp.dtype(query.dtype).itemsize > 4:
+      raise ValueError(f"fp8 takes float32, bfloat16 or float16 inputs, got "
+                       f"{query.dtype}")
+    dtype, num_kv_heads = query.dtype, key.shape[-2]
+    if fp8 == "rotate":
+      r = fp8_lib.rotation(query.shape[-1])
+      query, key = (x.astype(jnp.float32) @ r for x in (query, key))
+    return (*(_batched(fp8_lib.round_trip, x, num_kv_heads)
+              for x in (query, key, value)), dtype)
+  if e4m3 != {True}:
+    raise ValueError(f"query, key and value must all be float8_e4m3fn or "
+                     f"none of them, got {query.dtype}, {key.dtype}, "
+                     f"{value.dtype}")
+  if descale is None:
+    raise ValueError("float8_e4m3fn query, key and value need descale=("
+                     "q_descale, k_descale, v_descale)")
+  if fp8 == "rotate":
+    raise ValueError("fp8='rotate' rotates inputs before they are quantized; "
+                     "float8_e4m3fn inputs are quantized already")
+  p = checks.check_qkv(query, key, value)
+  scales = fp8_lib.check_descale(descale, p.batch, p.num_kv_heads)
+  query, key, value = (
+      _batched(fp8_lib.dequantize, fp8_lib.no_gradient(x), scale,
+               p.num_kv_heads) for x, scale in zip((query, key, value), scales))
+  return query, key, value, jnp.dtype(out_dtype or jnp.bfloat16)
+
+
+def _batched(fn, x, *args):
+  """fn(x [B, L, N, H], *args), for x [L, N, H] too."""
+  if x.ndim == 3:
+    return fn(x[None], *args)[0]
+  return fn(x, *args)
+
+
 @checks.in_x64_scope
 def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
                     is_causal=False, query_seq_lengths=None,
@@ -50,7 +109,8 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
                     segment_ids=None, logits_soft_cap=None,
                     alibi_slopes=None, dropout_rate=0.0, dropout_rng=None,
                     dropout_broadcast=False, sinks=None, return_residual=False,
-                    implementation=None, block_sizes=None, version=2):
+                    implementation=None, block_sizes=None, version=2,
+                    fp8=False, descale=None, out_dtype=None):
   """Exact attention, softmax(scale * Q K^T) V, without the T x S matrix in memory.
 
   A superset of `jax.nn.dot_product_attention`: same arguments, shapes and
@@ -115,7 +175,7 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
       Pallas backend for the device and call (GPU only): the Mosaic GPU
       kernels on an H100/H200 where they take the call, else the Triton
       kernels. "mosaic": the Mosaic GPU kernels, forward and backward
-      (Hopper only; bf16/fp16, head dims 64/96/128/192/256, causal,
+      (Hopper only; bf16/fp16, head dims up to 256, causal,
       sliding windows, lengths, segment ids, dense masks, bias, soft-cap,
       ALiBi, sinks, dropout, flex mods that close over no array; with a
       bias per (query, key) pair the backward runs on the Triton kernels).
@@ -131,6 +191,17 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
       `jax_flash.XlaBlockSizes` for "xla"; a backend ignores the others'.
     version: 2 runs the FlashAttention-2 forward; 1 the FlashAttention-1
       forward (for comparison). Both share the FlashAttention-2 backward.
+    fp8: True quantizes query, key and value to float8_e4m3fn with a scale
+      per (batch, KV head), and the probabilities before P V, as
+      `jax_flash.spec.fp8` describes; "rotate" first multiplies query and
+      key by one orthogonal matrix along the head dim (incoherent
+      processing: less error with outlier features). Output and gradients
+      (straight-through) in the inputs' dtype. Runs on the blockwise path
+      ("xla"): the accuracy of FP8 attention, not yet its speed.
+    descale: for float8_e4m3fn query, key and value: (q_descale,
+      k_descale, v_descale), float32 scalars or arrays broadcastable to
+      [B, K]; the inputs' values are x * descale. Forward only.
+    out_dtype: the output's dtype for float8 inputs (default bfloat16).
 
   Returns:
     out: like query, in query.dtype; or `(out, logsumexp)`.
@@ -146,6 +217,8 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
   Gradients with respect to query, key and value are deterministic (no
   atomics). Errors in the arguments are raised at trace time as ValueError.
   """
+  query, key, value, out_dtype = _fp8_inputs(query, key, value, fp8,
+                                             descale, out_dtype)
   query, scale = checks.fold_traced_scale(query, scale)
   args = dict(bias=bias, mask=mask, scale=scale, is_causal=is_causal,
               query_seq_lengths=query_seq_lengths,
@@ -154,11 +227,12 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
               logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
               dropout_rate=dropout_rate, dropout_rng=dropout_rng,
               dropout_broadcast=dropout_broadcast, sinks=sinks)
-  spec = prepare(query, key, value, **args)
+  spec = prepare(query, key, value, fp8=fp8 is not False or descale is not None,
+                 **args)
   p = spec.problem
   _dispatch.check_options(block_sizes, version)
   if p.batch * p.q_len * p.kv_len == 0:
-    return _empty(query, p, return_residual)
+    return _as(_empty(query, p, return_residual), out_dtype)
   spec = with_dense_kinds(masks_as_ids(spec))
   plan = _dispatch.select(implementation, query, p, query.dtype,
                           mask=spec.mask, scores=spec.scores,
@@ -171,4 +245,4 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
   lse = lse.transpose(0, 2, 1)
   if p.unbatched:
     out, lse = out[0], lse[0]
-  return (out, lse) if return_residual else out
+  return _as((out, lse) if return_residual else out, out_dtype)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_flash.spec import dropout, softmax
+from jax_flash.spec import dropout, fp8, softmax
 from jax_flash.spec import mask as mask_lib
 from jax_flash.spec.checks import check_block_field
 from jax_flash.spec.mask import Mask
@@ -242,6 +242,8 @@ def forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
       s2, _ = _logits2(p, ops, p.dot("bqkgh,bskh->bkgqs", qb, kb), q0, k0)
       m, alpha, prob, l = softmax.update(m, l, s2.reshape(rows, p.block_k))
       prob = _dropped(p, ops, prob.reshape(s2.shape), q0, k0)
+      if scores.fp8:
+        prob = fp8.quantize_p(prob)
       pv = p.dot("bkgqs,bskh->bkgqh", prob.astype(v.dtype), vb)
       return acc * alpha[:, None] + pv.reshape(rows, hv), m, l
 

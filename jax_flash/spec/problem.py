@@ -33,7 +33,7 @@ def prepare(query, key, value, *, bias=None, mask=None, scale=None,
             key_value_seq_lengths=None, local_window_size=None,
             segment_ids=None, logits_soft_cap=None, alibi_slopes=None,
             dropout_rate=0.0, dropout_rng=None,
-            dropout_broadcast=False, sinks=None) -> Spec:
+            dropout_broadcast=False, sinks=None, fp8=False) -> Spec:
   """Validates the arguments of `flash_attention` and builds the Spec
   (operands batched: [B, ...] even for unbatched inputs)."""
   p = checks.check_qkv(query, key, value)
@@ -62,7 +62,7 @@ def prepare(query, key, value, *, bias=None, mask=None, scale=None,
   scores = Scores(scale=scale, soft_cap=cap, alibi=slopes is not None,
                   bias=bias is not None, dropout_rate=rate,
                   dropout_broadcast=bool(dropout_broadcast) and rate > 0,
-                  sinks=sinks is not None)
+                  sinks=sinks is not None, fp8=bool(fp8))
   operands = Operands(
       q_ids=q_ids, kv_ids=kv_ids,
       dense_mask=None if dense is None else dense.astype(jnp.int8),

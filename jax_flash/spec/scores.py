@@ -43,6 +43,9 @@ class Scores:
   dropout_broadcast: bool = False
   # A sink logit per head in the softmax's denominator (`Operands.sinks`).
   sinks: bool = False
+  # FP8: P V multiplies P rounded to e4m3 (`fp8.quantize_p`; Q, K and V
+  # arrive rounded, `jax_flash.spec.fp8`); the backward takes it as P.
+  fp8: bool = False
   # A user's score_mod (`mods.ElementwiseMod`, flex attention), and how many
   # arrays it reads (`Operands.score_consts`).
   mod: Callable | None = None

@@ -142,6 +142,8 @@ class MosaicGpuBackend:
                 f"{problem.q_len}")
     if version != 2:
       return "the Mosaic GPU backend runs only the FlashAttention-2 forward"
+    if scores.fp8:
+      return "the Mosaic GPU kernels take no fp8 call (implementation='xla' does)"
     if jnp.dtype(dtype).name not in config.DTYPES:
       return (f"query dtype must be bfloat16 or float16 for the Mosaic GPU "
               f"kernels, got {jnp.dtype(dtype)}")

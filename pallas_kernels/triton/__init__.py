@@ -48,6 +48,8 @@ class TritonBackend:
                   decode: bool = False) -> str | None:
     """Why this backend cannot take the call, or None."""
     del mask, decode  # It takes every one.
+    if scores.fp8:
+      return "the Triton kernels take no fp8 call (implementation='xla' does)"
     if version == 1 and scores.sinks:
       return "the FlashAttention-1 forward takes no sinks"
     if version == 1 and problem.value_head_dim != problem.head_dim:

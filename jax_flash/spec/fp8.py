@@ -1,0 +1,139 @@
+"""FP8 (e4m3) attention: the quantization every backend applies.
+
+Q, K and V are e4m3 values times a float32 scale per (batch, KV head):
+x = x8 * scale, x8 = round_e4m3(x / scale) with scale = max |x| / 448 over
+the (batch, KV head)'s rows (its query heads' for Q), as FlashAttention-3
+and cuDNN take per-tensor or per-head descales. The scores are formed from
+the e4m3 values (exact products, float32 sums). The probabilities P, in
+[0, 1] against their row's running maximum, multiply V as e4m3 too, scaled
+by 448 so that 1 is e4m3's largest value (`quantize_p`); the row sums take
+P before that rounding. Gradients treat each rounding as the identity
+(straight-through): they are exact attention's at the rounded inputs.
+
+Incoherent processing (`rotation`): Q and K multiplied by one orthogonal
+matrix along the head dim before they are rounded. Q K^T is unchanged; an
+outlier feature's magnitude is spread over every column, so a scale set
+by the largest value wastes less of e4m3's range on the others.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+E4M3 = jnp.float8_e4m3fn
+E4M3_MAX = 448.0  # e4m3fn's largest finite value.
+MODES = (False, True, "rotate")
+
+
+def check_fp8(fp8) -> None:
+  if not any(fp8 is m for m in MODES):
+    raise ValueError(f"fp8 must be False, True or 'rotate', got {fp8!r}")
+
+
+def _grouped(x, num_kv_heads: int):
+  """[B, L, N, H] -> [B, L, K, N // K, H]."""
+  b, length, n, h = x.shape
+  return x.reshape(b, length, num_kv_heads, n // num_kv_heads, h)
+
+
+def scales(x, num_kv_heads: int):
+  """float32 [B, K]: max |x| over each (batch, KV head)'s rows and heads,
+  over E4M3_MAX (1 where x is all zeros); values that are not finite (a
+  masked position's NaN) do not count. x [B, L, N, H]."""
+  a = jnp.abs(_grouped(x, num_kv_heads).astype(jnp.float32))
+  amax = jnp.max(jnp.where(jnp.isfinite(a), a, 0.0), axis=(1, 3, 4))
+  return jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+
+
+def quantize(x, scale, num_kv_heads: int):
+  """x [B, L, N, H] as e4m3 values x / scale (scale [B, K] float32)."""
+  g = _grouped(x, num_kv_heads).astype(jnp.float32)
+  return (g / scale[:, None, :, None, None]).astype(E4M3).reshape(x.shape)
+
+
+def dequantize(x8, scale, num_kv_heads: int):
+  """float32 x8 * scale: e4m3 x8 [B, L, N, H], scale [B, K]."""
+  g = _grouped(x8, num_kv_heads).astype(jnp.float32)
+  return (g * scale[:, None, :, None, None]).reshape(x8.shape)
+
+
+@jax.custom_jvp
+def _straight_through(x, rounded):
+  del x
+  return rounded
+
+
+@_straight_through.defjvp
+def _straight_through_jvp(primals, tangents):
+  x, rounded = primals
+  dx, _ = tangents
+  return rounded, dx.astype(rounded.dtype)
+
+
+def round_trip(x, num_kv_heads: int):
+  """float32 `dequantize(quantize(x))` with per-(batch, KV head) scales,
+  differentiated as the identity (the gradient reaches x in its dtype)."""
+  scale = jax.lax.stop_gradient(scales(x, num_kv_heads))
+  rounded = dequantize(quantize(jax.lax.stop_gradient(x), scale,
+                                num_kv_heads), scale, num_kv_heads)
+  return _straight_through(x, rounded)
+
+
+@jax.custom_jvp
+def no_gradient(x):
+  """x; differentiating through it raises (float8 inputs: forward only)."""
+  return x
+
+
+@functools.partial(no_gradient.defjvp, symbolic_zeros=True)
+def _no_gradient_jvp(primals, tangents):
+  (x,), (dx,) = primals, tangents
+  if not isinstance(dx, jax.custom_derivatives.SymbolicZero):
+    raise NotImplementedError(
+        "float8_e4m3fn inputs with descale are forward only: for gradients "
+        "pass bfloat16/float16 inputs with fp8=True")
+  return x, dx
+
+
+def quantize_p(p):
+  """P (float32, in [0, 1]) rounded as e4m3 values of P * 448, returned as
+  float32 P again: what P V multiplies."""
+  return (p * E4M3_MAX).astype(E4M3).astype(jnp.float32) / E4M3_MAX
+
+
+def rotation(head_dim: int):
+  """A fixed orthogonal [H, H] float32 matrix: a Hadamard matrix with
+  random column signs (scaled by 1 / sqrt(H)) where H is a power of two,
+  else the Q of a random Gaussian matrix's QR (seed 0 either way)."""
+  rng = np.random.default_rng(0)
+  if head_dim & (head_dim - 1) == 0:
+    h = np.ones((1, 1))
+    while h.shape[0] < head_dim:
+      h = np.block([[h, h], [h, -h]])
+    m = h * rng.choice([-1.0, 1.0], head_dim) / np.sqrt(head_dim)
+  else:
+    m, _ = np.linalg.qr(rng.standard_normal((head_dim, head_dim)))
+  return jnp.asarray(m, jnp.float32)
+
+
+def check_descale(descale, batch: int, num_kv_heads: int):
+  """(q, k, v) descales as float32 [B, K]: each a scalar or an array
+  broadcastable to [B, K]."""
+  if not isinstance(descale, (tuple, list)) or len(descale) != 3:
+    raise ValueError("descale must be a tuple (q_descale, k_descale, "
+                     "v_descale) of float32 scalars or arrays broadcastable "
+                     f"to [B, K] = [{batch}, {num_kv_heads}], got "
+                     f"{type(descale).__name__}")
+  out = []
+  for name, d in zip(("q_descale", "k_descale", "v_descale"), descale):
+    d = jnp.asarray(d, jnp.float32)
+    try:
+      out.append(jnp.broadcast_to(d, (batch, num_kv_heads)))
+    except ValueError:
+      raise ValueError(f"descale's {name} must be a scalar or broadcastable "
+                       f"to [B, K] = [{batch}, {num_kv_heads}], got shape "
+                       f"{d.shape}") from None
+  return tuple(out)

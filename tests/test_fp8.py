@@ -1,0 +1,134 @@
+"""FP8 attention (`fp8=True`, float8_e4m3fn inputs with `descale`) on the
+blockwise path: its error against float32 attention on the unquantized
+inputs, next to the error that rounding the inputs alone causes, and its
+arguments' checks."""
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jax_flash
+from jax_flash.spec import fp8
+from tests.cases import random_inputs
+
+
+def _rel(a, b):
+  """RMS of a - b over the RMS of b (float32)."""
+  a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+  return float(jnp.sqrt(jnp.mean((a - b) ** 2) / jnp.mean(b ** 2)))
+
+
+def _grads(attend, q, k, v, do):
+  return jax.grad(lambda q, k, v: jnp.sum(
+      attend(q, k, v).astype(jnp.float32) * do), argnums=(0, 1, 2))(q, k, v)
+
+
+@pytest.mark.parametrize("shape, causal", [
+    ((2, 200, 300, 4, 2, 64), True), ((1, 129, 77, 4, 1, 96), False)])
+def test_error_is_close_to_the_rounding_of_the_inputs(shape, causal):
+  """Against float32 attention on the unquantized inputs: the output's
+  error at most 1.6x, the gradients' at most 2x, the error of exact
+  attention on the inputs rounded to e4m3 (per (batch, KV head) scales)."""
+  q, k, v, do = random_inputs(*shape, jnp.bfloat16)
+  num_kv_heads = k.shape[2]
+  exact = lambda q, k, v: jax_flash.reference_attention(q, k, v,
+                                                        is_causal=causal)
+  up = [x.astype(jnp.float32) for x in (q, k, v)]
+  rounded = lambda q, k, v: exact(*(fp8.round_trip(x, num_kv_heads)
+                                    for x in (q, k, v)))
+  ours = lambda q, k, v: jax_flash.flash_attention(q, k, v, is_causal=causal,
+                                                   fp8=True)
+  out = ours(q, k, v)
+  assert out.dtype == q.dtype
+  floor = _rel(rounded(*up), exact(*up))
+  assert 0.01 < floor < 0.1  # e4m3's 3 mantissa bits, not bf16's.
+  assert _rel(out, exact(*up)) <= 1.6 * floor
+  want = _grads(exact, *up, do)
+  for ours_g, floor_g, w in zip(_grads(ours, q, k, v, do),
+                                _grads(rounded, *up, do), want):
+    assert ours_g.dtype == q.dtype
+    assert _rel(ours_g, w) <= 2 * _rel(floor_g, w)
+
+
+def test_rotation_lowers_the_error_of_outlier_features():
+  """Two feature columns 20x the rest (in query and key): one scale a
+  (batch, KV head) leaves the other columns few of e4m3's values; the
+  rotation spreads them, and the error falls below half."""
+  q, k, v, _ = random_inputs(2, 256, 256, 4, 2, 64, jnp.bfloat16)
+  cols = jnp.ones(64).at[jnp.array([3, 17])].set(20.0)
+  q, k = (q * cols).astype(jnp.bfloat16), (k * cols / 4.5).astype(jnp.bfloat16)
+  exact = jax_flash.reference_attention(
+      *(x.astype(jnp.float32) for x in (q, k, v)), is_causal=True)
+  plain, rotated = (_rel(jax_flash.flash_attention(
+      q, k, v, is_causal=True, fp8=mode), exact) for mode in (True, "rotate"))
+  assert rotated < 0.5 * plain
+
+
+def test_rotation_is_orthogonal():
+  for h in (64, 80):
+    r = fp8.rotation(h)
+    assert jnp.allclose(r @ r.T, jnp.eye(h), atol=1e-5)
+
+
+def test_float8_inputs_with_descale_match_fp8_true():
+  """Inputs quantized by the caller with the same scales give fp8=True's
+  output, bitwise; bfloat16 unless out_dtype says otherwise."""
+  q, k, v, _ = random_inputs(2, 100, 130, 4, 2, 32, jnp.bfloat16)
+  scales = tuple(fp8.scales(x, 2) for x in (q, k, v))
+  q8, k8, v8 = (fp8.quantize(x, s, 2) for x, s in zip((q, k, v), scales))
+  want = jax_flash.flash_attention(q, k, v, fp8=True)
+  got = jax.jit(lambda q, k, v: jax_flash.flash_attention(
+      q, k, v, descale=scales))(q8, k8, v8)
+  assert got.dtype == jnp.bfloat16
+  assert jnp.array_equal(got, want)
+  f32 = jax_flash.flash_attention(q8, k8, v8, descale=scales,
+                                  out_dtype=jnp.float32)
+  assert f32.dtype == jnp.float32
+  # A scalar descale per tensor, unbatched inputs.
+  one = jax_flash.flash_attention(q8[0], k8[0], v8[0],
+                                  descale=(0.01, 0.01, 0.01))
+  assert one.shape == (100, 4, 32) and bool(jnp.isfinite(one).all())
+
+
+def test_masked_positions_may_hold_nan():
+  """Positions past the lengths count in no scale: NaN there reaches no
+  result."""
+  q, k, v, _ = random_inputs(2, 64, 80, 2, 2, 32, jnp.bfloat16)
+  k = k.at[1, 50:].set(jnp.nan)
+  v = v.at[1, 50:].set(jnp.nan)
+  out = jax_flash.flash_attention(q, k, v, fp8=True,
+                                  key_value_seq_lengths=jnp.array([80, 50]))
+  assert bool(jnp.isfinite(out).all())
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda q, q8: jax_flash.flash_attention(q, q, q, descale=(1, 1, 1)),
+     "descale and out_dtype are for float8_e4m3fn"),
+    (lambda q, q8: jax_flash.flash_attention(q8, q8, q8),
+     "need descale="),
+    (lambda q, q8: jax_flash.flash_attention(q8, q, q, descale=(1, 1, 1)),
+     "must all be float8_e4m3fn or none"),
+    (lambda q, q8: jax_flash.flash_attention(q8, q8, q8,
+                                             descale=(1, 1, jnp.ones(3))),
+     r"v_descale must be a scalar or broadcastable to \[B, K\] = \[2, 2\]"),
+    (lambda q, q8: jax_flash.flash_attention(q8, q8, q8, descale=(1, 1)),
+     "descale must be a tuple"),
+    (lambda q, q8: jax_flash.flash_attention(q8, q8, q8, descale=(1, 1, 1),
+                                             fp8="rotate"),
+     "quantized already"),
+    (lambda q, q8: jax_flash.flash_attention(q, q, q, fp8="yes"),
+     "fp8 must be False, True or 'rotate'"),
+    (lambda q, q8: jax_flash.flash_attention(q, q, q, fp8=True,
+                                             implementation="interpret"),
+     "take no fp8 call"),
+])
+def test_bad_fp8_arguments_say_what(call, match):
+  q = random_inputs(2, 16, 16, 2, 2, 32, jnp.bfloat16)[0]
+  with pytest.raises(ValueError, match=match):
+    call(q, q.astype(fp8.E4M3))
+
+
+def test_float8_inputs_are_forward_only():
+  q8 = random_inputs(1, 16, 16, 2, 2, 32, jnp.bfloat16)[0].astype(fp8.E4M3)
+  with pytest.raises(NotImplementedError, match="forward only"):
+    jax.grad(lambda q: jnp.sum(jax_flash.flash_attention(
+        q, q8, q8, descale=(1, 1, 1)).astype(jnp.float32)))(q8)
