@@ -68,6 +68,23 @@ def main(num_kv_heads):
   if num_kv_heads % 4 == 0:  # Heads shard whole GQA groups: all local.
     assert gathers == 0, gathers
     assert tuple(out_s.sharding.spec)[:3] == ("data", None, "model")
+  # Sequence-sharded query, key and value (over "model"): all-to-all
+  # context parallelism where 4 divides the KV heads (no all-gather, the
+  # output left sequence-sharded), else the sequence gathered; bitwise
+  # equal to one device either way.
+  seq = NamedSharding(mesh, P("data", "model"))
+  sharded = jax.jit(grad)
+  args = [jax.device_put(x, seq) for x in (q, k, v)]
+  hlo = sharded.lower(*args).compile().as_text()
+  (_, out_s), grads_s = sharded(*args)
+  errors = [relative_error(out_s, out)] + [
+      relative_error(a, b) for a, b in zip(grads_s, grads)]
+  print(f"sequence-sharded: all-gathers={hlo.count('all-gather(')} "
+        f"all-to-alls={hlo.count('all-to-all(')} errors={errors}")
+  assert max(errors) == 0.0, errors
+  assert tuple(out_s.sharding.spec)[:2] == ("data", "model")
+  if num_kv_heads % 4 == 0:
+    assert hlo.count("all-gather(") == 0 and hlo.count("all-to-all(") > 0
 
 
 if __name__ == "__main__":

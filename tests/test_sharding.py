@@ -1,4 +1,5 @@
-"""Batch- and head-sharded inputs under jax.jit: each shard runs locally.
+"""Batch-, head- and sequence-sharded inputs under jax.jit: each shard runs
+locally, a sequence shard through all-to-all context parallelism.
 
 Runs tests/sharded_run.py in a fresh process with 8 simulated host devices
 (the device count is fixed when JAX starts): the sharded jit(grad) must give
