@@ -73,7 +73,13 @@ BAD = {
     "kernel_float8": (_attention(q=_sds((B, T, N, H), jnp.float8_e4m3fn),
                                  k=_sds((B, S, K, H), jnp.float8_e4m3fn),
                                  v=_sds((B, S, K, H), jnp.float8_e4m3fn)),
-                       "query dtype must be one of float32, bfloat16"),
+                       "float8_e4m3fn query, key and value need descale"),
+    "kernel_float8_descale": (
+        _attention(q=_sds((B, T, N, H), jnp.float8_e4m3fn),
+                   k=_sds((B, S, K, H), jnp.float8_e4m3fn),
+                   v=_sds((B, S, K, H), jnp.float8_e4m3fn),
+                   descale=(1.0, 1.0, 1.0)),
+        "take no fp8 call"),
     # Options.
     "block_sizes_type": (_attention(block_sizes=(128, 64)),
                          "block_sizes must be a"),
