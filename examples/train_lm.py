@@ -49,7 +49,7 @@ def cudnn_attention(query, key, value, *, mask=None, is_causal=False,
 
 class Block(nnx.Module):
   def __init__(self, d_model, heads, kv_heads, dropout, implementation,
-               dtype, *, rngs):
+               dtype, *, rngs, fp8=False):
     self.ln1 = nnx.LayerNorm(d_model, dtype=dtype, rngs=rngs)
     args = dict(num_heads=heads, num_kv_heads=kv_heads, in_features=d_model,
                 dropout_rate=dropout, decode=False, dtype=dtype, rngs=rngs)
@@ -59,7 +59,8 @@ class Block(nnx.Module):
       self.attn = nnx.MultiHeadAttention(**args, attention_fn=cudnn_attention)
     else:
       self.attn = flash_nnx.FlashAttention(**args,
-                                           implementation=implementation)
+                                           implementation=implementation,
+                                           fp8=fp8)
     self.ln2 = nnx.LayerNorm(d_model, dtype=dtype, rngs=rngs)
     self.up = nnx.Linear(d_model, 4 * d_model, dtype=dtype, rngs=rngs)
     self.down = nnx.Linear(4 * d_model, d_model, dtype=dtype, rngs=rngs)
@@ -73,14 +74,14 @@ class Block(nnx.Module):
 class LanguageModel(nnx.Module):
   def __init__(self, vocab, max_len, d_model, layers, heads, kv_heads,
                dropout=0.0, implementation=None, dtype=jnp.float32, *,
-               rngs):
+               rngs, fp8=False):
     # Parameters are float32; `dtype` is the computation's (bfloat16: mixed
     # precision).
     self.max_len, self.dtype = max_len, dtype
     self.tokens = nnx.Embed(vocab, d_model, dtype=dtype, rngs=rngs)
     self.positions = nnx.Embed(max_len, d_model, dtype=dtype, rngs=rngs)
     self.blocks = nnx.List([Block(d_model, heads, kv_heads, dropout,
-                                  implementation, dtype, rngs=rngs)
+                                  implementation, dtype, rngs=rngs, fp8=fp8)
                             for _ in range(layers)])
     self.ln = nnx.LayerNorm(d_model, dtype=dtype, rngs=rngs)
     self.head = nnx.Linear(d_model, vocab, dtype=dtype, rngs=rngs)
@@ -213,11 +214,16 @@ def main(argv=None):
                       "compare, 'flax' for flax's own attention or 'cudnn' "
                       "for jax.nn.dot_product_attention's cuDNN kernel (GPU, "
                       "--dtype bfloat16)")
+  parser.add_argument("--fp8", default="off", choices=["off", "on", "rotate"],
+                      help="FP8 attention (flash_attention's fp8=True, or "
+                      "'rotate'); flash attention only")
   parser.add_argument("--out-dir", default=None,
                       help="where the checkpoint is written (default: a new "
                       "temporary directory)")
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args(argv)
+  if args.fp8 != "off" and args.implementation in ("flax", "cudnn"):
+    parser.error(f"--fp8 is flash attention's, not {args.implementation}'s")
 
   text = open(DATA, encoding="utf-8").read()
   chars = sorted(set(text))
@@ -229,7 +235,8 @@ def main(argv=None):
   make = lambda seed: LanguageModel(
       len(chars), max_len, args.d_model, args.layers, args.heads,
       args.kv_heads, args.dropout, args.implementation,
-      jnp.dtype(args.dtype), rngs=nnx.Rngs(seed))
+      jnp.dtype(args.dtype), rngs=nnx.Rngs(seed),
+      fp8={"off": False, "on": True, "rotate": "rotate"}[args.fp8])
   model = make(args.seed)
   params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   print(f"{len(text):,} characters, vocab {len(chars)}; model {params:,} "

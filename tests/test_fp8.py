@@ -132,3 +132,26 @@ def test_float8_inputs_are_forward_only():
   with pytest.raises(NotImplementedError, match="forward only"):
     jax.grad(lambda q: jnp.sum(jax_flash.flash_attention(
         q, q8, q8, descale=(1, 1, 1)).astype(jnp.float32)))(q8)
+
+
+def test_flax_modules_take_fp8():
+  """nnx's and linen's FlashAttention pass `fp8` on (checked when built)."""
+  from flax import nnx
+  x = random_inputs(2, 64, 64, 1, 1, 32, jnp.float32)[0][:, :, 0]
+  outs = []
+  for fp8_mode in (False, True):
+    attn = jax_flash.nnx.FlashAttention(num_heads=2, in_features=32,
+                                        decode=False, fp8=fp8_mode,
+                                        rngs=nnx.Rngs(0))
+    outs.append(attn(x, is_causal=True))
+  assert 0 < _rel(outs[1], outs[0]) < 0.1
+  with pytest.raises(ValueError, match="fp8 must be False, True or 'rotate'"):
+    jax_flash.nnx.FlashAttention(num_heads=2, in_features=32, fp8="on",
+                                 rngs=nnx.Rngs(0))
+  module = jax_flash.linen.FlashAttention(num_heads=2, fp8=True)
+  params = module.init(jax.random.key(0), x)
+  plain = jax_flash.linen.FlashAttention(num_heads=2)
+  assert 0 < _rel(module.apply(params, x), plain.apply(params, x)) < 0.1
+  with pytest.raises(ValueError, match="fp8 must be"):
+    jax_flash.linen.FlashAttention(num_heads=2, fp8=1).init(
+        jax.random.key(0), x)
