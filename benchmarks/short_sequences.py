@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 
-import jax
 import jax.numpy as jnp
 
 import jax_flash
@@ -43,22 +41,19 @@ SHORT = ("vit_b16", "dit_xl2", "sd15_cross", "whisper_cross",
          "whisper_encoder", "gpt2_small")
 
 
-def impls(m: ModelShape):
-  def mosaic(**fields):
+def mosaic_impls(m: ModelShape):
+  """The Mosaic kernels with their default tiles, persistent and not."""
+  def mosaic(persistent):
     dim = config.kernel_head_dim(m.head_dim, m.value_head_dim or m.head_dim)
     blocks = dataclasses.replace(jax_flash.MosaicBlockSizes.get_default(
-        dim, m.causal, band_only=True, kv_len=m.kv_len), **fields)
+        dim, m.causal, band_only=True, kv_len=m.kv_len), persistent=persistent)
     return lambda q, k, v: jax_flash.flash_attention(
         q, k, v, is_causal=m.causal, implementation="mosaic",
         block_sizes=blocks)
-  return {
-      "mosaic_persistent": mosaic(persistent=True),
-      "mosaic_per_item": mosaic(persistent=False),
-      "triton": lambda q, k, v: jax_flash.flash_attention(
-          q, k, v, is_causal=m.causal, implementation="triton"),
-      "cudnn": lambda q, k, v: jax.nn.dot_product_attention(
-          q, k, v, is_causal=m.causal, implementation="cudnn"),
-  }
+  return {"mosaic_persistent": mosaic(True), "mosaic_per_item": mosaic(False)}
+
+
+NAMES = ("mosaic_persistent", "mosaic_per_item", "flash_triton", "cudnn")
 
 
 def main():
@@ -69,30 +64,11 @@ def main():
   args = parser.parse_args()
   os.makedirs(args.out, exist_ok=True)
   shapes = [m for m in benchmark.MODELS if m.name in SHORT] + list(HELD_OUT)
-  rows = []
-  for m in shapes:
-    keys = jax.random.split(jax.random.key(0), 4)
-    q = jax.random.normal(keys[0], (m.batch, m.q_len, m.heads, m.head_dim),
-                          jnp.bfloat16)
-    k, v = (jax.random.normal(key, (m.batch, m.kv_len, m.kv_heads,
-                                    m.head_dim), jnp.bfloat16)
-            for key in keys[1:3])
-    do = jax.random.normal(keys[3], q.shape, jnp.bfloat16)
-    flops = 4 * m.batch * m.heads * m.q_len * m.kv_len * m.head_dim
-    flops /= 2 if m.causal else 1
-    for name, fn in impls(m).items():
-      for mode in ("fwd", "fwd+bwd"):
-        row = dict(model=m.name, impl=name, mode=mode, **{
-            f: getattr(m, f) for f in ("batch", "q_len", "kv_len", "heads",
-                                       "kv_heads", "head_dim", "causal")})
-        row.update(benchmark._measure(fn, mode, q, k, v, do, flops,
-                                      args.calls, args.repeats))
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-  names = list(impls(shapes[0]))
-  lines = ["| model | mode | " + " | ".join(names) + " | best mosaic / "
-           "cuDNN | triton / cuDNN |",
-           "|" + "---|" * (len(names) + 4)]
+  rows = benchmark.model_rows(shapes, NAMES, jnp.bfloat16, args.calls,
+                              args.repeats, extra_impls=mosaic_impls)
+  lines = ["| model | mode | " + " | ".join(NAMES) + " | best mosaic / "
+           "cuDNN | flash_triton / cuDNN |",
+           "|" + "---|" * (len(NAMES) + 4)]
   for m in shapes:
     for mode in ("fwd", "fwd+bwd"):
       ms = {r["impl"]: r.get("ms") for r in rows
@@ -100,10 +76,10 @@ def main():
       base = ms.get("cudnn")
       best = min(x for x in (ms["mosaic_persistent"], ms["mosaic_per_item"],
                              float("inf")) if x)
-      cells = [f"{ms[n]:.3f}" if ms.get(n) else "refused" for n in names]
+      cells = [f"{ms[n]:.3f}" if ms.get(n) else "refused" for n in NAMES]
       ratio = (lambda x: f"{base / x:.2f}" if base and x and x < 1e9 else "-")
       lines.append(f"| {m.name} | {mode} | " + " | ".join(cells)
-                   + f" | {ratio(best)} | {ratio(ms.get('triton'))} |")
+                   + f" | {ratio(best)} | {ratio(ms.get('flash_triton'))} |")
   with open(os.path.join(args.out, "short_sequences.md"), "w") as f:
     f.write("`python benchmarks/short_sequences.py`\n\n" + "\n".join(lines)
             + "\n")

@@ -176,17 +176,18 @@ def select(implementation, query, problem: Problem, dtype, *, mask: Mask,
     return backend.unsupported(problem, dtype, mask=mask, scores=scores,
                                version=version, decode=decode)
 
-  def best(candidates):
-    """The first that takes the call and is not `slower` than a later one,
-    else the first that takes it, else None."""
-    takes = [b for b in candidates if reason(b) is None]
+  def best(candidates, reasons):
+    """The first of `candidates` that takes the call (its `reasons` entry
+    None) and is not `slower` than a later one, else the first that takes
+    it, else None."""
+    takes = [b for b, why in zip(candidates, reasons) if why is None]
     fast = [b for b in takes if decode or b == takes[-1] or b.slower(
         problem, dtype, mask=mask, scores=scores) is None]
     return (fast or takes or [None])[0]
 
   if implementation is None:
     candidates = [backends()[n] for n in PALLAS] if device.on_gpu(query) else []
-    forward = best(candidates) or XLA
+    forward = best(candidates, [reason(b) for b in candidates]) or XLA
   else:
     if implementation not in IMPLEMENTATIONS:
       raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or "
@@ -198,7 +199,7 @@ def select(implementation, query, problem: Problem, dtype, *, mask: Mask,
           "a GPU; on this machine use implementation='interpret' (the same "
           "kernels, interpreted) or 'xla'")
     reasons = {n: reason(backends()[n]) for n in names}
-    forward = best([backends()[n] for n in names])
+    forward = best([backends()[n] for n in names], list(reasons.values()))
     if forward is None:
       raise ValueError("; ".join(reasons.values()) + "; implementation='xla' "
                        "takes any input")

@@ -563,14 +563,16 @@ MODELS = (
 )
 
 
-def model_rows(shapes, impl_names, dtype, calls, repeats, log=None):
+def model_rows(shapes, impl_names, dtype, calls, repeats, log=None,
+               extra_impls=None):
   """Forward and forward+backward of each model shape, each implementation
   in turn (jitted calls); a shape an implementation refuses gets its error.
   jax.nn's rows (no soft-cap; V padded to the query's head dim where it
   has its own) are the baselines the targets name. FLOPs: 2 B N T S
   (H + Hv) forward, halved for causal; 3.5x that forward+backward.
   "flash_triton": our Triton kernels named, beside the default (the Mosaic
-  GPU kernels on Hopper where they take the call)."""
+  GPU kernels on Hopper where they take the call). extra_impls(shape):
+  more implementations by name, for a shape."""
   rows = []
   for m in shapes:
     hv = m.value_head_dim or m.head_dim
@@ -602,6 +604,7 @@ def model_rows(shapes, impl_names, dtype, calls, repeats, log=None):
             q, k, v, is_causal=m.causal, logits_soft_cap=m.soft_cap,
             implementation="triton"),
         "cudnn": jax_nn("cudnn"), "xla": jax_nn("xla"),
+        **(extra_impls(m) if extra_impls else {}),
     }
     for name in impl_names:
       for mode in ("fwd", "fwd+bwd"):

@@ -7,6 +7,7 @@ import os
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_flash.spec.checks import check_block_field
+from jax_flash.spec.padding import round_up
 
 DTYPES = ("bfloat16", "float16")
 # Head dims a call may have (of query/key and of value): up to wgmma's
@@ -35,14 +36,14 @@ def kernel_head_dim(head_dim: int, value_head_dim: int) -> int:
   value's, rounded up to a multiple of HEAD_DIM_MULTIPLE (at least
   MIN_KERNEL_HEAD_DIM). The backend pads Q, K and V with zero columns to
   it (logits and outputs unchanged) and cuts the results back."""
-  dim = -(-max(head_dim, value_head_dim) // HEAD_DIM_MULTIPLE)
-  return max(MIN_KERNEL_HEAD_DIM, dim * HEAD_DIM_MULTIPLE)
+  return max(MIN_KERNEL_HEAD_DIM,
+             round_up(max(head_dim, value_head_dim), HEAD_DIM_MULTIPLE))
 
 
 def short_kv_tile(kv_len: int) -> int:
   """Rows of one K/V tile that holds all kv_len keys: a multiple of 16
   (V's contracted rows, `tiles.smem_transforms`), at least 64."""
-  return max(64, -(-kv_len // 16) * 16)
+  return max(64, round_up(kv_len, 16))
 
 
 def fused_dq_columns(head_dim: int) -> int:
@@ -54,9 +55,10 @@ def fused_dq_columns(head_dim: int) -> int:
 
 
 # Keys up to which the dispatch prefers the Triton kernels when no backend
-# is named (`MosaicGpuBackend.slower`): 197-257 tokens (ViT, DiT) and 77
-# (CLIP, text cross-attention) measured 1.2-2.1x faster there on an H200,
-# 512 (BERT, T5 cross-attention) slower.
+# is named (`MosaicGpuBackend.slower`): at 77-257 keys (CLIP, text
+# cross-attention, ViT, DiT) they measured 0.98-1.9x the Mosaic kernels'
+# speed forward+backward and 0.93-2.1x forward on an H200, at 512 (BERT,
+# T5 cross-attention) 0.8-0.9x (benchmarks/NOTES.md).
 TRITON_MAX_KV_LEN = 320
 # Kernel head dims up to which the forward is persistent by default
 # (`BlockSizes.get_default`; two Q buffers fit beside the K/V ring).
