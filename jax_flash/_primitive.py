@@ -38,7 +38,7 @@ from jax.interpreters import ad, batching, mlir
 from jax_flash import _dispatch, _kernel_cache, _sharding, blockwise
 from jax_flash.spec import softmax
 from jax_flash.spec.backend import DIFFERENTIABLE_OPERANDS
-from jax_flash.spec.checks import x64_scope
+from jax_flash.spec.checks import Problem, check_qkv, x64_scope
 from jax_flash.spec.mask import Mask
 from jax_flash.spec.operands import Operands
 from jax_flash.spec.scores import Scores
@@ -52,6 +52,8 @@ class Config:
   mask: Mask
   scores: Scores
   version: int
+  # Sequence-sharded inputs: `_sharding.STRATEGIES`.
+  context_parallel: str = "auto"
 
 
 SECOND_ORDER = (
@@ -82,10 +84,61 @@ def _plain_backward(q, k, v, o, lse, do, dlse, cfg: Config):
   return dq, dk, dv
 
 
+@functools.lru_cache(maxsize=None)
+def _at_offsets(cfg: Config, problem: Problem, dtype) -> Config | str:
+  """cfg for a chunk of the queries at per-sequence offsets against all
+  keys (`problem`: that chunk's): its plan chosen again for the mask with
+  query offsets, from the backend cfg's forward names (the backward may
+  change where its own takes no offsets), and its block sizes fitted to
+  the chunk. A string: why no backend can."""
+  mask = dataclasses.replace(cfg.mask, has_q_offsets=True)
+  try:
+    plan = _dispatch.select(cfg.plan.forward.name, None, problem, dtype,
+                            mask=mask, scores=cfg.scores,
+                            version=cfg.version)
+  except ValueError as e:
+    return str(e)
+
+  def fitted(backend, was, config):
+    return backend.config(config if backend == was else None, problem,
+                          dtype, is_causal=mask.is_causal,
+                          version=cfg.version, scores=cfg.scores, mask=mask)
+  configs = _dispatch.Configs(
+      forward=fitted(plan.forward, cfg.plan.forward, cfg.configs.forward),
+      backward=fitted(plan.backward, cfg.plan.backward,
+                      cfg.configs.backward))
+  return dataclasses.replace(cfg, plan=plan, configs=configs, mask=mask)
+
+
+def _takes_offsets(cfg: Config, problem: Problem, dtype) -> str | None:
+  why = _at_offsets(cfg, problem, jnp.dtype(dtype))
+  return why if isinstance(why, str) else None
+
+
+def _chunk_config(cfg: Config, q, k, v) -> Config:
+  return _at_offsets(cfg, check_qkv(q, k, v), q.dtype)
+
+
+def _chunk_forward(q, k, v, q_offsets, cfg: Config):
+  return _backend_forward(q, k, v, Operands(q_offsets=q_offsets),
+                          _chunk_config(cfg, q, k, v))
+
+
+def _chunk_backward(q, k, v, q_offsets, o, lse, do, dlse, cfg: Config):
+  cfg = _chunk_config(cfg, q, k, v)
+  dq, dk, dv, _ = _dispatch.backward(
+      cfg.plan, cfg.configs, q, k, v, Operands(q_offsets=q_offsets), o, lse,
+      do, dlse, mask=cfg.mask, scores=cfg.scores)
+  return dq, dk, dv
+
+
 # Without optional operands (static masks and score modifications only),
-# batch- and head-sharded inputs run shard by shard: see `_sharding`.
-_sharded_forward = _sharding.sharded_forward(_plain_forward)
-_sharded_backward = _sharding.sharded_backward(_plain_backward)
+# batch-, head- and sequence-sharded inputs run shard by shard: see
+# `_sharding`.
+_sharded_forward = _sharding.sharded_forward(_plain_forward, _chunk_forward,
+                                             _takes_offsets)
+_sharded_backward = _sharding.sharded_backward(
+    _plain_backward, _chunk_backward, _takes_offsets)
 
 
 def _partitioned(operands: Operands) -> bool:

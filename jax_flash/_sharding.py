@@ -7,24 +7,38 @@ backward run on each device's shard of the batch and of the heads. Heads
 shard only where the kv heads divide evenly, so that every device holds
 whole GQA groups.
 
-Queries and keys sharded along the sequence (the same mesh axes for both)
-run all-to-all context parallelism (DeepSpeed-Ulysses): an all-to-all over
-those axes trades each device's sequence chunk of every head for the whole
-sequence of a few heads, attention runs on them as on one device (every
-mask of the call unchanged), and an all-to-all returns the output (and the
-backward's gradients) to sequence chunks. It needs the KV heads of a
-device's head shard to divide by the sequence axes' size; otherwise the
-sequence is gathered, as the head dims always are.
+Queries sharded along the sequence (keys sharded over the same mesh axes,
+or not sharded along it) run context parallelism, one of two strategies
+(`STRATEGIES`; `context_parallel` picks, "auto" by the bytes each device
+moves, `_Split.cost`):
+
+* all_to_all (DeepSpeed-Ulysses): an all-to-all over the sequence axes
+  trades each device's sequence chunk of every head for the whole sequence
+  of a few heads, attention runs on them as on one device (every mask of
+  the call unchanged), and an all-to-all returns the output (and the
+  backward's gradients) to sequence chunks. It needs keys sharded like the
+  queries and the KV heads of a device's head shard to divide by the
+  sequence axes' size.
+* all_gather: each device gathers the whole of K and V and runs its own
+  queries against them at their positions in the sequence (query offsets);
+  the backward's dK and dV partials are reduce-scattered back. Causal
+  calls balance the work: the halves of the chunks are exchanged so that
+  device d holds chunks d and 2P-1-d of 2P (`_to_zigzag`), and the results
+  go back. Queries are never gathered.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from jax_flash.spec.checks import Problem
 
 # Shardy rules: b batch, t/s query/key length, n/k query/kv heads, h head
 # dim of query/key, v head dim of value/output.
@@ -32,6 +46,7 @@ _FWD_RULE = "b t n h, b s k h, b s k v -> b t n v, b n t"
 _BWD_RULE = ("b t n h, b s k h, b s k v, b t n v, b n t, b t n v, b n t "
              "-> b t n h, b s k h, b s k v")
 _WHOLE = ("h", "v")  # Never split inside one call.
+STRATEGIES = ("auto", "all_to_all", "all_gather")
 
 
 def _names(axes):
@@ -50,28 +65,94 @@ def _spec(sharding, dim):
   return spec[dim] if len(spec) > dim else None
 
 
-def _plan(mesh, q_sharding, k_sharding, num_kv_heads):
-  """Mesh axes for (batch, heads, sequence), kept from the query's
-  sharding: heads where whole GQA groups fit a device, the sequence where
-  the key's is sharded alike and the KV heads of a head shard divide by
-  its size (`all_to_all`)."""
-  batch, heads, seq = (_spec(q_sharding, d) for d in (0, 2, 1))
+@dataclasses.dataclass(frozen=True)
+class _Split:
+  """How one call is split: mesh axes of the batch, the heads and the
+  sequence (None: not split), whether the keys are split along the
+  sequence too, the strategy of a split sequence, and whether its queries
+  are exchanged into balanced halves (all_gather, causal)."""
+  batch: object = None
+  heads: object = None
+  seq: object = None
+  kv_seq: bool = False
+  strategy: str | None = None
+  balanced: bool = False
+
+  def specs(self, shapes, kv_positions):
+    """The sharding spec of each of `shapes` ([B, L, N, H] or [B, N, L]);
+    those at `kv_positions` are keys, values or their gradients."""
+    def one(i, shape):
+      seq = self.seq if i not in kv_positions or self.kv_seq else None
+      if len(shape.shape) == 4:
+        return P(self.batch, seq, self.heads, None)
+      return P(self.batch, self.heads, seq)
+    return [one(i, s) for i, s in enumerate(shapes)]
+
+
+def cost(strategy: str, *, p: int, q_rows: int, kv_rows: int, heads: int,
+         kv_heads: int, head_dims: int, kv_seq: bool, balanced: bool) -> int:
+  """Elements a device sends in a forward (its backward moves about twice
+  as many, in the same proportion), P devices along the sequence, each
+  holding `q_rows` queries of `heads` heads and `kv_rows` keys of
+  `kv_heads` heads (`head_dims`: query + value head dims). all_to_all:
+  (P-1)/P of its queries, keys, values and outputs; all_gather: its keys
+  and values to the P-1 others (none when the keys are not split), and
+  with balanced halves its queries and outputs (each half to a device)."""
+  q, kv = q_rows * heads * head_dims, kv_rows * kv_heads * head_dims
+  if strategy == "all_to_all":
+    return (q + kv) * (p - 1) // p
+  return (kv * (p - 1) if kv_seq else 0) + (q if balanced else 0)
+
+
+def _plan(mesh, arg_shapes, cfg, takes_offsets) -> _Split:
+  """The split of a call whose first three arguments are q, k, v: batch
+  and heads as the query is sharded (heads where whole GQA groups fit a
+  device), the sequence where the keys are sharded alike or not at all,
+  by the strategy `cfg.context_parallel` names (or the cheaper one)."""
+  q, k, v = arg_shapes[:3]
+  batch, heads, seq = (_spec(q.sharding, d) for d in (0, 2, 1))
+  num_kv_heads = k.shape[2]
   if heads is not None and num_kv_heads % _size(mesh, heads):
     heads = None  # Whole GQA groups per device, or no head sharding.
-  if seq is not None and (
-      _spec(k_sharding, 1) != seq or set(_names(seq)) & set(
-          _names(batch) + _names(heads))
-      or (num_kv_heads // _size(mesh, heads)) % _size(mesh, seq)):
-    seq = None
-  return batch, heads, seq
-
-
-def _shardings(mesh, shapes, batch, heads, seq):
-  def one(shape):
-    if len(shape.shape) == 4:
-      return NamedSharding(mesh, P(batch, seq, heads, None))
-    return NamedSharding(mesh, P(batch, heads, seq))
-  return jax.tree.map(one, shapes)
+  k_seq = _spec(k.sharding, 1)
+  p = _size(mesh, seq)
+  if (seq is None or p == 1 or k_seq not in (None, seq)
+      or _spec(v.sharding, 1) != k_seq
+      or set(_names(seq)) & set(_names(batch) + _names(heads))):
+    return _Split(batch, heads)
+  kv_seq = k_seq is not None
+  hs = _size(mesh, heads)
+  local = dict(p=p, q_rows=q.shape[1] // p,
+               kv_rows=k.shape[1] // p if kv_seq else k.shape[1],
+               heads=q.shape[2] // hs, kv_heads=num_kv_heads // hs,
+               head_dims=q.shape[3] + v.shape[3], kv_seq=kv_seq)
+  balanced = cfg.mask.is_causal and local["q_rows"] % 2 == 0
+  why = {}
+  if not kv_seq:
+    why["all_to_all"] = "the keys are not sharded like the queries"
+  elif local["kv_heads"] % p:
+    why["all_to_all"] = (f"the {local['kv_heads']} KV heads a device holds "
+                         f"do not divide by the {p} devices of the sequence")
+  chunk = Problem(batch=q.shape[0] // _size(mesh, batch),
+                  q_len=local["q_rows"] // (2 if balanced else 1),
+                  kv_len=k.shape[1], num_heads=local["heads"],
+                  num_kv_heads=local["kv_heads"], head_dim=q.shape[3],
+                  unbatched=False, value_head_dim=v.shape[3])
+  offsets_why = takes_offsets(cfg, chunk, q.dtype)
+  if offsets_why:
+    why["all_gather"] = offsets_why
+  costs = {s: cost(s, balanced=balanced, **local) for s in STRATEGIES[1:]
+           if s not in why}
+  want = cfg.context_parallel
+  if want == "auto":
+    if not costs:  # Nothing fits: XLA gathers the sequence.
+      return _Split(batch, heads)
+    want = min(costs, key=costs.get)
+  elif want in why:
+    raise ValueError(f"context_parallel={want!r} cannot run this call: "
+                     f"{why[want]}")
+  return _Split(batch, heads, seq, kv_seq, want,
+                balanced and want == "all_gather")
 
 
 def all_to_all(fn, seq):
@@ -90,6 +171,103 @@ def all_to_all(fn, seq):
   def run(*arrays):
     outs = fn(*(swap(x, True) for x in arrays))
     return jax.tree.map(lambda y: swap(y, False), outs)
+  return run
+
+
+def _zigzag_perms(p):
+  """ppermute pairs sending half 0 and half 1 of each device's chunk
+  (chunks 2e, 2e + 1 of 2P) to the device that holds it in the balanced
+  layout: chunk c on device c, or 2P-1-c from P on."""
+  owner = lambda c: c if c < p else 2 * p - 1 - c
+  return ([(e, owner(2 * e)) for e in range(p)],
+          [(e, owner(2 * e + 1)) for e in range(p)])
+
+
+def _to_zigzag(x, axis, seq, p):
+  """(chunk d, chunk 2P-1-d) on device d, from the contiguous chunk each
+  device holds along `axis`. (Chunk d is even, arriving through the first
+  permutation, exactly when d is.)"""
+  first, second = _zigzag_perms(p)
+  h0, h1 = jnp.split(x, 2, axis)
+  a, b = lax.ppermute(h0, seq, first), lax.ppermute(h1, seq, second)
+  even = lax.rem(lax.axis_index(seq), 2) == 0
+  return jnp.where(even, a, b), jnp.where(even, b, a)
+
+
+def _from_zigzag(low, high, axis, seq, p):
+  """The inverse of `_to_zigzag`: each device's contiguous chunk again."""
+  first, second = _zigzag_perms(p)
+  even = lax.rem(lax.axis_index(seq), 2) == 0
+  a, b = jnp.where(even, low, high), jnp.where(even, high, low)
+  back = lambda perm: [(j, i) for i, j in perm]
+  return jnp.concatenate([lax.ppermute(a, seq, back(first)),
+                          lax.ppermute(b, seq, back(second))], axis)
+
+
+def _query_parts(split: _Split, p, rows, *arrays):
+  """[(offset, arrays' parts)]: this device's queries (and the per-query
+  arrays, [B, T, N, H] or [B, N, T]) with the position of their first row,
+  as one chunk or as its balanced halves."""
+  seq = split.seq
+  d = lax.axis_index(seq)
+  if not split.balanced:
+    return [(d * rows, arrays)]
+  half = rows // 2
+  parts = [_to_zigzag(x, 1 if x.ndim == 4 else 2, seq, p) for x in arrays]
+  return [(d * half, tuple(x[0] for x in parts)),
+          ((2 * p - 1 - d) * half, tuple(x[1] for x in parts))]
+
+
+def _join_queries(split: _Split, p, parts):
+  """The inverse of `_query_parts` for outputs per query: [(arrays)]."""
+  if not split.balanced:
+    return parts[0]
+  return tuple(_from_zigzag(lo, hi, 1 if lo.ndim == 4 else 2, split.seq, p)
+               for lo, hi in zip(*parts))
+
+
+def _offsets(q, offset):
+  return jnp.full((q.shape[0],), offset, jnp.int32)
+
+
+def _gather_keys(split: _Split, *arrays):
+  if not split.kv_seq:
+    return arrays
+  return tuple(lax.all_gather(x, split.seq, axis=1, tiled=True)
+               for x in arrays)
+
+
+def _gather_forward(chunk_forward, cfg, split: _Split, p):
+  """all_gather's forward on a device: its queries against all keys."""
+  def run(q, k, v):
+    k, v = _gather_keys(split, k, v)
+    outs = [chunk_forward(qs, k, v, _offsets(q, offset), cfg)
+            for offset, (qs,) in _query_parts(split, p, q.shape[1], q)]
+    return _join_queries(split, p, outs)
+  return run
+
+
+def _gather_backward(chunk_backward, cfg, split: _Split, p):
+  """all_gather's backward on a device: dQ of its queries; dK and dV
+  partials over all keys, summed in float32 across the devices (a
+  reduce-scatter back to key chunks, or a sum where keys are whole)."""
+  def run(q, k, v, o, lse, do, dlse):
+    k_all, v_all = _gather_keys(split, k, v)
+    dqs, dk, dv = [], 0.0, 0.0
+    for offset, (qs, os, lses, dos, dlses) in _query_parts(
+        split, p, q.shape[1], q, o, lse, do, dlse):
+      dq_part, dk_part, dv_part = chunk_backward(
+          qs, k_all, v_all, _offsets(q, offset), os, lses, dos, dlses, cfg)
+      dqs.append((dq_part,))
+      dk = dk + dk_part.astype(jnp.float32)
+      dv = dv + dv_part.astype(jnp.float32)
+    (dq,) = _join_queries(split, p, dqs)
+    if split.kv_seq:
+      dk, dv = (lax.psum_scatter(x, split.seq, scatter_dimension=1,
+                                 tiled=True) for x in (dk, dv))
+    else:
+      dk, dv = (lax.psum(x, split.seq) for x in (dk, dv))
+    return dq, dk.astype(k.dtype), dv.astype(v.dtype)
   return run
 
 
@@ -123,23 +301,31 @@ def _fold_vmap(op):
   return wrapped
 
 
-def _define(fn, rule):
+def _define(fn, rule, gather, takes_offsets, kv_results):
   """fn(*arrays, cfg) as a custom_partitioning op split over batch, heads
-  and (all-to-all) the sequence."""
+  and the sequence; `gather(cfg, split, p)`: the all_gather strategy's
+  per-device function; `kv_results`: the positions of key-like results."""
   op = custom_partitioning(fn, static_argnums=(fn.__code__.co_argcount - 1,))
 
-  def plan(mesh, arg_shapes):
-    return _plan(mesh, arg_shapes[0].sharding, arg_shapes[1].sharding,
-                 arg_shapes[1].shape[2])
+  def shardings(mesh, split, shapes, kv_positions):
+    specs = split.specs(shapes, kv_positions)
+    if isinstance(shapes, (list, tuple)):
+      return type(shapes)(NamedSharding(mesh, s) for s in specs)
+    return NamedSharding(mesh, specs[0])
 
   def infer(cfg, mesh, arg_shapes, result_shape):
-    return _shardings(mesh, result_shape, *plan(mesh, arg_shapes))
+    split = _plan(mesh, arg_shapes, cfg, takes_offsets)
+    return shardings(mesh, split, result_shape, kv_results)
 
   def partition(cfg, mesh, arg_shapes, result_shape):
-    batch, heads, seq = plan(mesh, arg_shapes)
-    lower = all_to_all(lambda *arrays: fn(*arrays, cfg), seq)
-    return (mesh, lower, _shardings(mesh, result_shape, batch, heads, seq),
-            _shardings(mesh, arg_shapes, batch, heads, seq))
+    split = _plan(mesh, arg_shapes, cfg, takes_offsets)
+    p = _size(mesh, split.seq)
+    if split.strategy == "all_gather":
+      lower = gather(cfg, split, p)
+    else:
+      lower = all_to_all(lambda *arrays: fn(*arrays, cfg), split.seq)
+    return (mesh, lower, shardings(mesh, split, result_shape, kv_results),
+            shardings(mesh, split, arg_shapes, (1, 2)))
 
   factors = []  # In order of first appearance: shardy wants them sorted.
   for name in rule.replace(",", " ").replace("->", " ").split():
@@ -152,11 +338,19 @@ def _define(fn, rule):
   return _fold_vmap(op)
 
 
-def sharded_forward(forward):
-  """forward(q, k, v, cfg) -> (o, lse), split over batch and heads."""
-  return _define(forward, _FWD_RULE)
+def sharded_forward(forward, chunk_forward, takes_offsets):
+  """forward(q, k, v, cfg) -> (o, lse), split over batch, heads and the
+  sequence. chunk_forward(q, k, v, q_offsets, cfg): the same for queries
+  at per-sequence offsets; takes_offsets(cfg, problem, dtype): why such a
+  call cannot run (or None)."""
+  return _define(forward, _FWD_RULE,
+                 functools.partial(_gather_forward, chunk_forward),
+                 takes_offsets, ())
 
 
-def sharded_backward(backward):
-  """backward(q, k, v, o, lse, do, dlse, cfg) -> (dq, dk, dv), likewise."""
-  return _define(backward, _BWD_RULE)
+def sharded_backward(backward, chunk_backward, takes_offsets):
+  """backward(q, k, v, o, lse, do, dlse, cfg) -> (dq, dk, dv), likewise;
+  chunk_backward(q, k, v, q_offsets, o, lse, do, dlse, cfg)."""
+  return _define(backward, _BWD_RULE,
+                 functools.partial(_gather_backward, chunk_backward),
+                 takes_offsets, (1, 2))

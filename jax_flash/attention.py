@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_flash import _dispatch, _primitive
+from jax_flash import _dispatch, _primitive, _sharding
 from jax_flash.spec import checks
 from jax_flash.spec import fp8 as fp8_lib
 from jax_flash.spec.checks import Problem
@@ -17,10 +17,12 @@ from jax_flash.spec.scores import Scores
 
 def config(plan: _dispatch.Plan, block_sizes, problem: Problem, dtype,
            mask: Mask, scores: Scores, *, is_causal: bool = False,
-           version: int = 2) -> _primitive.Config:
+           version: int = 2,
+           context_parallel: str = "auto") -> _primitive.Config:
   """The static part of one call: its plan, mask, scores and tiles."""
   return _primitive.Config(
       plan=plan, mask=mask, scores=scores, version=version,
+      context_parallel=context_parallel,
       configs=_dispatch.configure(plan, block_sizes, problem, dtype,
                                   is_causal=is_causal, version=version,
                                   scores=scores, mask=mask))
@@ -110,7 +112,8 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
                     alibi_slopes=None, dropout_rate=0.0, dropout_rng=None,
                     dropout_broadcast=False, sinks=None, return_residual=False,
                     implementation=None, block_sizes=None, version=2,
-                    fp8=False, descale=None, out_dtype=None):
+                    fp8=False, descale=None, out_dtype=None,
+                    context_parallel="auto"):
   """Exact attention, softmax(scale * Q K^T) V, without the T x S matrix in memory.
 
   A superset of `jax.nn.dot_product_attention`: same arguments, shapes and
@@ -202,6 +205,11 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
       k_descale, v_descale), float32 scalars or arrays broadcastable to
       [B, K]; the inputs' values are x * descale. Forward only.
     out_dtype: the output's dtype for float8 inputs (default bfloat16).
+    context_parallel: for query (and key) sharded along the sequence under
+      jit: "all_to_all" (heads exchanged for the sequence), "all_gather"
+      (keys and values gathered, queries kept) or "auto" (the one moving
+      fewer bytes: docs/devices.md). A strategy named that cannot run the
+      sharding is an error when the call compiles, saying why.
 
   Returns:
     out: like query, in query.dtype; or `(out, logsumexp)`.
@@ -231,6 +239,9 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
                  **args)
   p = spec.problem
   _dispatch.check_options(block_sizes, version)
+  if context_parallel not in _sharding.STRATEGIES:
+    raise ValueError(f"context_parallel must be one of "
+                     f"{_sharding.STRATEGIES}, got {context_parallel!r}")
   if p.batch * p.q_len * p.kv_len == 0:
     return _as(_empty(query, p, return_residual), out_dtype)
   spec = with_dense_kinds(masks_as_ids(spec))
@@ -240,7 +251,8 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
   if p.unbatched:
     query, key, value = query[None], key[None], value[None]
   cfg = config(plan, block_sizes, p, query.dtype, spec.mask, spec.scores,
-               is_causal=is_causal, version=version)
+               is_causal=is_causal, version=version,
+               context_parallel=context_parallel)
   out, lse = flash_call(query, key, value, spec.operands, cfg)
   lse = lse.transpose(0, 2, 1)
   if p.unbatched:

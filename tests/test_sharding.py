@@ -1,5 +1,6 @@
 """Batch-, head- and sequence-sharded inputs under jax.jit: each shard runs
-locally, a sequence shard through all-to-all context parallelism.
+locally, a sequence shard through context parallelism (all-to-all or
+all-gather).
 
 Runs tests/sharded_run.py in a fresh process with 8 simulated host devices
 (the device count is fixed when JAX starts): the sharded jit(grad) must give
@@ -15,13 +16,20 @@ import pytest
 HERE = os.path.dirname(__file__)
 
 
-@pytest.mark.parametrize("num_kv_heads", [4, 1])
-def test_sharded_over_batch_and_heads(num_kv_heads):
+def _run(arg: str) -> str:
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              PYTHONPATH=os.pathsep.join([os.path.dirname(HERE)] + sys.path))
   result = subprocess.run(
-      [sys.executable, os.path.join(HERE, "sharded_run.py"),
-       str(num_kv_heads)], capture_output=True, text=True, env=env,
-      timeout=600)
+      [sys.executable, os.path.join(HERE, "sharded_run.py"), arg],
+      capture_output=True, text=True, env=env, timeout=600)
   assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-  assert f"kv_heads={num_kv_heads}" in result.stdout
+  return result.stdout
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 1])
+def test_sharded_over_batch_and_heads(num_kv_heads):
+  assert f"kv_heads={num_kv_heads}" in _run(str(num_kv_heads))
+
+
+def test_context_parallel_strategies_match_one_device():
+  assert "every case matches one device" in _run("context_parallel")

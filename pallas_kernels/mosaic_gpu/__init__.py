@@ -242,12 +242,14 @@ class MosaicGpuBackend:
   def backward_unsupported(self, problem: Problem, dtype, *, mask: Mask,
                            scores: Scores,
                            operands: Operands) -> str | None:
-    """Declines a bias per (query, key) pair: the dK/dV kernel reads such
-    tiles keys-down, so XLA would write a transposed copy of the bias on
-    every backward (measured slower than this forward followed by the
+    """Declines query offsets (its kernels have none), and a bias per
+    (query, key) pair: the dK/dV kernel reads such tiles keys-down, so
+    XLA would write a transposed copy of the bias on every backward (measured slower than this forward followed by the
     Triton backward: benchmarks/NOTES.md, "a bias per pair takes the
     Triton backward")."""
-    del problem, dtype, mask, scores
+    del problem, dtype, scores
+    if mask.has_q_offsets:
+      return "the Mosaic GPU backward takes no query offsets"
     bias = operands.bias
     if bias is not None and bias.shape[2] > 1 and bias.shape[3] > 1:
       return ("the Mosaic GPU backward reads a bias per (query, key) pair "
