@@ -25,6 +25,7 @@
 #   bash scripts/gpu_check.sh persistent # the persistent forward: tests, vs one CTA an item 1k-16k
 #   bash scripts/gpu_check.sh pending   # the last plan's checks (NOTES; ~5 min)
 #   bash scripts/gpu_check.sh softcap   # the soft-cap's cost, Mosaic and Triton, 8k
+#   bash scripts/gpu_check.sh cp_work   # context parallelism's per-device work, 128k-1M
 #   bash scripts/gpu_check.sh prefill   # prompt chunks vs a 32k cache (Triton, paged, Mosaic)
 #   bash scripts/gpu_check.sh h512      # head dim 512: Triton vs cuDNN and XLA, 8k
 #   bash scripts/gpu_check.sh dims      # head dims 96/192: Mosaic vs Triton and cuDNN, 8k
@@ -310,6 +311,14 @@ for h in map(int, '${PROFILE_HEAD_DIMS:-64 128}'.split()):
       # (padded to 128/256) and cuDNN, 8k.
       bench dims "${BENCH_LIMIT:-200}" --seq-lens 8192 --head-dims 96 192 \
         --impls flash_mosaic flash_v2 cudnn
+      ;;
+    cp_work)
+      # Context parallelism's per-device work (communication left out):
+      # ring step, all_gather halves, all_to_all heads vs one chunk.
+      timeout "${CP_LIMIT:-240}" python3 benchmarks/context_parallel_work.py \
+        ${CP_ARGS:-} > "$OUT/cp_work.jsonl" 2> /tmp/cp_work.err \
+        || tail -n 20 /tmp/cp_work.err
+      cut -c1-400 "$OUT/cp_work.jsonl"
       ;;
     softcap)
       # The soft-cap's cost: Mosaic and Triton with logits_soft_cap=30

@@ -1,0 +1,70 @@
+"""The per-device work of the all_gather context parallelism: a chunk of
+the queries at its offset in the sequence against all keys, forward and
+backward, on each backend (real kernels on a GPU, interpreted on the CPU),
+as the matching rows of the whole call compute it. (The sharded calls
+themselves: tests/test_sharding.py on 8 simulated devices.)"""
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jax_flash
+from jax_flash import _dispatch, _primitive, attention
+from jax_flash.spec import checks
+from jax_flash.spec.mask import Mask
+from jax_flash.spec.scores import Scores
+from jax_flash.testing import assert_attention_close
+from tests.conftest import KERNEL_IMPL, ON_GPU
+
+DTYPE = jnp.bfloat16 if ON_GPU else jnp.float32
+
+
+@pytest.mark.parametrize("implementation", ["xla", KERNEL_IMPL])
+@pytest.mark.parametrize("case", [
+    # (T, S, heads, kv heads, head dim, rows of the chunk, offsets, options)
+    (256, 256, 4, 2, 64, 64, (64, 192), dict(is_causal=True)),
+    (200, 300, 4, 1, 32, 50, (0, 150), dict(is_causal=True)),
+    (256, 256, 2, 2, 128, 128, (128, 64),
+     dict(local_window_size=(40, 8), logits_soft_cap=20.0)),
+    (192, 192, 4, 4, 64, 96, (96, 0), {}),
+], ids=["causal", "cross_causal_mqa", "window_softcap", "full"])
+def test_query_chunk_at_offsets_matches_whole_rows(case, implementation):
+  t, s, n, kh, h, rows, offsets, options = case
+  keys = jax.random.split(jax.random.key(t + rows), 4)
+  q = jax.random.normal(keys[0], (2, t, n, h), DTYPE)
+  k = jax.random.normal(keys[1], (2, s, kh, h), DTYPE)
+  v = jax.random.normal(keys[2], (2, s, kh, h), DTYPE)
+  do = jax.random.normal(keys[3], (2, rows, n, h), DTYPE)
+  starts = jnp.asarray(offsets, jnp.int32)
+
+  def chunk_of(x):  # Rows [offset, offset + rows) of each sequence.
+    return jnp.stack([jax.lax.dynamic_slice_in_dim(x[b], starts[b], rows)
+                      for b in range(2)])
+
+  def whole(q, k, v):
+    out = jax_flash.reference_attention(
+        *(x.astype(jnp.float32) for x in (q, k, v)), **options)
+    return chunk_of(out)
+
+  want, vjp = jax.vjp(whole, q, k, v)
+  want_grads = vjp(do.astype(jnp.float32))
+
+  soft_cap = options.get("logits_soft_cap")
+  window = options.get("local_window_size")
+  mask = Mask(is_causal=options.get("is_causal", False),
+              window_left=None if window is None else window[0],
+              window_right=None if window is None else window[1])
+  scores = Scores(scale=h ** -0.5, soft_cap=soft_cap)
+  p = checks.check_qkv(q, k, v)
+  plan = _dispatch.select(implementation, q, p, q.dtype, mask=mask,
+                          scores=scores)
+  cfg = attention.config(plan, None, p, q.dtype, mask, scores,
+                         is_causal=mask.is_causal)
+  qc = chunk_of(q)
+  out, lse = jax.jit(_primitive._chunk_forward, static_argnums=4)(
+      qc, k, v, starts, cfg)
+  dq, dk, dv = jax.jit(_primitive._chunk_backward, static_argnums=8)(
+      qc, k, v, starts, out, lse, do, jnp.zeros_like(lse), cfg)
+  assert_attention_close(
+      {"out": out, "dq": dq, "dk": dk, "dv": dv},
+      {"out": want, "dq": chunk_of(want_grads[0]), "dk": want_grads[1],
+       "dv": want_grads[2]}, DTYPE)
