@@ -88,6 +88,8 @@ BAD = {
     "version": (_attention(version=3), "version must be 1 or 2"),
     "version_xla": (_attention(version=3, implementation="xla"),
                     "version must be 1 or 2"),
+    "context_parallel": (_attention(context_parallel="ring"),
+                         "context_parallel must be one of"),
     "implementation": (_attention(implementation="cuda"),
                        "implementation must be one of"),
     "scale_nan": (_attention(scale=float("nan")), "scale must be finite"),
