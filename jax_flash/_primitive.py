@@ -35,7 +35,7 @@ from jax._src import dispatch  # The registry of device-bound lowerings.
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from jax_flash import _dispatch, _kernel_cache, _sharding, blockwise
+from jax_flash import _dispatch, _kernel_cache, _sharding, blockwise, ring
 from jax_flash.spec import softmax
 from jax_flash.spec.backend import DIFFERENTIABLE_OPERANDS
 from jax_flash.spec.checks import Problem, check_qkv, x64_scope
@@ -85,13 +85,13 @@ def _plain_backward(q, k, v, o, lse, do, dlse, cfg: Config):
 
 
 @functools.lru_cache(maxsize=None)
-def _at_offsets(cfg: Config, problem: Problem, dtype) -> Config | str:
-  """cfg for a chunk of the queries at per-sequence offsets against all
-  keys (`problem`: that chunk's): its plan chosen again for the mask with
-  query offsets, from the backend cfg's forward names (the backward may
-  change where its own takes no offsets), and its block sizes fitted to
-  the chunk. A string: why no backend can."""
-  mask = dataclasses.replace(cfg.mask, has_q_offsets=True)
+def _refit(cfg: Config, problem: Problem, dtype, offsets: bool) -> Config | str:
+  """cfg for a part of the call, `problem` its shapes: a chunk of the
+  queries at per-sequence offsets against all keys (`offsets`), or a ring's
+  pair of chunks. Its plan chosen again for that mask, from the backend
+  cfg's forward names (the backward may change where its own declines),
+  its block sizes fitted to the part. A string: why no backend can."""
+  mask = dataclasses.replace(cfg.mask, has_q_offsets=offsets)
   try:
     plan = _dispatch.select(cfg.plan.forward.name, None, problem, dtype,
                             mask=mask, scores=cfg.scores,
@@ -110,13 +110,14 @@ def _at_offsets(cfg: Config, problem: Problem, dtype) -> Config | str:
   return dataclasses.replace(cfg, plan=plan, configs=configs, mask=mask)
 
 
-def _takes_offsets(cfg: Config, problem: Problem, dtype) -> str | None:
-  why = _at_offsets(cfg, problem, jnp.dtype(dtype))
+def _refit_why(cfg: Config, problem: Problem, dtype,
+               offsets: bool) -> str | None:
+  why = _refit(cfg, problem, jnp.dtype(dtype), offsets)
   return why if isinstance(why, str) else None
 
 
 def _chunk_config(cfg: Config, q, k, v) -> Config:
-  return _at_offsets(cfg, check_qkv(q, k, v), q.dtype)
+  return _refit(cfg, check_qkv(q, k, v), q.dtype, True)
 
 
 def _chunk_forward(q, k, v, q_offsets, cfg: Config):
@@ -132,13 +133,35 @@ def _chunk_backward(q, k, v, q_offsets, o, lse, do, dlse, cfg: Config):
   return dq, dk, dv
 
 
+def _ring_of(cfg: Config, q, k, v, seq, size: int) -> ring._Ring:
+  """The ring over mesh axes `seq` for this device's chunks (in the zigzag
+  layout when causal: its two halves are the pairs' chunks)."""
+  p = check_qkv(q, k, v)
+  half = 2 if cfg.mask.is_causal else 1
+  pair = dataclasses.replace(p, q_len=p.q_len // half,
+                             kv_len=p.kv_len // half)
+  part = _refit(cfg, pair, q.dtype, False)
+  return ring._Ring(axis=seq, size=size, causal=cfg.mask.is_causal,
+                    scores=cfg.scores, plan=part.plan, configs=part.configs)
+
+
+def _ring_forward(q, k, v, seq, size, cfg: Config):
+  return ring._ring_forward(q, k, v, None, None, None,
+                            _ring_of(cfg, q, k, v, seq, size))
+
+
+def _ring_backward(q, k, v, o, lse, do, dlse, seq, size, cfg: Config):
+  return ring._ring_backward(q, k, v, None, None, o, lse, do, dlse,
+                             _ring_of(cfg, q, k, v, seq, size))
+
+
 # Without optional operands (static masks and score modifications only),
 # batch-, head- and sequence-sharded inputs run shard by shard: see
 # `_sharding`.
-_sharded_forward = _sharding.sharded_forward(_plain_forward, _chunk_forward,
-                                             _takes_offsets)
+_sharded_forward = _sharding.sharded_forward(
+    _plain_forward, _chunk_forward, _ring_forward, _refit_why)
 _sharded_backward = _sharding.sharded_backward(
-    _plain_backward, _chunk_backward, _takes_offsets)
+    _plain_backward, _chunk_backward, _ring_backward, _refit_why)
 
 
 def _partitioned(operands: Operands) -> bool:

@@ -8,7 +8,7 @@ shard only where the kv heads divide evenly, so that every device holds
 whole GQA groups.
 
 Queries sharded along the sequence (keys sharded over the same mesh axes,
-or not sharded along it) run context parallelism, one of two strategies
+or not sharded along it) run context parallelism, one of three strategies
 (`STRATEGIES`; `context_parallel` picks, "auto" by the bytes each device
 moves, `_Split.cost`):
 
@@ -25,6 +25,10 @@ moves, `_Split.cost`):
   calls balance the work: the halves of the chunks are exchanged so that
   device d holds chunks d and 2P-1-d of 2P (`_to_zigzag`), and the results
   go back. Queries are never gathered.
+* ring (named only: it moves as much as all_gather, and spares memory):
+  self-attention with causal or full masks; K/V chunks travel around the
+  devices while each runs its pairs (`jax_flash.ring`, the code of
+  `ring_attention`), causal calls in the balanced layout.
 """
 from __future__ import annotations
 
@@ -46,7 +50,7 @@ _FWD_RULE = "b t n h, b s k h, b s k v -> b t n v, b n t"
 _BWD_RULE = ("b t n h, b s k h, b s k v, b t n v, b n t, b t n v, b n t "
              "-> b t n h, b s k h, b s k v")
 _WHOLE = ("h", "v")  # Never split inside one call.
-STRATEGIES = ("auto", "all_to_all", "all_gather")
+STRATEGIES = ("auto", "all_to_all", "all_gather", "ring")
 
 
 def _names(axes):
@@ -97,14 +101,19 @@ def cost(strategy: str, *, p: int, q_rows: int, kv_rows: int, heads: int,
   `kv_heads` heads (`head_dims`: query + value head dims). all_to_all:
   (P-1)/P of its queries, keys, values and outputs; all_gather: its keys
   and values to the P-1 others (none when the keys are not split), and
-  with balanced halves its queries and outputs (each half to a device)."""
+  with balanced halves its queries and outputs (each half to a device);
+  ring: as all_gather, its keys and values also exchanged into the
+  balanced halves. (ring never sends fewer than all_gather: what it
+  spares is memory, one chunk of keys a device instead of all.)"""
   q, kv = q_rows * heads * head_dims, kv_rows * kv_heads * head_dims
   if strategy == "all_to_all":
     return (q + kv) * (p - 1) // p
+  if strategy == "ring":  # As all_gather, and keys into the zigzag too.
+    return kv * (p - 1) + (q + kv if balanced else 0)
   return (kv * (p - 1) if kv_seq else 0) + (q if balanced else 0)
 
 
-def _plan(mesh, arg_shapes, cfg, takes_offsets) -> _Split:
+def _plan(mesh, arg_shapes, cfg, refit_why) -> _Split:
   """The split of a call whose first three arguments are q, k, v: batch
   and heads as the query is sharded (heads where whole GQA groups fit a
   device), the sequence where the keys are sharded alike or not at all,
@@ -138,9 +147,23 @@ def _plan(mesh, arg_shapes, cfg, takes_offsets) -> _Split:
                   kv_len=k.shape[1], num_heads=local["heads"],
                   num_kv_heads=local["kv_heads"], head_dim=q.shape[3],
                   unbatched=False, value_head_dim=v.shape[3])
-  offsets_why = takes_offsets(cfg, chunk, q.dtype)
+  offsets_why = refit_why(cfg, chunk, q.dtype, True)
   if offsets_why:
     why["all_gather"] = offsets_why
+  plain = type(cfg.mask)(is_causal=cfg.mask.is_causal)
+  if not kv_seq or q.shape[1] != k.shape[1]:
+    why["ring"] = "ring runs self-attention with keys sharded as queries"
+  elif cfg.mask != plain:
+    why["ring"] = "ring runs causal or full masks alone"
+  elif cfg.mask.is_causal and not balanced:
+    why["ring"] = "a causal ring needs chunks of an even length"
+  else:
+    half = 2 if balanced else 1
+    pair = dataclasses.replace(chunk, q_len=local["q_rows"] // half,
+                               kv_len=local["q_rows"] // half)
+    ring_why = refit_why(cfg, pair, q.dtype, False)
+    if ring_why:
+      why["ring"] = ring_why
   costs = {s: cost(s, balanced=balanced, **local) for s in STRATEGIES[1:]
            if s not in why}
   want = cfg.context_parallel
@@ -152,7 +175,7 @@ def _plan(mesh, arg_shapes, cfg, takes_offsets) -> _Split:
     raise ValueError(f"context_parallel={want!r} cannot run this call: "
                      f"{why[want]}")
   return _Split(batch, heads, seq, kv_seq, want,
-                balanced and want == "all_gather")
+                balanced and want != "all_to_all")
 
 
 def all_to_all(fn, seq):
@@ -271,6 +294,34 @@ def _gather_backward(chunk_backward, cfg, split: _Split, p):
   return run
 
 
+def _zigzag_whole(x, axis, seq, p):
+  """This device's chunk of `x` in the balanced layout: (chunk d, chunk
+  2P-1-d) joined along `axis`."""
+  return jnp.concatenate(_to_zigzag(x, axis, seq, p), axis)
+
+
+def _unzigzag_whole(x, axis, seq, p):
+  return _from_zigzag(*jnp.split(x, 2, axis), axis, seq, p)
+
+
+def _ring_lower(ring_fn, cfg, split: _Split, p):
+  """ring's forward or backward on a device: its arrays (the first three
+  q, k, v, then per-query [B, T, N, H] / [B, N, T] ones) moved into the
+  balanced layout when causal, the ring run, its results moved back."""
+  seq = split.seq
+
+  def run(*arrays):
+    if split.balanced:
+      arrays = [_zigzag_whole(x, 1 if x.ndim == 4 else 2, seq, p)
+                for x in arrays]
+    outs = ring_fn(*arrays, seq, p, cfg)
+    if split.balanced:
+      outs = tuple(_unzigzag_whole(y, 1 if y.ndim == 4 else 2, seq, p)
+                   for y in outs)
+    return outs
+  return run
+
+
 def _fold_vmap(op):
   """op(*arrays, cfg) under vmap: the mapped axis joins the batch axis.
 
@@ -301,10 +352,11 @@ def _fold_vmap(op):
   return wrapped
 
 
-def _define(fn, rule, gather, takes_offsets, kv_results):
+def _define(fn, rule, lowerings, refit_why, kv_results):
   """fn(*arrays, cfg) as a custom_partitioning op split over batch, heads
-  and the sequence; `gather(cfg, split, p)`: the all_gather strategy's
-  per-device function; `kv_results`: the positions of key-like results."""
+  and the sequence; `lowerings`: strategy name -> (cfg, split, p) -> the
+  per-device function (all_to_all's is fn's own); `kv_results`: the
+  positions of key-like results."""
   op = custom_partitioning(fn, static_argnums=(fn.__code__.co_argcount - 1,))
 
   def shardings(mesh, split, shapes, kv_positions):
@@ -314,14 +366,14 @@ def _define(fn, rule, gather, takes_offsets, kv_results):
     return NamedSharding(mesh, specs[0])
 
   def infer(cfg, mesh, arg_shapes, result_shape):
-    split = _plan(mesh, arg_shapes, cfg, takes_offsets)
+    split = _plan(mesh, arg_shapes, cfg, refit_why)
     return shardings(mesh, split, result_shape, kv_results)
 
   def partition(cfg, mesh, arg_shapes, result_shape):
-    split = _plan(mesh, arg_shapes, cfg, takes_offsets)
+    split = _plan(mesh, arg_shapes, cfg, refit_why)
     p = _size(mesh, split.seq)
-    if split.strategy == "all_gather":
-      lower = gather(cfg, split, p)
+    if split.strategy in lowerings:
+      lower = lowerings[split.strategy](cfg, split, p)
     else:
       lower = all_to_all(lambda *arrays: fn(*arrays, cfg), split.seq)
     return (mesh, lower, shardings(mesh, split, result_shape, kv_results),
@@ -338,19 +390,23 @@ def _define(fn, rule, gather, takes_offsets, kv_results):
   return _fold_vmap(op)
 
 
-def sharded_forward(forward, chunk_forward, takes_offsets):
+def sharded_forward(forward, chunk_forward, ring_forward, refit_why):
   """forward(q, k, v, cfg) -> (o, lse), split over batch, heads and the
   sequence. chunk_forward(q, k, v, q_offsets, cfg): the same for queries
-  at per-sequence offsets; takes_offsets(cfg, problem, dtype): why such a
-  call cannot run (or None)."""
-  return _define(forward, _FWD_RULE,
-                 functools.partial(_gather_forward, chunk_forward),
-                 takes_offsets, ())
+  at per-sequence offsets; ring_forward(q, k, v, seq, p, cfg): the ring
+  over mesh axes `seq` of size p; refit_why(cfg, problem, dtype, offsets):
+  why a part of the call (a chunk at offsets, a ring's pair) cannot run,
+  or None."""
+  return _define(forward, _FWD_RULE, {
+      "all_gather": functools.partial(_gather_forward, chunk_forward),
+      "ring": functools.partial(_ring_lower, ring_forward)}, refit_why, ())
 
 
-def sharded_backward(backward, chunk_backward, takes_offsets):
+def sharded_backward(backward, chunk_backward, ring_backward, refit_why):
   """backward(q, k, v, o, lse, do, dlse, cfg) -> (dq, dk, dv), likewise;
-  chunk_backward(q, k, v, q_offsets, o, lse, do, dlse, cfg)."""
-  return _define(backward, _BWD_RULE,
-                 functools.partial(_gather_backward, chunk_backward),
-                 takes_offsets, (1, 2))
+  chunk_backward(q, k, v, q_offsets, o, lse, do, dlse, cfg),
+  ring_backward(q, k, v, o, lse, do, dlse, seq, p, cfg)."""
+  return _define(backward, _BWD_RULE, {
+      "all_gather": functools.partial(_gather_backward, chunk_backward),
+      "ring": functools.partial(_ring_lower, ring_backward)}, refit_why,
+      (1, 2))

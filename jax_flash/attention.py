@@ -207,8 +207,9 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
     out_dtype: the output's dtype for float8 inputs (default bfloat16).
     context_parallel: for query (and key) sharded along the sequence under
       jit: "all_to_all" (heads exchanged for the sequence), "all_gather"
-      (keys and values gathered, queries kept) or "auto" (the one moving
-      fewer bytes: docs/devices.md). A strategy named that cannot run the
+      (keys and values gathered, queries kept), "ring" (key/value chunks
+      passed around; causal or full masks, T = S) or "auto" (all_to_all
+      or all_gather, whichever moves fewer bytes: docs/devices.md). A strategy named that cannot run the
       sharding is an error when the call compiles, saying why.
 
   Returns:

@@ -64,22 +64,23 @@ def _pair_forward(kind, q, k, v, ids, ring: _Ring):
   return lax.switch(kind, [run(full), run(causal), skip], q, k, v, ids)
 
 
-def _pair_backward(kind, q, k, v, ids, o, lse, do, ring: _Ring):
+def _pair_backward(kind, q, k, v, ids, o, lse, do, dlse, ring: _Ring):
+  """Float32 (dq, dk, dv) of one pair, from the merged o and lse (and
+  their cotangents do, dlse)."""
   def run(mask):
-    def f(q, k, v, ids, o, lse, do):
+    def f(q, k, v, ids, o, lse, do, dlse):
       dq, dk, dv, _ = ring.plan.backward.backward(
           q, k, v, Operands(q_ids=ids[0], kv_ids=ids[1]), o, lse, do,
-          jnp.zeros_like(lse), mask=mask, scores=ring.scores,
-          config=ring.configs.backward)
+          dlse, mask=mask, scores=ring.scores, config=ring.configs.backward)
       return tuple(x.astype(jnp.float32) for x in (dq, dk, dv))
     return f
 
-  def skip(q, k, v, ids, o, lse, do):
+  def skip(q, k, v, ids, o, lse, do, dlse):
     return tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
 
   full, causal = _masks(ids)
   return lax.switch(kind, [run(full), run(causal), skip], q, k, v, ids, o,
-                    lse, do)
+                    lse, do, dlse)
 
 
 def _pairs(ring: _Ring, step):
@@ -161,36 +162,46 @@ def _ring_fwd(q, k, v, q_ids, kv_ids, sinks, ring):
   return out, (q, k, v, q_ids, kv_ids, sinks, out, lse)
 
 
-def _ring_bwd(ring, residuals, do):
-  q, k, v, q_ids, kv_ids, sinks, out, lse = residuals
-  ids_cotangents = (None if q_ids is None else jnp.zeros_like(q_ids),
-                    None if kv_ids is None else jnp.zeros_like(kv_ids))
+def _ring_backward(q, k, v, q_ids, kv_ids, out, lse, do, dlse,
+                   ring: _Ring):
+  """(dq, dk, dv) of this device's chunks: the pairs' gradients, dK/dV
+  travelling with their keys (after P moves they are home again)."""
   do = do.astype(q.dtype)
   dq = jnp.zeros(q.shape, jnp.float32)
   dk = jnp.zeros(k.shape, jnp.float32)
   dv = jnp.zeros(v.shape, jnp.float32)
+
+  def lse_half(x, qh):
+    n = x.shape[-1] // 2
+    return x if qh is None else x[..., qh * n:(qh + 1) * n]
+
   for step in range(ring.size):
     for qh, kh, kind in _pairs(ring, step):
-      n = None if qh is None else q.shape[1] // 2
-      lse_h = lse if qh is None else lse[..., qh * n:(qh + 1) * n]
       g_q, g_k, g_v = _pair_backward(
           kind, _half(q, qh), _half(k, kh), _half(v, kh),
-          _ids_half(q_ids, kv_ids, qh, kh), _half(out, qh), lse_h,
-          _half(do, qh), ring)
+          _ids_half(q_ids, kv_ids, qh, kh), _half(out, qh),
+          lse_half(lse, qh), _half(do, qh), lse_half(dlse, qh), ring)
       dq = _set_half(dq, qh, _half(dq, qh) + g_q)
       dk = _set_half(dk, kh, _half(dk, kh) + g_k)
       dv = _set_half(dv, kh, _half(dv, kh) + g_v)
-    # dK/dV travel with their keys; after P moves they are home again.
     k, v, dk, dv = _rotate(ring, k, v, dk, dv)
     if kv_ids is not None:
       (kv_ids,) = _rotate(ring, kv_ids)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def _ring_bwd(ring, residuals, do):
+  q, k, v, q_ids, kv_ids, sinks, out, lse = residuals
+  ids_cotangents = (None if q_ids is None else jnp.zeros_like(q_ids),
+                    None if kv_ids is None else jnp.zeros_like(kv_ids))
+  dq, dk, dv = _ring_backward(q, k, v, q_ids, kv_ids, out, lse, do,
+                              jnp.zeros_like(lse), ring)
   dsinks = None
   if sinks is not None:  # The sink's gradient from this device's queries.
-    delta = softmax.backward_delta(out, do)
+    delta = softmax.backward_delta(out, do.astype(q.dtype))
     dsinks = -jnp.sum(jnp.exp(sinks[None, :, None] - lse) * delta,
                       axis=(0, 2))
-  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
-          *ids_cotangents, dsinks)
+  return dq, dk, dv, *ids_cotangents, dsinks
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

@@ -135,6 +135,8 @@ def context_parallel():
       ("auto", 2, 96, 72, False, dict(is_causal=True)),  # Whole keys.
       ("auto", 1, 96, 96, True, dict(is_causal=True, scale=0.3)),
       ("all_to_all", 4, 96, 96, True, dict(local_window_size=(20, 5))),
+      ("ring", 2, 96, 96, True, dict(is_causal=True)),
+      ("ring", 4, 96, 96, True, dict(logits_soft_cap=5.0)),
   ]
   for strategy, kv_heads, t, s, kv_sharded, options in cases:
     keys = jax.random.split(jax.random.key(t + s + kv_heads), 4)
@@ -165,25 +167,34 @@ def context_parallel():
           f"permutes={hlo.count('collective-permute(')} errors={errors}")
     assert errors[0] <= bound.out and max(errors[1:]) <= bound.grad, errors
     assert tuple(out_s.sharding.spec)[:2] == ("data", "model")
-    chosen = "all_to_all" if hlo.count("all-to-all(") else "all_gather"
-    assert strategy in ("auto", chosen), (strategy, chosen)
+    if strategy == "auto":  # all_to_all where it runs (4 KV heads).
+      strategy = "all_to_all" if kv_heads % 4 == 0 else "all_gather"
+    assert (hlo.count("all-to-all(") > 0) == (strategy == "all_to_all")
     # Only K and V are gathered ([1, S, kv heads, H]), and only by
     # all_gather when the keys are sharded.
     want = [f"f32[1,{s},{kv_heads},{h}]"] * 4 if (
-        chosen == "all_gather" and kv_sharded) else []
+        strategy == "all_gather" and kv_sharded) else []
     assert [g.split("{")[0] for g in gathered] == want, gathered
-    if options.get("is_causal") and chosen == "all_gather":
-      assert hlo.count("collective-permute(") > 0  # Balanced halves.
+    if strategy == "ring" or (options.get("is_causal")
+                              and strategy == "all_gather"):
+      # The ring's steps; balanced halves.
+      assert hlo.count("collective-permute(") > 0
   q = jax.device_put(jnp.ones((b, 96, n, h)), seq)
   kv = jax.device_put(jnp.ones((b, 96, 1, h)), seq)
-  try:
-    jax.jit(lambda q, k: jax_flash.flash_attention(
-        q, k, k, context_parallel="all_to_all")).lower(q, kv).compile()
-  except Exception as e:  # Raised in XLA's partitioner, wrapped by it.
-    assert "context_parallel='all_to_all' cannot run this call" in str(e)
-    assert "1 KV heads a device holds do not divide by the 4" in str(e)
-  else:
-    raise AssertionError("all_to_all ran with 1 KV head on 4 devices")
+  refused = [  # (strategy, options, why)
+      ("all_to_all", {}, "1 KV heads a device holds do not divide by the 4"),
+      ("ring", dict(local_window_size=8), "ring runs causal or full masks"),
+  ]
+  for strategy, options, why in refused:
+    try:
+      jax.jit(lambda q, k: jax_flash.flash_attention(
+          q, k, k, context_parallel=strategy, **options)).lower(
+              q, kv).compile()
+    except Exception as e:  # Raised in XLA's partitioner, wrapped by it.
+      assert f"context_parallel={strategy!r} cannot run this call" in str(e)
+      assert why in str(e), str(e)
+    else:
+      raise AssertionError(f"{strategy} ran {options}")
   print("context_parallel: every case matches one device")
 
 

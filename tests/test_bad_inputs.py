@@ -88,7 +88,7 @@ BAD = {
     "version": (_attention(version=3), "version must be 1 or 2"),
     "version_xla": (_attention(version=3, implementation="xla"),
                     "version must be 1 or 2"),
-    "context_parallel": (_attention(context_parallel="ring"),
+    "context_parallel": (_attention(context_parallel="ulysses"),
                          "context_parallel must be one of"),
     "implementation": (_attention(implementation="cuda"),
                        "implementation must be one of"),
