@@ -53,6 +53,13 @@ _WHOLE = ("h", "v")  # Never split inside one call.
 STRATEGIES = ("auto", "all_to_all", "all_gather", "ring")
 
 
+def check_strategy(context_parallel) -> None:
+  """`context_parallel`, checked where a call or a module takes it."""
+  if context_parallel not in STRATEGIES:
+    raise ValueError(f"context_parallel must be one of {STRATEGIES}, got "
+                     f"{context_parallel!r}")
+
+
 def _names(axes):
   return () if axes is None else axes if isinstance(axes, tuple) else (axes,)
 

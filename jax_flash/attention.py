@@ -240,9 +240,7 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
                  **args)
   p = spec.problem
   _dispatch.check_options(block_sizes, version)
-  if context_parallel not in _sharding.STRATEGIES:
-    raise ValueError(f"context_parallel must be one of "
-                     f"{_sharding.STRATEGIES}, got {context_parallel!r}")
+  _sharding.check_strategy(context_parallel)
   if p.batch * p.q_len * p.kv_len == 0:
     return _as(_empty(query, p, return_residual), out_dtype)
   spec = with_dense_kinds(masks_as_ids(spec))

@@ -24,7 +24,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None,
                           einsum_dot_general=None, qk_attn_weights_einsum=None,
                           attn_weights_value_einsum=None, *,
                           is_causal: bool = False, implementation=None,
-                          block_sizes=None, sinks=None, fp8=False):
+                          block_sizes=None, sinks=None, fp8=False,
+                          context_parallel="auto"):
   """Drop-in for `flax.linen.dot_product_attention`, computed by flash attention.
 
   Takes every argument linen passes; the softmax is always float32
@@ -32,7 +33,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None,
   are not used. With `module` set (`sow_weights=True`, which needs the
   attention weights) it falls back to flax's implementation. `is_causal`,
   `implementation`, `block_sizes`, `sinks` ([num_heads] learned sink
-  logits) and `fp8` are this library's additions; see
+  logits), `fp8` and `context_parallel` are this library's additions; see
   `jax_flash.nnx.dot_product_attention` for the rest.
   """
   check_sow_weights(module, sinks)
@@ -47,7 +48,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None,
                 broadcast_dropout=broadcast_dropout, dropout_rng=dropout_rng,
                 dropout_rate=dropout_rate, deterministic=deterministic,
                 is_causal=is_causal, implementation=implementation,
-                block_sizes=block_sizes, sinks=sinks, fp8=fp8)
+                block_sizes=block_sizes, sinks=sinks, fp8=fp8,
+                context_parallel=context_parallel)
 
 
 class FlashAttention(nn.MultiHeadDotProductAttention):
@@ -55,7 +57,8 @@ class FlashAttention(nn.MultiHeadDotProductAttention):
 
   Same fields and parameters (a model swaps it in and keeps its checkpoint),
   plus `is_causal` (causal without a T x S mask), `implementation`,
-  `block_sizes`, `fp8` (`jax_flash.flash_attention`'s) and `sinks`: True
+  `block_sizes`, `fp8`, `context_parallel` (`jax_flash.flash_attention`'s)
+  and `sinks`: True
   adds a parameter `sinks` [num_heads]
   (float32, zeros at first), learned attention sinks (see
   `jax_flash.flash_attention`). Unnamed instances are named as flax names
@@ -67,15 +70,17 @@ class FlashAttention(nn.MultiHeadDotProductAttention):
   block_sizes: Any = None
   sinks: bool = False
   fp8: bool | str = False
+  context_parallel: str = "auto"
 
   def __post_init__(self):
-    check_module_options(self.implementation, self.block_sizes, self.fp8)
+    check_module_options(self.implementation, self.block_sizes, self.fp8,
+                         self.context_parallel)
     _name_as_flax(self)
     if self.attention_fn is nn.dot_product_attention:
       object.__setattr__(self, "attention_fn", functools.partial(
           dot_product_attention, is_causal=self.is_causal,
           implementation=self.implementation, block_sizes=self.block_sizes,
-          fp8=self.fp8))
+          fp8=self.fp8, context_parallel=self.context_parallel))
     super().__post_init__()
 
   @nn.compact

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes
 
-from jax_flash import _dispatch
+from jax_flash import _dispatch, _sharding
 from jax_flash.attention import flash_attention
 from jax_flash.decode import flash_decode
 from jax_flash.spec import fp8 as fp8_lib
@@ -24,7 +24,7 @@ from jax_flash.spec import fp8 as fp8_lib
 
 def attend(query, key, value, bias, mask, *, broadcast_dropout, dropout_rng,
            dropout_rate, deterministic, is_causal, implementation,
-           block_sizes, sinks=None, fp8=False):
+           block_sizes, sinks=None, fp8=False, context_parallel="auto"):
   """flax's attention_fn contract on top of `flash_attention`.
 
   query [batch..., T, N, H]; key/value [batch..., S, K, H]; bias/mask
@@ -59,14 +59,17 @@ def attend(query, key, value, bias, mask, *, broadcast_dropout, dropout_rng,
       dropout_rate=dropout_rate if use_dropout else 0.0,
       dropout_rng=dropout_rng if use_dropout else None,
       dropout_broadcast=broadcast_dropout, sinks=sinks,
-      implementation=implementation, block_sizes=block_sizes, fp8=fp8)
+      implementation=implementation, block_sizes=block_sizes, fp8=fp8,
+      context_parallel=context_parallel)
   return out.reshape(batch_dims + out.shape[-3:])
 
 
-def check_module_options(implementation, block_sizes, fp8=False):
-  """A module's `implementation`, `block_sizes` and `fp8`, checked when it
-  is built (not at its first call)."""
+def check_module_options(implementation, block_sizes, fp8=False,
+                         context_parallel="auto"):
+  """A module's `implementation`, `block_sizes`, `fp8` and
+  `context_parallel`, checked when it is built (not at its first call)."""
   fp8_lib.check_fp8(fp8)
+  _sharding.check_strategy(context_parallel)
   if implementation is not None and (
       implementation not in _dispatch.IMPLEMENTATIONS):
     raise ValueError(f"implementation must be one of "
@@ -90,7 +93,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None,
                           precision=None, module=None,
                           promote_dtype=dtypes.promote_dtype,
                           is_causal: bool = False, *, implementation=None,
-                          block_sizes=None, sinks=None, fp8=False):
+                          block_sizes=None, sinks=None, fp8=False,
+                          context_parallel="auto"):
   """Drop-in for `flax.nnx.dot_product_attention`, computed by flash attention.
 
   Takes every argument nnx passes. `is_causal` skips the masked tiles instead
@@ -102,8 +106,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None,
   dots). With `module` set (nnx's `sow_weights=True`, which needs the T x S
   attention weights), it falls back to flax's own implementation.
 
-  `implementation`, `block_sizes`, `sinks` and `fp8` are passed to
-  `flash_attention`.
+  `implementation`, `block_sizes`, `sinks`, `fp8` and `context_parallel`
+  are passed to `flash_attention`.
   """
   check_sow_weights(module, sinks)
   if module is not None:
@@ -116,7 +120,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None,
                 broadcast_dropout=broadcast_dropout, dropout_rng=dropout_rng,
                 dropout_rate=dropout_rate, deterministic=deterministic,
                 is_causal=is_causal, implementation=implementation,
-                block_sizes=block_sizes, sinks=sinks, fp8=fp8)
+                block_sizes=block_sizes, sinks=sinks, fp8=fp8,
+                context_parallel=context_parallel)
 
 
 class FlashAttention(nnx.MultiHeadAttention):
@@ -124,8 +129,9 @@ class FlashAttention(nnx.MultiHeadAttention):
 
   Same constructor (GQA via `num_kv_heads`, dropout, `decode` with a KV cache
   through `init_cache`), same parameters, so a model swaps it in and keeps its
-  checkpoint. Extra keyword arguments: `implementation`, `block_sizes` and
-  `fp8` (FP8 attention: `flash_attention`'s; decoding runs unquantized), for
+  checkpoint. Extra keyword arguments: `implementation`, `block_sizes`,
+  `fp8` (FP8 attention: `flash_attention`'s; decoding runs unquantized) and
+  `context_parallel` (inputs sharded along the sequence), for
   `flash_attention`, and `sinks=True`, which adds a parameter `sinks`
   [num_heads] (zeros at first): learned attention sinks (see
   `flash_attention`). Calls take `is_causal=True` without building a mask.
@@ -136,12 +142,14 @@ class FlashAttention(nnx.MultiHeadAttention):
   """
 
   def __init__(self, *args, implementation=None, block_sizes=None,
-               sinks: bool = False, fp8=False, attention_fn=None, **kwargs):
-    check_module_options(implementation, block_sizes, fp8)
+               sinks: bool = False, fp8=False, context_parallel="auto",
+               attention_fn=None, **kwargs):
+    check_module_options(implementation, block_sizes, fp8, context_parallel)
     if attention_fn is None:
-      attention_fn = functools.partial(dot_product_attention,
-                                       implementation=implementation,
-                                       block_sizes=block_sizes, fp8=fp8)
+      attention_fn = functools.partial(
+          dot_product_attention, implementation=implementation,
+          block_sizes=block_sizes, fp8=fp8,
+          context_parallel=context_parallel)
     self.implementation = implementation
     super().__init__(*args, attention_fn=attention_fn, **kwargs)
     self.sinks = (nnx.Param(jnp.zeros((self.num_heads,), jnp.float32))

@@ -112,6 +112,19 @@ def _module_on_a_sequence_mesh(mesh, num_kv_heads):
         f"error={relative_error(got, want)}")
   assert hlo.count("all-gather(") == 0 and hlo.count("all-to-all(") > 0
   assert relative_error(got, want) < 1e-5  # The projections: float32 sums.
+  # The strategy named at construction: all_gather of K and V alone.
+  attn = jax_flash.nnx.FlashAttention(
+      num_heads=8, num_kv_heads=num_kv_heads, in_features=32, decode=False,
+      context_parallel="all_gather", rngs=nnx.Rngs(0))
+  graph, state = nnx.split(attn)
+  step = jax.jit(lambda state, x: nnx.merge(graph, state)(x, is_causal=True))
+  hlo = step.lower(state, xs).compile().as_text()
+  got = step(state, xs)
+  print(f"all_gather module: all-gathers={hlo.count('all-gather(')} "
+        f"all-to-alls={hlo.count('all-to-all(')} "
+        f"error={relative_error(got, want)}")
+  assert hlo.count("all-gather(") == 2 and hlo.count("all-to-all(") == 0
+  assert relative_error(got, want) < 1e-5
 
 
 def context_parallel():

@@ -360,6 +360,8 @@ def test_modules_check_their_options_when_built(kind):
     build(implementation="cuda")
   with pytest.raises(ValueError, match="block_sizes must be"):
     build(block_sizes=64)
+  with pytest.raises(ValueError, match="context_parallel must be one of"):
+    build(context_parallel="ulysses")
 
 
 def test_linen_module_is_named_as_flax_names_its_own_and_reports_its_class():
