@@ -127,23 +127,39 @@ def _ids_half(q_ids, kv_ids, qh, kh):
 
 
 def _ring_forward(q, k, v, q_ids, kv_ids, sinks, ring: _Ring):
+  """(out, lse) of this device's query chunk: the P steps in a loop (one
+  step's buffers live at a time), each pair's partial merged into the
+  running (o, lse) of its query half by their logsumexps."""
   halves = [None] if not ring.causal else [0, 1]
-  parts = {h: [] for h in halves}  # Partial (o, lse) per query half.
-  for step in range(ring.size):
+  b, _, n, _ = q.shape
+  rows = q.shape[1] // len(halves)
+
+  def pairs(step, k, v, kv_ids, acc):
+    acc = dict(zip(halves, acc))
     for qh, kh, kind in _pairs(ring, step):
-      parts[qh].append(_pair_forward(
+      o, part_lse = _pair_forward(
           kind, _half(q, qh), _half(k, kh), _half(v, kh),
-          _ids_half(q_ids, kv_ids, qh, kh), ring))
-    if step + 1 < ring.size:  # Segment ids travel with their keys.
-      k, v = _rotate(ring, k, v)
-      if kv_ids is not None:
-        (kv_ids,) = _rotate(ring, kv_ids)
+          _ids_half(q_ids, kv_ids, qh, kh), ring)
+      o = o.transpose(0, 2, 1, 3).astype(jnp.float32)  # [B, N, T, H]
+      acc[qh] = softmax.merge(jnp.stack([acc[qh][0], o]),
+                              jnp.stack([acc[qh][1], part_lse]), axis=0)
+    return tuple(acc[h] for h in halves)
+
+  def step_and_rotate(step, carry):  # Segment ids travel with their keys.
+    k, v, kv_ids, acc = carry
+    acc = pairs(step, k, v, kv_ids, acc)
+    k, v = _rotate(ring, k, v)
+    if kv_ids is not None:
+      (kv_ids,) = _rotate(ring, kv_ids)
+    return k, v, kv_ids, acc
+
+  empty = (jnp.zeros((b, n, rows, v.shape[-1]), jnp.float32),
+           jnp.full((b, n, rows), -jnp.inf, jnp.float32))
+  k, v, kv_ids, acc = lax.fori_loop(0, ring.size - 1, step_and_rotate,
+                                    (k, v, kv_ids, (empty,) * len(halves)))
+  acc = pairs(ring.size - 1, k, v, kv_ids, acc)  # The last: no rotation.
   out, lse = [], []
-  for h in halves:
-    # Partials [steps, B, T, N, H] and [steps, B, N, T], merged.
-    o = jnp.stack([p[0] for p in parts[h]]).transpose(0, 1, 3, 2, 4)
-    merged, merged_lse = softmax.merge(o, jnp.stack([p[1] for p in parts[h]]),
-                                       axis=0)
+  for merged, merged_lse in acc:
     if sinks is not None:  # Each head's sink joins the merged denominator.
       merged, merged_lse = softmax.with_sink(merged, merged_lse,
                                              sinks[None, :, None])
@@ -175,8 +191,9 @@ def _ring_backward(q, k, v, q_ids, kv_ids, out, lse, do, dlse,
     n = x.shape[-1] // 2
     return x if qh is None else x[..., qh * n:(qh + 1) * n]
 
-  for step in range(ring.size):
-    for qh, kh, kind in _pairs(ring, step):
+  def step(i, carry):  # One step's buffers live at a time.
+    k, v, kv_ids, dq, dk, dv = carry
+    for qh, kh, kind in _pairs(ring, i):
       g_q, g_k, g_v = _pair_backward(
           kind, _half(q, qh), _half(k, kh), _half(v, kh),
           _ids_half(q_ids, kv_ids, qh, kh), _half(out, qh),
@@ -187,6 +204,10 @@ def _ring_backward(q, k, v, q_ids, kv_ids, out, lse, do, dlse,
     k, v, dk, dv = _rotate(ring, k, v, dk, dv)
     if kv_ids is not None:
       (kv_ids,) = _rotate(ring, kv_ids)
+    return k, v, kv_ids, dq, dk, dv
+
+  _, _, _, dq, dk, dv = lax.fori_loop(0, ring.size, step,
+                                      (k, v, kv_ids, dq, dk, dv))
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
