@@ -204,6 +204,11 @@ def all_to_all(fn, seq):
   return run
 
 
+def _seq_axis(x) -> int:
+  """The sequence axis of a per-token array: [B, L, N, H] or [B, N, L]."""
+  return 1 if x.ndim == 4 else 2
+
+
 def _zigzag_perms(p):
   """ppermute pairs sending half 0 and half 1 of each device's chunk
   (chunks 2e, 2e + 1 of 2P) to the device that holds it in the balanced
@@ -243,7 +248,7 @@ def _query_parts(split: _Split, p, rows, *arrays):
   if not split.balanced:
     return [(d * rows, arrays)]
   half = rows // 2
-  parts = [_to_zigzag(x, 1 if x.ndim == 4 else 2, seq, p) for x in arrays]
+  parts = [_to_zigzag(x, _seq_axis(x), seq, p) for x in arrays]
   return [(d * half, tuple(x[0] for x in parts)),
           ((2 * p - 1 - d) * half, tuple(x[1] for x in parts))]
 
@@ -252,7 +257,7 @@ def _join_queries(split: _Split, p, parts):
   """The inverse of `_query_parts` for outputs per query: [(arrays)]."""
   if not split.balanced:
     return parts[0]
-  return tuple(_from_zigzag(lo, hi, 1 if lo.ndim == 4 else 2, split.seq, p)
+  return tuple(_from_zigzag(lo, hi, _seq_axis(lo), split.seq, p)
                for lo, hi in zip(*parts))
 
 
@@ -319,11 +324,11 @@ def _ring_lower(ring_fn, cfg, split: _Split, p):
 
   def run(*arrays):
     if split.balanced:
-      arrays = [_zigzag_whole(x, 1 if x.ndim == 4 else 2, seq, p)
+      arrays = [_zigzag_whole(x, _seq_axis(x), seq, p)
                 for x in arrays]
     outs = ring_fn(*arrays, seq, p, cfg)
     if split.balanced:
-      outs = tuple(_unzigzag_whole(y, 1 if y.ndim == 4 else 2, seq, p)
+      outs = tuple(_unzigzag_whole(y, _seq_axis(y), seq, p)
                    for y in outs)
     return outs
   return run

@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_flash  # noqa: E402
 from jax_flash.testing import relative_error, tolerance  # noqa: E402
+from tests.cases import random_inputs  # noqa: E402
 
 
 def main(num_kv_heads):
@@ -152,11 +153,8 @@ def context_parallel():
       ("ring", 4, 96, 96, True, dict(logits_soft_cap=5.0)),
   ]
   for strategy, kv_heads, t, s, kv_sharded, options in cases:
-    keys = jax.random.split(jax.random.key(t + s + kv_heads), 4)
-    q = jax.random.normal(keys[0], (b, t, n, h))
-    k = jax.random.normal(keys[1], (b, s, kv_heads, h))
-    v = jax.random.normal(keys[2], (b, s, kv_heads, h))
-    do = jax.random.normal(keys[3], (b, t, n, h))
+    q, k, v, do = random_inputs(b, t, s, n, kv_heads, h, jnp.float32,
+                                seed=t + s + kv_heads)
 
     def loss(q, k, v):
       out = jax_flash.flash_attention(q, k, v, context_parallel=strategy,

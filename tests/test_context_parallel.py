@@ -13,6 +13,7 @@ from jax_flash.spec import checks
 from jax_flash.spec.mask import Mask
 from jax_flash.spec.scores import Scores
 from jax_flash.testing import assert_attention_close
+from tests.cases import random_inputs
 from tests.conftest import KERNEL_IMPL, ON_GPU
 
 DTYPE = jnp.bfloat16 if ON_GPU else jnp.float32
@@ -29,11 +30,8 @@ DTYPE = jnp.bfloat16 if ON_GPU else jnp.float32
 ], ids=["causal", "cross_causal_mqa", "window_softcap", "full"])
 def test_query_chunk_at_offsets_matches_whole_rows(case, implementation):
   t, s, n, kh, h, rows, offsets, options = case
-  keys = jax.random.split(jax.random.key(t + rows), 4)
-  q = jax.random.normal(keys[0], (2, t, n, h), DTYPE)
-  k = jax.random.normal(keys[1], (2, s, kh, h), DTYPE)
-  v = jax.random.normal(keys[2], (2, s, kh, h), DTYPE)
-  do = jax.random.normal(keys[3], (2, rows, n, h), DTYPE)
+  q, k, v, _ = random_inputs(2, t, s, n, kh, h, DTYPE, seed=t + rows)
+  do = random_inputs(2, rows, 1, n, 1, h, DTYPE, seed=rows)[0]
   starts = jnp.asarray(offsets, jnp.int32)
 
   def chunk_of(x):  # Rows [offset, offset + rows) of each sequence.
