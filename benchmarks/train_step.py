@@ -22,8 +22,6 @@ JSON line a row.
 from __future__ import annotations
 
 import argparse
-import collections
-import glob
 import itertools
 import json
 import os
@@ -39,6 +37,8 @@ from flax import nnx
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import train_lm  # noqa: E402
+
+from jax_flash import benchmark  # noqa: E402
 
 # name -> (layers, d_model, heads, kv_heads, seq_len, batch)
 CONFIGS = {
@@ -61,27 +61,6 @@ def _model(config, impl):
                                  rngs=nnx.Rngs(0))
   optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
   return model, optimizer
-
-
-def _gpu_times(folder, steps: int):
-  """{"ops": {hlo op: ms a step}, "kernels": {kernel: ms a step},
-  "launches": kernels a step} from the profile in `folder`."""
-  path = glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True)
-  data = jax.profiler.ProfileData.from_file(path[0])
-  ops, kernels = collections.Counter(), collections.Counter()
-  launches = 0
-  for plane in data.planes:
-    if not plane.name.startswith("/device:GPU"):
-      continue
-    for line in plane.lines:
-      into = ops if line.name == "XLA Ops" else (
-          kernels if line.name.startswith("Stream") else None)
-      if into is None:
-        continue
-      for event in line.events:
-        into[event.name] += event.duration_ns / 1e6 / steps
-        launches += into is kernels
-  return {"ops": ops, "kernels": kernels, "launches": launches / steps}
 
 
 def measure(config, impl, steps, profile=None, hlo=None, driver="jit"):
@@ -136,7 +115,7 @@ def measure(config, impl, steps, profile=None, hlo=None, driver="jit"):
       for _ in range(3):
         loss = run()
       float(loss)
-    times = _gpu_times(folder, 3)
+    times = benchmark.gpu_times(folder, 3)
     row["gpu_ms"] = sum(times["kernels"].values())
     row["gpu_kernels_a_step"] = times["launches"]
     for kind in ("ops", "kernels"):

@@ -11,8 +11,10 @@ Writes `<out>/benchmark.json` and `<out>/benchmark.md`.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import datetime
+import glob
 import itertools
 import json
 import os
@@ -200,6 +202,28 @@ def _measure(fn, mode, q, k, v, do, fwd_flops, calls, repeats):
   except Exception as e:  # OOM or unsupported: say so, go on.
     traceback.print_exc(limit=2)
     return dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+
+
+def gpu_times(folder: str, calls: int) -> dict:
+  """{"ops": {XLA op: ms a call}, "kernels": {GPU kernel: ms a call},
+  "launches": kernels a call} from the `jax.profiler` trace in `folder`
+  of `calls` calls (a training step's, an attention call's)."""
+  path = glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True)
+  data = jax.profiler.ProfileData.from_file(path[0])
+  ops, kernels = collections.Counter(), collections.Counter()
+  launches = 0
+  for plane in data.planes:
+    if not plane.name.startswith("/device:GPU"):
+      continue
+    for line in plane.lines:
+      into = ops if line.name == "XLA Ops" else (
+          kernels if line.name.startswith("Stream") else None)
+      if into is None:
+        continue
+      for event in line.events:
+        into[event.name] += event.duration_ns / 1e6 / calls
+        launches += into is kernels
+  return {"ops": ops, "kernels": kernels, "launches": launches / calls}
 
 
 def _record(rows, row, log):
