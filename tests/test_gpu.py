@@ -62,6 +62,13 @@ MOSAIC_CASES = {
     # Past LONG_KV_LEN keys head dim 256 takes 80-row K/V tiles (every
     # one visited, the last partial: 5003 = 62 * 80 + 43).
     "h256_long_keys": Case(1, 256, 5003, 4, 2, 256, "bfloat16", False),
+    # Lengths that are multiples of 8 but not of the tiles: read in place,
+    # the last tiles reaching past the ends (a second warpgroup's rows
+    # wholly past 72 queries; 456 = 3 * 128 + 72), outputs and gradients
+    # of every batch row compared.
+    "tiles_past_the_ends": Case(3, 72, 1504, 4, 2, 64, "bfloat16", False),
+    "tiles_past_the_ends_causal_gqa": Case(2, 456, 456, 8, 2, 128,
+                                           "bfloat16", True),
 }
 
 

@@ -90,6 +90,33 @@ def test_mosaic_takes_any_length(head_dim, q_len, kv_len):
   assert all(name in text for name in MOSAIC_BACKWARD)
 
 
+def _sequence_copies(text):
+  """The pads and slices of 4-D bf16 arrays (Q, K, V, O, dO and gradients:
+  the [B, T, N, H] copies XLA would make around the kernels) in a lowered
+  program's text, as 'op: operand -> result' types."""
+  shape = r"tensor<\d+x\d+x\d+x\d+xbf16>"
+  return re.findall(rf"stablehlo\.(?:pad|slice)[^\n]*?({shape})[^\n]*?-> "
+                    rf"({shape})", text)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_mosaic_reads_lengths_of_whole_8_rows_in_place(causal):
+  """Lengths that are multiples of 8 but not of the tiles (448 queries on
+  1504 keys): the kernels read Q, K, V, dO and write O and the gradients
+  where they lie (tiles reach past the ends), so the forward+backward
+  holds no pad or slice of them; a length off a multiple of 8 is padded
+  to the next (TMA's 8-row groups), and nothing further."""
+  text = _lower_grad("mosaic", (2, 448, 1504, 4, 2, 64), jnp.bfloat16,
+                     is_causal=causal)
+  assert all(name in text for name in MOSAIC_BACKWARD)
+  assert _sequence_copies(text) == []
+  text = _lower_grad("mosaic", (2, 448, 1500, 4, 2, 64), jnp.bfloat16,
+                     is_causal=causal)
+  copies = set(_sequence_copies(text))
+  assert copies and all("1504" in a + b for a, b in copies), copies
+  assert not any("512" in a + b or "1536" in a + b for a, b in copies)
+
+
 @pytest.mark.parametrize("name, shape, dtype, kwargs, mosaic", [
     ("eligible", (2, 256, 512, 8, 2, 128), jnp.bfloat16,
      dict(is_causal=True), True),

@@ -56,7 +56,7 @@ from pallas_kernels.mosaic_gpu.tiles import (COL, COMPUTE_WGS, ROW,
                                              logits2, needs_positions,
                                              pad_ids, range_table,
                                              smem_transforms, split_refs,
-                                             table_ranges, visible)
+                                             table_ranges, tma_rows, visible)
 
 
 def _meet(barrier):
@@ -106,8 +106,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
                 bias_ref, dq_ref, dk_ref, dv_ref,
                 k_smem2, v_smem2, ready, done, fused, *, mask: Mask,
                 scores: Scores, blocks: BlockSizes, group: int, kv_len: int):
-  """q/do [B, T, N, H], k/v and dk/dv [B, S, K, H], lse/delta [B, N, T];
-  keys at or past kv_len (<= S: XLA's padding) are masked. Each None when
+  """q/do [B, T, N, H], k/v and dk/dv [B, S, K, H], lse/delta [B, N, T']
+  (T' >= T: whole tiles); keys at or past kv_len (<= S: XLA's padding) are
+  masked, tiles past T or S read zeros and store nothing there. Each None when
   absent: table_ref, the range table of the CTA's key rows (transposed,
   `range_table`); slopes_ref, ALiBi slopes [B, N]; q_ids_ref / kv_ids_ref,
   ids [B, T] / [B, S] padded past the kernel's tiles; seed_ref, dropout
@@ -339,8 +340,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
                bias_ref, dq_ref, q_smem2,
                do_smem2, ready, *, mask: Mask, scores: Scores,
                blocks: BlockSizes, group: int, kv_len: int):
-  """q/do/dq [B, T, N, H], k/v [B, S, K, H], lse/delta [B, N, T]; keys at
-  or past kv_len (<= S: XLA's padding) are masked. Each None when absent:
+  """q/do/dq [B, T, N, H], k/v [B, S, K, H], lse/delta [B, N, T'] (T' >=
+  T: whole tiles); keys at or past kv_len (<= S: XLA's padding) are
+  masked, tiles past T or S read zeros and store nothing there. Each None when absent:
   table_ref, the range table of the CTA's query rows (`range_table`);
   slopes_ref, ALiBi slopes [B, N]; q_ids_ref / kv_ids_ref, ids [B, T] /
   [B, S] padded past the kernel's tiles; seed_ref, dropout seed words [2];
@@ -351,7 +353,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
   dtype = q_ref.dtype
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
   wg = lax.axis_index("wg")
-  q_tile = cta_row_tile(mask, "q_seq", q_ref.shape[1] // (wgs * bq))
+  q_tile = cta_row_tile(mask, "q_seq", lse_ref.shape[2] // (wgs * bq))
   tile_start = q_tile * (wgs * bq)
   q_start = tile_start + wg * bq
   lo, full_lo, full_hi, hi = table_ranges(
@@ -446,11 +448,12 @@ def flash_backward(q, k, v, operands: Operands, o, lse, do, dlse, *,
   read: the sinks' share is in L).
 
   q/o/do [B, T, N, H], k/v [B, S, K, H] (K divides N), bf16 or fp16, any T
-  and S: XLA pads the queries (zeros, L = +inf: they add nothing) to the
-  kernels' query tiles and K/V to the dK/dV kernel's key rows (masked in
-  both kernels past S, their gradient rows dropped); a copy only for
-  lengths that are not such multiples. GPU only (the interpreter cannot run
-  a wgmma with a register operand); tests lower it for CUDA on the CPU.
+  and S: the kernels read Q, dO, K and V where they lie, in tiles that may
+  reach past the last row (`tiles.tma_rows`: a copy only where a length is
+  not a multiple of 8; TMA reads zeros there, and L = +inf for those
+  queries, so they add nothing), mask keys past S and drop the gradient
+  rows past the ends. GPU only (the interpreter cannot run a wgmma with a
+  register operand); tests lower it for CUDA on the CPU.
   """
   q_len, kv_len = q.shape[1], k.shape[1]
   head_dim = q.shape[3]
@@ -458,14 +461,17 @@ def flash_backward(q, k, v, operands: Operands, o, lse, do, dlse, *,
   split, wgs = split_dkv(head_dim), dq_warpgroups(head_dim)
   kv_rows = blocks.block_kv_dkv * (1 if split else COMPUTE_WGS)
   q_rows = math.lcm(wgs * blocks.block_q_dq, blocks.block_q_dkv)
+  # The kernels' tiles cover tp queries and sp keys (L, D, ids and per-pair
+  # operands are padded to them); the sequence arrays have `tma_rows`.
   tp, sp = round_up(q_len, q_rows), round_up(kv_len, kv_rows)
   # D = rowsum(dO * O) - dlse; L in base 2, +inf for rows that see no key
   # (lse = -inf) and for padding, so P = exp2(S - L) is 0 there, never NaN.
   delta = pad_to(softmax.backward_delta(o, do, dlse), 2, tp)
   lse2 = pad_to(jnp.where(lse == -jnp.inf, jnp.inf, lse * softmax.LOG2E), 2,
                 tp, jnp.inf)
-  q, do = pad_to(q, 1, tp), pad_to(do.astype(q.dtype), 1, tp)
-  k, v = pad_to(k, 1, sp), pad_to(v, 1, sp)
+  q = pad_to(q, 1, tma_rows(q_len))
+  do = pad_to(do.astype(q.dtype), 1, tma_rows(q_len))
+  k, v = (pad_to(x, 1, tma_rows(kv_len)) for x in (k, v))
   batch, _, num_heads, _ = q.shape
   num_kv_heads = k.shape[2]
   group = num_heads // num_kv_heads

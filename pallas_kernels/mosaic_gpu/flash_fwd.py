@@ -50,7 +50,7 @@ from pallas_kernels.mosaic_gpu.tiles import (COL, COMPUTE_WGS, ROW,
                                              needs_positions, online_softmax,
                                              pad_ids, range_table,
                                              smem_transforms, split_refs,
-                                             table_ranges, visible)
+                                             table_ranges, tma_rows, visible)
 
 # Hardware barrier ids of the consumers' schedule with `named_barriers`,
 # [warpgroup waiting][parity of its wait]: Mosaic GPU itself uses 0 (the
@@ -215,9 +215,13 @@ def _union(a, b):
 
 def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
                     *, mask: Mask, scores: Scores, blocks: BlockSizes,
-                    group: int, kv_len: int, programs: int | None):
-  """q_ref/o_ref [B, T, N, H], k_ref/v_ref [B, S, K, H], lse_ref [B, N, T];
-  keys at or past kv_len (<= S: XLA's padding) are masked. extra_refs
+                    group: int, kv_len: int, num_tiles: int,
+                    programs: int | None):
+  """q_ref/o_ref [B, T, N, H], k_ref/v_ref [B, S, K, H], lse_ref [B, N,
+  num_tiles * 2 * block_q]; keys at or past kv_len (<= S: XLA's padding)
+  are masked. The last of num_tiles query tiles may reach past T (and the
+  last key tile past S): TMA reads zeros there and drops the stores of O's
+  rows past T (`tma_rows`). extra_refs
   (each None when absent): the range table of block_q-row query tiles
   (`range_table`), ALiBi slopes [B, N], query and key ids [B, T], [B, S]
   (padded past the kernel's tiles), sink logits [N], dropout seed words
@@ -241,7 +245,6 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
   q_buffers = blocks.q_buffers(q_ref.shape[-1])
   dtype = q_ref.dtype
   wg = lax.axis_index("wg")
-  num_tiles = q_ref.shape[1] // (COMPUTE_WGS * block_q)
   schedule = _Schedule(schedule_barrier, wg)
 
   def item_ranges(batch, tile_start, q_offset):
@@ -458,26 +461,28 @@ def flash_forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
   a bias (each dim 1 or full) are read tile by tile (no tile skipped for
   a dense mask), sinks enter each row's denominator (their gradient comes
   from the logsumexp, in `jax_flash.attention`), and query offsets (a
-  prompt chunk against a cache) are forward only. Any T and S: XLA pads Q to a multiple of 2 * block_q
-  rows and K/V to a multiple of 8 (what TMA needs), and the kernel masks
-  keys past S (a copy only for lengths that are not such multiples).
+  prompt chunk against a cache) are forward only. Any T and S: Q, K and V
+  are read where they lie, in tiles that may reach past the last row
+  (`tiles.tma_rows`: a copy only where a length is not a multiple of 8),
+  and the kernel masks keys past S.
   GPU only: the Pallas interpreter cannot run a wgmma whose left operand is
   in registers (P here); tests lower it for CUDA on the CPU instead.
   Returns (o [B, T, N, H], lse [B, N, T] float32, natural log).
   """
   q_len, kv_len = q.shape[1], k.shape[1]
-  q = pad_to(q, 1, round_up(q_len, COMPUTE_WGS * block_sizes.block_q))
-  k, v = (pad_to(x, 1, round_up(kv_len, 8)) for x in (k, v))
-  batch, padded_len, num_heads, head_dim = q.shape
+  q = pad_to(q, 1, tma_rows(q_len))
+  k, v = (pad_to(x, 1, tma_rows(kv_len)) for x in (k, v))
+  batch, _, num_heads, head_dim = q.shape
   group = num_heads // k.shape[2]
   blocks = block_sizes
+  rows = COMPUTE_WGS * blocks.block_q
+  num_tiles = -(-q_len // rows)
+  padded_len = num_tiles * rows  # The logsumexp's rows, ids' and pairs'.
   table = range_table(  # One row per consumer's query tile.
       mask, operands.tile_kinds, operands.q_ids, operands.kv_ids,
       blocks.block_q, blocks.block_kv, q_len, kv_len,
       padded_len // blocks.block_q)
   kv_rows = round_up(kv_len, blocks.block_kv)
-  rows = COMPUTE_WGS * blocks.block_q
-  num_tiles = padded_len // rows
   order = None
   if blocks.persistent:
     programs = min(batch * num_heads * num_tiles, num_multiprocessors())
@@ -521,7 +526,7 @@ def flash_forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
     _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref,
                     (buffers, ready, free, schedule), mask=mask,
                     scores=scores, blocks=blocks, group=group, kv_len=kv_len,
-                    programs=programs)
+                    num_tiles=num_tiles, programs=programs)
 
   o, lse = plgpu.kernel(
       body,

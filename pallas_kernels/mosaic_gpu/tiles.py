@@ -8,9 +8,10 @@ a mask_mod's or the ids' table), tiles of a per-(query, key) operand
 (`pair_tile`), a score tile's logits (`logits2`), its visible pairs
 (`visible`) and the online softmax's step (`online_softmax`), ids
 (`load_ids`, `pad_ids`), dropout (`needs_positions`, `dropped`), the
-kernels' refs split into inputs, extras and outputs
-(`split_refs`), and a producer's wait on the last releases of its ring
-(`await_last_releases`). Built on the backend-neutral `jax_flash.spec`.
+kernels' refs split into inputs, extras and outputs (`split_refs`), the
+rows of a sequence array (`tma_rows`), and a producer's wait on the last
+releases of its ring (`await_last_releases`). Built on the
+backend-neutral `jax_flash.spec`.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from jax_flash.spec import dropout
 from jax_flash.spec.mask import (KV_PAD_ID, Q_PAD_ID, Mask, id_block_table,
                                   intersect_ranges, intersect_tables,
                                   kinds_block_table, without_full_tiles)
-from jax_flash.spec.padding import pad_to
+from jax_flash.spec.padding import pad_to, round_up
 from jax_flash.spec.scores import Scores
 
 COMPUTE_WGS = 2
@@ -43,6 +44,15 @@ def await_last_releases(loaded, stages: int, *free):
       slot = lax.rem(last, stages)
       for barrier in free:
         plgpu.barrier_wait(barrier.at[slot])
+
+
+def tma_rows(length: int) -> int:
+  """Rows a kernel's sequence array (Q, K, V, O, dO and the gradients)
+  has for `length` positions: the next multiple of 8 (Mosaic GPU's TMA
+  views a [rows, head dim] tile's rows in groups of 8), so XLA pads only
+  lengths that are not one. Tiles reaching past the last row are not
+  padded: the TMA unit reads zeros there and drops stores past it."""
+  return round_up(length, 8)
 
 
 def smem_transforms(dtype, minor_dim: int, rows: int | None = None):
