@@ -73,15 +73,26 @@ def _backend_forward(q, k, v, operands: Operands, cfg: Config):
                                   version=cfg.version)
 
 
-def _plain_forward(q, k, v, cfg: Config):
-  return _backend_forward(q, k, v, Operands(), cfg)
-
-
-def _plain_backward(q, k, v, o, lse, do, dlse, cfg: Config):
-  dq, dk, dv, _ = _dispatch.backward(cfg.plan, cfg.configs, q, k, v,
-                                     Operands(), o, lse, do, dlse,
-                                     mask=cfg.mask, scores=cfg.scores)
-  return dq, dk, dv
+def _local_backward(q, k, v, operands: Operands, o, lse, do, dlse,
+                    cfg: Config):
+  """(dq, dk, dv, the operands' gradients) of one device's call: the
+  plan's backward; of the operands only the bias, the sinks and a
+  score_mod's arrays get a gradient (the rest zeros)."""
+  dq, dk, dv, grads = _dispatch.backward(
+      cfg.plan, cfg.configs, q, k, v, operands, o, lse, do, dlse,
+      mask=cfg.mask, scores=cfg.scores)
+  # Ids, the dense mask, the ALiBi slopes, the seed, the tile kinds and the
+  # mask_mod's arrays get no gradient; the plan's backends give the bias's
+  # and the score_mod's arrays'.
+  d_operands = jax.tree.map(jnp.zeros_like, operands)
+  for name in _dispatch.GRADIENT_OPERANDS:
+    if getattr(grads, name) is not None:
+      d_operands = dataclasses.replace(d_operands,
+                                       **{name: getattr(grads, name)})
+  if operands.sinks is not None:
+    d_operands = dataclasses.replace(
+        d_operands, sinks=_sink_gradient(operands.sinks, o, lse, do, dlse))
+  return dq, dk, dv, d_operands
 
 
 @functools.lru_cache(maxsize=None)
@@ -155,27 +166,29 @@ def _ring_backward(q, k, v, o, lse, do, dlse, seq, size, cfg: Config):
                              _ring_of(cfg, q, k, v, seq, size))
 
 
-# Without optional operands (static masks and score modifications only),
-# batch-, head- and sequence-sharded inputs run shard by shard: see
-# `_sharding`.
+# Batch-, head- and (without optional operands) sequence-sharded inputs
+# run shard by shard: see `_sharding`.
 _sharded_forward = _sharding.sharded_forward(
-    _plain_forward, _chunk_forward, _ring_forward, _refit_why)
+    _backend_forward, _chunk_forward, _ring_forward, _refit_why)
 _sharded_backward = _sharding.sharded_backward(
-    _plain_backward, _chunk_backward, _ring_backward, _refit_why)
+    _local_backward, _chunk_backward, _ring_backward, _refit_why)
 
 
-def _partitioned(operands: Operands) -> bool:
-  """Use the batch/head-partitioned op: several devices, no optional operands.
+def _partitioned(operands: Operands, cfg: Config) -> bool:
+  """Use the partitioned op: several devices, and a call a device's shard
+  can take (`_sharding.splittable`: no dropout, no mod's arrays or mod
+  reading the batch or head index).
 
   (On one device there is nothing to partition, and the plain call also
   lowers ahead of time for a GPU that is not present.)
   """
-  return jax.device_count() > 1 and operands.empty
+  return (jax.device_count() > 1
+          and _sharding.splittable(operands, cfg.mask, cfg.scores))
 
 
 def _forward(q, k, v, operands: Operands, cfg: Config):
-  if _partitioned(operands):
-    return _sharded_forward(q, k, v, cfg)
+  if _partitioned(operands, cfg):
+    return _sharded_forward(q, k, v, operands, cfg)
   return _backend_forward(q, k, v, operands, cfg)
 
 
@@ -184,24 +197,9 @@ def _backward(cfg: Config, residuals, cotangents):
   q, k, v, operands, o, lse = residuals
   do, dlse = cotangents
   do = do.astype(q.dtype)
-  if _partitioned(operands):
-    dq, dk, dv = _sharded_backward(q, k, v, o, lse, do, dlse, cfg)
-    return dq, dk, dv, jax.tree.map(jnp.zeros_like, operands)
-  dq, dk, dv, grads = _dispatch.backward(
-      cfg.plan, cfg.configs, q, k, v, operands, o, lse, do, dlse,
-      mask=cfg.mask, scores=cfg.scores)
-  # Ids, the dense mask, the ALiBi slopes, the seed, the tile kinds and the
-  # mask_mod's arrays get no gradient; the plan's backends give the bias's
-  # and the score_mod's arrays'.
-  d_operands = jax.tree.map(jnp.zeros_like, operands)
-  for name in _dispatch.GRADIENT_OPERANDS:
-    if getattr(grads, name) is not None:
-      d_operands = dataclasses.replace(d_operands,
-                                       **{name: getattr(grads, name)})
-  if operands.sinks is not None:
-    d_operands = dataclasses.replace(
-        d_operands, sinks=_sink_gradient(operands.sinks, o, lse, do, dlse))
-  return dq, dk, dv, d_operands
+  if _partitioned(operands, cfg):
+    return _sharded_backward(q, k, v, operands, o, lse, do, dlse, cfg)
+  return _local_backward(q, k, v, operands, o, lse, do, dlse, cfg)
 
 
 def _sink_gradient(sinks, o, lse, do, dlse):
@@ -305,7 +303,7 @@ def bind(q, k, v, operands: Operands, cfg: Config):
   """(o [B, T, N, Hv], lse [B, N, T]) of one call through `flash_p` (or
   `flash_partitioned_p`)."""
   leaves, tree = jax.tree.flatten(operands)
-  prim = flash_partitioned_p if _partitioned(operands) else flash_p
+  prim = flash_partitioned_p if _partitioned(operands, cfg) else flash_p
   o, lse = prim.bind(q, k, v, *leaves, cfg=cfg, tree=tree)
   return o, lse
 
@@ -466,7 +464,7 @@ def _tangent_transpose(cotangents, *args, cfg, tree):
     raise NotImplementedError(SECOND_ORDER)
   do, dlse = (ad.instantiate_zeros(ct) for ct in cotangents)
   prim = (flash_backward_partitioned_p
-          if _partitioned(jax.tree.unflatten(tree, leaves))
+          if _partitioned(jax.tree.unflatten(tree, leaves), cfg)
           else flash_backward_p)
   grads = prim.bind(q, k, v, *leaves, o, lse, do, dlse, cfg=cfg, tree=tree)
   return [None] * (5 + len(leaves)) + [

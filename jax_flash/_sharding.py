@@ -29,6 +29,15 @@ moves, `_Split.cost`):
   self-attention with causal or full masks; K/V chunks travel around the
   devices while each runs its pairs (`jax_flash.ring`, the code of
   `ring_attention`), causal calls in the balanced layout.
+
+A call with optional operands (`Operands`: ids, a dense mask, a bias,
+ALiBi slopes, sinks, query offsets, tile kinds) splits over batch and heads
+too, each operand along its own batch and head dims (`operand_factors`; a
+dim of 1 that broadcasts stays whole, and a gradient summed over a split
+it broadcasts along is summed over those devices); its sequence is
+gathered. Dropout (keep bits from each row's batch and head index), a
+mask_mod or score_mod that reads those indices and a mod's arrays keep the
+call whole (`splittable`).
 """
 from __future__ import annotations
 
@@ -42,7 +51,12 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_flash.spec.backend import DIFFERENTIABLE_OPERANDS
+from jax_flash.spec import mods
 from jax_flash.spec.checks import Problem
+from jax_flash.spec.mask import Mask
+from jax_flash.spec.operands import Operands
+from jax_flash.spec.scores import Scores
 
 # Shardy rules: b batch, t/s query/key length, n/k query/kv heads, h head
 # dim of query/key, v head dim of value/output.
@@ -120,11 +134,12 @@ def cost(strategy: str, *, p: int, q_rows: int, kv_rows: int, heads: int,
   return (kv * (p - 1) if kv_seq else 0) + (q if balanced else 0)
 
 
-def _plan(mesh, arg_shapes, cfg, refit_why) -> _Split:
+def _plan(mesh, arg_shapes, cfg, refit_why, sequence: bool = True) -> _Split:
   """The split of a call whose first three arguments are q, k, v: batch
   and heads as the query is sharded (heads where whole GQA groups fit a
-  device), the sequence where the keys are sharded alike or not at all,
-  by the strategy `cfg.context_parallel` names (or the cheaper one)."""
+  device), the sequence (if `sequence`) where the keys are sharded alike
+  or not at all, by the strategy `cfg.context_parallel` names (or the
+  cheaper one)."""
   q, k, v = arg_shapes[:3]
   batch, heads, seq = (_spec(q.sharding, d) for d in (0, 2, 1))
   num_kv_heads = k.shape[2]
@@ -132,7 +147,7 @@ def _plan(mesh, arg_shapes, cfg, refit_why) -> _Split:
     heads = None  # Whole GQA groups per device, or no head sharding.
   k_seq = _spec(k.sharding, 1)
   p = _size(mesh, seq)
-  if (seq is None or p == 1 or k_seq not in (None, seq)
+  if (not sequence or seq is None or p == 1 or k_seq not in (None, seq)
       or _spec(v.sharding, 1) != k_seq
       or set(_names(seq)) & set(_names(batch) + _names(heads))):
     return _Split(batch, heads)
@@ -364,12 +379,22 @@ def _fold_vmap(op):
   return wrapped
 
 
+def _custom_partitioning(fn, num_args: int):
+  """custom_partitioning of fn(*arrays, cfg) (`num_args` in all, cfg
+  static), traced through a `jax.jit`: custom_partitioning takes no
+  function whose trace has constants (a kernel's static tables made in
+  numpy), and a jit keeps them inside its own program."""
+  static = num_args - 1
+  return custom_partitioning(jax.jit(fn, static_argnums=static),
+                             static_argnums=(static,))
+
+
 def _define(fn, rule, lowerings, refit_why, kv_results):
   """fn(*arrays, cfg) as a custom_partitioning op split over batch, heads
   and the sequence; `lowerings`: strategy name -> (cfg, split, p) -> the
   per-device function (all_to_all's is fn's own); `kv_results`: the
   positions of key-like results."""
-  op = custom_partitioning(fn, static_argnums=(fn.__code__.co_argcount - 1,))
+  op = _custom_partitioning(fn, fn.__code__.co_argcount)
 
   def shardings(mesh, split, shapes, kv_positions):
     specs = split.specs(shapes, kv_positions)
@@ -402,23 +427,177 @@ def _define(fn, rule, lowerings, refit_why, kv_results):
   return _fold_vmap(op)
 
 
+# The dims of each optional operand (`Operands`' fields) as Shardy factors:
+# b batch, n query heads, t/s queries/keys; None: a dim no split follows
+# (a tile-kinds table's block counts).
+_OPERAND_DIMS = {
+    "q_ids": ("b", "t"), "kv_ids": ("b", "s"),
+    "dense_mask": ("b", "n", "t", "s"), "bias": ("b", "n", "t", "s"),
+    "alibi_slopes": ("b", "n"), "sinks": ("n",), "q_offsets": ("b",),
+    "tile_kinds": ("b", None, None)}
+_SPLIT = ("b", "n", "k")  # The factors an operand-carrying call splits.
+
+
+def splittable(operands: Operands, mask: Mask, scores: Scores) -> bool:
+  """Whether a call splits over devices: not with dropout (its keep bits
+  hash each row's batch and head index, which a device would count from
+  its shard's first), a mask_mod or score_mod that reads those indices
+  (`mods.reads_batch_or_head`), nor with a mod's arrays (of any shape)."""
+  if (operands.dropout_seed is not None or operands.mask_consts
+      or operands.score_consts):
+    return False
+  return not ((mask.mod is not None and mods.reads_batch_or_head(mask.mod, 4))
+              or (scores.mod is not None
+                  and mods.reads_batch_or_head(scores.mod, 5)))
+
+
+def operand_factors(operands: Operands, q, k) -> tuple[str, ...]:
+  """The Shardy factors of each of `operands`' leaves (in
+  `jax.tree.leaves` order), one name a dim: its factor where the dim is as
+  long as q's or k's (b, n, t, s), else (a dim of 1 that broadcasts, a
+  table's block count) a factor of its own, "u<leaf>_<dim>", never
+  split."""
+  sizes = dict(b=q.shape[0], t=q.shape[1], n=q.shape[2], s=k.shape[1])
+  factors = []
+  for field in dataclasses.fields(Operands):
+    x = getattr(operands, field.name)
+    if x is None:
+      continue
+    names = []
+    for dim, factor in zip(x.shape, _OPERAND_DIMS[field.name]):
+      if factor is None or dim != sizes[factor]:
+        factor = f"u{len(factors)}_{len(names)}"
+      names.append(factor)
+    factors.append(" ".join(names))
+  return tuple(factors)
+
+
+def _split_batch_and_heads(fn, in_factors, out_factors):
+  """fn(*arrays, cfg) as a custom_partitioning op split over batch and
+  heads alone (as the query is, `_plan`), each array and result along
+  its factors (a string each: "b t n h"); its other dims whole. A result
+  without the batch factor (or without the heads') is summed over the
+  devices of the batch (heads) split: the gradient of an operand that
+  broadcasts along it."""
+  op = _custom_partitioning(fn, len(in_factors) + 1)
+
+  def spec(split, factors):
+    axis = dict(b=split.batch, n=split.heads, k=split.heads)
+    return P(*(axis.get(f) for f in factors.split()))
+
+  def shardings(mesh, split, factors, like):
+    out = [NamedSharding(mesh, spec(split, f)) for f in factors]
+    return type(like)(out) if isinstance(like, (list, tuple)) else out[0]
+
+  def plan(mesh, arg_shapes, cfg):
+    return _plan(mesh, arg_shapes, cfg, None, sequence=False)
+
+  def infer(cfg, mesh, arg_shapes, result_shape):
+    return shardings(mesh, plan(mesh, arg_shapes, cfg), out_factors,
+                     result_shape)
+
+  def partition(cfg, mesh, arg_shapes, result_shape):
+    split = plan(mesh, arg_shapes, cfg)
+
+    def summed(y, factors):
+      names = factors.split()
+      axes = (_names(split.batch) if "b" not in names else ()) + (
+          _names(split.heads) if not {"n", "k"} & set(names) else ())
+      return lax.psum(y, axes) if axes else y
+
+    def lower(*arrays):
+      outs = fn(*arrays, cfg)
+      return type(outs)(summed(y, f) for y, f in zip(outs, out_factors))
+    return (mesh, lower, shardings(mesh, split, out_factors, result_shape),
+            shardings(mesh, split, in_factors, arg_shapes))
+
+  rule = ", ".join(in_factors) + " -> " + ", ".join(out_factors)
+  factors = []
+  for name in rule.replace(",", " ").replace("->", " ").split():
+    if name not in factors:
+      factors.append(name)
+  op.def_partition(partition=partition, infer_sharding_from_operands=infer,
+                   sharding_rule=rule,
+                   need_replication_factors=tuple(
+                       f for f in factors if f not in _SPLIT))
+  return op
+
+
+def _differentiable_leaves(operands: Operands) -> tuple[int, ...]:
+  numbered = jax.tree.unflatten(jax.tree.structure(operands),
+                                range(len(jax.tree.leaves(operands))))
+  return tuple(sorted(i for name in DIFFERENTIABLE_OPERANDS
+                      for i in jax.tree.leaves(getattr(numbered, name))))
+
+
 def sharded_forward(forward, chunk_forward, ring_forward, refit_why):
-  """forward(q, k, v, cfg) -> (o, lse), split over batch, heads and the
-  sequence. chunk_forward(q, k, v, q_offsets, cfg): the same for queries
-  at per-sequence offsets; ring_forward(q, k, v, seq, p, cfg): the ring
-  over mesh axes `seq` of size p; refit_why(cfg, problem, dtype, offsets):
-  why a part of the call (a chunk at offsets, a ring's pair) cannot run,
-  or None."""
-  return _define(forward, _FWD_RULE, {
-      "all_gather": functools.partial(_gather_forward, chunk_forward),
-      "ring": functools.partial(_ring_lower, ring_forward)}, refit_why, ())
+  """forward(q, k, v, operands, cfg) -> (o, lse), split over batch, heads
+  and (without operands) the sequence. chunk_forward(q, k, v, q_offsets,
+  cfg): the same for queries at per-sequence offsets; ring_forward(q, k,
+  v, seq, p, cfg): the ring over mesh axes `seq` of size p;
+  refit_why(cfg, problem, dtype, offsets): why a part of the call (a
+  chunk at offsets, a ring's pair) cannot run, or None."""
+  plain = _define(
+      lambda q, k, v, cfg: forward(q, k, v, Operands(), cfg), _FWD_RULE, {
+          "all_gather": functools.partial(_gather_forward, chunk_forward),
+          "ring": functools.partial(_ring_lower, ring_forward)},
+      refit_why, ())
+
+  @functools.cache
+  def with_operands(tree, factors):
+    def fn(*args):
+      q, k, v, *leaves, cfg = args
+      return forward(q, k, v, jax.tree.unflatten(tree, leaves), cfg)
+    return _split_batch_and_heads(
+        fn, ("b t n h", "b s k h", "b s k v") + factors,
+        ("b t n v", "b n t"))
+
+  def call(q, k, v, operands: Operands, cfg):
+    if operands.empty:
+      return plain(q, k, v, cfg)
+    leaves, tree = jax.tree.flatten(operands)
+    op = with_operands(tree, operand_factors(operands, q, k))
+    return op(q, k, v, *leaves, cfg)
+  return call
 
 
 def sharded_backward(backward, chunk_backward, ring_backward, refit_why):
-  """backward(q, k, v, o, lse, do, dlse, cfg) -> (dq, dk, dv), likewise;
-  chunk_backward(q, k, v, q_offsets, o, lse, do, dlse, cfg),
-  ring_backward(q, k, v, o, lse, do, dlse, seq, p, cfg)."""
-  return _define(backward, _BWD_RULE, {
+  """backward(q, k, v, operands, o, lse, do, dlse, cfg) -> (dq, dk, dv,
+  the operands' gradients), likewise; chunk_backward(q, k, v, q_offsets,
+  o, lse, do, dlse, cfg), ring_backward(q, k, v, o, lse, do, dlse, seq, p,
+  cfg), neither with operands."""
+  def without_operands(q, k, v, o, lse, do, dlse, cfg):
+    return backward(q, k, v, Operands(), o, lse, do, dlse, cfg)[:3]
+  plain = _define(without_operands, _BWD_RULE, {
       "all_gather": functools.partial(_gather_backward, chunk_backward),
       "ring": functools.partial(_ring_lower, ring_backward)}, refit_why,
       (1, 2))
+
+  @functools.cache
+  def with_operands(tree, factors, diff):
+    n = len(factors)
+
+    def fn(*args):
+      q, k, v, *leaves, o, lse, do, dlse, cfg = args
+      dq, dk, dv, grads = backward(q, k, v, jax.tree.unflatten(tree, leaves),
+                                   o, lse, do, dlse, cfg)
+      flat = jax.tree.leaves(grads)
+      return (dq, dk, dv) + tuple(flat[i] for i in diff)
+    assert len(diff) <= n
+    return _split_batch_and_heads(
+        fn, ("b t n h", "b s k h", "b s k v") + factors +
+        ("b t n v", "b n t", "b t n v", "b n t"),
+        ("b t n h", "b s k h", "b s k v") + tuple(factors[i] for i in diff))
+
+  def call(q, k, v, operands: Operands, o, lse, do, dlse, cfg):
+    if operands.empty:
+      return (*plain(q, k, v, o, lse, do, dlse, cfg), operands)
+    leaves, tree = jax.tree.flatten(operands)
+    diff = _differentiable_leaves(operands)
+    op = with_operands(tree, operand_factors(operands, q, k), diff)
+    dq, dk, dv, *diff_grads = op(q, k, v, *leaves, o, lse, do, dlse, cfg)
+    grads = [jnp.zeros_like(x) for x in leaves]
+    for i, g in zip(diff, diff_grads):
+      grads[i] = g
+    return dq, dk, dv, jax.tree.unflatten(tree, grads)
+  return call

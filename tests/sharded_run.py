@@ -209,8 +209,84 @@ def context_parallel():
   print("context_parallel: every case matches one device")
 
 
+def operands():
+  """Calls with optional operands (ids, lengths, sinks, ALiBi, a bias and
+  a dense mask, flex's tile kinds) on inputs sharded over batch ("data")
+  and heads ("model"): each device runs its shard, every operand split
+  along its own batch and head dims (none gathered), gradients of
+  operands that broadcast over a split summed across it; results as on
+  one device. Dropout and a mod reading the batch or head index keep the
+  call whole (XLA gathers), with the same results."""
+  mesh = jax.make_mesh((2, 4), ("data", "model"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  bound = tolerance(jnp.float32)
+  b, t, n, kv_heads, h = 4, 96, 8, 4, 32
+  heads = NamedSharding(mesh, P("data", None, "model", None))
+  q, k, v, do = random_inputs(b, t, t, n, kv_heads, h, jnp.float32, seed=3)
+  keys = jax.random.split(jax.random.key(4), 4)
+  segments = jnp.sort(jax.random.randint(keys[0], (b, t), 0, 3), axis=1)
+  full_bias = jax.random.normal(keys[1], (b, n, t, t))
+  dense = jax.random.bernoulli(keys[2], 0.8, (b, 1, t, t))
+  shared_bias = jax.random.normal(keys[3], (1, 1, t, t))
+  position_mod = lambda s, bb, hh, qi, ki: s - 0.05 * jnp.abs(qi - ki)
+  head_mod = lambda s, bb, hh, qi, ki: s + 0.5 * hh
+  causal = jax_flash.create_block_mask(lambda bb, hh, qi, ki: qi >= ki,
+                                       None, None, t, t)
+
+  def call(options):
+    return lambda q, k, v, x: jax_flash.flash_attention(
+        q, k, v, implementation="interpret", **options(x))
+
+  def flex(score_mod):
+    return lambda q, k, v, x: jax_flash.flex_attention(
+        q, k, v, score_mod=score_mod, block_mask=causal,
+        implementation="interpret")
+  cases = [  # (name, fn(q, k, v, x), x (differentiated), x's spec, split)
+      ("segments_sinks", call(lambda x: dict(
+          is_causal=True, segment_ids=segments, sinks=x)),
+       jnp.linspace(-1.0, 1.0, n), P("model"), True),
+      ("lengths_alibi_softcap", call(lambda x: dict(
+          query_seq_lengths=jnp.array([96, 50, 7, 96]),
+          key_value_seq_lengths=jnp.array([96, 96, 30, 61]),
+          alibi_slopes=x, logits_soft_cap=5.0)),
+       jnp.linspace(0.01, 0.3, b * n).reshape(b, n), P("data", "model"),
+       True),
+      ("bias_dense_mask", call(lambda x: dict(bias=x, mask=dense)),
+       full_bias, P("data", "model"), True),
+      ("shared_bias", call(lambda x: dict(bias=x, is_causal=True)),
+       shared_bias, P(), True),
+      ("flex_positions", flex(position_mod), jnp.zeros(()), P(), True),
+      ("flex_head_index", flex(head_mod), jnp.zeros(()), P(), False),
+      ("dropout", call(lambda x: dict(
+          dropout_rate=0.3, dropout_rng=jax.random.key(5), is_causal=True)),
+       jnp.zeros(()), P(), False),
+  ]
+  for name, fn, x, x_spec, split in cases:
+    def loss(q, k, v, x):
+      out = fn(q, k, v, x)
+      return jnp.sum(out * do), out
+
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3),
+                                      has_aux=True))
+    (_, out), grads = grad(q, k, v, x)
+    args = [jax.device_put(a, heads) for a in (q, k, v)] + [
+        jax.device_put(x, NamedSharding(mesh, x_spec))]
+    hlo = grad.lower(*args).compile().as_text()
+    (_, out_s), grads_s = grad(*args)
+    errors = [relative_error(out_s, out)] + [
+        relative_error(a, c) for a, c in zip(grads_s, grads)
+        if jnp.any(c != 0)]
+    gathers = hlo.count("all-gather(")
+    print(f"operands {name}: all-gathers={gathers} errors={errors}")
+    assert errors[0] <= bound.out and max(errors[1:]) <= bound.grad, errors
+    assert (gathers == 0) == split, (name, gathers)
+  print("operands: every case matches one device")
+
+
 if __name__ == "__main__":
   if sys.argv[1] == "context_parallel":
     context_parallel()
+  elif sys.argv[1] == "operands":
+    operands()
   else:
     main(int(sys.argv[1]))

@@ -33,3 +33,21 @@ def test_sharded_over_batch_and_heads(num_kv_heads):
 
 def test_context_parallel_strategies_match_one_device():
   assert "every case matches one device" in _run("context_parallel")
+
+
+def test_operands_split_over_batch_and_heads():
+  assert "every case matches one device" in _run("operands")
+
+
+def test_mods_reading_the_batch_or_head_index_are_found():
+  """A mask_mod or score_mod that reads its batch or head index keeps a
+  call whole on several devices (a shard would count them from its
+  first); one that reads positions alone splits."""
+  from jax_flash.spec.mods import ElementwiseMod, reads_batch_or_head
+  assert reads_batch_or_head(ElementwiseMod(lambda s, b, h, i, j: s + h), 5)
+  assert reads_batch_or_head(
+      ElementwiseMod(lambda b, h, i, j: (i >= j) & (b % 2 == 0)), 4)
+  assert not reads_batch_or_head(
+      ElementwiseMod(lambda s, b, h, i, j: s - abs(i - j)), 5)
+  assert not reads_batch_or_head(ElementwiseMod(lambda b, h, i, j: i >= j),
+                                 4)

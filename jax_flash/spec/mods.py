@@ -16,6 +16,7 @@ Anything else done to a whole array raises `UnsupportedRead`
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -199,6 +200,22 @@ def evaluate(jaxpr, consts, *args):
     for var, x in zip(eqn.outvars, outs):
       env[var] = x
   return [value(read(v)) for v in jaxpr.outvars]
+
+
+@functools.lru_cache(maxsize=256)
+def reads_batch_or_head(mod: ElementwiseMod, num_args: int) -> bool:
+  """Whether `mod` (a mask_mod of 4 index arguments, or a score_mod of a
+  score and 4: `num_args`) uses its batch or head index, which a device
+  holding a shard of the batch or the heads would count from its shard's
+  first (a mod with arrays is not asked: they stay on one device)."""
+  args = [jnp.int32(0)] * num_args
+  if num_args == 5:
+    args[0] = jnp.float32(0)
+  jaxpr = jax.make_jaxpr(mod.fn)(*args).jaxpr
+  indices = jaxpr.invars[num_args - 4:num_args - 2]
+  used = {id(v) for eqn in jaxpr.eqns for v in eqn.invars}
+  used |= {id(v) for v in jaxpr.outvars}
+  return any(id(v) in used for v in indices)
 
 
 def unsupported_reads(mod: ElementwiseMod, consts, num_args: int) -> str | None:
