@@ -134,12 +134,12 @@ def cost(strategy: str, *, p: int, q_rows: int, kv_rows: int, heads: int,
   return (kv * (p - 1) if kv_seq else 0) + (q if balanced else 0)
 
 
-def _plan(mesh, arg_shapes, cfg, refit_why, sequence: bool = True) -> _Split:
+def _plan(mesh, arg_shapes, cfg, refit_why, refused=None) -> _Split:
   """The split of a call whose first three arguments are q, k, v: batch
   and heads as the query is sharded (heads where whole GQA groups fit a
-  device), the sequence (if `sequence`) where the keys are sharded alike
-  or not at all, by the strategy `cfg.context_parallel` names (or the
-  cheaper one)."""
+  device), the sequence where the keys are sharded alike or not at all,
+  by the strategy `cfg.context_parallel` names (or the cheaper one);
+  `refused`: {strategy: why it cannot run} known beforehand."""
   q, k, v = arg_shapes[:3]
   batch, heads, seq = (_spec(q.sharding, d) for d in (0, 2, 1))
   num_kv_heads = k.shape[2]
@@ -147,7 +147,7 @@ def _plan(mesh, arg_shapes, cfg, refit_why, sequence: bool = True) -> _Split:
     heads = None  # Whole GQA groups per device, or no head sharding.
   k_seq = _spec(k.sharding, 1)
   p = _size(mesh, seq)
-  if (not sequence or seq is None or p == 1 or k_seq not in (None, seq)
+  if (seq is None or p == 1 or k_seq not in (None, seq)
       or _spec(v.sharding, 1) != k_seq
       or set(_names(seq)) & set(_names(batch) + _names(heads))):
     return _Split(batch, heads)
@@ -158,7 +158,7 @@ def _plan(mesh, arg_shapes, cfg, refit_why, sequence: bool = True) -> _Split:
                heads=q.shape[2] // hs, kv_heads=num_kv_heads // hs,
                head_dims=q.shape[3] + v.shape[3], kv_seq=kv_seq)
   balanced = cfg.mask.is_causal and local["q_rows"] % 2 == 0
-  why = {}
+  why = dict(refused or {})
   if not kv_seq:
     why["all_to_all"] = "the keys are not sharded like the queries"
   elif local["kv_heads"] % p:
@@ -169,11 +169,14 @@ def _plan(mesh, arg_shapes, cfg, refit_why, sequence: bool = True) -> _Split:
                   kv_len=k.shape[1], num_heads=local["heads"],
                   num_kv_heads=local["kv_heads"], head_dim=q.shape[3],
                   unbatched=False, value_head_dim=v.shape[3])
-  offsets_why = refit_why(cfg, chunk, q.dtype, True)
+  offsets_why = "all_gather" not in why and refit_why(cfg, chunk, q.dtype,
+                                                     True)
   if offsets_why:
     why["all_gather"] = offsets_why
   plain = type(cfg.mask)(is_causal=cfg.mask.is_causal)
-  if not kv_seq or q.shape[1] != k.shape[1]:
+  if "ring" in why:
+    pass
+  elif not kv_seq or q.shape[1] != k.shape[1]:
     why["ring"] = "ring runs self-attention with keys sharded as queries"
   elif cfg.mask != plain:
     why["ring"] = "ring runs causal or full masks alone"
@@ -435,7 +438,7 @@ _OPERAND_DIMS = {
     "dense_mask": ("b", "n", "t", "s"), "bias": ("b", "n", "t", "s"),
     "alibi_slopes": ("b", "n"), "sinks": ("n",), "q_offsets": ("b",),
     "tile_kinds": ("b", None, None)}
-_SPLIT = ("b", "n", "k")  # The factors an operand-carrying call splits.
+_SPLIT = ("b", "n", "k", "t", "s")  # The factors a call with operands splits.
 
 
 def splittable(operands: Operands, mask: Mask, scores: Scores) -> bool:
@@ -472,17 +475,44 @@ def operand_factors(operands: Operands, q, k) -> tuple[str, ...]:
   return tuple(factors)
 
 
-def _split_batch_and_heads(fn, in_factors, out_factors):
+def _localize(x, factors: str, seq, p: int, to_heads: bool):
+  """One array of an all_to_all call with operands, on a device, moved
+  between its sequence chunk of every head (`to_heads` False) and the
+  whole sequence of its 1 / P of the heads: per (token, head) arrays by
+  an all-to-all, per-token ones (ids) gathered whole, per-head ones
+  (ALiBi slopes, sinks) cut to its heads (and, back, gathered); others
+  unchanged."""
+  names = factors.split()
+  length = next((i for i, f in enumerate(names) if f in "ts"), None)
+  heads = next((i for i, f in enumerate(names) if f in "nk"), None)
+  if length is not None and heads is not None:
+    split, concat = (heads, length) if to_heads else (length, heads)
+    return lax.all_to_all(x, seq, split, concat, tiled=True)
+  if length is not None:
+    return lax.all_gather(x, seq, axis=length, tiled=True) if to_heads else x
+  if heads is not None:
+    if not to_heads:
+      return lax.all_gather(x, seq, axis=heads, tiled=True)
+    size = x.shape[heads] // p
+    return lax.dynamic_slice_in_dim(x, lax.axis_index(seq) * size, size,
+                                    heads)
+  return x
+
+
+def _split_with_operands(fn, in_factors, out_factors, refused):
   """fn(*arrays, cfg) as a custom_partitioning op split over batch and
-  heads alone (as the query is, `_plan`), each array and result along
-  its factors (a string each: "b t n h"); its other dims whole. A result
-  without the batch factor (or without the heads') is summed over the
-  devices of the batch (heads) split: the gradient of an operand that
-  broadcasts along it."""
+  heads as the query is (`_plan`), and over the sequence by all_to_all
+  unless `refused` (strategy -> why) says otherwise: each array and
+  result along its factors (a string each: "b t n h"; `_localize`), its
+  other dims whole. A result without the batch factor (or without the
+  heads') is summed over the devices of the batch (heads) split: the
+  gradient of an operand that broadcasts along it."""
   op = _custom_partitioning(fn, len(in_factors) + 1)
 
   def spec(split, factors):
-    axis = dict(b=split.batch, n=split.heads, k=split.heads)
+    kv = split.seq if split.kv_seq else None
+    axis = dict(b=split.batch, n=split.heads, k=split.heads, t=split.seq,
+                s=kv)
     return P(*(axis.get(f) for f in factors.split()))
 
   def shardings(mesh, split, factors, like):
@@ -490,7 +520,7 @@ def _split_batch_and_heads(fn, in_factors, out_factors):
     return type(like)(out) if isinstance(like, (list, tuple)) else out[0]
 
   def plan(mesh, arg_shapes, cfg):
-    return _plan(mesh, arg_shapes, cfg, None, sequence=False)
+    return _plan(mesh, arg_shapes, cfg, None, refused)
 
   def infer(cfg, mesh, arg_shapes, result_shape):
     return shardings(mesh, plan(mesh, arg_shapes, cfg), out_factors,
@@ -498,6 +528,7 @@ def _split_batch_and_heads(fn, in_factors, out_factors):
 
   def partition(cfg, mesh, arg_shapes, result_shape):
     split = plan(mesh, arg_shapes, cfg)
+    p = _size(mesh, split.seq)
 
     def summed(y, factors):
       names = factors.split()
@@ -506,8 +537,14 @@ def _split_batch_and_heads(fn, in_factors, out_factors):
       return lax.psum(y, axes) if axes else y
 
     def lower(*arrays):
+      if split.seq is not None:
+        arrays = [_localize(x, f, split.seq, p, True)
+                  for x, f in zip(arrays, in_factors)]
       outs = fn(*arrays, cfg)
-      return type(outs)(summed(y, f) for y, f in zip(outs, out_factors))
+      if split.seq is not None:
+        outs = [_localize(y, f, split.seq, p, False)
+                for y, f in zip(outs, out_factors)]
+      return tuple(summed(y, f) for y, f in zip(outs, out_factors))
     return (mesh, lower, shardings(mesh, split, out_factors, result_shape),
             shardings(mesh, split, in_factors, arg_shapes))
 
@@ -521,6 +558,26 @@ def _split_batch_and_heads(fn, in_factors, out_factors):
                    need_replication_factors=tuple(
                        f for f in factors if f not in _SPLIT))
   return op
+
+
+# Operands a sequence split takes (by all_to_all: ids gathered whole,
+# per-head arrays cut to a device's heads); the others keep the sequence
+# whole.
+_SEQUENCE_OPERANDS = frozenset(("q_ids", "kv_ids", "alibi_slopes", "sinks",
+                                "tile_kinds"))
+
+
+def _refused(operands: Operands) -> dict:
+  """{strategy: why it cannot run a call with `operands`}."""
+  present = {f.name for f in dataclasses.fields(Operands)
+             if getattr(operands, f.name) is not None}
+  if present <= _SEQUENCE_OPERANDS:
+    why = ("a call with optional arrays splits the sequence by all_to_all "
+           "alone")
+    return {"all_gather": why, "ring": why}
+  why = (f"a call with {sorted(present - _SEQUENCE_OPERANDS)} keeps its "
+         f"sequence whole")
+  return {s: why for s in STRATEGIES[1:]}
 
 
 def _differentiable_leaves(operands: Operands) -> tuple[int, ...]:
@@ -544,19 +601,22 @@ def sharded_forward(forward, chunk_forward, ring_forward, refit_why):
       refit_why, ())
 
   @functools.cache
-  def with_operands(tree, factors):
+  def with_operands(tree, factors, refused):
+    refused = dict(refused)
+
     def fn(*args):
       q, k, v, *leaves, cfg = args
       return forward(q, k, v, jax.tree.unflatten(tree, leaves), cfg)
-    return _split_batch_and_heads(
+    return _split_with_operands(
         fn, ("b t n h", "b s k h", "b s k v") + factors,
-        ("b t n v", "b n t"))
+        ("b t n v", "b n t"), refused)
 
   def call(q, k, v, operands: Operands, cfg):
     if operands.empty:
       return plain(q, k, v, cfg)
     leaves, tree = jax.tree.flatten(operands)
-    op = with_operands(tree, operand_factors(operands, q, k))
+    op = with_operands(tree, operand_factors(operands, q, k),
+                       tuple(_refused(operands).items()))
     return op(q, k, v, *leaves, cfg)
   return call
 
@@ -574,8 +634,9 @@ def sharded_backward(backward, chunk_backward, ring_backward, refit_why):
       (1, 2))
 
   @functools.cache
-  def with_operands(tree, factors, diff):
+  def with_operands(tree, factors, diff, refused):
     n = len(factors)
+    refused = dict(refused)
 
     def fn(*args):
       q, k, v, *leaves, o, lse, do, dlse, cfg = args
@@ -584,17 +645,19 @@ def sharded_backward(backward, chunk_backward, ring_backward, refit_why):
       flat = jax.tree.leaves(grads)
       return (dq, dk, dv) + tuple(flat[i] for i in diff)
     assert len(diff) <= n
-    return _split_batch_and_heads(
+    return _split_with_operands(
         fn, ("b t n h", "b s k h", "b s k v") + factors +
         ("b t n v", "b n t", "b t n v", "b n t"),
-        ("b t n h", "b s k h", "b s k v") + tuple(factors[i] for i in diff))
+        ("b t n h", "b s k h", "b s k v") + tuple(factors[i] for i in diff),
+        refused)
 
   def call(q, k, v, operands: Operands, o, lse, do, dlse, cfg):
     if operands.empty:
       return (*plain(q, k, v, o, lse, do, dlse, cfg), operands)
     leaves, tree = jax.tree.flatten(operands)
     diff = _differentiable_leaves(operands)
-    op = with_operands(tree, operand_factors(operands, q, k), diff)
+    op = with_operands(tree, operand_factors(operands, q, k), diff,
+                       tuple(_refused(operands).items()))
     dq, dk, dv, *diff_grads = op(q, k, v, *leaves, o, lse, do, dlse, cfg)
     grads = [jnp.zeros_like(x) for x in leaves]
     for i, g in zip(diff, diff_grads):

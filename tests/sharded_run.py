@@ -280,6 +280,51 @@ def operands():
     print(f"operands {name}: all-gathers={gathers} errors={errors}")
     assert errors[0] <= bound.out and max(errors[1:]) <= bound.grad, errors
     assert (gathers == 0) == split, (name, gathers)
+  # Sequence-sharded ("model"): all_to_all with ids (gathered whole, int32
+  # [B, T]), ALiBi slopes and sinks (cut to a device's heads); a bias
+  # keeps the sequence whole; a named strategy that cannot run is refused.
+  seq = NamedSharding(mesh, P("data", "model"))
+  seq_cases = [
+      ("segments_sinks_alibi", call(lambda x: dict(
+          is_causal=True, segment_ids=segments, sinks=x,
+          alibi_slopes=jnp.full((b, n), 0.1))),
+       jnp.linspace(-1.0, 1.0, n), True),
+      ("flex_positions", flex(position_mod), jnp.zeros(()), True),
+      ("bias", call(lambda x: dict(bias=x)), full_bias, False),
+  ]
+  for name, fn, x, split in seq_cases:
+    def loss(q, k, v, x):
+      out = fn(q, k, v, x)
+      return jnp.sum(out * do), out
+
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3),
+                                      has_aux=True))
+    (_, out), grads = grad(q, k, v, x)
+    args = [jax.device_put(a, seq) for a in (q, k, v)] + [x]
+    hlo = grad.lower(*args).compile().as_text()
+    (_, out_s), grads_s = grad(*args)
+    errors = [relative_error(out_s, out)] + [
+        relative_error(a, c) for a, c in zip(grads_s, grads)
+        if jnp.any(c != 0)]
+    gathered = [line.split("=")[1].split()[0] for line in hlo.splitlines()
+                if " all-gather(" in line]
+    print(f"operands, sequence-sharded {name}: all-gathers {gathered} "
+          f"all-to-alls={hlo.count('all-to-all(')} errors={errors}")
+    assert errors[0] <= bound.out and max(errors[1:]) <= bound.grad, errors
+    # Ids ([B, T] int32) and the sinks' gradient ([N]) may be gathered;
+    # no query, key, value or bias ([.., .., .., ..]).
+    tensors = [g for g in gathered if g.split("{")[0].count(",") >= 3]
+    assert (not tensors and hlo.count("all-to-all(") > 0) == split, (
+        name, gathered)
+  try:
+    jax.jit(lambda q: jax_flash.flash_attention(
+        q, q, q, segment_ids=segments, context_parallel="ring")).lower(
+            jax.device_put(q, seq)).compile()
+  except Exception as e:  # Raised in XLA's partitioner, wrapped by it.
+    assert "context_parallel='ring' cannot run this call" in str(e), str(e)
+    assert "splits the sequence by all_to_all alone" in str(e), str(e)
+  else:
+    raise AssertionError("ring ran with segment ids")
   print("operands: every case matches one device")
 
 
