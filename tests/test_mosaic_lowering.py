@@ -117,6 +117,23 @@ def test_mosaic_reads_lengths_of_whole_8_rows_in_place(causal):
   assert not any("512" in a + b or "1536" in a + b for a, b in copies)
 
 
+def test_keys_padded_at_the_source_are_read_in_place():
+  """Keys padded once by the caller to a multiple of 8 and hidden by
+  segment ids (docs/performance.md): no pad, slice or select of a
+  [B, S, K, H] array around the kernels; lengths instead zero the padded
+  rows (they may hold NaN) with a select over K and V."""
+  q_ids = jnp.zeros((2, 448), jnp.int32)
+  kv_ids = jnp.broadcast_to(jnp.arange(1504) >= 1500, (2, 1504)).astype(
+      jnp.int32)
+  selects = r"stablehlo\.select[^\n]*tensor<\d+x\d+x\d+x\d+xbf16>"
+  text = _lower_grad("mosaic", (2, 448, 1504, 4, 2, 64), jnp.bfloat16,
+                     segment_ids=(q_ids, kv_ids))
+  assert _sequence_copies(text) == [] and not re.findall(selects, text)
+  text = _lower_grad("mosaic", (2, 448, 1504, 4, 2, 64), jnp.bfloat16,
+                     key_value_seq_lengths=jnp.array([1500, 1500]))
+  assert re.findall(selects, text)
+
+
 @pytest.mark.parametrize("name, shape, dtype, kwargs, mosaic", [
     ("eligible", (2, 256, 512, 8, 2, 128), jnp.bfloat16,
      dict(is_causal=True), True),
