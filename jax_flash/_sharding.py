@@ -31,12 +31,14 @@ moves, `_Split.cost`):
   `ring_attention`), causal calls in the balanced layout.
 
 A call with optional operands (`Operands`: ids, a dense mask, a bias,
-ALiBi slopes, sinks, query offsets, tile kinds) splits over batch and heads
-too, each operand along its own batch and head dims (`operand_factors`; a
-dim of 1 that broadcasts stays whole, and a gradient summed over a split
-it broadcasts along is summed over those devices); its sequence is
-gathered. Dropout (keep bits from each row's batch and head index), a
-mask_mod or score_mod that reads those indices and a mod's arrays keep the
+ALiBi slopes, sinks, query offsets, tile kinds, dropout's seed) splits
+over batch and heads too, each operand along its own batch and head dims
+(`operand_factors`; a dim of 1 that broadcasts stays whole, and a gradient
+summed over a split it broadcasts along is summed over those devices); its
+sequence splits by all_to_all where its operands allow
+(`_SEQUENCE_OPERANDS`), else is gathered. Dropout's seed is shifted to each device's place in the batch
+and the heads, so its keep bits are the whole call's. A mask_mod or
+score_mod that reads its batch or head index and a mod's arrays keep the
 call whole (`splittable`).
 """
 from __future__ import annotations
@@ -52,7 +54,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_flash.spec.backend import DIFFERENTIABLE_OPERANDS
-from jax_flash.spec import mods
+from jax_flash.spec import dropout, mods
 from jax_flash.spec.checks import Problem
 from jax_flash.spec.mask import Mask
 from jax_flash.spec.operands import Operands
@@ -437,17 +439,17 @@ _OPERAND_DIMS = {
     "q_ids": ("b", "t"), "kv_ids": ("b", "s"),
     "dense_mask": ("b", "n", "t", "s"), "bias": ("b", "n", "t", "s"),
     "alibi_slopes": ("b", "n"), "sinks": ("n",), "q_offsets": ("b",),
-    "tile_kinds": ("b", None, None)}
+    "tile_kinds": ("b", None, None), "dropout_seed": (None,)}
 _SPLIT = ("b", "n", "k", "t", "s")  # The factors a call with operands splits.
 
 
 def splittable(operands: Operands, mask: Mask, scores: Scores) -> bool:
-  """Whether a call splits over devices: not with dropout (its keep bits
-  hash each row's batch and head index, which a device would count from
-  its shard's first), a mask_mod or score_mod that reads those indices
-  (`mods.reads_batch_or_head`), nor with a mod's arrays (of any shape)."""
-  if (operands.dropout_seed is not None or operands.mask_consts
-      or operands.score_consts):
+  """Whether a call splits over devices: not with a mask_mod or score_mod
+  that reads its batch or head index (`mods.reads_batch_or_head`: a
+  device would count them from its shard's first), nor with a mod's
+  arrays (of any shape). (Dropout's seed is shifted to each device's
+  place instead: `dropout.shifted`.)"""
+  if operands.mask_consts or operands.score_consts:
     return False
   return not ((mask.mod is not None and mods.reads_batch_or_head(mask.mod, 4))
               or (scores.mod is not None
@@ -499,14 +501,18 @@ def _localize(x, factors: str, seq, p: int, to_heads: bool):
   return x
 
 
-def _split_with_operands(fn, in_factors, out_factors, refused):
+def _split_with_operands(fn, in_factors, out_factors, refused,
+                         seed_index=None):
   """fn(*arrays, cfg) as a custom_partitioning op split over batch and
   heads as the query is (`_plan`), and over the sequence by all_to_all
   unless `refused` (strategy -> why) says otherwise: each array and
   result along its factors (a string each: "b t n h"; `_localize`), its
   other dims whole. A result without the batch factor (or without the
   heads') is summed over the devices of the batch (heads) split: the
-  gradient of an operand that broadcasts along it."""
+  gradient of an operand that broadcasts along it. The array at
+  `seed_index` (dropout's seed words) is shifted to each device's place
+  in the batch and the heads (`dropout.shifted`), so its keep bits are
+  the whole call's."""
   op = _custom_partitioning(fn, len(in_factors) + 1)
 
   def spec(split, factors):
@@ -536,7 +542,17 @@ def _split_with_operands(fn, in_factors, out_factors, refused):
           _names(split.heads) if not {"n", "k"} & set(names) else ())
       return lax.psum(y, axes) if axes else y
 
+    def place(axes, size):
+      return lax.axis_index(axes) * size if axes is not None else 0
+
     def lower(*arrays):
+      if seed_index is not None and not cfg.scores.dropout_broadcast:
+        local = arrays[0].shape  # [B, T, N, H] of this device.
+        heads = place(split.heads, local[2]) + place(split.seq,
+                                                     local[2] // p)
+        arrays = list(arrays)
+        arrays[seed_index] = dropout.shifted(
+            arrays[seed_index], place(split.batch, local[0]), heads)
       if split.seq is not None:
         arrays = [_localize(x, f, split.seq, p, True)
                   for x, f in zip(arrays, in_factors)]
@@ -564,7 +580,7 @@ def _split_with_operands(fn, in_factors, out_factors, refused):
 # per-head arrays cut to a device's heads); the others keep the sequence
 # whole.
 _SEQUENCE_OPERANDS = frozenset(("q_ids", "kv_ids", "alibi_slopes", "sinks",
-                                "tile_kinds"))
+                                "tile_kinds", "dropout_seed"))
 
 
 def _refused(operands: Operands) -> dict:
@@ -578,6 +594,13 @@ def _refused(operands: Operands) -> dict:
   why = (f"a call with {sorted(present - _SEQUENCE_OPERANDS)} keeps its "
          f"sequence whole")
   return {s: why for s in STRATEGIES[1:]}
+
+
+def _seed_index(tree):
+  """The position among a call's arrays (q, k, v, then the operands'
+  leaves) of dropout's seed words, or None."""
+  numbered = jax.tree.unflatten(tree, range(tree.num_leaves))
+  return None if numbered.dropout_seed is None else 3 + numbered.dropout_seed
 
 
 def _differentiable_leaves(operands: Operands) -> tuple[int, ...]:
@@ -609,7 +632,7 @@ def sharded_forward(forward, chunk_forward, ring_forward, refit_why):
       return forward(q, k, v, jax.tree.unflatten(tree, leaves), cfg)
     return _split_with_operands(
         fn, ("b t n h", "b s k h", "b s k v") + factors,
-        ("b t n v", "b n t"), refused)
+        ("b t n v", "b n t"), refused, _seed_index(tree))
 
   def call(q, k, v, operands: Operands, cfg):
     if operands.empty:
@@ -649,7 +672,7 @@ def sharded_backward(backward, chunk_backward, ring_backward, refit_why):
         fn, ("b t n h", "b s k h", "b s k v") + factors +
         ("b t n v", "b n t", "b t n v", "b n t"),
         ("b t n h", "b s k h", "b s k v") + tuple(factors[i] for i in diff),
-        refused)
+        refused, _seed_index(tree))
 
   def call(q, k, v, operands: Operands, o, lse, do, dlse, cfg):
     if operands.empty:

@@ -215,8 +215,9 @@ def operands():
   and heads ("model"): each device runs its shard, every operand split
   along its own batch and head dims (none gathered), gradients of
   operands that broadcast over a split summed across it; results as on
-  one device. Dropout and a mod reading the batch or head index keep the
-  call whole (XLA gathers), with the same results."""
+  one device, dropout's keep bits too (its seed shifted to each device's
+  place). (A mod reading the batch or head index keeps the call whole:
+  tests/test_sharding.py finds such mods.)"""
   mesh = jax.make_mesh((2, 4), ("data", "model"),
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
   bound = tolerance(jnp.float32)
@@ -229,7 +230,6 @@ def operands():
   dense = jax.random.bernoulli(keys[2], 0.8, (b, 1, t, t))
   shared_bias = jax.random.normal(keys[3], (1, 1, t, t))
   position_mod = lambda s, bb, hh, qi, ki: s - 0.05 * jnp.abs(qi - ki)
-  head_mod = lambda s, bb, hh, qi, ki: s + 0.5 * hh
   causal = jax_flash.create_block_mask(lambda bb, hh, qi, ki: qi >= ki,
                                        None, None, t, t)
 
@@ -256,10 +256,14 @@ def operands():
       ("shared_bias", call(lambda x: dict(bias=x, is_causal=True)),
        shared_bias, P(), True),
       ("flex_positions", flex(position_mod), jnp.zeros(()), P(), True),
-      ("flex_head_index", flex(head_mod), jnp.zeros(()), P(), False),
       ("dropout", call(lambda x: dict(
-          dropout_rate=0.3, dropout_rng=jax.random.key(5), is_causal=True)),
-       jnp.zeros(()), P(), False),
+          dropout_rate=0.3, dropout_rng=jax.random.key(5), is_causal=True,
+          segment_ids=segments)),
+       jnp.zeros(()), P(), True),
+      ("dropout_broadcast", call(lambda x: dict(
+          dropout_rate=0.3, dropout_rng=jax.random.key(6),
+          dropout_broadcast=True)),
+       jnp.zeros(()), P(), True),
   ]
   for name, fn, x, x_spec, split in cases:
     def loss(q, k, v, x):
@@ -289,7 +293,9 @@ def operands():
           is_causal=True, segment_ids=segments, sinks=x,
           alibi_slopes=jnp.full((b, n), 0.1))),
        jnp.linspace(-1.0, 1.0, n), True),
-      ("flex_positions", flex(position_mod), jnp.zeros(()), True),
+      ("dropout", call(lambda x: dict(
+          dropout_rate=0.3, dropout_rng=jax.random.key(5), is_causal=True)),
+       jnp.zeros(()), True),
       ("bias", call(lambda x: dict(bias=x)), full_bias, False),
   ]
   for name, fn, x, split in seq_cases:

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import jax_flash
+from jax_flash.spec import dropout
 from jax_flash.testing import relative_error
 from tests.cases import compare_with_reference, random_inputs
 from tests.conftest import KERNEL_IMPL
@@ -83,3 +84,13 @@ def test_broadcast_dropout_shares_one_mask():
   kept = np.asarray(out != 0).transpose(0, 2, 1, 3)  # [B, N, T, S]
   expected = np.asarray(jax_flash.dropout_keep_mask(RNG, 0.5, 1, 1, t, s))
   np.testing.assert_array_equal(kept, np.broadcast_to(expected, kept.shape))
+
+
+def test_a_shifted_seed_draws_a_shards_bits():
+  """dropout.shifted: the keep bits of a shard of the batch and the heads
+  (what a device draws under sharding) are the whole call's there."""
+  seed = dropout.seed_words(jax.random.key(3))
+  whole = dropout.keep_mask(seed, 0.3, 4, 8, 16, 16)
+  part = dropout.keep_mask(dropout.shifted(seed, 2, 4), 0.3, 2, 4, 16, 16)
+  np.testing.assert_array_equal(part, whole[2:, 4:])
+  assert not np.array_equal(whole[:2, :4], whole[2:, 4:])

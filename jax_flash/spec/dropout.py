@@ -56,6 +56,15 @@ def keep(seed0, seed1, rate: float, batch, head, rows, cols):
   return _shr(bits, 8) >= threshold(rate)
 
 
+def shifted(seed, batch_offset, head_offset):
+  """Seed words (int32 [2]) whose keep bits at (b, n, i, j) are `seed`'s at
+  (b + batch_offset, n + head_offset, i, j): a device holding a shard of
+  the batch and the heads draws the bits of its place in the whole (the
+  hash takes batch and head through one wrapping sum with seed1)."""
+  return seed.at[1].add(jnp.int32(batch_offset) * _GOLDEN
+                        + jnp.int32(head_offset) * _HEAD)
+
+
 def dropped(x, seed0, seed1, rate: float, batch, head, rows, cols):
   """x * keep / (1 - rate): dropout applied to a tile of P or dP, `keep`'s
   bits for (batch, head, rows, cols)."""
