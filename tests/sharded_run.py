@@ -211,61 +211,59 @@ def context_parallel():
 
 def operands():
   """Calls with optional operands (ids, lengths, sinks, ALiBi, a bias and
-  a dense mask, flex's tile kinds) on inputs sharded over batch ("data")
-  and heads ("model"): each device runs its shard, every operand split
-  along its own batch and head dims (none gathered), gradients of
+  a dense mask, flex's tile kinds, dropout) on inputs sharded over batch
+  ("data") and heads ("model"): each device runs its shard, every operand
+  split along its own batch and head dims (none gathered), gradients of
   operands that broadcast over a split summed across it; results as on
   one device, dropout's keep bits too (its seed shifted to each device's
-  place). (A mod reading the batch or head index keeps the call whole:
-  tests/test_sharding.py finds such mods.)"""
+  place). Sequence-sharded ("model"), all_to_all with ids, ALiBi, sinks
+  and dropout; a bias keeps the sequence whole. (A mod reading the batch
+  or head index keeps the call whole: tests/test_sharding.py finds such
+  mods.)"""
   mesh = jax.make_mesh((2, 4), ("data", "model"),
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
   bound = tolerance(jnp.float32)
-  b, t, n, kv_heads, h = 4, 96, 8, 4, 32
-  heads = NamedSharding(mesh, P("data", None, "model", None))
+  b, t, n, kv_heads, h = 2, 64, 4, 4, 32
   q, k, v, do = random_inputs(b, t, t, n, kv_heads, h, jnp.float32, seed=3)
   keys = jax.random.split(jax.random.key(4), 4)
   segments = jnp.sort(jax.random.randint(keys[0], (b, t), 0, 3), axis=1)
   full_bias = jax.random.normal(keys[1], (b, n, t, t))
   dense = jax.random.bernoulli(keys[2], 0.8, (b, 1, t, t))
   shared_bias = jax.random.normal(keys[3], (1, 1, t, t))
-  position_mod = lambda s, bb, hh, qi, ki: s - 0.05 * jnp.abs(qi - ki)
   causal = jax_flash.create_block_mask(lambda bb, hh, qi, ki: qi >= ki,
                                        None, None, t, t)
+  heads = NamedSharding(mesh, P("data", None, "model", None))
+  seq = NamedSharding(mesh, P("data", "model"))
 
   def call(options):
     return lambda q, k, v, x: jax_flash.flash_attention(
         q, k, v, implementation="interpret", **options(x))
-
-  def flex(score_mod):
-    return lambda q, k, v, x: jax_flash.flex_attention(
-        q, k, v, score_mod=score_mod, block_mask=causal,
-        implementation="interpret")
-  cases = [  # (name, fn(q, k, v, x), x (differentiated), x's spec, split)
-      ("segments_sinks", call(lambda x: dict(
-          is_causal=True, segment_ids=segments, sinks=x)),
-       jnp.linspace(-1.0, 1.0, n), P("model"), True),
-      ("lengths_alibi_softcap", call(lambda x: dict(
-          query_seq_lengths=jnp.array([96, 50, 7, 96]),
-          key_value_seq_lengths=jnp.array([96, 96, 30, 61]),
-          alibi_slopes=x, logits_soft_cap=5.0)),
-       jnp.linspace(0.01, 0.3, b * n).reshape(b, n), P("data", "model"),
-       True),
-      ("bias_dense_mask", call(lambda x: dict(bias=x, mask=dense)),
-       full_bias, P("data", "model"), True),
+  segments_sinks_alibi_dropout = call(lambda x: dict(
+      is_causal=True, segment_ids=segments, sinks=x,
+      alibi_slopes=jnp.linspace(0.01, 0.3, b * n).reshape(b, n),
+      dropout_rate=0.3, dropout_rng=jax.random.key(5)))
+  sinks = jnp.linspace(-1.0, 1.0, n)
+  cases = [  # (name, fn(q, k, v, x), x (differentiated), q/k/v's sharding,
+             #  x's spec, whether no [.., .., .., ..] array is gathered)
+      ("segments_sinks_alibi_dropout", segments_sinks_alibi_dropout, sinks,
+       heads, P("model"), True),
+      ("lengths_softcap_bias_mask", call(lambda x: dict(
+          query_seq_lengths=jnp.array([64, 7]),
+          key_value_seq_lengths=jnp.array([30, 61]), logits_soft_cap=5.0,
+          bias=x, mask=dense)),
+       full_bias, heads, P("data", "model"), True),
       ("shared_bias", call(lambda x: dict(bias=x, is_causal=True)),
-       shared_bias, P(), True),
-      ("flex_positions", flex(position_mod), jnp.zeros(()), P(), True),
-      ("dropout", call(lambda x: dict(
-          dropout_rate=0.3, dropout_rng=jax.random.key(5), is_causal=True,
-          segment_ids=segments)),
-       jnp.zeros(()), P(), True),
-      ("dropout_broadcast", call(lambda x: dict(
-          dropout_rate=0.3, dropout_rng=jax.random.key(6),
-          dropout_broadcast=True)),
-       jnp.zeros(()), P(), True),
+       shared_bias, heads, P(), True),
+      ("flex_positions", lambda q, k, v, x: jax_flash.flex_attention(
+          q, k, v, score_mod=lambda s, bb, hh, qi, ki: s - 0.05 * abs(qi - ki),
+          block_mask=causal, implementation="interpret"),
+       jnp.zeros(()), heads, P(), True),
+      ("sequence: segments_sinks_alibi_dropout", segments_sinks_alibi_dropout,
+       sinks, seq, P(), True),
+      ("sequence: bias", call(lambda x: dict(bias=x)), full_bias, seq, P(),
+       False),
   ]
-  for name, fn, x, x_spec, split in cases:
+  for name, fn, x, sharding, x_spec, split in cases:
     def loss(q, k, v, x):
       out = fn(q, k, v, x)
       return jnp.sum(out * do), out
@@ -273,40 +271,8 @@ def operands():
     grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3),
                                       has_aux=True))
     (_, out), grads = grad(q, k, v, x)
-    args = [jax.device_put(a, heads) for a in (q, k, v)] + [
+    args = [jax.device_put(a, sharding) for a in (q, k, v)] + [
         jax.device_put(x, NamedSharding(mesh, x_spec))]
-    hlo = grad.lower(*args).compile().as_text()
-    (_, out_s), grads_s = grad(*args)
-    errors = [relative_error(out_s, out)] + [
-        relative_error(a, c) for a, c in zip(grads_s, grads)
-        if jnp.any(c != 0)]
-    gathers = hlo.count("all-gather(")
-    print(f"operands {name}: all-gathers={gathers} errors={errors}")
-    assert errors[0] <= bound.out and max(errors[1:]) <= bound.grad, errors
-    assert (gathers == 0) == split, (name, gathers)
-  # Sequence-sharded ("model"): all_to_all with ids (gathered whole, int32
-  # [B, T]), ALiBi slopes and sinks (cut to a device's heads); a bias
-  # keeps the sequence whole; a named strategy that cannot run is refused.
-  seq = NamedSharding(mesh, P("data", "model"))
-  seq_cases = [
-      ("segments_sinks_alibi", call(lambda x: dict(
-          is_causal=True, segment_ids=segments, sinks=x,
-          alibi_slopes=jnp.full((b, n), 0.1))),
-       jnp.linspace(-1.0, 1.0, n), True),
-      ("dropout", call(lambda x: dict(
-          dropout_rate=0.3, dropout_rng=jax.random.key(5), is_causal=True)),
-       jnp.zeros(()), True),
-      ("bias", call(lambda x: dict(bias=x)), full_bias, False),
-  ]
-  for name, fn, x, split in seq_cases:
-    def loss(q, k, v, x):
-      out = fn(q, k, v, x)
-      return jnp.sum(out * do), out
-
-    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3),
-                                      has_aux=True))
-    (_, out), grads = grad(q, k, v, x)
-    args = [jax.device_put(a, seq) for a in (q, k, v)] + [x]
     hlo = grad.lower(*args).compile().as_text()
     (_, out_s), grads_s = grad(*args)
     errors = [relative_error(out_s, out)] + [
@@ -314,14 +280,15 @@ def operands():
         if jnp.any(c != 0)]
     gathered = [line.split("=")[1].split()[0] for line in hlo.splitlines()
                 if " all-gather(" in line]
-    print(f"operands, sequence-sharded {name}: all-gathers {gathered} "
+    print(f"operands {name}: all-gathers {gathered} "
           f"all-to-alls={hlo.count('all-to-all(')} errors={errors}")
     assert errors[0] <= bound.out and max(errors[1:]) <= bound.grad, errors
-    # Ids ([B, T] int32) and the sinks' gradient ([N]) may be gathered;
-    # no query, key, value or bias ([.., .., .., ..]).
+    # Ids ([B, T] int32) and the sinks' gradient ([N]) may be gathered
+    # (sequence-sharded); no query, key, value or bias ([.., .., .., ..]).
     tensors = [g for g in gathered if g.split("{")[0].count(",") >= 3]
-    assert (not tensors and hlo.count("all-to-all(") > 0) == split, (
-        name, gathered)
+    assert (not tensors) == split, (name, gathered)
+    if sharding is seq:
+      assert (hlo.count("all-to-all(") > 0) == split, name
   try:
     jax.jit(lambda q: jax_flash.flash_attention(
         q, q, q, segment_ids=segments, context_parallel="ring")).lower(
