@@ -37,7 +37,7 @@ from jax.interpreters import ad, batching, mlir
 
 from jax_flash import _dispatch, _kernel_cache, _sharding, blockwise, ring
 from jax_flash.spec import softmax
-from jax_flash.spec.backend import DIFFERENTIABLE_OPERANDS
+from jax_flash.spec.backend import differentiable_leaves
 from jax_flash.spec.checks import Problem, check_qkv, x64_scope
 from jax_flash.spec.mask import Mask
 from jax_flash.spec.operands import Operands
@@ -211,15 +211,6 @@ def _sink_gradient(sinks, o, lse, do, dlse):
   return -jnp.sum(p_sink * delta, axis=(0, 2))
 
 
-@functools.cache
-def _differentiable(tree) -> tuple[int, ...]:
-  """Positions, among the flat operands of `tree`, of the differentiable
-  ones (bias, sinks, a score_mod's arrays)."""
-  numbered = jax.tree.unflatten(tree, list(range(tree.num_leaves)))
-  return tuple(sorted(i for name in DIFFERENTIABLE_OPERANDS
-                      for i in jax.tree.leaves(getattr(numbered, name))))
-
-
 # One `jax.jit` per distinct call: JAX traces each once per process (its
 # cache is by function and input types) and lowers each once per program.
 
@@ -237,8 +228,8 @@ def _backward_jit(cfg: Config, tree):
     dq, dk, dv, d_operands = _backward(cfg, (q, k, v, operands, o, lse),
                                        (do, dlse))
     d_leaves = jax.tree.leaves(d_operands)
-    primals = [q, k, v] + [leaves[i] for i in _differentiable(tree)]
-    grads = [dq, dk, dv] + [d_leaves[i] for i in _differentiable(tree)]
+    primals = [q, k, v] + [leaves[i] for i in differentiable_leaves(tree)]
+    grads = [dq, dk, dv] + [d_leaves[i] for i in differentiable_leaves(tree)]
     return [g.astype(x.dtype) for g, x in zip(grads, primals)]
   return jax.jit(backward)
 
@@ -248,7 +239,7 @@ def _tangent_jit(cfg: Config, tree):
   config = cfg.configs.forward
   if not isinstance(config, blockwise.BlockSizes):
     config = blockwise.BlockSizes()
-  positions = _differentiable(tree)
+  positions = differentiable_leaves(tree)
 
   def tangent(q, k, v, leaves, tangents):
     def forward(q, k, v, *diff):
@@ -334,7 +325,7 @@ def _impl(prim):
 
 def _flash_jvp(prim, primals, tangents, *, cfg, tree):
   out = prim.bind(*primals, cfg=cfg, tree=tree)
-  positions = (0, 1, 2) + tuple(3 + i for i in _differentiable(tree))
+  positions = (0, 1, 2) + tuple(3 + i for i in differentiable_leaves(tree))
   tangents = [tangents[i] for i in positions]
   if all(type(t) is ad.Zero for t in tangents):
     return out, [ad.Zero(jax.typeof(x).to_tangent_aval()) for x in out]
@@ -509,14 +500,14 @@ def _backward_value(*args, cfg, tree):
 def _backward_avals(*args, cfg, tree):
   (q, k, v, leaves, _, _), _ = _split(args, tree)
   return [x.update(weak_type=False) for x in
-          [q, k, v] + [leaves[i] for i in _differentiable(tree)]]
+          [q, k, v] + [leaves[i] for i in differentiable_leaves(tree)]]
 
 
 def _backward_batch(prim, args, dims, *, cfg, tree):
   """As the forward's; once per slice where an operand has a gradient
   (whose slices the folded batch would sum)."""
   outs = _batched(prim, args, dims, cfg=cfg, tree=tree,
-                  per_slice=bool(_differentiable(tree)))
+                  per_slice=bool(differentiable_leaves(tree)))
   return outs, (0,) * len(outs)
 
 

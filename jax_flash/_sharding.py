@@ -36,10 +36,10 @@ over batch and heads too, each operand along its own batch and head dims
 (`operand_factors`; a dim of 1 that broadcasts stays whole, and a gradient
 summed over a split it broadcasts along is summed over those devices); its
 sequence splits by all_to_all where its operands allow
-(`_SEQUENCE_OPERANDS`), else is gathered. Dropout's seed is shifted to each device's place in the batch
-and the heads, so its keep bits are the whole call's. A mask_mod or
-score_mod that reads its batch or head index and a mod's arrays keep the
-call whole (`splittable`).
+(`_SEQUENCE_OPERANDS`), else is gathered. Dropout's seed is shifted to
+each device's place in the batch and the heads, so its keep bits are the
+whole call's. A mask_mod or score_mod that reads its batch or head index
+and a mod's arrays keep the call whole (`splittable`).
 """
 from __future__ import annotations
 
@@ -53,8 +53,8 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_flash.spec.backend import DIFFERENTIABLE_OPERANDS
 from jax_flash.spec import dropout, mods
+from jax_flash.spec.backend import differentiable_leaves
 from jax_flash.spec.checks import Problem
 from jax_flash.spec.mask import Mask
 from jax_flash.spec.operands import Operands
@@ -176,7 +176,7 @@ def _plan(mesh, arg_shapes, cfg, refit_why, refused=None) -> _Split:
   if offsets_why:
     why["all_gather"] = offsets_why
   plain = type(cfg.mask)(is_causal=cfg.mask.is_causal)
-  if "ring" in why:
+  if "ring" in why:  # Refused beforehand.
     pass
   elif not kv_seq or q.shape[1] != k.shape[1]:
     why["ring"] = "ring runs self-attention with keys sharded as queries"
@@ -603,13 +603,6 @@ def _seed_index(tree):
   return None if numbered.dropout_seed is None else 3 + numbered.dropout_seed
 
 
-def _differentiable_leaves(operands: Operands) -> tuple[int, ...]:
-  numbered = jax.tree.unflatten(jax.tree.structure(operands),
-                                range(len(jax.tree.leaves(operands))))
-  return tuple(sorted(i for name in DIFFERENTIABLE_OPERANDS
-                      for i in jax.tree.leaves(getattr(numbered, name))))
-
-
 def sharded_forward(forward, chunk_forward, ring_forward, refit_why):
   """forward(q, k, v, operands, cfg) -> (o, lse), split over batch, heads
   and (without operands) the sequence. chunk_forward(q, k, v, q_offsets,
@@ -658,7 +651,6 @@ def sharded_backward(backward, chunk_backward, ring_backward, refit_why):
 
   @functools.cache
   def with_operands(tree, factors, diff, refused):
-    n = len(factors)
     refused = dict(refused)
 
     def fn(*args):
@@ -667,7 +659,6 @@ def sharded_backward(backward, chunk_backward, ring_backward, refit_why):
                                    o, lse, do, dlse, cfg)
       flat = jax.tree.leaves(grads)
       return (dq, dk, dv) + tuple(flat[i] for i in diff)
-    assert len(diff) <= n
     return _split_with_operands(
         fn, ("b t n h", "b s k h", "b s k v") + factors +
         ("b t n v", "b n t", "b t n v", "b n t"),
@@ -678,7 +669,7 @@ def sharded_backward(backward, chunk_backward, ring_backward, refit_why):
     if operands.empty:
       return (*plain(q, k, v, o, lse, do, dlse, cfg), operands)
     leaves, tree = jax.tree.flatten(operands)
-    diff = _differentiable_leaves(operands)
+    diff = differentiable_leaves(tree)
     op = with_operands(tree, operand_factors(operands, q, k), diff,
                        tuple(_refused(operands).items()))
     dq, dk, dv, *diff_grads = op(q, k, v, *leaves, o, lse, do, dlse, cfg)

@@ -10,6 +10,7 @@ chooses the pair for each call.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import jax
@@ -24,6 +25,15 @@ from jax_flash.spec.scores import Scores
 Decode = Literal[False, "contiguous", "paged"]
 # The operands whose gradients a backward may give (`Operands` fields).
 DIFFERENTIABLE_OPERANDS = ("bias", "sinks", "score_consts")
+
+
+@functools.cache
+def differentiable_leaves(tree) -> tuple[int, ...]:
+  """Positions, among the flat leaves of an `Operands` treedef `tree`, of
+  the differentiable ones (`DIFFERENTIABLE_OPERANDS`)."""
+  numbered = jax.tree.unflatten(tree, list(range(tree.num_leaves)))
+  return tuple(sorted(i for name in DIFFERENTIABLE_OPERANDS
+                      for i in jax.tree.leaves(getattr(numbered, name))))
 
 
 @runtime_checkable
