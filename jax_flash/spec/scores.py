@@ -61,18 +61,17 @@ class Scores:
             and self.mod is None)
 
   def logits2(self, qk, rows=None, cols=None, slope=None, bias=None,
-              batch=None, head=None, mod_consts=(), tanh=jnp.tanh):
+              batch=None, head=None, mod_consts=()):
     """Base-2 logits from the raw dot products `qk` (float32 tile).
 
     Returns (s2, aux): what `dqk` needs for the derivative (None for plain
-    scores; the soft-cap's tanh and the score_mod's derivative). `tanh`: the
-    soft-cap's function, for a kernel with a faster one of its own.
+    scores; the soft-cap's tanh and the score_mod's derivative).
     """
     if self.plain:  # One multiply: the hot path of plain attention.
       return qk * (self.scale * LOG2E), None
     t = None
     if self.soft_cap is not None:
-      t = tanh(qk * (self.scale / self.soft_cap))
+      t = jnp.tanh(qk * (self.scale / self.soft_cap))
       s = t * self.soft_cap
     else:
       s = qk * self.scale

@@ -118,15 +118,7 @@ def logits2(scores: Scores, s, rows, cols, *, slope, bias_ref, pair, batch,
   bias = (None if bias_ref is None else
           pair_tile(bias_ref, batch, head, *pair).astype(jnp.float32))
   return scores.factored_logits2(s, rows, cols, slope=slope, bias=bias,
-                                 batch=batch, head=head, tanh=half_tanh)
-
-
-def half_tanh(x):
-  """tanh of a float32 tile through `tanh.approx.f16x2`: one MUFU operation
-  for two elements. Its relative error, 2**-11 from rounding x and the
-  result to float16, is that of `tanh.approx.f32` (the kernels compile with
-  approx_math); |x| past float16's range rounds to inf, whose tanh is 1."""
-  return jnp.tanh(x.astype(jnp.float16)).astype(jnp.float32)
+                                 batch=batch, head=head)
 
 
 def visible(mask: Mask, rows, cols, kv_len, *, dense_ref, pair, batch, head,
