@@ -181,9 +181,10 @@ def test_value_head_dim_of_its_own(implementation, head_dim, value_head_dim,
 @pytest.mark.parametrize("soft_cap", [None, 20.0])
 def test_factored_logits_are_the_logits(scale, soft_cap):
   """`Scores.factored_logits2` (the Mosaic kernels' row max and FMA): t * c
-  is `logits2`, and for plain scores with a positive scale the row max of t
-  times c is bitwise the row max of the logits (the forward's m)."""
-  from jax_flash.spec.scores import Scores
+  is `logits2`, and for plain scores with a positive scale, or only a
+  soft-cap, the row max of t times c is bitwise the row max of the logits
+  (the forward's m)."""
+  from jax_flash.spec.scores import LOG2E, Scores
   scores = Scores(scale=scale, soft_cap=soft_cap)
   qk = 30.0 * jax.random.normal(jax.random.key(0), (64, 128))
   qk = qk.at[3].set(-jnp.inf)  # A hidden row, as the forward's mask makes.
@@ -193,6 +194,9 @@ def test_factored_logits_are_the_logits(scale, soft_cap):
   np.testing.assert_array_equal(t * c, s2)
   if scores.plain and scale > 0:
     assert t is qk
+    np.testing.assert_array_equal(t.max(axis=1) * c, s2.max(axis=1))
+  elif soft_cap is not None:  # t the tanh: the row max of t times c too.
+    assert c == soft_cap * LOG2E and float(jnp.abs(t).max()) <= 1.0
     np.testing.assert_array_equal(t.max(axis=1) * c, s2.max(axis=1))
   else:
     assert c == 1.0

@@ -57,8 +57,19 @@ class Scores:
 
   @property
   def plain(self) -> bool:
-    return (self.soft_cap is None and not self.alibi and not self.bias
-            and self.mod is None)
+    return self.soft_cap is None and self._unshifted
+
+  @property
+  def capped(self) -> bool:
+    """A soft-cap and no other modification: logits2 = tanh * (cap log2 e)."""
+    return self.soft_cap is not None and self._unshifted
+
+  @property
+  def _unshifted(self) -> bool:
+    return not self.alibi and not self.bias and self.mod is None
+
+  def _tanh(self, qk):
+    return jnp.tanh(qk * (self.scale / self.soft_cap))
 
   def logits2(self, qk, rows=None, cols=None, slope=None, bias=None,
               batch=None, head=None, mod_consts=()):
@@ -69,9 +80,12 @@ class Scores:
     """
     if self.plain:  # One multiply: the hot path of plain attention.
       return qk * (self.scale * LOG2E), None
+    if self.capped:  # One multiply after the tanh.
+      t = self._tanh(qk)
+      return t * (self.soft_cap * LOG2E), (t, None)
     t = None
     if self.soft_cap is not None:
-      t = jnp.tanh(qk * (self.scale / self.soft_cap))
+      t = self._tanh(qk)
       s = t * self.soft_cap
     else:
       s = qk * self.scale
@@ -91,9 +105,13 @@ class Scores:
     as `logits2`. For plain scores with a positive scale t is qk itself and
     c = scale * log2(e): a kernel takes the row max on t (max(t * c) =
     c * max(t), rounding included) and forms 2**(t * c - m) in one FMA,
-    one multiply an element fewer; otherwise t = logits2(qk) and c = 1."""
+    one multiply an element fewer; with only a soft-cap, t is the tanh and
+    c = cap * log2(e); otherwise t = logits2(qk) and c = 1."""
     if self.plain and self.scale > 0:
       return qk, self.scale * LOG2E, None
+    if self.capped:
+      t = self._tanh(qk)
+      return t, self.soft_cap * LOG2E, (t, None)
     s, aux = self.logits2(qk, *args, **kwargs)
     return s, 1.0, aux
 
