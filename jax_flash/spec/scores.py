@@ -117,7 +117,8 @@ class Scores:
 
   def dqk(self, ds, aux):
     """dL/d(q.k) / scale from dS = dL/ds (the caller multiplies by scale
-    once); aux from `logits2`."""
+    once); aux from `logits2`. Elementwise products only: a kernel may
+    apply it to P before forming dS = P (dP - D)."""
     if aux is None:
       return ds
     t, dmod = aux

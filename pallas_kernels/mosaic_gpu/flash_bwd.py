@@ -244,9 +244,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
 
       @pl.when(wg == 1)
       def _():
+        pd = scores.dqk(p, aux)  # Before dP: aux dies (fewer registers).
         dp = drop(pl.run_scoped(dp_only, plgpu.ACC(shape, jnp.float32)))
-        ds = scores.dqk(p * (dp - lax.broadcast_in_dim(delta, shape, [1])),
-                        aux)
+        ds = pd * (dp - lax.broadcast_in_dim(delta, shape, [1]))
         plgpu.wgmma(acc, ds.astype(dtype), q_smem)
         plgpu.wgmma_wait(0)
       plgpu.barrier_arrive(do_free)
@@ -254,16 +254,20 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
       return carry
 
     dk_acc, dv_acc, _ = carry
+    # With modified scores (aux), P's copy for dV and P times the scores'
+    # derivative for dS are formed before dP, so that P and aux die.
+    p16 = None if aux is None else drop(p).astype(dtype)
+    pd = scores.dqk(p, aux)
 
     def dp_t(acc):
       plgpu.wgmma(acc, v_smem, do_smem.T)
-      plgpu.wgmma(dv_acc, drop(p).astype(dtype), do_smem)
+      plgpu.wgmma(dv_acc, drop(p).astype(dtype) if p16 is None else p16,
+                  do_smem)
       # dV still runs, unless `dv_before_ds` waits for it (P's copy dies).
       return plgpu.wgmma_accumulator_load(
           acc, wait_n=0 if blocks.dv_before_ds else 1)
     dp = drop(pl.run_scoped(dp_t, plgpu.ACC(shape, jnp.float32)))
-    ds = scores.dqk(p * (dp - lax.broadcast_in_dim(delta, shape, [1])), aux)
-    ds = ds.astype(dtype)
+    ds = (pd * (dp - lax.broadcast_in_dim(delta, shape, [1]))).astype(dtype)
     plgpu.wgmma(dk_acc, ds, q_smem)
     plgpu.wgmma_wait(1)  # dV is done (dK may run): dO may go.
     plgpu.barrier_arrive(do_free)
@@ -415,13 +419,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
           kv_len=kv_len, positions=positions, rows_cols=rows_cols, ids=ids,
           pair=(rows, pl.ds(kv_tile(j) * bkv, bkv)),
           refs=(slopes_ref, bias_ref, dense_ref), batch=batch, head=head)
-      return p, aux, dp_acc[...]
-    p, aux, dp = pl.run_scoped(s_dp, plgpu.ACC(shape, jnp.float32),
-                               plgpu.ACC(shape, jnp.float32))
+      # P times the scores' derivative, all dS needs of P and aux.
+      return scores.dqk(p, aux), dp_acc[...]
+    pd, dp = pl.run_scoped(s_dp, plgpu.ACC(shape, jnp.float32),
+                           plgpu.ACC(shape, jnp.float32))
     plgpu.barrier_arrive(v_free)
     dp = dropped(dp, scores, seed_ref, batch, head,
                  *(rows_cols or (None, None)))
-    ds = scores.dqk(p * (dp - lax.broadcast_in_dim(delta, shape, [0])), aux)
+    ds = pd * (dp - lax.broadcast_in_dim(delta, shape, [0]))
     plgpu.wgmma(dq_acc, ds.astype(dtype), k_smem)
     plgpu.wgmma_wait(0)
     plgpu.barrier_arrive(k_free)
