@@ -913,6 +913,8 @@ def main(argv=None):
                       "contiguous and paged; models: shapes of public model "
                       "configurations (`MODELS`), ours against cuDNN and "
                       "XLA")
+  parser.add_argument("--models", nargs="+", default=None,
+                      help="models: only these rows of `MODELS` (names)")
   parser.add_argument("--sizes", type=int, nargs="+",
                       default=[1024, 2048, 4096],
                       help="window sizes, numbers of documents, or padding "
@@ -946,7 +948,14 @@ def main(argv=None):
     print("\n".join(lines))
     return
   if args.scenario == "models":
-    rows = model_rows(MODELS, ["flash", "flash_triton", "cudnn", "xla"],
+    models = MODELS
+    if args.models:
+      unknown = set(args.models) - {m.name for m in MODELS}
+      if unknown:
+        parser.error(f"--models: unknown {sorted(unknown)}; known: "
+                     f"{[m.name for m in MODELS]}")
+      models = [m for m in MODELS if m.name in args.models]
+    rows = model_rows(models, ["flash", "flash_triton", "cudnn", "xla"],
                       jnp.dtype(args.dtype), args.calls, args.repeats,
                       log=os.path.join(args.out, "benchmark.jsonl"))
     table = markdown_models(rows)
