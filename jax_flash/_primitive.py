@@ -131,17 +131,14 @@ def _chunk_config(cfg: Config, q, k, v) -> Config:
   return _refit(cfg, check_qkv(q, k, v), q.dtype, True)
 
 
-def _chunk_forward(q, k, v, q_offsets, cfg: Config):
-  return _backend_forward(q, k, v, Operands(q_offsets=q_offsets),
-                          _chunk_config(cfg, q, k, v))
+def _chunk_forward(q, k, v, operands: Operands, cfg: Config):
+  return _backend_forward(q, k, v, operands, _chunk_config(cfg, q, k, v))
 
 
-def _chunk_backward(q, k, v, q_offsets, o, lse, do, dlse, cfg: Config):
-  cfg = _chunk_config(cfg, q, k, v)
-  dq, dk, dv, _ = _dispatch.backward(
-      cfg.plan, cfg.configs, q, k, v, Operands(q_offsets=q_offsets), o, lse,
-      do, dlse, mask=cfg.mask, scores=cfg.scores)
-  return dq, dk, dv
+def _chunk_backward(q, k, v, operands: Operands, o, lse, do, dlse,
+                    cfg: Config):
+  return _local_backward(q, k, v, operands, o, lse, do, dlse,
+                         _chunk_config(cfg, q, k, v))
 
 
 def _ring_of(cfg: Config, q, k, v, seq, size: int) -> ring._Ring:

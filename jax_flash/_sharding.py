@@ -36,7 +36,9 @@ over batch and heads too, each operand along its own batch and head dims
 (`operand_factors`; a dim of 1 that broadcasts stays whole, and a gradient
 summed over a split it broadcasts along is summed over those devices); its
 sequence splits by all_to_all where its operands allow
-(`_SEQUENCE_OPERANDS`), else is gathered. Dropout's seed is shifted to
+(`_SEQUENCE_OPERANDS`), by all_gather where they allow that
+(`_GATHER_OPERANDS`: key ids gathered with the keys, query ids cut with
+the queries), else is gathered. Dropout's seed is shifted to
 each device's place in the batch and the heads, so its keep bits are the
 whole call's. A mask_mod or score_mod that reads its batch or head index
 and a mod's arrays keep the call whole (`splittable`).
@@ -259,71 +261,82 @@ def _from_zigzag(low, high, axis, seq, p):
                           lax.ppermute(b, seq, back(second))], axis)
 
 
-def _query_parts(split: _Split, p, rows, *arrays):
+def _query_parts(split: _Split, p, rows, arrays, axes):
   """[(offset, arrays' parts)]: this device's queries (and the per-query
-  arrays, [B, T, N, H] or [B, N, T]) with the position of their first row,
-  as one chunk or as its balanced halves."""
+  arrays, each with its sequence axis in `axes`) with the position of
+  their first row, as one chunk or as its balanced halves."""
   seq = split.seq
   d = lax.axis_index(seq)
   if not split.balanced:
-    return [(d * rows, arrays)]
+    return [(d * rows, tuple(arrays))]
   half = rows // 2
-  parts = [_to_zigzag(x, _seq_axis(x), seq, p) for x in arrays]
+  parts = [_to_zigzag(x, axis, seq, p) for x, axis in zip(arrays, axes)]
   return [(d * half, tuple(x[0] for x in parts)),
           ((2 * p - 1 - d) * half, tuple(x[1] for x in parts))]
 
 
-def _join_queries(split: _Split, p, parts):
+def _join_queries(split: _Split, p, parts, axes):
   """The inverse of `_query_parts` for outputs per query: [(arrays)]."""
   if not split.balanced:
     return parts[0]
-  return tuple(_from_zigzag(lo, hi, _seq_axis(lo), split.seq, p)
-               for lo, hi in zip(*parts))
+  return tuple(_from_zigzag(lo, hi, axis, split.seq, p)
+               for lo, hi, axis in zip(*parts, axes))
 
 
 def _offsets(q, offset):
   return jnp.full((q.shape[0],), offset, jnp.int32)
 
 
-def _gather_keys(split: _Split, *arrays):
-  if not split.kv_seq:
-    return arrays
-  return tuple(lax.all_gather(x, split.seq, axis=1, tiled=True)
-               for x in arrays)
+def _axis(factors: str, name: str):
+  names = factors.split()
+  return names.index(name) if name in names else None
 
 
-def _gather_forward(chunk_forward, cfg, split: _Split, p):
-  """all_gather's forward on a device: its queries against all keys."""
-  def run(q, k, v):
-    k, v = _gather_keys(split, k, v)
-    outs = [chunk_forward(qs, k, v, _offsets(q, offset), cfg)
-            for offset, (qs,) in _query_parts(split, p, q.shape[1], q)]
-    return _join_queries(split, p, outs)
-  return run
+def _gather_lowering(chunk, in_factors, out_factors):
+  """all_gather's per-device function, (cfg, split, p) -> run(*arrays):
+  chunk(*arrays, q_offsets, cfg) on this device's queries (the arrays
+  with a "t" factor; as balanced halves when causal) against the whole
+  of the arrays with an "s" factor (K, V, key ids: gathered). Results per
+  query are joined back; the others (dK, dV, the sinks' gradient) are
+  partials over this device's queries, summed in float32 across the
+  devices: reduce-scattered back to key chunks where they have an "s"
+  factor and the keys are split, else summed whole."""
+  queries = [i for i, f in enumerate(in_factors) if "t" in f.split()]
+  joined = [j for j, f in enumerate(out_factors) if "t" in f.split()]
 
-
-def _gather_backward(chunk_backward, cfg, split: _Split, p):
-  """all_gather's backward on a device: dQ of its queries; dK and dV
-  partials over all keys, summed in float32 across the devices (a
-  reduce-scatter back to key chunks, or a sum where keys are whole)."""
-  def run(q, k, v, o, lse, do, dlse):
-    k_all, v_all = _gather_keys(split, k, v)
-    dqs, dk, dv = [], 0.0, 0.0
-    for offset, (qs, os, lses, dos, dlses) in _query_parts(
-        split, p, q.shape[1], q, o, lse, do, dlse):
-      dq_part, dk_part, dv_part = chunk_backward(
-          qs, k_all, v_all, _offsets(q, offset), os, lses, dos, dlses, cfg)
-      dqs.append((dq_part,))
-      dk = dk + dk_part.astype(jnp.float32)
-      dv = dv + dv_part.astype(jnp.float32)
-    (dq,) = _join_queries(split, p, dqs)
-    if split.kv_seq:
-      dk, dv = (lax.psum_scatter(x, split.seq, scatter_dimension=1,
-                                 tiled=True) for x in (dk, dv))
-    else:
-      dk, dv = (lax.psum(x, split.seq) for x in (dk, dv))
-    return dq, dk.astype(k.dtype), dv.astype(v.dtype)
-  return run
+  def lowering(cfg, split: _Split, p):
+    def run(*arrays):
+      arrays = list(arrays)
+      if split.kv_seq:
+        for i, f in enumerate(in_factors):
+          if _axis(f, "s") is not None:
+            arrays[i] = lax.all_gather(arrays[i], split.seq,
+                                       axis=_axis(f, "s"), tiled=True)
+      results = []
+      for offset, part in _query_parts(
+          split, p, arrays[0].shape[1], [arrays[i] for i in queries],
+          [_axis(in_factors[i], "t") for i in queries]):
+        local = list(arrays)
+        for i, x in zip(queries, part):
+          local[i] = x
+        results.append(chunk(*local, _offsets(arrays[0], offset), cfg))
+      outs = dict(zip(joined, _join_queries(
+          split, p, [tuple(r[j] for j in joined) for r in results],
+          [_axis(out_factors[j], "t") for j in joined])))
+      for j, f in enumerate(out_factors):
+        if j in outs:
+          continue
+        total = sum(r[j].astype(jnp.float32) for r in results)
+        if split.kv_seq and _axis(f, "s") is not None:
+          total = lax.psum_scatter(total, split.seq,
+                                   scatter_dimension=_axis(f, "s"),
+                                   tiled=True)
+        else:
+          total = lax.psum(total, split.seq)
+        outs[j] = total.astype(results[0][j].dtype)
+      return tuple(outs[j] for j in range(len(out_factors)))
+    return run
+  return lowering
 
 
 def _zigzag_whole(x, axis, seq, p):
@@ -501,11 +514,12 @@ def _localize(x, factors: str, seq, p: int, to_heads: bool):
   return x
 
 
-def _split_with_operands(fn, in_factors, out_factors, refused,
-                         seed_index=None):
+def _split_with_operands(fn, in_factors, out_factors, refused, refit_why,
+                         gather, seed_index=None):
   """fn(*arrays, cfg) as a custom_partitioning op split over batch and
   heads as the query is (`_plan`), and over the sequence by all_to_all
-  unless `refused` (strategy -> why) says otherwise: each array and
+  or all_gather (`gather`: `_gather_lowering`'s) unless `refused`
+  (strategy -> why) says otherwise: each array and
   result along its factors (a string each: "b t n h"; `_localize`), its
   other dims whole. A result without the batch factor (or without the
   heads') is summed over the devices of the batch (heads) split: the
@@ -526,7 +540,7 @@ def _split_with_operands(fn, in_factors, out_factors, refused,
     return type(like)(out) if isinstance(like, (list, tuple)) else out[0]
 
   def plan(mesh, arg_shapes, cfg):
-    return _plan(mesh, arg_shapes, cfg, None, refused)
+    return _plan(mesh, arg_shapes, cfg, refit_why, refused)
 
   def infer(cfg, mesh, arg_shapes, result_shape):
     return shardings(mesh, plan(mesh, arg_shapes, cfg), out_factors,
@@ -545,7 +559,13 @@ def _split_with_operands(fn, in_factors, out_factors, refused,
     def place(axes, size):
       return lax.axis_index(axes) * size if axes is not None else 0
 
+    local_fn = (gather(cfg, split, p) if split.strategy == "all_gather"
+                else None)
+
     def lower(*arrays):
+      if local_fn is not None:
+        return tuple(summed(y, f)
+                     for y, f in zip(local_fn(*arrays), out_factors))
       if seed_index is not None and not cfg.scores.dropout_broadcast:
         local = arrays[0].shape  # [B, T, N, H] of this device.
         heads = place(split.heads, local[2]) + place(split.seq,
@@ -581,19 +601,24 @@ def _split_with_operands(fn, in_factors, out_factors, refused,
 # whole.
 _SEQUENCE_OPERANDS = frozenset(("q_ids", "kv_ids", "alibi_slopes", "sinks",
                                 "tile_kinds", "dropout_seed"))
+# Those all_gather takes too (key ids gathered with the keys, query ids cut
+# with the queries, per-head arrays whole).
+_GATHER_OPERANDS = frozenset(("q_ids", "kv_ids", "alibi_slopes", "sinks"))
 
 
 def _refused(operands: Operands) -> dict:
   """{strategy: why it cannot run a call with `operands`}."""
   present = {f.name for f in dataclasses.fields(Operands)
              if getattr(operands, f.name) is not None}
-  if present <= _SEQUENCE_OPERANDS:
-    why = ("a call with optional arrays splits the sequence by all_to_all "
-           "alone")
-    return {"all_gather": why, "ring": why}
-  why = (f"a call with {sorted(present - _SEQUENCE_OPERANDS)} keeps its "
-         f"sequence whole")
-  return {s: why for s in STRATEGIES[1:]}
+  if not present <= _SEQUENCE_OPERANDS:
+    why = (f"a call with {sorted(present - _SEQUENCE_OPERANDS)} keeps its "
+           f"sequence whole")
+    return {s: why for s in STRATEGIES[1:]}
+  why = {"ring": "ring runs no optional arrays (ids, ALiBi, sinks, ...)"}
+  if not present <= _GATHER_OPERANDS:
+    why["all_gather"] = (f"all_gather runs no "
+                         f"{sorted(present - _GATHER_OPERANDS)}")
+  return why
 
 
 def _seed_index(tree):
@@ -603,29 +628,41 @@ def _seed_index(tree):
   return None if numbered.dropout_seed is None else 3 + numbered.dropout_seed
 
 
+_QKV = ("b t n h", "b s k h", "b s k v")
+_FWD_OUT = ("b t n v", "b n t")
+_BWD_IN = ("b t n v", "b n t", "b t n v", "b n t")
+
+
 def sharded_forward(forward, chunk_forward, ring_forward, refit_why):
   """forward(q, k, v, operands, cfg) -> (o, lse), split over batch, heads
-  and (without operands) the sequence. chunk_forward(q, k, v, q_offsets,
-  cfg): the same for queries at per-sequence offsets; ring_forward(q, k,
-  v, seq, p, cfg): the ring over mesh axes `seq` of size p;
+  and the sequence. chunk_forward(q, k, v, operands, cfg): the same for
+  queries at per-sequence offsets (`operands.q_offsets`); ring_forward(q,
+  k, v, seq, p, cfg): the ring over mesh axes `seq` of size p;
   refit_why(cfg, problem, dtype, offsets): why a part of the call (a
   chunk at offsets, a ring's pair) cannot run, or None."""
+  def plain_chunk(q, k, v, offsets, cfg):
+    return chunk_forward(q, k, v, Operands(q_offsets=offsets), cfg)
   plain = _define(
       lambda q, k, v, cfg: forward(q, k, v, Operands(), cfg), _FWD_RULE, {
-          "all_gather": functools.partial(_gather_forward, chunk_forward),
+          "all_gather": _gather_lowering(plain_chunk, _QKV, _FWD_OUT),
           "ring": functools.partial(_ring_lower, ring_forward)},
       refit_why, ())
 
   @functools.cache
   def with_operands(tree, factors, refused):
-    refused = dict(refused)
-
     def fn(*args):
       q, k, v, *leaves, cfg = args
       return forward(q, k, v, jax.tree.unflatten(tree, leaves), cfg)
+
+    def chunk(*args):
+      q, k, v, *leaves, offsets, cfg = args
+      operands = dataclasses.replace(jax.tree.unflatten(tree, leaves),
+                                     q_offsets=offsets)
+      return chunk_forward(q, k, v, operands, cfg)
+    in_factors = _QKV + factors
     return _split_with_operands(
-        fn, ("b t n h", "b s k h", "b s k v") + factors,
-        ("b t n v", "b n t"), refused, _seed_index(tree))
+        fn, in_factors, _FWD_OUT, dict(refused), refit_why,
+        _gather_lowering(chunk, in_factors, _FWD_OUT), _seed_index(tree))
 
   def call(q, k, v, operands: Operands, cfg):
     if operands.empty:
@@ -639,31 +676,44 @@ def sharded_forward(forward, chunk_forward, ring_forward, refit_why):
 
 def sharded_backward(backward, chunk_backward, ring_backward, refit_why):
   """backward(q, k, v, operands, o, lse, do, dlse, cfg) -> (dq, dk, dv,
-  the operands' gradients), likewise; chunk_backward(q, k, v, q_offsets,
-  o, lse, do, dlse, cfg), ring_backward(q, k, v, o, lse, do, dlse, seq, p,
-  cfg), neither with operands."""
+  the operands' gradients), likewise; chunk_backward(q, k, v, operands, o,
+  lse, do, dlse, cfg) the same at `operands.q_offsets`; ring_backward(q,
+  k, v, o, lse, do, dlse, seq, p, cfg), without operands."""
   def without_operands(q, k, v, o, lse, do, dlse, cfg):
     return backward(q, k, v, Operands(), o, lse, do, dlse, cfg)[:3]
+
+  def plain_chunk(q, k, v, o, lse, do, dlse, offsets, cfg):
+    return chunk_backward(q, k, v, Operands(q_offsets=offsets), o, lse, do,
+                          dlse, cfg)[:3]
   plain = _define(without_operands, _BWD_RULE, {
-      "all_gather": functools.partial(_gather_backward, chunk_backward),
+      "all_gather": _gather_lowering(plain_chunk, _QKV + _BWD_IN, _QKV),
       "ring": functools.partial(_ring_lower, ring_backward)}, refit_why,
       (1, 2))
 
   @functools.cache
   def with_operands(tree, factors, diff, refused):
-    refused = dict(refused)
+    def chosen(grads):
+      flat = jax.tree.leaves(dataclasses.replace(grads, q_offsets=None))
+      return tuple(flat[i] for i in diff)
 
     def fn(*args):
       q, k, v, *leaves, o, lse, do, dlse, cfg = args
       dq, dk, dv, grads = backward(q, k, v, jax.tree.unflatten(tree, leaves),
                                    o, lse, do, dlse, cfg)
-      flat = jax.tree.leaves(grads)
-      return (dq, dk, dv) + tuple(flat[i] for i in diff)
+      return (dq, dk, dv) + chosen(grads)
+
+    def chunk(*args):
+      q, k, v, *leaves, o, lse, do, dlse, offsets, cfg = args
+      operands = dataclasses.replace(jax.tree.unflatten(tree, leaves),
+                                     q_offsets=offsets)
+      dq, dk, dv, grads = chunk_backward(q, k, v, operands, o, lse, do,
+                                         dlse, cfg)
+      return (dq, dk, dv) + chosen(grads)
+    in_factors = _QKV + factors + _BWD_IN
+    out_factors = _QKV + tuple(factors[i] for i in diff)
     return _split_with_operands(
-        fn, ("b t n h", "b s k h", "b s k v") + factors +
-        ("b t n v", "b n t", "b t n v", "b n t"),
-        ("b t n h", "b s k h", "b s k v") + tuple(factors[i] for i in diff),
-        refused, _seed_index(tree))
+        fn, in_factors, out_factors, dict(refused), refit_why,
+        _gather_lowering(chunk, in_factors, out_factors), _seed_index(tree))
 
   def call(q, k, v, operands: Operands, o, lse, do, dlse, cfg):
     if operands.empty:

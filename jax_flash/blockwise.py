@@ -156,6 +156,10 @@ def _logits2(p: _Problem, ops: Operands, qk, q0, k0):
   """
   rows = q0 + jnp.arange(p.block_q, dtype=jnp.int32)[:, None]
   cols = k0 + jnp.arange(p.block_k, dtype=jnp.int32)[None, :]
+  offset = 0
+  if p.mask.has_q_offsets:
+    offset = ops.q_offsets[:, None, None, None, None]
+  positions = rows + offset  # What ALiBi and the mods see of a query.
   slope = bias = None
   if p.scores.alibi:
     slope = _per_head(ops.alibi_slopes, p.num_kv_heads)[..., None, None]
@@ -165,16 +169,13 @@ def _logits2(p: _Problem, ops: Operands, qk, q0, k0):
   batch = head = None
   if p.mask.mod is not None or p.scores.mod is not None:
     batch, head = _batch_head(qk)
-  s2, tanh = p.scores.logits2(qk, rows, cols, slope, bias, batch, head,
+  s2, tanh = p.scores.logits2(qk, positions, cols, slope, bias, batch, head,
                               ops.score_consts or ())
   q_ids = kv_ids = None
   if p.mask.has_ids:
     q_ids = lax.dynamic_slice_in_dim(ops.q_ids, q0, p.block_q, 1)
     kv_ids = lax.dynamic_slice_in_dim(ops.kv_ids, k0, p.block_k, 1)
     q_ids, kv_ids = q_ids[:, None, None, :, None], kv_ids[:, None, None, None]
-  offset = 0
-  if p.mask.has_q_offsets:
-    offset = ops.q_offsets[:, None, None, None, None]
   band = dataclasses.replace(p.mask, mod=None)
   visible = band.visible(rows, cols, p.kv_len, q_ids, kv_ids, offset)
   if p.mask.mod is not None:  # Evaluated only where a tile is not full.
@@ -183,7 +184,8 @@ def _logits2(p: _Problem, ops: Operands, qk, q0, k0):
     visible = visible & lax.cond(
         full, lambda: jnp.ones(qk.shape, bool),
         lambda: jnp.broadcast_to(p.mask.mod(
-            batch, head, rows, cols, consts=ops.mask_consts or ()), qk.shape))
+            batch, head, positions, cols, consts=ops.mask_consts or ()),
+            qk.shape))
   if p.mask.has_dense:
     tile = _slice(_slice(ops.dense_mask, 2, q0, p.block_q), 3, k0, p.block_k)
     visible = visible & (_per_head(tile, p.num_kv_heads) != 0)

@@ -217,7 +217,8 @@ def operands():
   operands that broadcast over a split summed across it; results as on
   one device, dropout's keep bits too (its seed shifted to each device's
   place). Sequence-sharded ("model"), all_to_all with ids, ALiBi, sinks
-  and dropout; a bias keeps the sequence whole. (A mod reading the batch
+  and dropout, all_gather with ids, ALiBi and sinks; a bias keeps the
+  sequence whole. (A mod reading the batch
   or head index keeps the call whole: tests/test_sharding.py finds such
   mods.)"""
   mesh = jax.make_mesh((2, 4), ("data", "model"),
@@ -289,15 +290,50 @@ def operands():
     assert (not tensors) == split, (name, gathered)
     if sharding is seq:
       assert (hlo.count("all-to-all(") > 0) == split, name
-  try:
-    jax.jit(lambda q: jax_flash.flash_attention(
-        q, q, q, segment_ids=segments, context_parallel="ring")).lower(
-            jax.device_put(q, seq)).compile()
-  except Exception as e:  # Raised in XLA's partitioner, wrapped by it.
-    assert "context_parallel='ring' cannot run this call" in str(e), str(e)
-    assert "splits the sequence by all_to_all alone" in str(e), str(e)
-  else:
-    raise AssertionError("ring ran with segment ids")
+  # all_gather with ids, ALiBi and sinks: 2 KV heads, which all_to_all
+  # cannot split over the sequence's 4 devices; named (causal: balanced
+  # halves) and chosen by "auto".
+  q, k, v, do = random_inputs(b, t, t, n, 2, h, jnp.float32, seed=6)
+  for strategy, causal in (("all_gather", True), ("auto", False)):
+    def loss(q, k, v, x):
+      out = jax_flash.flash_attention(
+          q, k, v, implementation="interpret", is_causal=causal,
+          segment_ids=segments, sinks=x, context_parallel=strategy,
+          alibi_slopes=jnp.linspace(0.01, 0.3, b * n).reshape(b, n))
+      return jnp.sum(out * do), out
+
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3),
+                                      has_aux=True))
+    (_, out), grads = grad(q, k, v, sinks)
+    args = [jax.device_put(a, seq) for a in (q, k, v)] + [sinks]
+    hlo = grad.lower(*args).compile().as_text()
+    (_, out_s), grads_s = grad(*args)
+    errors = [relative_error(out_s, out)] + [
+        relative_error(a, c) for a, c in zip(grads_s, grads)]
+    gathered = [line.split("=")[1].split()[0].split("{")[0]
+                for line in hlo.splitlines() if " all-gather(" in line]
+    print(f"operands sequence {strategy} causal={causal}: all-gathers "
+          f"{gathered} all-to-alls={hlo.count('all-to-all(')} "
+          f"errors={errors}")
+    assert errors[0] <= bound.out and max(errors[1:]) <= bound.grad, errors
+    # K and V ([1, T, 2, H]; forward and backward) and the key ids ([1, T])
+    # gathered; never the queries.
+    assert sorted(g for g in gathered if g.count(",") >= 3) == [
+        f"f32[1,{t},2,{h}]"] * 4, gathered
+    assert f"s32[1,{t}]" in gathered, gathered
+    assert hlo.count("all-to-all(") == 0
+  for strategy, why in (("ring", "ring runs no optional arrays"),
+                        ("all_gather", "all_gather runs no ['dropout_seed']")):
+    try:
+      jax.jit(lambda q: jax_flash.flash_attention(
+          q, q, q, segment_ids=segments, context_parallel=strategy,
+          dropout_rate=0.1, dropout_rng=jax.random.key(0))).lower(
+              jax.device_put(q, seq)).compile()
+    except Exception as e:  # Raised in XLA's partitioner, wrapped by it.
+      assert f"context_parallel={strategy!r} cannot run this call" in str(e)
+      assert why in str(e), str(e)
+    else:
+      raise AssertionError(f"{strategy} ran with segment ids and dropout")
   print("operands: every case matches one device")
 
 

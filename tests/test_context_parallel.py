@@ -11,6 +11,7 @@ import jax_flash
 from jax_flash import _dispatch, _primitive, attention
 from jax_flash.spec import checks
 from jax_flash.spec.mask import Mask
+from jax_flash.spec.operands import Operands
 from jax_flash.spec.scores import Scores
 from jax_flash.testing import assert_attention_close
 from tests.cases import random_inputs
@@ -27,7 +28,11 @@ DTYPE = jnp.bfloat16 if ON_GPU else jnp.float32
     (256, 256, 2, 2, 128, 128, (128, 64),
      dict(local_window_size=(40, 8), logits_soft_cap=20.0)),
     (192, 192, 4, 4, 64, 96, (96, 0), {}),
-], ids=["causal", "cross_causal_mqa", "window_softcap", "full"])
+    (256, 256, 4, 2, 64, 64, (64, 192),
+     dict(is_causal=True, alibi_slopes=jnp.linspace(0.02, 0.2, 8).reshape(
+         2, 4))),
+], ids=["causal", "cross_causal_mqa", "window_softcap", "full",
+        "alibi_causal"])
 def test_query_chunk_at_offsets_matches_whole_rows(case, implementation):
   t, s, n, kh, h, rows, offsets, options = case
   q, k, v, _ = random_inputs(2, t, s, n, kh, h, DTYPE, seed=t + rows)
@@ -51,17 +56,20 @@ def test_query_chunk_at_offsets_matches_whole_rows(case, implementation):
   mask = Mask(is_causal=options.get("is_causal", False),
               window_left=None if window is None else window[0],
               window_right=None if window is None else window[1])
-  scores = Scores(scale=h ** -0.5, soft_cap=soft_cap)
+  slopes = options.get("alibi_slopes")  # ALiBi sees positions, not rows.
+  scores = Scores(scale=h ** -0.5, soft_cap=soft_cap,
+                  alibi=slopes is not None)
   p = checks.check_qkv(q, k, v)
   plan = _dispatch.select(implementation, q, p, q.dtype, mask=mask,
                           scores=scores)
   cfg = attention.config(plan, None, p, q.dtype, mask, scores,
                          is_causal=mask.is_causal)
   qc = chunk_of(q)
+  operands = Operands(q_offsets=starts, alibi_slopes=slopes)
   out, lse = jax.jit(_primitive._chunk_forward, static_argnums=4)(
-      qc, k, v, starts, cfg)
-  dq, dk, dv = jax.jit(_primitive._chunk_backward, static_argnums=8)(
-      qc, k, v, starts, out, lse, do, jnp.zeros_like(lse), cfg)
+      qc, k, v, operands, cfg)
+  dq, dk, dv, _ = jax.jit(_primitive._chunk_backward, static_argnums=8)(
+      qc, k, v, operands, out, lse, do, jnp.zeros_like(lse), cfg)
   assert_attention_close(
       {"out": out, "dq": dq, "dk": dk, "dv": dv},
       {"out": want, "dq": chunk_of(want_grads[0]), "dk": want_grads[1],

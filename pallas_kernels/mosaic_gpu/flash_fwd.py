@@ -351,8 +351,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
             jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
       tile = (pl.ds(q_start, block_q), pl.ds(j * block_kv, block_kv))
       # Base-2 logits s * c (c > 0; `factored_logits2`).
-      s, c, _ = logits2(scores, s, rows, cols, slope=slope, bias_ref=bias_ref,
-                        pair=tile, batch=batch, head=head)
+      positions = (rows if rows is None or offsets_ref is None else
+                   rows + q_offset)  # What ALiBi and a score_mod see.
+      s, c, _ = logits2(scores, s, positions, cols, slope=slope,
+                        bias_ref=bias_ref, pair=tile, batch=batch, head=head)
       if masked:
         ids = {}
         if mask.has_ids:

@@ -142,6 +142,8 @@ class TileContext:
     if self.scores.plain:
       return self.scores.logits2(qk)
     rows, cols = self._coords(q_start, k_start)
+    if self.mask.has_q_offsets:  # Positions: what ALiBi and mods see.
+      rows = rows + self.q_offset
     bias = None
     if self.scores.bias:
       bias = self._pair_tile(self.refs.bias, head, q_start, k_start, 0.0)
