@@ -143,24 +143,36 @@ def _chunk_backward(q, k, v, operands: Operands, o, lse, do, dlse,
 
 def _ring_of(cfg: Config, q, k, v, seq, size: int) -> ring._Ring:
   """The ring over mesh axes `seq` for this device's chunks (in the zigzag
-  layout when causal: its two halves are the pairs' chunks)."""
+  layout when causal: its two halves are the pairs' chunks). Sinks join
+  the merge of the pairs' partials, not a pair's kernel."""
   p = check_qkv(q, k, v)
   half = 2 if cfg.mask.is_causal else 1
   pair = dataclasses.replace(p, q_len=p.q_len // half,
                              kv_len=p.kv_len // half)
+  cfg = dataclasses.replace(
+      cfg, scores=dataclasses.replace(cfg.scores, sinks=False))
   part = _refit(cfg, pair, q.dtype, False)
   return ring._Ring(axis=seq, size=size, causal=cfg.mask.is_causal,
                     scores=cfg.scores, plan=part.plan, configs=part.configs)
 
 
-def _ring_forward(q, k, v, seq, size, cfg: Config):
-  return ring._ring_forward(q, k, v, None, None, None,
-                            _ring_of(cfg, q, k, v, seq, size))
+def _ring_forward(q, k, v, operands: Operands, seq, size, cfg: Config):
+  return ring._ring_forward(q, k, v, operands.q_ids, operands.kv_ids,
+                            operands.sinks, _ring_of(cfg, q, k, v, seq, size))
 
 
-def _ring_backward(q, k, v, o, lse, do, dlse, seq, size, cfg: Config):
-  return ring._ring_backward(q, k, v, None, None, o, lse, do, dlse,
-                             _ring_of(cfg, q, k, v, seq, size))
+def _ring_backward(q, k, v, operands: Operands, o, lse, do, dlse, seq, size,
+                   cfg: Config):
+  """(dq, dk, dv, the operands' gradients: the sinks' over this device's
+  queries, zeros for the ids)."""
+  dq, dk, dv = ring._ring_backward(q, k, v, operands.q_ids, operands.kv_ids,
+                                   o, lse, do, dlse,
+                                   _ring_of(cfg, q, k, v, seq, size))
+  d_operands = jax.tree.map(jnp.zeros_like, operands)
+  if operands.sinks is not None:
+    d_operands = dataclasses.replace(
+        d_operands, sinks=_sink_gradient(operands.sinks, o, lse, do, dlse))
+  return dq, dk, dv, d_operands
 
 
 # Batch-, head- and (without optional operands) sequence-sharded inputs

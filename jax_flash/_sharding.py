@@ -26,7 +26,8 @@ moves, `_Split.cost`):
   device d holds chunks d and 2P-1-d of 2P (`_to_zigzag`), and the results
   go back. Queries are never gathered.
 * ring (named only: it moves as much as all_gather, and spares memory):
-  self-attention with causal or full masks; K/V chunks travel around the
+  self-attention with causal or full masks (segment ids and sinks too);
+  K/V chunks travel around the
   devices while each runs its pairs (`jax_flash.ring`, the code of
   `ring_attention`), causal calls in the balanced layout.
 
@@ -38,7 +39,7 @@ summed over a split it broadcasts along is summed over those devices); its
 sequence splits by all_to_all where its operands allow
 (`_SEQUENCE_OPERANDS`), by all_gather where they allow that
 (`_GATHER_OPERANDS`: key ids gathered with the keys, query ids cut with
-the queries), else is gathered. Dropout's seed is shifted to
+the queries) or ring (`_RING_OPERANDS`), else is gathered. Dropout's seed is shifted to
 each device's place in the batch and the heads, so its keep bits are the
 whole call's. A mask_mod or score_mod that reads its batch or head index
 and a mod's arrays keep the call whole (`splittable`).
@@ -177,13 +178,16 @@ def _plan(mesh, arg_shapes, cfg, refit_why, refused=None) -> _Split:
                                                      True)
   if offsets_why:
     why["all_gather"] = offsets_why
-  plain = type(cfg.mask)(is_causal=cfg.mask.is_causal)
+  causal = cfg.mask.is_causal
+  ring_masks = (Mask(is_causal=causal),
+                Mask(is_causal=causal, has_ids=True, segments_only=True))
   if "ring" in why:  # Refused beforehand.
     pass
   elif not kv_seq or q.shape[1] != k.shape[1]:
     why["ring"] = "ring runs self-attention with keys sharded as queries"
-  elif cfg.mask != plain:
-    why["ring"] = "ring runs causal or full masks alone"
+  elif cfg.mask not in ring_masks:
+    why["ring"] = ("ring runs causal or full masks alone, or with segment "
+                   "ids (no lengths)")
   elif cfg.mask.is_causal and not balanced:
     why["ring"] = "a causal ring needs chunks of an even length"
   else:
@@ -224,11 +228,6 @@ def all_to_all(fn, seq):
     outs = fn(*(swap(x, True) for x in arrays))
     return jax.tree.map(lambda y: swap(y, False), outs)
   return run
-
-
-def _seq_axis(x) -> int:
-  """The sequence axis of a per-token array: [B, L, N, H] or [B, N, L]."""
-  return 1 if x.ndim == 4 else 2
 
 
 def _zigzag_perms(p):
@@ -349,22 +348,31 @@ def _unzigzag_whole(x, axis, seq, p):
   return _from_zigzag(*jnp.split(x, 2, axis), axis, seq, p)
 
 
-def _ring_lower(ring_fn, cfg, split: _Split, p):
-  """ring's forward or backward on a device: its arrays (the first three
-  q, k, v, then per-query [B, T, N, H] / [B, N, T] ones) moved into the
-  balanced layout when causal, the ring run, its results moved back."""
-  seq = split.seq
+def _ring_lowering(ring_fn, in_factors, out_factors):
+  """ring's per-device function, (cfg, split, p) -> run(*arrays): the
+  arrays along the sequence (a "t" or "s" factor) moved into the balanced
+  layout when causal, ring_fn(*arrays, seq, p, cfg) run, its results moved
+  back; a result with neither factor (the sinks' gradient, a partial over
+  this device's queries) summed across the devices."""
+  def lowering(cfg, split: _Split, p):
+    seq = split.seq
 
-  def run(*arrays):
-    if split.balanced:
-      arrays = [_zigzag_whole(x, _seq_axis(x), seq, p)
-                for x in arrays]
-    outs = ring_fn(*arrays, seq, p, cfg)
-    if split.balanced:
-      outs = tuple(_unzigzag_whole(y, _seq_axis(y), seq, p)
-                   for y in outs)
-    return outs
-  return run
+    def axis(factors):
+      t = _axis(factors, "t")
+      return t if t is not None else _axis(factors, "s")
+
+    def run(*arrays):
+      if split.balanced:
+        arrays = [x if axis(f) is None else
+                  _zigzag_whole(x, axis(f), seq, p)
+                  for x, f in zip(arrays, in_factors)]
+      outs = ring_fn(*arrays, seq, p, cfg)
+      return tuple(
+          lax.psum(y, seq) if axis(f) is None else
+          _unzigzag_whole(y, axis(f), seq, p) if split.balanced else y
+          for y, f in zip(outs, out_factors))
+    return run
+  return lowering
 
 
 def _fold_vmap(op):
@@ -515,11 +523,12 @@ def _localize(x, factors: str, seq, p: int, to_heads: bool):
 
 
 def _split_with_operands(fn, in_factors, out_factors, refused, refit_why,
-                         gather, seed_index=None):
+                         lowerings, seed_index=None):
   """fn(*arrays, cfg) as a custom_partitioning op split over batch and
   heads as the query is (`_plan`), and over the sequence by all_to_all
-  or all_gather (`gather`: `_gather_lowering`'s) unless `refused`
-  (strategy -> why) says otherwise: each array and
+  or the other strategies (`lowerings`: name -> (cfg, split, p) -> the
+  per-device function) unless `refused` (strategy -> why) says otherwise:
+  each array and
   result along its factors (a string each: "b t n h"; `_localize`), its
   other dims whole. A result without the batch factor (or without the
   heads') is summed over the devices of the batch (heads) split: the
@@ -559,8 +568,8 @@ def _split_with_operands(fn, in_factors, out_factors, refused, refit_why,
     def place(axes, size):
       return lax.axis_index(axes) * size if axes is not None else 0
 
-    local_fn = (gather(cfg, split, p) if split.strategy == "all_gather"
-                else None)
+    local_fn = (lowerings[split.strategy](cfg, split, p)
+                if split.strategy in lowerings else None)
 
     def lower(*arrays):
       if local_fn is not None:
@@ -604,6 +613,8 @@ _SEQUENCE_OPERANDS = frozenset(("q_ids", "kv_ids", "alibi_slopes", "sinks",
 # Those all_gather takes too (key ids gathered with the keys, query ids cut
 # with the queries, per-head arrays whole).
 _GATHER_OPERANDS = frozenset(("q_ids", "kv_ids", "alibi_slopes", "sinks"))
+# Those ring takes (key ids travel with the keys; sinks join the merge).
+_RING_OPERANDS = frozenset(("q_ids", "kv_ids", "sinks"))
 
 
 def _refused(operands: Operands) -> dict:
@@ -614,10 +625,11 @@ def _refused(operands: Operands) -> dict:
     why = (f"a call with {sorted(present - _SEQUENCE_OPERANDS)} keeps its "
            f"sequence whole")
     return {s: why for s in STRATEGIES[1:]}
-  why = {"ring": "ring runs no optional arrays (ids, ALiBi, sinks, ...)"}
-  if not present <= _GATHER_OPERANDS:
-    why["all_gather"] = (f"all_gather runs no "
-                         f"{sorted(present - _GATHER_OPERANDS)}")
+  why = {}
+  for name, allowed in (("all_gather", _GATHER_OPERANDS),
+                        ("ring", _RING_OPERANDS)):
+    if not present <= allowed:
+      why[name] = f"{name} runs no {sorted(present - allowed)}"
   return why
 
 
@@ -637,15 +649,18 @@ def sharded_forward(forward, chunk_forward, ring_forward, refit_why):
   """forward(q, k, v, operands, cfg) -> (o, lse), split over batch, heads
   and the sequence. chunk_forward(q, k, v, operands, cfg): the same for
   queries at per-sequence offsets (`operands.q_offsets`); ring_forward(q,
-  k, v, seq, p, cfg): the ring over mesh axes `seq` of size p;
+  k, v, operands, seq, p, cfg): the ring over mesh axes `seq` of size p;
   refit_why(cfg, problem, dtype, offsets): why a part of the call (a
   chunk at offsets, a ring's pair) cannot run, or None."""
   def plain_chunk(q, k, v, offsets, cfg):
     return chunk_forward(q, k, v, Operands(q_offsets=offsets), cfg)
+
+  def plain_ring(q, k, v, seq, p, cfg):
+    return ring_forward(q, k, v, Operands(), seq, p, cfg)
   plain = _define(
       lambda q, k, v, cfg: forward(q, k, v, Operands(), cfg), _FWD_RULE, {
           "all_gather": _gather_lowering(plain_chunk, _QKV, _FWD_OUT),
-          "ring": functools.partial(_ring_lower, ring_forward)},
+          "ring": _ring_lowering(plain_ring, _QKV, _FWD_OUT)},
       refit_why, ())
 
   @functools.cache
@@ -659,10 +674,17 @@ def sharded_forward(forward, chunk_forward, ring_forward, refit_why):
       operands = dataclasses.replace(jax.tree.unflatten(tree, leaves),
                                      q_offsets=offsets)
       return chunk_forward(q, k, v, operands, cfg)
+
+    def ring(*args):
+      q, k, v, *leaves, seq, p, cfg = args
+      return ring_forward(q, k, v, jax.tree.unflatten(tree, leaves), seq, p,
+                          cfg)
     in_factors = _QKV + factors
     return _split_with_operands(
-        fn, in_factors, _FWD_OUT, dict(refused), refit_why,
-        _gather_lowering(chunk, in_factors, _FWD_OUT), _seed_index(tree))
+        fn, in_factors, _FWD_OUT, dict(refused), refit_why, {
+            "all_gather": _gather_lowering(chunk, in_factors, _FWD_OUT),
+            "ring": _ring_lowering(ring, in_factors, _FWD_OUT)},
+        _seed_index(tree))
 
   def call(q, k, v, operands: Operands, cfg):
     if operands.empty:
@@ -678,16 +700,20 @@ def sharded_backward(backward, chunk_backward, ring_backward, refit_why):
   """backward(q, k, v, operands, o, lse, do, dlse, cfg) -> (dq, dk, dv,
   the operands' gradients), likewise; chunk_backward(q, k, v, operands, o,
   lse, do, dlse, cfg) the same at `operands.q_offsets`; ring_backward(q,
-  k, v, o, lse, do, dlse, seq, p, cfg), without operands."""
+  k, v, operands, o, lse, do, dlse, seq, p, cfg) the ring's."""
   def without_operands(q, k, v, o, lse, do, dlse, cfg):
     return backward(q, k, v, Operands(), o, lse, do, dlse, cfg)[:3]
 
   def plain_chunk(q, k, v, o, lse, do, dlse, offsets, cfg):
     return chunk_backward(q, k, v, Operands(q_offsets=offsets), o, lse, do,
                           dlse, cfg)[:3]
+
+  def plain_ring(q, k, v, o, lse, do, dlse, seq, p, cfg):
+    return ring_backward(q, k, v, Operands(), o, lse, do, dlse, seq, p,
+                         cfg)[:3]
   plain = _define(without_operands, _BWD_RULE, {
       "all_gather": _gather_lowering(plain_chunk, _QKV + _BWD_IN, _QKV),
-      "ring": functools.partial(_ring_lower, ring_backward)}, refit_why,
+      "ring": _ring_lowering(plain_ring, _QKV + _BWD_IN, _QKV)}, refit_why,
       (1, 2))
 
   @functools.cache
@@ -709,11 +735,20 @@ def sharded_backward(backward, chunk_backward, ring_backward, refit_why):
       dq, dk, dv, grads = chunk_backward(q, k, v, operands, o, lse, do,
                                          dlse, cfg)
       return (dq, dk, dv) + chosen(grads)
+
+    def ring(*args):
+      q, k, v, *leaves, o, lse, do, dlse, seq, p, cfg = args
+      dq, dk, dv, grads = ring_backward(q, k, v,
+                                        jax.tree.unflatten(tree, leaves), o,
+                                        lse, do, dlse, seq, p, cfg)
+      return (dq, dk, dv) + chosen(grads)
     in_factors = _QKV + factors + _BWD_IN
     out_factors = _QKV + tuple(factors[i] for i in diff)
     return _split_with_operands(
-        fn, in_factors, out_factors, dict(refused), refit_why,
-        _gather_lowering(chunk, in_factors, out_factors), _seed_index(tree))
+        fn, in_factors, out_factors, dict(refused), refit_why, {
+            "all_gather": _gather_lowering(chunk, in_factors, out_factors),
+            "ring": _ring_lowering(ring, in_factors, out_factors)},
+        _seed_index(tree))
 
   def call(q, k, v, operands: Operands, o, lse, do, dlse, cfg):
     if operands.empty:

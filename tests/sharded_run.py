@@ -217,8 +217,8 @@ def operands():
   operands that broadcast over a split summed across it; results as on
   one device, dropout's keep bits too (its seed shifted to each device's
   place). Sequence-sharded ("model"), all_to_all with ids, ALiBi, sinks
-  and dropout, all_gather with ids, ALiBi and sinks; a bias keeps the
-  sequence whole. (A mod reading the batch
+  and dropout, all_gather with ids, ALiBi and sinks, ring with ids and
+  sinks; a bias keeps the sequence whole. (A mod reading the batch
   or head index keeps the call whole: tests/test_sharding.py finds such
   mods.)"""
   mesh = jax.make_mesh((2, 4), ("data", "model"),
@@ -293,13 +293,17 @@ def operands():
   # all_gather with ids, ALiBi and sinks: 2 KV heads, which all_to_all
   # cannot split over the sequence's 4 devices; named (causal: balanced
   # halves) and chosen by "auto".
+  # Ring with ids and sinks (no ALiBi: a ring's pairs have no offsets).
   q, k, v, do = random_inputs(b, t, t, n, 2, h, jnp.float32, seed=6)
-  for strategy, causal in (("all_gather", True), ("auto", False)):
+  for strategy, causal in (("all_gather", True), ("auto", False),
+                           ("ring", True), ("ring", False)):
     def loss(q, k, v, x):
+      alibi = None if strategy == "ring" else jnp.linspace(
+          0.01, 0.3, b * n).reshape(b, n)
       out = jax_flash.flash_attention(
           q, k, v, implementation="interpret", is_causal=causal,
           segment_ids=segments, sinks=x, context_parallel=strategy,
-          alibi_slopes=jnp.linspace(0.01, 0.3, b * n).reshape(b, n))
+          alibi_slopes=alibi)
       return jnp.sum(out * do), out
 
     grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3),
@@ -316,13 +320,17 @@ def operands():
           f"{gathered} all-to-alls={hlo.count('all-to-all(')} "
           f"errors={errors}")
     assert errors[0] <= bound.out and max(errors[1:]) <= bound.grad, errors
-    # K and V ([1, T, 2, H]; forward and backward) and the key ids ([1, T])
-    # gathered; never the queries.
-    assert sorted(g for g in gathered if g.count(",") >= 3) == [
-        f"f32[1,{t},2,{h}]"] * 4, gathered
-    assert f"s32[1,{t}]" in gathered, gathered
+    # all_gather: K and V ([1, T, 2, H]; forward and backward) and the key
+    # ids ([1, T]) gathered; ring: no array gathered, key chunks and ids
+    # permuted; never the queries.
+    if strategy == "ring":
+      assert not gathered and hlo.count("collective-permute(") > 0, gathered
+    else:
+      assert sorted(g for g in gathered if g.count(",") >= 3) == [
+          f"f32[1,{t},2,{h}]"] * 4, gathered
+      assert f"s32[1,{t}]" in gathered, gathered
     assert hlo.count("all-to-all(") == 0
-  for strategy, why in (("ring", "ring runs no optional arrays"),
+  for strategy, why in (("ring", "ring runs no ['dropout_seed']"),
                         ("all_gather", "all_gather runs no ['dropout_seed']")):
     try:
       jax.jit(lambda q: jax_flash.flash_attention(
