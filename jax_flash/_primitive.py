@@ -146,14 +146,18 @@ def _ring_of(cfg: Config, q, k, v, seq, size: int) -> ring._Ring:
   layout when causal: its two halves are the pairs' chunks). Sinks join
   the merge of the pairs' partials, not a pair's kernel."""
   p = check_qkv(q, k, v)
-  half = 2 if cfg.mask.is_causal else 1
+  window, _ = cfg.mask.band()  # A causal window (`_sharding._plan`).
+  half = 2 if cfg.mask.is_causal and window is None else 1
   pair = dataclasses.replace(p, q_len=p.q_len // half,
                              kv_len=p.kv_len // half)
   cfg = dataclasses.replace(
       cfg, scores=dataclasses.replace(cfg.scores, sinks=False))
   part = _refit(cfg, pair, q.dtype, False)
-  return ring._Ring(axis=seq, size=size, causal=cfg.mask.is_causal,
-                    scores=cfg.scores, plan=part.plan, configs=part.configs)
+  band = None if window is None else _refit(cfg, pair, q.dtype, True)
+  return ring._Ring(axis=seq, size=size, causal=cfg.mask.band()[1] == 0,
+                    scores=cfg.scores, plan=part.plan, configs=part.configs,
+                    window=window, band_plan=band and band.plan,
+                    band_configs=band and band.configs)
 
 
 def _ring_forward(q, k, v, operands: Operands, seq, size, cfg: Config):

@@ -26,10 +26,11 @@ moves, `_Split.cost`):
   device d holds chunks d and 2P-1-d of 2P (`_to_zigzag`), and the results
   go back. Queries are never gathered.
 * ring (named only: it moves as much as all_gather, and spares memory):
-  self-attention with causal or full masks (segment ids and sinks too);
-  K/V chunks travel around the
+  self-attention with causal or full masks or causal sliding windows
+  (segment ids and sinks too); K/V chunks travel around the
   devices while each runs its pairs (`jax_flash.ring`, the code of
-  `ring_attention`), causal calls in the balanced layout.
+  `ring_attention`), causal calls in the balanced layout, windowed ones
+  in order, stopping after the chunks the window reaches.
 
 A call with optional operands (`Operands`: ids, a dense mask, a bias,
 ALiBi slopes, sinks, query offsets, tile kinds, dropout's seed) splits
@@ -162,6 +163,8 @@ def _plan(mesh, arg_shapes, cfg, refit_why, refused=None) -> _Split:
                kv_rows=k.shape[1] // p if kv_seq else k.shape[1],
                heads=q.shape[2] // hs, kv_heads=num_kv_heads // hs,
                head_dims=q.shape[3] + v.shape[3], kv_seq=kv_seq)
+  left, right = cfg.mask.band()
+  windowed = left is not None and right == 0  # Causal sliding windows.
   balanced = cfg.mask.is_causal and local["q_rows"] % 2 == 0
   why = dict(refused or {})
   if not kv_seq:
@@ -178,23 +181,28 @@ def _plan(mesh, arg_shapes, cfg, refit_why, refused=None) -> _Split:
                                                      True)
   if offsets_why:
     why["all_gather"] = offsets_why
-  causal = cfg.mask.is_causal
+  causal = cfg.mask.is_causal or windowed
   ring_masks = (Mask(is_causal=causal),
                 Mask(is_causal=causal, has_ids=True, segments_only=True))
+  ring_mask = dataclasses.replace(cfg.mask, is_causal=causal,
+                                  window_left=None, window_right=None)
   if "ring" in why:  # Refused beforehand.
     pass
   elif not kv_seq or q.shape[1] != k.shape[1]:
     why["ring"] = "ring runs self-attention with keys sharded as queries"
-  elif cfg.mask not in ring_masks:
-    why["ring"] = ("ring runs causal or full masks alone, or with segment "
-                   "ids (no lengths)")
-  elif cfg.mask.is_causal and not balanced:
+  elif ring_mask not in ring_masks or (
+      (cfg.mask.window_left, cfg.mask.window_right) != (None, None)
+      and not windowed):
+    why["ring"] = ("ring runs causal or full masks and causal sliding "
+                   "windows, alone or with segment ids (no lengths)")
+  elif cfg.mask.is_causal and not balanced and not windowed:
     why["ring"] = "a causal ring needs chunks of an even length"
   else:
-    half = 2 if balanced else 1
+    half = 2 if balanced and not windowed else 1
     pair = dataclasses.replace(chunk, q_len=local["q_rows"] // half,
                                kv_len=local["q_rows"] // half)
-    ring_why = refit_why(cfg, pair, q.dtype, False)
+    ring_why = refit_why(cfg, pair, q.dtype, False) or (
+        windowed and refit_why(cfg, pair, q.dtype, True))
     if ring_why:
       why["ring"] = ring_why
   costs = {s: cost(s, balanced=balanced, **local) for s in STRATEGIES[1:]
@@ -208,7 +216,8 @@ def _plan(mesh, arg_shapes, cfg, refit_why, refused=None) -> _Split:
     raise ValueError(f"context_parallel={want!r} cannot run this call: "
                      f"{why[want]}")
   return _Split(batch, heads, seq, kv_seq, want,
-                balanced and want != "all_to_all")
+                balanced and want != "all_to_all"
+                and not (windowed and want == "ring"))
 
 
 def all_to_all(fn, seq):

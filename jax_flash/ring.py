@@ -38,49 +38,97 @@ class _Ring:
   scores: Scores
   plan: _dispatch.Plan  # The backends of one pair of chunks,
   configs: _dispatch.Configs  # and their block sizes.
+  # A causal sliding window of `window` keys to the left of each query
+  # (`Mask.window_left`): contiguous chunks (no zigzag), only the steps
+  # whose keys the window reaches (`_steps`); after the first, a pair's
+  # queries sit at an offset from its keys (`band_plan`, `band_configs`:
+  # the backends of such a pair).
+  window: int | None = None
+  band_plan: _dispatch.Plan | None = None
+  band_configs: _dispatch.Configs | None = None
+
+  @property
+  def zigzag(self) -> bool:
+    return self.causal and self.window is None
 
 
-def _masks(ids):
-  """The full and the causal mask of a pair (with segment ids if given: the
-  ring takes no lengths, so no id marks padding)."""
+def _steps(ring: _Ring, chunk: int) -> int:
+  """How many key chunks a device's queries visit: all P, or with a window
+  of w keys to the left the chunks d - i with (i - 1) * chunk < w."""
+  if ring.window is None:
+    return ring.size
+  return min(ring.size, (ring.window - 1) // chunk + 2)
+
+
+def _masks(ids, ring: _Ring):
+  """The masks of a pair's kinds FULL and CAUSAL (with segment ids if
+  given: the ring takes no lengths, so no id marks padding); with a
+  window, FULL is a key chunk before the queries' (at query offsets) and
+  CAUSAL the queries' own."""
   has_ids = ids[0] is not None
-  return (Mask(has_ids=has_ids, segments_only=has_ids),
-          Mask(is_causal=True, has_ids=has_ids, segments_only=has_ids))
+  kw = dict(has_ids=has_ids, segments_only=has_ids)
+  if ring.window is None:
+    return Mask(**kw), Mask(is_causal=True, **kw)
+  return (Mask(is_causal=True, window_left=ring.window, has_q_offsets=True,
+               **kw),
+          Mask(is_causal=True, window_left=ring.window, **kw))
 
 
-def _pair_forward(kind, q, k, v, ids, ring: _Ring):
-  """(o, lse) of one (query chunk, key chunk) pair: full, causal or skipped."""
+def _plan_of(ring: _Ring, mask: Mask):
+  if mask.has_q_offsets:
+    return ring.band_plan, ring.band_configs
+  return ring.plan, ring.configs
+
+
+def _pair_forward(kind, q, k, v, ids, offsets, ring: _Ring):
+  """(o, lse) of one (query chunk, key chunk) pair: full, causal or skipped
+  (`offsets`: the queries' positions past the keys' first, for a windowed
+  ring's FULL pairs)."""
   def run(mask):
-    return lambda q, k, v, ids: ring.plan.forward.forward(
-        q, k, v, Operands(q_ids=ids[0], kv_ids=ids[1]), mask=mask,
-        scores=ring.scores, config=ring.configs.forward)
+    plan, configs = _plan_of(ring, mask)
+    return lambda q, k, v, ids: plan.forward.forward(
+        q, k, v, Operands(q_ids=ids[0], kv_ids=ids[1],
+                          q_offsets=offsets if mask.has_q_offsets else None),
+        mask=mask, scores=ring.scores, config=configs.forward)
 
   def skip(q, k, v, ids):
     b, t, n, _ = q.shape
     return (jnp.zeros(q.shape, q.dtype),
             jnp.full((b, n, t), -jnp.inf, jnp.float32))
 
-  full, causal = _masks(ids)
+  full, causal = _masks(ids, ring)
   return lax.switch(kind, [run(full), run(causal), skip], q, k, v, ids)
 
 
-def _pair_backward(kind, q, k, v, ids, o, lse, do, dlse, ring: _Ring):
+def _pair_backward(kind, q, k, v, ids, offsets, o, lse, do, dlse,
+                   ring: _Ring):
   """Float32 (dq, dk, dv) of one pair, from the merged o and lse (and
   their cotangents do, dlse)."""
   def run(mask):
+    plan, configs = _plan_of(ring, mask)
+
     def f(q, k, v, ids, o, lse, do, dlse):
-      dq, dk, dv, _ = ring.plan.backward.backward(
-          q, k, v, Operands(q_ids=ids[0], kv_ids=ids[1]), o, lse, do,
-          dlse, mask=mask, scores=ring.scores, config=ring.configs.backward)
+      dq, dk, dv, _ = plan.backward.backward(
+          q, k, v, Operands(q_ids=ids[0], kv_ids=ids[1],
+                            q_offsets=offsets if mask.has_q_offsets
+                            else None),
+          o, lse, do, dlse, mask=mask, scores=ring.scores,
+          config=configs.backward)
       return tuple(x.astype(jnp.float32) for x in (dq, dk, dv))
     return f
 
   def skip(q, k, v, ids, o, lse, do, dlse):
     return tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
 
-  full, causal = _masks(ids)
+  full, causal = _masks(ids, ring)
   return lax.switch(kind, [run(full), run(causal), skip], q, k, v, ids, o,
                     lse, do, dlse)
+
+
+def _offsets(q, step):
+  """A windowed ring's query offsets at `step`: its keys are `step` chunks
+  before the queries."""
+  return jnp.full((q.shape[0],), step * q.shape[1], jnp.int32)
 
 
 def _pairs(ring: _Ring, step):
@@ -88,8 +136,14 @@ def _pairs(ring: _Ring, step):
 
   Without causality each device holds one chunk and every pair is full. With
   the zigzag layout device d holds chunks (d, 2P-1-d) as halves (0, 1); at
-  step i it holds the keys of device s = d - i.
+  step i it holds the keys of device s = d - i. With a window, chunk d
+  against chunk d - i: its own (causal), an earlier one (FULL: the window
+  at offsets), or one after it, come round the ring (skipped).
   """
+  if ring.window is not None:
+    d = lax.axis_index(ring.axis)
+    kind = jnp.where(step == 0, CAUSAL, jnp.where(d >= step, FULL, SKIP))
+    return [(None, None, kind)]
   if not ring.causal:
     return [(None, None, jnp.int32(FULL))]
   d = lax.axis_index(ring.axis)
@@ -130,16 +184,17 @@ def _ring_forward(q, k, v, q_ids, kv_ids, sinks, ring: _Ring):
   """(out, lse) of this device's query chunk: the P steps in a loop (one
   step's buffers live at a time), each pair's partial merged into the
   running (o, lse) of its query half by their logsumexps."""
-  halves = [None] if not ring.causal else [0, 1]
+  halves = [0, 1] if ring.zigzag else [None]
   b, _, n, _ = q.shape
   rows = q.shape[1] // len(halves)
+  steps = _steps(ring, q.shape[1])
 
   def pairs(step, k, v, kv_ids, acc):
     acc = dict(zip(halves, acc))
     for qh, kh, kind in _pairs(ring, step):
       o, part_lse = _pair_forward(
           kind, _half(q, qh), _half(k, kh), _half(v, kh),
-          _ids_half(q_ids, kv_ids, qh, kh), ring)
+          _ids_half(q_ids, kv_ids, qh, kh), _offsets(q, step), ring)
       o = o.transpose(0, 2, 1, 3).astype(jnp.float32)  # [B, N, T, H]
       acc[qh] = softmax.merge(jnp.stack([acc[qh][0], o]),
                               jnp.stack([acc[qh][1], part_lse]), axis=0)
@@ -155,9 +210,9 @@ def _ring_forward(q, k, v, q_ids, kv_ids, sinks, ring: _Ring):
 
   empty = (jnp.zeros((b, n, rows, v.shape[-1]), jnp.float32),
            jnp.full((b, n, rows), -jnp.inf, jnp.float32))
-  k, v, kv_ids, acc = lax.fori_loop(0, ring.size - 1, step_and_rotate,
+  k, v, kv_ids, acc = lax.fori_loop(0, steps - 1, step_and_rotate,
                                     (k, v, kv_ids, (empty,) * len(halves)))
-  acc = pairs(ring.size - 1, k, v, kv_ids, acc)  # The last: no rotation.
+  acc = pairs(steps - 1, k, v, kv_ids, acc)  # The last: no rotation.
   out, lse = [], []
   for merged, merged_lse in acc:
     if sinks is not None:  # Each head's sink joins the merged denominator.
@@ -181,7 +236,8 @@ def _ring_fwd(q, k, v, q_ids, kv_ids, sinks, ring):
 def _ring_backward(q, k, v, q_ids, kv_ids, out, lse, do, dlse,
                    ring: _Ring):
   """(dq, dk, dv) of this device's chunks: the pairs' gradients, dK/dV
-  travelling with their keys (after P moves they are home again)."""
+  travelling with their keys (after P moves they are home again; a
+  windowed ring's, after fewer, are sent home)."""
   do = do.astype(q.dtype)
   dq = jnp.zeros(q.shape, jnp.float32)
   dk = jnp.zeros(k.shape, jnp.float32)
@@ -196,7 +252,7 @@ def _ring_backward(q, k, v, q_ids, kv_ids, out, lse, do, dlse,
     for qh, kh, kind in _pairs(ring, i):
       g_q, g_k, g_v = _pair_backward(
           kind, _half(q, qh), _half(k, kh), _half(v, kh),
-          _ids_half(q_ids, kv_ids, qh, kh), _half(out, qh),
+          _ids_half(q_ids, kv_ids, qh, kh), _offsets(q, i), _half(out, qh),
           lse_half(lse, qh), _half(do, qh), lse_half(dlse, qh), ring)
       dq = _set_half(dq, qh, _half(dq, qh) + g_q)
       dk = _set_half(dk, kh, _half(dk, kh) + g_k)
@@ -206,8 +262,12 @@ def _ring_backward(q, k, v, q_ids, kv_ids, out, lse, do, dlse,
       (kv_ids,) = _rotate(ring, kv_ids)
     return k, v, kv_ids, dq, dk, dv
 
-  _, _, _, dq, dk, dv = lax.fori_loop(0, ring.size, step,
+  steps = _steps(ring, q.shape[1])
+  _, _, _, dq, dk, dv = lax.fori_loop(0, steps, step,
                                       (k, v, kv_ids, dq, dk, dv))
+  if steps % ring.size:  # dK/dV are `steps` devices past their keys' home.
+    home = [(j, (j - steps) % ring.size) for j in range(ring.size)]
+    dk, dv = (lax.ppermute(x, ring.axis, home) for x in (dk, dv))
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 

@@ -1,5 +1,6 @@
 """Run by tests/test_sharding.py in a fresh process with 8 host devices."""
 import os
+import re
 import sys
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -151,6 +152,13 @@ def context_parallel():
       ("all_to_all", 4, 96, 96, True, dict(local_window_size=(20, 5))),
       ("ring", 2, 96, 96, True, dict(is_causal=True)),
       ("ring", 4, 96, 96, True, dict(logits_soft_cap=5.0)),
+      # Sliding windows over chunks of 24: keys 30 back lie in 3 of the 4
+      # chunks (a query's own and 2 before), 20 back in 2; the ring's
+      # steps past them are not run.
+      ("ring", 2, 96, 96, True, dict(is_causal=True,
+                                     local_window_size=(30, 0))),
+      ("ring", 4, 96, 96, True, dict(local_window_size=(20, 0),
+                                     logits_soft_cap=5.0)),
   ]
   for strategy, kv_heads, t, s, kv_sharded, options in cases:
     q, k, v, do = random_inputs(b, t, s, n, kv_heads, h, jnp.float32,
@@ -190,6 +198,12 @@ def context_parallel():
                               and strategy == "all_gather"):
       # The ring's steps; balanced halves.
       assert hlo.count("collective-permute(") > 0
+    if strategy == "ring" and "local_window_size" in options:
+      # The backward's loop runs one step a key chunk the window reaches.
+      trips = [int(n) for n in re.findall(r'known_trip_count":\{"n":"(\d+)"',
+                                          hlo)]
+      reach = options["local_window_size"][0]
+      assert max(trips) == (reach - 1) // (t // 4) + 2, trips
   q = jax.device_put(jnp.ones((b, 96, n, h)), seq)
   kv = jax.device_put(jnp.ones((b, 96, 1, h)), seq)
   refused = [  # (strategy, options, why)
