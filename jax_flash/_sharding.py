@@ -70,7 +70,7 @@ _FWD_RULE = "b t n h, b s k h, b s k v -> b t n v, b n t"
 _BWD_RULE = ("b t n h, b s k h, b s k v, b t n v, b n t, b t n v, b n t "
              "-> b t n h, b s k h, b s k v")
 _WHOLE = ("h", "v")  # Never split inside one call.
-STRATEGIES = ("auto", "all_to_all", "all_gather", "ring")
+STRATEGIES = ("auto", "all_to_all", "all_gather", "ring", "ring_all_to_all")
 
 
 def check_strategy(context_parallel) -> None:
@@ -121,7 +121,8 @@ class _Split:
 
 
 def cost(strategy: str, *, p: int, q_rows: int, kv_rows: int, heads: int,
-         kv_heads: int, head_dims: int, kv_seq: bool, balanced: bool) -> int:
+         kv_heads: int, head_dims: int, kv_seq: bool, balanced: bool,
+         inner: int = 1) -> int:
   """Elements a device sends in a forward (its backward moves about twice
   as many, in the same proportion), P devices along the sequence, each
   holding `q_rows` queries of `heads` heads and `kv_rows` keys of
@@ -131,10 +132,16 @@ def cost(strategy: str, *, p: int, q_rows: int, kv_rows: int, heads: int,
   with balanced halves its queries and outputs (each half to a device);
   ring: as all_gather, its keys and values also exchanged into the
   balanced halves. (ring never sends fewer than all_gather: what it
-  spares is memory, one chunk of keys a device instead of all.)"""
+  spares is memory, one chunk of keys a device instead of all.)
+  ring_all_to_all: all_to_all over the last sequence axis (`inner`
+  devices), then a ring of blocks as large as a chunk over the P / inner
+  others."""
   q, kv = q_rows * heads * head_dims, kv_rows * kv_heads * head_dims
   if strategy == "all_to_all":
     return (q + kv) * (p - 1) // p
+  if strategy == "ring_all_to_all":
+    return ((q + kv) * (inner - 1) // inner + kv * (p // inner - 1)
+            + (q + kv if balanced else 0))
   if strategy == "ring":  # As all_gather, and keys into the zigzag too.
     return kv * (p - 1) + (q + kv if balanced else 0)
   return (kv * (p - 1) if kv_seq else 0) + (q if balanced else 0)
@@ -186,25 +193,42 @@ def _plan(mesh, arg_shapes, cfg, refit_why, refused=None) -> _Split:
                 Mask(is_causal=causal, has_ids=True, segments_only=True))
   ring_mask = dataclasses.replace(cfg.mask, is_causal=causal,
                                   window_left=None, window_right=None)
-  if "ring" in why:  # Refused beforehand.
+
+  def ring_why(r: int, a: int):
+    """Why a ring over r devices cannot run, its blocks a chunks of the
+    sequence and 1 / a of the heads (or None)."""
+    if not kv_seq or q.shape[1] != k.shape[1]:
+      return "ring runs self-attention with keys sharded as queries"
+    if ring_mask not in ring_masks or (
+        (cfg.mask.window_left, cfg.mask.window_right) != (None, None)
+        and not windowed):
+      return ("ring runs causal or full masks and causal sliding windows, "
+              "alone or with segment ids (no lengths)")
+    if cfg.mask.is_causal and not balanced and not windowed:
+      return "a causal ring needs chunks of an even length"
+    rows = q.shape[1] // r // (2 if balanced and not windowed else 1)
+    pair = dataclasses.replace(chunk, q_len=rows, kv_len=rows,
+                               num_heads=local["heads"] // a,
+                               num_kv_heads=local["kv_heads"] // a)
+    return (refit_why(cfg, pair, q.dtype, False)
+            or (windowed and refit_why(cfg, pair, q.dtype, True)) or None)
+
+  axes = _names(seq)
+  local["inner"] = mesh.shape[axes[-1]] if len(axes) > 1 else 1
+  if "ring" not in why and ring_why(p, 1):
+    why["ring"] = ring_why(p, 1)
+  if "ring_all_to_all" in why:  # Refused beforehand.
     pass
-  elif not kv_seq or q.shape[1] != k.shape[1]:
-    why["ring"] = "ring runs self-attention with keys sharded as queries"
-  elif ring_mask not in ring_masks or (
-      (cfg.mask.window_left, cfg.mask.window_right) != (None, None)
-      and not windowed):
-    why["ring"] = ("ring runs causal or full masks and causal sliding "
-                   "windows, alone or with segment ids (no lengths)")
-  elif cfg.mask.is_causal and not balanced and not windowed:
-    why["ring"] = "a causal ring needs chunks of an even length"
-  else:
-    half = 2 if balanced and not windowed else 1
-    pair = dataclasses.replace(chunk, q_len=local["q_rows"] // half,
-                               kv_len=local["q_rows"] // half)
-    ring_why = refit_why(cfg, pair, q.dtype, False) or (
-        windowed and refit_why(cfg, pair, q.dtype, True))
-    if ring_why:
-      why["ring"] = ring_why
+  elif len(axes) < 2:
+    why["ring_all_to_all"] = (
+        "ring_all_to_all needs the sequence sharded over several mesh "
+        "axes: a ring over the first, all_to_all over the last")
+  elif local["kv_heads"] % local["inner"]:
+    why["ring_all_to_all"] = (
+        f"the {local['kv_heads']} KV heads a device holds do not divide by "
+        f"the {local['inner']} devices of {axes[-1]!r}")
+  elif ring_why(p // local["inner"], local["inner"]):
+    why["ring_all_to_all"] = ring_why(p // local["inner"], local["inner"])
   costs = {s: cost(s, balanced=balanced, **local) for s in STRATEGIES[1:]
            if s not in why}
   want = cfg.context_parallel
@@ -217,7 +241,7 @@ def _plan(mesh, arg_shapes, cfg, refit_why, refused=None) -> _Split:
                      f"{why[want]}")
   return _Split(batch, heads, seq, kv_seq, want,
                 balanced and want != "all_to_all"
-                and not (windowed and want == "ring"))
+                and not (windowed and want.startswith("ring")))
 
 
 def all_to_all(fn, seq):
@@ -444,7 +468,13 @@ def _define(fn, rule, lowerings, refit_why, kv_results):
   def partition(cfg, mesh, arg_shapes, result_shape):
     split = _plan(mesh, arg_shapes, cfg, refit_why)
     p = _size(mesh, split.seq)
-    if split.strategy in lowerings:
+    if split.strategy == "ring_all_to_all":  # A ring of each block's heads.
+      *outer, inner = _names(split.seq)
+      outer = outer[0] if len(outer) == 1 else tuple(outer)
+      lower = all_to_all(lowerings["ring"](
+          cfg, dataclasses.replace(split, seq=outer), _size(mesh, outer)),
+                         inner)
+    elif split.strategy in lowerings:
       lower = lowerings[split.strategy](cfg, split, p)
     else:
       lower = all_to_all(lambda *arrays: fn(*arrays, cfg), split.seq)
@@ -634,7 +664,7 @@ def _refused(operands: Operands) -> dict:
     why = (f"a call with {sorted(present - _SEQUENCE_OPERANDS)} keeps its "
            f"sequence whole")
     return {s: why for s in STRATEGIES[1:]}
-  why = {}
+  why = {"ring_all_to_all": "ring_all_to_all runs no optional arrays"}
   for name, allowed in (("all_gather", _GATHER_OPERANDS),
                         ("ring", _RING_OPERANDS)):
     if not present <= allowed:

@@ -208,9 +208,12 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
     context_parallel: for query (and key) sharded along the sequence under
       jit: "all_to_all" (heads exchanged for the sequence), "all_gather"
       (keys and values gathered, queries kept), "ring" (key/value chunks
-      passed around; causal or full masks, T = S) or "auto" (all_to_all
-      or all_gather, whichever moves fewer bytes: docs/devices.md). A strategy named that cannot run the
-      sharding is an error when the call compiles, saying why.
+      passed around; causal or full masks or causal windows, T = S),
+      "ring_all_to_all" (the sequence over several mesh axes: all_to_all
+      over the last, a ring over the others) or "auto" (whichever of the
+      others but ring moves fewer bytes: docs/devices.md). A strategy
+      named that cannot run the sharding is an error when the call
+      compiles, saying why.
 
   Returns:
     out: like query, in query.dtype; or `(out, logsumexp)`.

@@ -204,11 +204,45 @@ def context_parallel():
                                           hlo)]
       reach = options["local_window_size"][0]
       assert max(trips) == (reach - 1) // (t // 4) + 2, trips
+  # ring_all_to_all: the sequence over both axes (8 chunks), all_to_all
+  # over "model" (4 KV heads, one a device), a ring over "data" of blocks;
+  # "auto" picks it (all_to_all cannot split 4 KV heads over 8 devices,
+  # and it sends less than all_gather).
+  seq2 = NamedSharding(mesh, P(None, ("data", "model")))
+  for strategy, options in (("ring_all_to_all", dict(is_causal=True)),
+                            ("ring_all_to_all",
+                             dict(local_window_size=(40, 0))),
+                            ("ring_all_to_all", dict(logits_soft_cap=5.0)),
+                            ("auto", dict(is_causal=True))):
+    q, k, v, do = random_inputs(b, 128, 128, n, 4, h, jnp.float32, seed=9)
+
+    def loss(q, k, v):
+      out = jax_flash.flash_attention(q, k, v, context_parallel=strategy,
+                                      **options)
+      return jnp.sum(out * do), out
+
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+    (_, out), grads = grad(q, k, v)
+    args = [jax.device_put(x, seq2) for x in (q, k, v)]
+    hlo = grad.lower(*args).compile().as_text()
+    (_, out_s), grads_s = grad(*args)
+    errors = [relative_error(out_s, out)] + [
+        relative_error(x, y) for x, y in zip(grads_s, grads)]
+    print(f"context_parallel={strategy} (sequence over 2 x 4) {options}: "
+          f"all-gathers={hlo.count(' all-gather(')} "
+          f"all-to-alls={hlo.count('all-to-all(')} "
+          f"permutes={hlo.count('collective-permute(')} errors={errors}")
+    assert errors[0] <= bound.out and max(errors[1:]) <= bound.grad, errors
+    assert hlo.count(" all-gather(") == 0
+    assert hlo.count("all-to-all(") > 0 and hlo.count(
+        "collective-permute(") > 0
+    assert tuple(out_s.sharding.spec)[:2] == (None, ("data", "model"))
   q = jax.device_put(jnp.ones((b, 96, n, h)), seq)
   kv = jax.device_put(jnp.ones((b, 96, 1, h)), seq)
   refused = [  # (strategy, options, why)
       ("all_to_all", {}, "1 KV heads a device holds do not divide by the 4"),
       ("ring", dict(local_window_size=8), "ring runs causal or full masks"),
+      ("ring_all_to_all", {}, "needs the sequence sharded over several mesh"),
   ]
   for strategy, options, why in refused:
     try:
