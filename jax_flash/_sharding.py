@@ -37,12 +37,9 @@ ALiBi slopes, sinks, query offsets, tile kinds, dropout's seed) splits
 over batch and heads too, each operand along its own batch and head dims
 (`operand_factors`; a dim of 1 that broadcasts stays whole, and a gradient
 summed over a split it broadcasts along is summed over those devices); its
-sequence splits by all_to_all where its operands allow
-(`_SEQUENCE_OPERANDS`), by all_gather where they allow that
-(`_GATHER_OPERANDS`: key ids gathered with the keys, query ids cut with
-the queries) or ring (`_RING_OPERANDS`), else is gathered. Dropout's seed is shifted to
-each device's place in the batch and the heads, so its keep bits are the
-whole call's. A mask_mod or score_mod that reads its batch or head index
+sequence splits by the strategies its arrays allow (`_STRATEGY_OPERANDS`),
+else is gathered. Dropout's seed is shifted to each device's place in the
+batch and the heads, so its keep bits are the whole call's. A mask_mod or score_mod that reads its batch or head index
 and a mod's arrays keep the call whole (`splittable`).
 """
 from __future__ import annotations
@@ -339,9 +336,9 @@ def _gather_lowering(chunk, in_factors, out_factors):
   def lowering(cfg, split: _Split, p):
     def run(*arrays):
       arrays = list(arrays)
-      if split.kv_seq:
+      if split.kv_seq:  # Per-pair arrays arrive with every key.
         for i, f in enumerate(in_factors):
-          if _axis(f, "s") is not None:
+          if _axis(f, "s") is not None and _axis(f, "t") is None:
             arrays[i] = lax.all_gather(arrays[i], split.seq,
                                        axis=_axis(f, "s"), tiled=True)
       results = []
@@ -579,6 +576,8 @@ def _split_with_operands(fn, in_factors, out_factors, refused, refit_why,
 
   def spec(split, factors):
     kv = split.seq if split.kv_seq else None
+    if "t" in factors.split():  # Per pair (a bias): keys whole.
+      kv = None
     axis = dict(b=split.batch, n=split.heads, k=split.heads, t=split.seq,
                 s=kv)
     return P(*(axis.get(f) for f in factors.split()))
@@ -647,29 +646,30 @@ def _split_with_operands(fn, in_factors, out_factors, refused, refit_why,
 # Operands a sequence split takes (by all_to_all: ids gathered whole,
 # per-head arrays cut to a device's heads); the others keep the sequence
 # whole.
-_SEQUENCE_OPERANDS = frozenset(("q_ids", "kv_ids", "alibi_slopes", "sinks",
-                                "tile_kinds", "dropout_seed"))
-# Those all_gather takes too (key ids gathered with the keys, query ids cut
-# with the queries, per-head arrays whole).
-_GATHER_OPERANDS = frozenset(("q_ids", "kv_ids", "alibi_slopes", "sinks"))
-# Those ring takes (key ids travel with the keys; sinks join the merge).
-_RING_OPERANDS = frozenset(("q_ids", "kv_ids", "sinks"))
+# The optional arrays each strategy splits the sequence with; with others a
+# call's sequence stays whole. all_to_all: ids gathered whole, per-head
+# arrays cut to a device's heads. all_gather: key ids gathered with the
+# keys, query ids and a bias's rows cut with the queries (its key dim whole
+# on every device), per-head arrays whole (a dense mask comes with a table
+# of tile kinds over the whole call's grid: not cut). ring: key
+# ids travel with the keys, sinks join the merge.
+_STRATEGY_OPERANDS = {
+    "all_to_all": frozenset(("q_ids", "kv_ids", "alibi_slopes", "sinks",
+                             "tile_kinds", "dropout_seed")),
+    "all_gather": frozenset(("q_ids", "kv_ids", "alibi_slopes", "sinks",
+                             "bias")),
+    "ring": frozenset(("q_ids", "kv_ids", "sinks")),
+    "ring_all_to_all": frozenset(),
+}
 
 
 def _refused(operands: Operands) -> dict:
   """{strategy: why it cannot run a call with `operands`}."""
   present = {f.name for f in dataclasses.fields(Operands)
              if getattr(operands, f.name) is not None}
-  if not present <= _SEQUENCE_OPERANDS:
-    why = (f"a call with {sorted(present - _SEQUENCE_OPERANDS)} keeps its "
-           f"sequence whole")
-    return {s: why for s in STRATEGIES[1:]}
-  why = {"ring_all_to_all": "ring_all_to_all runs no optional arrays"}
-  for name, allowed in (("all_gather", _GATHER_OPERANDS),
-                        ("ring", _RING_OPERANDS)):
-    if not present <= allowed:
-      why[name] = f"{name} runs no {sorted(present - allowed)}"
-  return why
+  return {name: f"{name} runs no {sorted(present - allowed)}"
+          for name, allowed in _STRATEGY_OPERANDS.items()
+          if not present <= allowed}
 
 
 def _seed_index(tree):

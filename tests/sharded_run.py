@@ -265,8 +265,8 @@ def operands():
   operands that broadcast over a split summed across it; results as on
   one device, dropout's keep bits too (its seed shifted to each device's
   place). Sequence-sharded ("model"), all_to_all with ids, ALiBi, sinks
-  and dropout, all_gather with ids, ALiBi and sinks, ring with ids and
-  sinks; a bias keeps the sequence whole. (A mod reading the batch
+  and dropout, all_gather with ids, ALiBi, sinks and a bias, ring with
+  ids and sinks; a bias with dropout keeps the sequence whole. (A mod reading the batch
   or head index keeps the call whole: tests/test_sharding.py finds such
   mods.)"""
   mesh = jax.make_mesh((2, 4), ("data", "model"),
@@ -309,8 +309,10 @@ def operands():
        jnp.zeros(()), heads, P(), True),
       ("sequence: segments_sinks_alibi_dropout", segments_sinks_alibi_dropout,
        sinks, seq, P(), True),
-      ("sequence: bias", call(lambda x: dict(bias=x)), full_bias, seq, P(),
-       False),
+      # all_to_all takes no bias, all_gather no dropout: kept whole.
+      ("sequence: bias and dropout", call(lambda x: dict(
+          bias=x, dropout_rate=0.3, dropout_rng=jax.random.key(5))),
+       full_bias, seq, P(), False),
   ]
   for name, fn, x, sharding, x_spec, split in cases:
     def loss(q, k, v, x):
@@ -378,6 +380,35 @@ def operands():
           f"f32[1,{t},2,{h}]"] * 4, gathered
       assert f"s32[1,{t}]" in gathered, gathered
     assert hlo.count("all-to-all(") == 0
+  # all_gather with a bias sharded along the queries (its rows cut with
+  # the queries, every key's column on each device): not gathered, its
+  # gradient sharded so.
+  rows = NamedSharding(mesh, P("data", None, "model", None))
+  bias = jax.random.normal(keys[1], (b, n, t, t))
+
+  def bias_loss(q, k, v, x):
+    out = jax_flash.flash_attention(q, k, v, implementation="interpret",
+                                    is_causal=True, bias=x,
+                                    context_parallel="all_gather")
+    return jnp.sum(out * do), out
+
+  grad = jax.jit(jax.value_and_grad(bias_loss, argnums=(0, 1, 2, 3),
+                                    has_aux=True))
+  (_, out), grads = grad(q, k, v, bias)
+  args = [jax.device_put(a, seq) for a in (q, k, v)] + [
+      jax.device_put(bias, rows)]
+  hlo = grad.lower(*args).compile().as_text()
+  (_, out_s), grads_s = grad(*args)
+  errors = [relative_error(out_s, out)] + [
+      relative_error(a, c) for a, c in zip(grads_s, grads)]
+  gathered = [line.split("=")[1].split()[0].split("{")[0]
+              for line in hlo.splitlines() if " all-gather(" in line]
+  print(f"operands sequence all_gather bias: all-gathers "
+        f"{gathered} errors={errors}")
+  assert errors[0] <= bound.out and max(errors[1:]) <= bound.grad, errors
+  assert sorted(g for g in gathered if g.count(",") >= 3) == [
+      f"f32[1,{t},2,{h}]"] * 4, gathered
+  assert grads_s[3].sharding.is_equivalent_to(rows, 4), grads_s[3].sharding
   for strategy, why in (("ring", "ring runs no ['dropout_seed']"),
                         ("all_gather", "all_gather runs no ['dropout_seed']")):
     try:
