@@ -131,36 +131,49 @@ def _module_on_a_sequence_mesh(mesh, num_kv_heads):
 
 def context_parallel():
   """Each strategy and mask on a sequence-sharded mesh axis ("model", 4
-  devices; batch over "data"): output and gradients within float32's
-  tolerance of one device, no all-gather of the queries (with all_gather
-  only K and V are gathered; none with all_to_all), and a strategy that
-  cannot run the sharding refused by name."""
+  devices; batch over "data"; ring_all_to_all: the sequence over both):
+  output and gradients within float32's tolerance of one device, no
+  all-gather of the queries (with all_gather only K and V are gathered;
+  none with all_to_all), and a strategy that cannot run the sharding
+  refused by name."""
   mesh = jax.make_mesh((2, 4), ("data", "model"),
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
   bound = tolerance(jnp.float32)
   seq = NamedSharding(mesh, P("data", "model"))
-  whole = NamedSharding(mesh, P("data"))
+  layouts = {  # Keys' sharding: as the queries, whole, or (queries too)
+               # the sequence over both axes.
+      "seq": seq, "whole": NamedSharding(mesh, P("data")),
+      "seq2": NamedSharding(mesh, P(None, ("data", "model")))}
   b, n, h = 2, 8, 32
-  cases = [  # (strategy, kv heads, T, S, keys sharded, options)
-      ("all_gather", 2, 96, 96, True, dict(is_causal=True)),
-      ("all_gather", 2, 96, 96, True, {}),
-      ("all_gather", 2, 96, 96, True, dict(local_window_size=(20, 5),
-                                           logits_soft_cap=5.0)),
-      ("all_gather", 2, 64, 128, True, dict(is_causal=True)),  # T != S
-      ("auto", 2, 96, 72, False, dict(is_causal=True)),  # Whole keys.
-      ("auto", 1, 96, 96, True, dict(is_causal=True, scale=0.3)),
-      ("all_to_all", 4, 96, 96, True, dict(local_window_size=(20, 5))),
-      ("ring", 2, 96, 96, True, dict(is_causal=True)),
-      ("ring", 4, 96, 96, True, dict(logits_soft_cap=5.0)),
+  cases = [  # (strategy, kv heads, T, S, keys' layout, options)
+      ("all_gather", 2, 96, 96, "seq", dict(is_causal=True)),
+      ("all_gather", 2, 96, 96, "seq", {}),
+      ("all_gather", 2, 96, 96, "seq", dict(local_window_size=(20, 5),
+                                            logits_soft_cap=5.0)),
+      ("all_gather", 2, 64, 128, "seq", dict(is_causal=True)),  # T != S
+      ("auto", 2, 96, 72, "whole", dict(is_causal=True)),  # Whole keys.
+      ("auto", 1, 96, 96, "seq", dict(is_causal=True, scale=0.3)),
+      ("all_to_all", 4, 96, 96, "seq", dict(local_window_size=(20, 5))),
+      ("ring", 2, 96, 96, "seq", dict(is_causal=True)),
+      ("ring", 4, 96, 96, "seq", dict(logits_soft_cap=5.0)),
       # Sliding windows over chunks of 24: keys 30 back lie in 3 of the 4
       # chunks (a query's own and 2 before), 20 back in 2; the ring's
       # steps past them are not run.
-      ("ring", 2, 96, 96, True, dict(is_causal=True,
-                                     local_window_size=(30, 0))),
-      ("ring", 4, 96, 96, True, dict(local_window_size=(20, 0),
-                                     logits_soft_cap=5.0)),
+      ("ring", 2, 96, 96, "seq", dict(is_causal=True,
+                                      local_window_size=(30, 0))),
+      ("ring", 4, 96, 96, "seq", dict(local_window_size=(20, 0),
+                                      logits_soft_cap=5.0)),
+      # The sequence over both axes (8 chunks): all_to_all over "model" (4
+      # KV heads, one a device), a ring over "data" of blocks; "auto"
+      # picks it (all_to_all cannot split 4 KV heads over 8 devices, and
+      # it sends less than all_gather).
+      ("ring_all_to_all", 4, 128, 128, "seq2", dict(is_causal=True)),
+      ("ring_all_to_all", 4, 128, 128, "seq2",
+       dict(local_window_size=(40, 0))),
+      ("ring_all_to_all", 4, 128, 128, "seq2", dict(logits_soft_cap=5.0)),
+      ("auto", 4, 128, 128, "seq2", dict(is_causal=True)),
   ]
-  for strategy, kv_heads, t, s, kv_sharded, options in cases:
+  for strategy, kv_heads, t, s, layout, options in cases:
     q, k, v, do = random_inputs(b, t, s, n, kv_heads, h, jnp.float32,
                                 seed=t + s + kv_heads)
 
@@ -171,9 +184,9 @@ def context_parallel():
 
     grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
     (_, out), grads = grad(q, k, v)
-    kv_spec = seq if kv_sharded else whole
-    args = [jax.device_put(q, seq)] + [jax.device_put(x, kv_spec)
-                                        for x in (k, v)]
+    q_spec = layouts["seq2" if layout == "seq2" else "seq"]
+    args = [jax.device_put(q, q_spec)] + [jax.device_put(x, layouts[layout])
+                                          for x in (k, v)]
     hlo = grad.lower(*args).compile().as_text()
     (_, out_s), grads_s = grad(*args)
     errors = [relative_error(out_s, out)] + [
@@ -181,21 +194,23 @@ def context_parallel():
     gathered = [line.split("=")[1].split()[0] for line in hlo.splitlines()
                 if " all-gather(" in line]
     print(f"context_parallel={strategy} kv_heads={kv_heads} T={t} S={s} "
-          f"{options}: all-gathers {gathered} "
+          f"keys {layout} {options}: all-gathers {gathered} "
           f"all-to-alls={hlo.count('all-to-all(')} "
           f"permutes={hlo.count('collective-permute(')} errors={errors}")
     assert errors[0] <= bound.out and max(errors[1:]) <= bound.grad, errors
-    assert tuple(out_s.sharding.spec)[:2] == ("data", "model")
+    assert out_s.sharding.is_equivalent_to(q_spec, 4), out_s.sharding
     if strategy == "auto":  # all_to_all where it runs (4 KV heads).
-      strategy = "all_to_all" if kv_heads % 4 == 0 else "all_gather"
-    assert (hlo.count("all-to-all(") > 0) == (strategy == "all_to_all")
+      strategy = ("ring_all_to_all" if layout == "seq2" else
+                  "all_to_all" if kv_heads % 4 == 0 else "all_gather")
+    assert (hlo.count("all-to-all(") > 0) == (
+        strategy in ("all_to_all", "ring_all_to_all"))
     # Only K and V are gathered ([1, S, kv heads, H]), and only by
     # all_gather when the keys are sharded.
     want = [f"f32[1,{s},{kv_heads},{h}]"] * 4 if (
-        strategy == "all_gather" and kv_sharded) else []
+        strategy == "all_gather" and layout != "whole") else []
     assert [g.split("{")[0] for g in gathered] == want, gathered
-    if strategy == "ring" or (options.get("is_causal")
-                              and strategy == "all_gather"):
+    if strategy.startswith("ring") or (options.get("is_causal")
+                                       and strategy == "all_gather"):
       # The ring's steps; balanced halves.
       assert hlo.count("collective-permute(") > 0
     if strategy == "ring" and "local_window_size" in options:
@@ -204,39 +219,6 @@ def context_parallel():
                                           hlo)]
       reach = options["local_window_size"][0]
       assert max(trips) == (reach - 1) // (t // 4) + 2, trips
-  # ring_all_to_all: the sequence over both axes (8 chunks), all_to_all
-  # over "model" (4 KV heads, one a device), a ring over "data" of blocks;
-  # "auto" picks it (all_to_all cannot split 4 KV heads over 8 devices,
-  # and it sends less than all_gather).
-  seq2 = NamedSharding(mesh, P(None, ("data", "model")))
-  for strategy, options in (("ring_all_to_all", dict(is_causal=True)),
-                            ("ring_all_to_all",
-                             dict(local_window_size=(40, 0))),
-                            ("ring_all_to_all", dict(logits_soft_cap=5.0)),
-                            ("auto", dict(is_causal=True))):
-    q, k, v, do = random_inputs(b, 128, 128, n, 4, h, jnp.float32, seed=9)
-
-    def loss(q, k, v):
-      out = jax_flash.flash_attention(q, k, v, context_parallel=strategy,
-                                      **options)
-      return jnp.sum(out * do), out
-
-    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
-    (_, out), grads = grad(q, k, v)
-    args = [jax.device_put(x, seq2) for x in (q, k, v)]
-    hlo = grad.lower(*args).compile().as_text()
-    (_, out_s), grads_s = grad(*args)
-    errors = [relative_error(out_s, out)] + [
-        relative_error(x, y) for x, y in zip(grads_s, grads)]
-    print(f"context_parallel={strategy} (sequence over 2 x 4) {options}: "
-          f"all-gathers={hlo.count(' all-gather(')} "
-          f"all-to-alls={hlo.count('all-to-all(')} "
-          f"permutes={hlo.count('collective-permute(')} errors={errors}")
-    assert errors[0] <= bound.out and max(errors[1:]) <= bound.grad, errors
-    assert hlo.count(" all-gather(") == 0
-    assert hlo.count("all-to-all(") > 0 and hlo.count(
-        "collective-permute(") > 0
-    assert tuple(out_s.sharding.spec)[:2] == (None, ("data", "model"))
   q = jax.device_put(jnp.ones((b, 96, n, h)), seq)
   kv = jax.device_put(jnp.ones((b, 96, 1, h)), seq)
   refused = [  # (strategy, options, why)
@@ -342,33 +324,44 @@ def operands():
       assert (hlo.count("all-to-all(") > 0) == split, name
   # all_gather with ids, ALiBi and sinks: 2 KV heads, which all_to_all
   # cannot split over the sequence's 4 devices; named (causal: balanced
-  # halves) and chosen by "auto".
-  # Ring with ids and sinks (no ALiBi: a ring's pairs have no offsets).
+  # halves) and chosen by "auto". Ring with ids and sinks (no ALiBi: a
+  # ring's pairs have no offsets). all_gather with a bias sharded along the
+  # queries (its rows cut with the queries, every key's column on each
+  # device): not gathered, its gradient sharded so.
   q, k, v, do = random_inputs(b, t, t, n, 2, h, jnp.float32, seed=6)
-  for strategy, causal in (("all_gather", True), ("auto", False),
-                           ("ring", True), ("ring", False)):
+  alibi = jnp.linspace(0.01, 0.3, b * n).reshape(b, n)
+  rows = NamedSharding(mesh, P("data", None, "model", None))
+  sequence_cases = [  # (strategy, options(x), x, x's sharding)
+      ("all_gather", lambda x: dict(is_causal=True, segment_ids=segments,
+                                    sinks=x, alibi_slopes=alibi), sinks, None),
+      ("auto", lambda x: dict(segment_ids=segments, sinks=x,
+                              alibi_slopes=alibi), sinks, None),
+      ("ring", lambda x: dict(is_causal=True, segment_ids=segments, sinks=x),
+       sinks, None),
+      ("ring", lambda x: dict(segment_ids=segments, sinks=x), sinks, None),
+      ("all_gather", lambda x: dict(is_causal=True, bias=x),
+       jax.random.normal(keys[1], (b, n, t, t)), rows),
+  ]
+  for strategy, options, x, x_sharding in sequence_cases:
     def loss(q, k, v, x):
-      alibi = None if strategy == "ring" else jnp.linspace(
-          0.01, 0.3, b * n).reshape(b, n)
-      out = jax_flash.flash_attention(
-          q, k, v, implementation="interpret", is_causal=causal,
-          segment_ids=segments, sinks=x, context_parallel=strategy,
-          alibi_slopes=alibi)
+      out = jax_flash.flash_attention(q, k, v, implementation="interpret",
+                                      context_parallel=strategy, **options(x))
       return jnp.sum(out * do), out
 
     grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3),
                                       has_aux=True))
-    (_, out), grads = grad(q, k, v, sinks)
-    args = [jax.device_put(a, seq) for a in (q, k, v)] + [sinks]
+    (_, out), grads = grad(q, k, v, x)
+    args = [jax.device_put(a, seq) for a in (q, k, v)] + [
+        x if x_sharding is None else jax.device_put(x, x_sharding)]
     hlo = grad.lower(*args).compile().as_text()
     (_, out_s), grads_s = grad(*args)
     errors = [relative_error(out_s, out)] + [
         relative_error(a, c) for a, c in zip(grads_s, grads)]
     gathered = [line.split("=")[1].split()[0].split("{")[0]
                 for line in hlo.splitlines() if " all-gather(" in line]
-    print(f"operands sequence {strategy} causal={causal}: all-gathers "
-          f"{gathered} all-to-alls={hlo.count('all-to-all(')} "
-          f"errors={errors}")
+    named = sorted(options(x))
+    print(f"operands sequence {strategy} {named}: all-gathers {gathered} "
+          f"all-to-alls={hlo.count('all-to-all(')} errors={errors}")
     assert errors[0] <= bound.out and max(errors[1:]) <= bound.grad, errors
     # all_gather: K and V ([1, T, 2, H]; forward and backward) and the key
     # ids ([1, T]) gathered; ring: no array gathered, key chunks and ids
@@ -378,37 +371,10 @@ def operands():
     else:
       assert sorted(g for g in gathered if g.count(",") >= 3) == [
           f"f32[1,{t},2,{h}]"] * 4, gathered
-      assert f"s32[1,{t}]" in gathered, gathered
+      assert ("segment_ids" in named) == (f"s32[1,{t}]" in gathered)
     assert hlo.count("all-to-all(") == 0
-  # all_gather with a bias sharded along the queries (its rows cut with
-  # the queries, every key's column on each device): not gathered, its
-  # gradient sharded so.
-  rows = NamedSharding(mesh, P("data", None, "model", None))
-  bias = jax.random.normal(keys[1], (b, n, t, t))
-
-  def bias_loss(q, k, v, x):
-    out = jax_flash.flash_attention(q, k, v, implementation="interpret",
-                                    is_causal=True, bias=x,
-                                    context_parallel="all_gather")
-    return jnp.sum(out * do), out
-
-  grad = jax.jit(jax.value_and_grad(bias_loss, argnums=(0, 1, 2, 3),
-                                    has_aux=True))
-  (_, out), grads = grad(q, k, v, bias)
-  args = [jax.device_put(a, seq) for a in (q, k, v)] + [
-      jax.device_put(bias, rows)]
-  hlo = grad.lower(*args).compile().as_text()
-  (_, out_s), grads_s = grad(*args)
-  errors = [relative_error(out_s, out)] + [
-      relative_error(a, c) for a, c in zip(grads_s, grads)]
-  gathered = [line.split("=")[1].split()[0].split("{")[0]
-              for line in hlo.splitlines() if " all-gather(" in line]
-  print(f"operands sequence all_gather bias: all-gathers "
-        f"{gathered} errors={errors}")
-  assert errors[0] <= bound.out and max(errors[1:]) <= bound.grad, errors
-  assert sorted(g for g in gathered if g.count(",") >= 3) == [
-      f"f32[1,{t},2,{h}]"] * 4, gathered
-  assert grads_s[3].sharding.is_equivalent_to(rows, 4), grads_s[3].sharding
+    if x_sharding is not None:
+      assert grads_s[3].sharding.is_equivalent_to(x_sharding, x.ndim)
   for strategy, why in (("ring", "ring runs no ['dropout_seed']"),
                         ("all_gather", "all_gather runs no ['dropout_seed']")):
     try:
