@@ -39,8 +39,10 @@ over batch and heads too, each operand along its own batch and head dims
 summed over a split it broadcasts along is summed over those devices); its
 sequence splits by the strategies its arrays allow (`_STRATEGY_OPERANDS`),
 else is gathered. Dropout's seed is shifted to each device's place in the
-batch and the heads, so its keep bits are the whole call's. A mask_mod or score_mod that reads its batch or head index
-and a mod's arrays keep the call whole (`splittable`).
+batch and the heads, and all_gather's chunks draw the bits of their
+queries' positions, so its keep bits are the whole call's. A mask_mod or
+score_mod that reads its batch or head index and a mod's arrays keep the
+call whole (`splittable`).
 """
 from __future__ import annotations
 
@@ -610,16 +612,17 @@ def _split_with_operands(fn, in_factors, out_factors, refused, refit_why,
                 if split.strategy in lowerings else None)
 
     def lower(*arrays):
-      if local_fn is not None:
-        return tuple(summed(y, f)
-                     for y, f in zip(local_fn(*arrays), out_factors))
       if seed_index is not None and not cfg.scores.dropout_broadcast:
         local = arrays[0].shape  # [B, T, N, H] of this device.
-        heads = place(split.heads, local[2]) + place(split.seq,
-                                                     local[2] // p)
+        heads = place(split.heads, local[2])
+        if split.seq is not None and local_fn is None:  # all_to_all's.
+          heads = heads + place(split.seq, local[2] // p)
         arrays = list(arrays)
         arrays[seed_index] = dropout.shifted(
             arrays[seed_index], place(split.batch, local[0]), heads)
+      if local_fn is not None:
+        return tuple(summed(y, f)
+                     for y, f in zip(local_fn(*arrays), out_factors))
       if split.seq is not None:
         arrays = [_localize(x, f, split.seq, p, True)
                   for x, f in zip(arrays, in_factors)]
@@ -650,14 +653,15 @@ def _split_with_operands(fn, in_factors, out_factors, refused, refit_why,
 # call's sequence stays whole. all_to_all: ids gathered whole, per-head
 # arrays cut to a device's heads. all_gather: key ids gathered with the
 # keys, query ids and a bias's rows cut with the queries (its key dim whole
-# on every device), per-head arrays whole (a dense mask comes with a table
-# of tile kinds over the whole call's grid: not cut). ring: key
+# on every device), per-head arrays whole, dropout's bits at the queries'
+# positions (a dense mask comes with a table of tile kinds over the whole
+# call's grid: not cut). ring: key
 # ids travel with the keys, sinks join the merge.
 _STRATEGY_OPERANDS = {
     "all_to_all": frozenset(("q_ids", "kv_ids", "alibi_slopes", "sinks",
                              "tile_kinds", "dropout_seed")),
     "all_gather": frozenset(("q_ids", "kv_ids", "alibi_slopes", "sinks",
-                             "bias")),
+                             "bias", "dropout_seed")),
     "ring": frozenset(("q_ids", "kv_ids", "sinks")),
     "ring_all_to_all": frozenset(),
 }

@@ -201,6 +201,8 @@ def _dropped(p: _Problem, ops: Operands, x, q0, k0):
   else:
     batch, head = _batch_head(x)
   rows = q0 + jnp.arange(p.block_q, dtype=jnp.int32)[:, None]
+  if p.mask.has_q_offsets:  # The bits of the queries' positions.
+    rows = rows + ops.q_offsets[:, None, None, None, None]
   cols = k0 + jnp.arange(p.block_k, dtype=jnp.int32)[None, :]
   seed = ops.dropout_seed
   return dropout.dropped(x, seed[0], seed[1], p.scores.dropout_rate, batch,

@@ -247,10 +247,10 @@ def operands():
   operands that broadcast over a split summed across it; results as on
   one device, dropout's keep bits too (its seed shifted to each device's
   place). Sequence-sharded ("model"), all_to_all with ids, ALiBi, sinks
-  and dropout, all_gather with ids, ALiBi, sinks and a bias, ring with
-  ids and sinks; a bias with dropout keeps the sequence whole. (A mod reading the batch
-  or head index keeps the call whole: tests/test_sharding.py finds such
-  mods.)"""
+  and dropout, all_gather with ids, ALiBi, sinks, a bias and dropout, ring
+  with ids and sinks; a dense mask keeps the sequence whole. (A mod
+  reading the batch or head index keeps the call whole:
+  tests/test_sharding.py finds such mods.)"""
   mesh = jax.make_mesh((2, 4), ("data", "model"),
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
   bound = tolerance(jnp.float32)
@@ -291,10 +291,9 @@ def operands():
        jnp.zeros(()), heads, P(), True),
       ("sequence: segments_sinks_alibi_dropout", segments_sinks_alibi_dropout,
        sinks, seq, P(), True),
-      # all_to_all takes no bias, all_gather no dropout: kept whole.
-      ("sequence: bias and dropout", call(lambda x: dict(
-          bias=x, dropout_rate=0.3, dropout_rng=jax.random.key(5))),
-       full_bias, seq, P(), False),
+      # No strategy takes a dense mask (its tile kinds): kept whole.
+      ("sequence: bias and dense mask", call(lambda x: dict(
+          bias=x, mask=dense)), full_bias, seq, P(), False),
   ]
   for name, fn, x, sharding, x_spec, split in cases:
     def loss(q, k, v, x):
@@ -327,7 +326,7 @@ def operands():
   # halves) and chosen by "auto". Ring with ids and sinks (no ALiBi: a
   # ring's pairs have no offsets). all_gather with a bias sharded along the
   # queries (its rows cut with the queries, every key's column on each
-  # device): not gathered, its gradient sharded so.
+  # device): not gathered, its gradient sharded so. all_gather with dropout.
   q, k, v, do = random_inputs(b, t, t, n, 2, h, jnp.float32, seed=6)
   alibi = jnp.linspace(0.01, 0.3, b * n).reshape(b, n)
   rows = NamedSharding(mesh, P("data", None, "model", None))
@@ -341,6 +340,11 @@ def operands():
       ("ring", lambda x: dict(segment_ids=segments, sinks=x), sinks, None),
       ("all_gather", lambda x: dict(is_causal=True, bias=x),
        jax.random.normal(keys[1], (b, n, t, t)), rows),
+      # Dropout: the keep bits of the queries' positions, as on one device.
+      ("all_gather", lambda x: dict(is_causal=True, segment_ids=segments,
+                                    sinks=x, dropout_rate=0.3,
+                                    dropout_rng=jax.random.key(5)),
+       sinks, None),
   ]
   for strategy, options, x, x_sharding in sequence_cases:
     def loss(q, k, v, x):
@@ -375,18 +379,19 @@ def operands():
     assert hlo.count("all-to-all(") == 0
     if x_sharding is not None:
       assert grads_s[3].sharding.is_equivalent_to(x_sharding, x.ndim)
-  for strategy, why in (("ring", "ring runs no ['dropout_seed']"),
-                        ("all_gather", "all_gather runs no ['dropout_seed']")):
+  for strategy, options, why in (
+      ("ring", dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)),
+       "ring runs no ['dropout_seed']"),
+      ("all_gather", dict(mask=dense), "all_gather runs no ['dense_mask'")):
     try:
       jax.jit(lambda q: jax_flash.flash_attention(
           q, q, q, segment_ids=segments, context_parallel=strategy,
-          dropout_rate=0.1, dropout_rng=jax.random.key(0))).lower(
-              jax.device_put(q, seq)).compile()
+          **options)).lower(jax.device_put(q, seq)).compile()
     except Exception as e:  # Raised in XLA's partitioner, wrapped by it.
       assert f"context_parallel={strategy!r} cannot run this call" in str(e)
       assert why in str(e), str(e)
     else:
-      raise AssertionError(f"{strategy} ran with segment ids and dropout")
+      raise AssertionError(f"{strategy} ran with segment ids and {options}")
   print("operands: every case matches one device")
 
 

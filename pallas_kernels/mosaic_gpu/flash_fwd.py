@@ -366,7 +366,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
         s = jnp.where(ok, s, -jnp.inf)
       p, m_new, l, acc = online_softmax(s, c, m, l, acc)
       # l sums the undropped p; only P V sees the dropout.
-      p16 = dropped(p, scores, seed_ref, batch, head, rows, cols).astype(dtype)
+      p16 = dropped(p, scores, seed_ref, batch, head, positions,
+                    cols).astype(dtype)
       schedule.arrive(1)  # Softmax done: the other may compute.
       with jax.named_scope("v_wait"):
         plgpu.barrier_wait(v_ready.at[slot])

@@ -182,6 +182,8 @@ class TileContext:
       return x
     seed = self.refs.dropout_seed
     rows, cols = self._coords(q_start, k_start)
+    if self.mask.has_q_offsets:  # The bits of the queries' positions.
+      rows = rows + self.q_offset
     batch = self.batch
     if self.scores.dropout_broadcast:
       batch = head = 0
