@@ -146,7 +146,7 @@ def _ring_of(cfg: Config, q, k, v, seq, size: int) -> ring._Ring:
   layout when causal: its two halves are the pairs' chunks). Sinks join
   the merge of the pairs' partials, not a pair's kernel."""
   p = check_qkv(q, k, v)
-  window, _ = cfg.mask.band()  # A causal window (`_sharding._plan`).
+  window, right = cfg.mask.band()  # A causal window (`_sharding._plan`).
   half = 2 if cfg.mask.is_causal and window is None else 1
   pair = dataclasses.replace(p, q_len=p.q_len // half,
                              kv_len=p.kv_len // half)
@@ -154,7 +154,7 @@ def _ring_of(cfg: Config, q, k, v, seq, size: int) -> ring._Ring:
       cfg, scores=dataclasses.replace(cfg.scores, sinks=False))
   part = _refit(cfg, pair, q.dtype, False)
   band = None if window is None else _refit(cfg, pair, q.dtype, True)
-  return ring._Ring(axis=seq, size=size, causal=cfg.mask.band()[1] == 0,
+  return ring._Ring(axis=seq, size=size, causal=right == 0,
                     scores=cfg.scores, plan=part.plan, configs=part.configs,
                     window=window, band_plan=band and band.plan,
                     band_configs=band and band.configs)

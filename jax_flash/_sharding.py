@@ -214,8 +214,8 @@ def _plan(mesh, arg_shapes, cfg, refit_why, refused=None) -> _Split:
 
   axes = _names(seq)
   local["inner"] = mesh.shape[axes[-1]] if len(axes) > 1 else 1
-  if "ring" not in why and ring_why(p, 1):
-    why["ring"] = ring_why(p, 1)
+  if "ring" not in why and (reason := ring_why(p, 1)):
+    why["ring"] = reason
   if "ring_all_to_all" in why:  # Refused beforehand.
     pass
   elif len(axes) < 2:
@@ -226,8 +226,8 @@ def _plan(mesh, arg_shapes, cfg, refit_why, refused=None) -> _Split:
     why["ring_all_to_all"] = (
         f"the {local['kv_heads']} KV heads a device holds do not divide by "
         f"the {local['inner']} devices of {axes[-1]!r}")
-  elif ring_why(p // local["inner"], local["inner"]):
-    why["ring_all_to_all"] = ring_why(p // local["inner"], local["inner"])
+  elif reason := ring_why(p // local["inner"], local["inner"]):
+    why["ring_all_to_all"] = reason
   costs = {s: cost(s, balanced=balanced, **local) for s in STRATEGIES[1:]
            if s not in why}
   want = cfg.context_parallel
@@ -646,17 +646,14 @@ def _split_with_operands(fn, in_factors, out_factors, refused, refit_why,
   return op
 
 
-# Operands a sequence split takes (by all_to_all: ids gathered whole,
-# per-head arrays cut to a device's heads); the others keep the sequence
-# whole.
 # The optional arrays each strategy splits the sequence with; with others a
 # call's sequence stays whole. all_to_all: ids gathered whole, per-head
 # arrays cut to a device's heads. all_gather: key ids gathered with the
 # keys, query ids and a bias's rows cut with the queries (its key dim whole
 # on every device), per-head arrays whole, dropout's bits at the queries'
 # positions (a dense mask comes with a table of tile kinds over the whole
-# call's grid: not cut). ring: key
-# ids travel with the keys, sinks join the merge.
+# call's grid: not cut). ring: key ids travel with the keys, sinks join the
+# merge.
 _STRATEGY_OPERANDS = {
     "all_to_all": frozenset(("q_ids", "kv_ids", "alibi_slopes", "sinks",
                              "tile_kinds", "dropout_seed")),

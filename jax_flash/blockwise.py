@@ -149,16 +149,23 @@ def _batch_head(x):
   return batch, head
 
 
-def _logits2(p: _Problem, ops: Operands, qk, q0, k0):
-  """Base-2 logits of a block, -inf where masked, and the soft-cap tanh.
-
-  qk: float32 [B, K, G, bq, bk] raw scores of rows q0.. and columns k0..
-  """
+def _coords(p: _Problem, ops: Operands, q0, k0):
+  """(rows [bq, 1], cols [1, bk], the queries' offset: 0, or [B, 1, 1, 1, 1]
+  with `Mask.has_q_offsets`) of the block at q0, k0."""
   rows = q0 + jnp.arange(p.block_q, dtype=jnp.int32)[:, None]
   cols = k0 + jnp.arange(p.block_k, dtype=jnp.int32)[None, :]
   offset = 0
   if p.mask.has_q_offsets:
     offset = ops.q_offsets[:, None, None, None, None]
+  return rows, cols, offset
+
+
+def _logits2(p: _Problem, ops: Operands, qk, q0, k0):
+  """Base-2 logits of a block, -inf where masked, and the soft-cap tanh.
+
+  qk: float32 [B, K, G, bq, bk] raw scores of rows q0.. and columns k0..
+  """
+  rows, cols, offset = _coords(p, ops, q0, k0)
   positions = rows + offset  # What ALiBi and the mods see of a query.
   slope = bias = None
   if p.scores.alibi:
@@ -200,13 +207,10 @@ def _dropped(p: _Problem, ops: Operands, x, q0, k0):
     batch, head = jnp.int32(0), jnp.int32(0)
   else:
     batch, head = _batch_head(x)
-  rows = q0 + jnp.arange(p.block_q, dtype=jnp.int32)[:, None]
-  if p.mask.has_q_offsets:  # The bits of the queries' positions.
-    rows = rows + ops.q_offsets[:, None, None, None, None]
-  cols = k0 + jnp.arange(p.block_k, dtype=jnp.int32)[None, :]
-  seed = ops.dropout_seed
+  rows, cols, offset = _coords(p, ops, q0, k0)
+  seed = ops.dropout_seed  # The bits of the queries' positions.
   return dropout.dropped(x, seed[0], seed[1], p.scores.dropout_rate, batch,
-                         head, rows, cols)
+                         head, rows + offset, cols)
 
 
 def _blocks(x, num: int, size: int, kh: int):

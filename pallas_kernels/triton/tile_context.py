@@ -128,6 +128,14 @@ class TileContext:
       return rows[None, :], cols[:, None]
     return rows[:, None], cols[None, :]
 
+  def _positions(self, q_start, k_start):
+    """`_coords` with the rows at their queries' positions (the offset
+    added): what ALiBi, the mods and dropout's bits see."""
+    rows, cols = self._coords(q_start, k_start)
+    if self.mask.has_q_offsets:
+      rows = rows + self.q_offset
+    return rows, cols
+
   def _pair_tile(self, ref, head, q_start, k_start, other):
     tile = _load_pair_tile(ref, head, q_start, self.block_q,
                            k_start, self.block_k, self.q_len, self.kv_len,
@@ -141,9 +149,7 @@ class TileContext:
     """
     if self.scores.plain:
       return self.scores.logits2(qk)
-    rows, cols = self._coords(q_start, k_start)
-    if self.mask.has_q_offsets:  # Positions: what ALiBi and mods see.
-      rows = rows + self.q_offset
+    rows, cols = self._positions(q_start, k_start)
     bias = None
     if self.scores.bias:
       bias = self._pair_tile(self.refs.bias, head, q_start, k_start, 0.0)
@@ -181,9 +187,7 @@ class TileContext:
     if not self.scores.dropout:
       return x
     seed = self.refs.dropout_seed
-    rows, cols = self._coords(q_start, k_start)
-    if self.mask.has_q_offsets:  # The bits of the queries' positions.
-      rows = rows + self.q_offset
+    rows, cols = self._positions(q_start, k_start)
     batch = self.batch
     if self.scores.dropout_broadcast:
       batch = head = 0
