@@ -69,6 +69,10 @@ MOSAIC_CASES = {
     "tiles_past_the_ends": Case(3, 72, 1504, 4, 2, 64, "bfloat16", False),
     "tiles_past_the_ends_causal_gqa": Case(2, 456, 456, 8, 2, 128,
                                            "bfloat16", True),
+    # Lengths off a multiple of 8 at head dim 64: Q, K, V and the
+    # gradients copied untiled (`tiles.tile_buffer`), unpadded.
+    "odd_lengths_h64_causal_gqa": Case(2, 999, 1003, 8, 2, 64, "float16",
+                                       True),
 }
 
 
@@ -172,6 +176,17 @@ MOSAIC_OPTIONS = {
         Case(1, 512, 600, 4, 2, 256, "bfloat16", True),
         dict(bias=jax.random.normal(jax.random.key(17), (1, 1, 512, 1)),
              key_value_seq_lengths=jnp.array([550]))),
+    # Head dim 64 at lengths off a multiple of 8 (untiled copies).
+    "lengths_dropout_h64_odd": (
+        Case(2, 999, 1003, 4, 2, 64, "bfloat16", True),
+        dict(query_seq_lengths=jnp.array([999, 13]),
+             key_value_seq_lengths=jnp.array([1003, 501]),
+             dropout_rate=0.2, dropout_rng=jax.random.key(18))),
+    "bias_soft_cap_alibi_h64_odd": (
+        Case(1, 197, 1500, 4, 2, 64, "float16", False),
+        dict(bias=jax.random.normal(jax.random.key(19), (1, 4, 197, 1500)),
+             logits_soft_cap=20.0,
+             alibi_slopes=jnp.linspace(0.01, 0.1, 4).reshape(1, 4))),
     "segments_lengths_h256_causal": (
         Case(1, 512, 600, 4, 2, 256, "bfloat16", True),
         dict(segment_ids=(_packed(1, 512, 3, 2), _packed(1, 600, 3, 3)),
@@ -232,7 +247,8 @@ def test_mosaic_register_options_match_reference(name, option):
 FUSED_DQ_CASES = {  # Head dims 128 and 64 (what `fused_dq` takes).
     **{name: (MOSAIC_CASES[name], {}) for name in (
         "h128_causal_gqa", "t_less_than_s_causal", "any_length_causal",
-        "kv_len_264", "h64_mqa_f16", "kv_len_520_mqa_causal")},
+        "kv_len_264", "h64_mqa_f16", "kv_len_520_mqa_causal",
+        "odd_lengths_h64_causal_gqa")},
     **{name: MOSAIC_OPTIONS[name] for name in (
         "causal_window_gqa", "soft_cap_causal_gqa_any_length",
         "dropout_causal_gqa", "lengths_causal_gqa", "dense_mask_causal_gqa",
@@ -254,7 +270,8 @@ def test_mosaic_fused_dq_matches_reference(name):
 PERSISTENT_CASES = {  # Each CTA runs items of unequal lengths in turn.
     **{name: (MOSAIC_CASES[name], {}) for name in (
         "h128_causal_gqa", "h64_mqa_f16", "any_length_h256",
-        "h96_causal_gqa", "t_less_than_s_causal", "kv_len_520_mqa_causal")},
+        "h96_causal_gqa", "t_less_than_s_causal", "kv_len_520_mqa_causal",
+        "odd_lengths_h64_causal_gqa")},
     **{name: MOSAIC_OPTIONS[name] for name in (
         "lengths_causal_gqa", "segments_h64_f16", "dense_mask_causal_gqa",
         "sinks_window_gqa", "dropout_causal_gqa", "two_sided_window")},
@@ -328,6 +345,9 @@ MOSAIC_HEAD_DIMS = {
                        None),
     "whisper_cross_448_1500": (Case(2, 448, 1500, 4, 4, 64, "bfloat16",
                                     False), None),
+    "h32_odd_lengths_causal": (Case(2, 1500, 1003, 4, 2, 32, "float16",
+                                    True), None),
+    "h64_77_keys": (Case(2, 301, 77, 4, 4, 64, "bfloat16", False), None),
 }
 
 

@@ -117,6 +117,34 @@ def test_mosaic_reads_lengths_of_whole_8_rows_in_place(causal):
   assert not any("512" in a + b or "1536" in a + b for a, b in copies)
 
 
+def _lower_forward(shape, head_dim):
+  b, t, s, n, k = shape
+  q = jax.ShapeDtypeStruct((b, t, n, head_dim), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((b, s, k, head_dim), jnp.bfloat16)
+  with jax.sharding.use_abstract_mesh(
+      mesh_lib.AbstractMesh((1,), ("x",), abstract_device=H200)):
+    return jax.jit(lambda q, k, v: jax_flash.flash_attention(
+        q, k, v, implementation="mosaic")).trace(q, kv, kv).lower(
+            lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_tiles_one_swizzle_atom_wide_read_any_length_in_place(head_dim):
+  """Head dims 32 and 64 (tiles one swizzle atom wide, copied untiled:
+  `tiles.tile_buffer`) at lengths off a multiple of 8 (448 on 1500 keys):
+  the forward holds no pad or slice; the backward pads only the arrays of
+  its pipelined tiles (K and V, to 1504) and slices no gradient. At head
+  dim 128 K and V are still padded to 1504 forward."""
+  shape = (2, 448, 1500, 4, 2)
+  assert "flash_attention_forward_mosaic" in _lower_forward(shape, head_dim)
+  assert _sequence_copies(_lower_forward(shape, head_dim)) == []
+  copies = _sequence_copies(_lower_grad("mosaic", (*shape, head_dim)))
+  kv = f"tensor<2x1500x2x{head_dim}xbf16>"
+  assert copies and all(a == kv and "1504" in b for a, b in copies), copies
+  assert set(_sequence_copies(_lower_forward(shape, 128))) == {
+      ("tensor<2x1500x2x128xbf16>", "tensor<2x1504x2x128xbf16>")}
+
+
 def test_keys_padded_at_the_source_are_read_in_place():
   """Keys padded once by the caller to a multiple of 8 and hidden by
   segment ids (docs/performance.md): no pad, slice or select of a

@@ -54,9 +54,11 @@ from pallas_kernels.mosaic_gpu.config import (FUSED_DQ_HEAD_DIMS, BlockSizes,
 from pallas_kernels.mosaic_gpu.tiles import (COL, COMPUTE_WGS, ROW,
                                              cta_row_tile, dropped, load_ids,
                                              logits2, needs_positions,
-                                             pad_ids, range_table,
-                                             smem_transforms, split_refs,
-                                             table_ranges, tma_rows, visible)
+                                             one_atom_wide, pad_ids,
+                                             range_table, smem_transforms,
+                                             split_refs, table_ranges,
+                                             tile_buffer, tile_views, tma_rows,
+                                             visible)
 
 
 def _meet(barrier):
@@ -104,8 +106,9 @@ def split_dkv(head_dim: int) -> bool:
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
                 slopes_ref, q_ids_ref, kv_ids_ref, seed_ref, dense_ref,
                 bias_ref, dq_ref, dk_ref, dv_ref,
-                k_smem2, v_smem2, ready, done, fused, *, mask: Mask,
-                scores: Scores, blocks: BlockSizes, group: int, kv_len: int):
+                k_buffer, v_buffer, ready, done, fused, *, mask: Mask,
+                scores: Scores, blocks: BlockSizes, group: int, kv_len: int,
+                whole_atoms: bool):
   """q/do [B, T, N, H], k/v and dk/dv [B, S, K, H], lse/delta [B, N, T']
   (T' >= T: whole tiles); keys at or past kv_len (<= S: XLA's padding) are
   masked, tiles past T or S read zeros and store nothing there. Each None when
@@ -115,7 +118,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
   seed words [2]; dense_ref, bias_ref: a dense mask and a bias, transposed
   (`pad_pairs`); dq_ref, with `blocks.fused_dq` (then `fused` holds its
   scratch, `_accumulate_dq`): float32 [B, T, N, H], zeros, to which the
-  kernel adds dS K.
+  kernel adds dS K. With `whole_atoms`, K and V and their gradients are
+  copied untiled (`tiles.tile_buffer`).
 
   Head dims above 128 (`split_dkv`): dK and dV together would need H
   registers a thread, so the CTA owns block_kv_dkv key rows that both
@@ -124,6 +128,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
   """
   bq, bkv = blocks.block_q_dkv, blocks.block_kv_dkv
   q_len, head_dim = q_ref.shape[1], q_ref.shape[3]
+  (k_copy2, k_smem2), (v_copy2, v_smem2) = (
+      tile_views(x, whole_atoms) for x in (k_buffer, v_buffer))
   dtype = q_ref.dtype
   split = split_dkv(head_dim)
   batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
@@ -141,6 +147,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
   steps = jnp.maximum(hi - lo, 1)
   slot = 0 if split else wg
   k_smem, v_smem = k_smem2.at[slot], v_smem2.at[slot]
+  k_copy, v_copy = k_copy2.at[slot], v_copy2.at[slot]
   rows = pl.ds(kv_start, bkv)
   first_head = kv_head * group
 
@@ -148,15 +155,15 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
     return jnp.minimum(lo + i, last_tile)
 
   def load_kv():
-    plgpu.copy_gmem_to_smem(k_ref.at[batch, rows, kv_head], k_smem,
+    plgpu.copy_gmem_to_smem(k_ref.at[batch, rows, kv_head], k_copy,
                             ready.at[0, slot])
-    plgpu.copy_gmem_to_smem(v_ref.at[batch, rows, kv_head], v_smem,
+    plgpu.copy_gmem_to_smem(v_ref.at[batch, rows, kv_head], v_copy,
                             ready.at[1, slot])
 
-  def store(smem, grad, out_ref):
+  def store(smem, copy, grad, out_ref):
     smem[...] = grad.astype(dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(smem, out_ref.at[batch, rows, kv_head])
+    plgpu.copy_smem_to_gmem(copy, out_ref.at[batch, rows, kv_head])
     plgpu.wait_smem_to_gmem(0)
 
   def compute_split(pipeline):
@@ -170,8 +177,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
       return acc[...]
     grad = pl.run_scoped(run, plgpu.ACC((bkv, head_dim), jnp.float32))
     _meet(done)  # Neither overwrites K or V before both are done reading.
-    pl.when(wg == 0)(lambda: store(v_smem, grad, dv_ref))
-    pl.when(wg == 1)(lambda: store(k_smem, grad * scores.scale, dk_ref))
+    pl.when(wg == 0)(lambda: store(v_smem, v_copy, grad, dv_ref))
+    pl.when(wg == 1)(lambda: store(k_smem, k_copy, grad * scores.scale,
+                                   dk_ref))
 
   def compute(pipeline):
     load_kv()
@@ -189,9 +197,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
     k_smem[...] = (dk * scores.scale).astype(dtype)
     v_smem[...] = dv.astype(dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[batch, rows, kv_head],
+    plgpu.copy_smem_to_gmem(k_copy, dk_ref.at[batch, rows, kv_head],
                             commit_group=False)
-    plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[batch, rows, kv_head],
+    plgpu.copy_smem_to_gmem(v_copy, dv_ref.at[batch, rows, kv_head],
                             commit_group=False)
     plgpu.commit_smem_to_gmem_group()
     plgpu.wait_smem_to_gmem(0)
@@ -341,16 +349,17 @@ def dq_warpgroups(head_dim: int) -> int:
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
                slopes_ref, q_ids_ref, kv_ids_ref, seed_ref, dense_ref,
-               bias_ref, dq_ref, q_smem2,
-               do_smem2, ready, *, mask: Mask, scores: Scores,
-               blocks: BlockSizes, group: int, kv_len: int):
+               bias_ref, dq_ref, q_buffer, do_buffer, ready, *, mask: Mask,
+               scores: Scores, blocks: BlockSizes, group: int, kv_len: int,
+               whole_atoms: bool):
   """q/do/dq [B, T, N, H], k/v [B, S, K, H], lse/delta [B, N, T'] (T' >=
   T: whole tiles); keys at or past kv_len (<= S: XLA's padding) are
   masked, tiles past T or S read zeros and store nothing there. Each None when absent:
   table_ref, the range table of the CTA's query rows (`range_table`);
   slopes_ref, ALiBi slopes [B, N]; q_ids_ref / kv_ids_ref, ids [B, T] /
   [B, S] padded past the kernel's tiles; seed_ref, dropout seed words [2];
-  dense_ref, bias_ref: a dense mask and a bias (`pad_pairs`)."""
+  dense_ref, bias_ref: a dense mask and a bias (`pad_pairs`). With
+  `whole_atoms`, Q, dO and dQ are copied untiled (`tiles.tile_buffer`)."""
   wgs = dq_warpgroups(q_ref.shape[3])
   bq, bkv = blocks.block_q_dq, blocks.block_kv_dq
   head_dim = q_ref.shape[3]
@@ -366,16 +375,18 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
   coords = needs_positions(mask, scores)
   last_tile = cdiv(kv_len, bkv) - 1
   steps = jnp.maximum(hi - lo, 1)  # A row that sees nothing: dQ = 0.
-  q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
+  (q_copy, q_smem), (do_copy, do_smem) = (
+      (a.at[wg], b.at[wg]) for a, b in (tile_views(x, whole_atoms)
+                                        for x in (q_buffer, do_buffer)))
   rows = pl.ds(q_start, bq)
 
   def kv_tile(j):
     return jnp.minimum(lo + j, last_tile)
 
   def compute(pipeline):
-    plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem,
+    plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_copy,
                             ready.at[0, wg])
-    plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head], do_smem,
+    plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head], do_copy,
                             ready.at[1, wg])
     lse = plgpu.load(lse_ref.at[batch, head, rows], layout=ROW,
                      optimized=False)
@@ -391,7 +402,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
     dq = pl.run_scoped(run, plgpu.ACC((bq, head_dim), jnp.float32))
     q_smem[...] = (dq * scores.scale).astype(dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[batch, rows, head])
+    plgpu.copy_smem_to_gmem(q_copy, dq_ref.at[batch, rows, head])
     plgpu.wait_smem_to_gmem(0)
 
   def step(index, k_smem, v_smem, k_free, v_free, carry):
@@ -455,7 +466,8 @@ def flash_backward(q, k, v, operands: Operands, o, lse, do, dlse, *,
   q/o/do [B, T, N, H], k/v [B, S, K, H] (K divides N), bf16 or fp16, any T
   and S: the kernels read Q, dO, K and V where they lie, in tiles that may
   reach past the last row (`tiles.tma_rows`: a copy only where a length is
-  not a multiple of 8; TMA reads zeros there, and L = +inf for those
+  not a multiple of 8, and at head dims 32 and 64 only of the streamed
+  tiles' arrays, not of the gradients; TMA reads zeros there, and L = +inf for those
   queries, so they add nothing), mask keys past S and drop the gradient
   rows past the ends. GPU only (the interpreter cannot run a wgmma with a
   register operand); tests lower it for CUDA on the CPU.
@@ -474,16 +486,22 @@ def flash_backward(q, k, v, operands: Operands, o, lse, do, dlse, *,
   delta = pad_to(softmax.backward_delta(o, do, dlse), 2, tp)
   lse2 = pad_to(jnp.where(lse == -jnp.inf, jnp.inf, lse * softmax.LOG2E), 2,
                 tp, jnp.inf)
-  q = pad_to(q, 1, tma_rows(q_len))
-  do = pad_to(do.astype(q.dtype), 1, tma_rows(q_len))
-  k, v = (pad_to(x, 1, tma_rows(kv_len)) for x in (k, v))
+  # The streamed tiles (the dK/dV kernel's Q and dO, the dQ kernel's K and
+  # V) are copied tiled; the tiles a CTA keeps and the gradients untiled
+  # where they are one swizzle atom wide (`tiles.tile_buffer`).
+  whole_atoms = one_atom_wide(q.dtype, head_dim)
+  do = do.astype(q.dtype)
+  q_s, do_s = (pad_to(x, 1, tma_rows(q_len)) for x in (q, do))
+  k_s, v_s = (pad_to(x, 1, tma_rows(kv_len)) for x in (k, v))
+  q, do = (pad_to(x, 1, tma_rows(q_len, whole_atoms)) for x in (q, do))
+  k, v = (pad_to(x, 1, tma_rows(kv_len, whole_atoms)) for x in (k, v))
   batch, _, num_heads, _ = q.shape
   num_kv_heads = k.shape[2]
   group = num_heads // num_kv_heads
   transforms = smem_transforms(q.dtype, head_dim)
   params = compiler_params()
   kernel_args = dict(mask=mask, scores=scores, blocks=blocks, group=group,
-                     kv_len=kv_len)
+                     kv_len=kv_len, whole_atoms=whole_atoms)
 
   def tables(transposed):
     """The range table of one kernel's CTA rows, or None."""
@@ -516,16 +534,17 @@ def flash_backward(q, k, v, operands: Operands, o, lse, do, dlse, *,
             *flat(refs, dq_extras), q_smem, do_smem, ready, **kernel_args),
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
         scratch_types=dict(
-            q_smem=plgpu.SMEM((wgs, dq_rows, head_dim), q.dtype,
-                              transforms=transforms),
-            do_smem=plgpu.SMEM((wgs, dq_rows, head_dim), q.dtype,
-                               transforms=transforms),
+            q_smem=tile_buffer((wgs, dq_rows, head_dim), q.dtype, transforms,
+                               whole_atoms),
+            do_smem=tile_buffer((wgs, dq_rows, head_dim), q.dtype,
+                                transforms, whole_atoms),
             ready=plgpu.Barrier(num_barriers=(2, wgs))),
         grid=(num_heads, tp // (wgs * dq_rows), batch),
         grid_names=("heads", "q_seq", "batch"),
         num_threads=wgs + 1, thread_name="wg",
         compiler_params=params, kernel_name="flash_attention_dq_mosaic",
-    )(q, k, v, do, lse2, delta, *(x for x in dq_extras if x is not None))
+    )(q, k_s, v_s, do, lse2, delta,
+      *(x for x in dq_extras if x is not None))
 
   dkv_rows, copies = blocks.block_kv_dkv, 1 if split else COMPUTE_WGS
   kv_out = jax.ShapeDtypeStruct(k.shape, k.dtype)
@@ -560,10 +579,10 @@ def flash_backward(q, k, v, operands: Operands, o, lse, do, dlse, *,
           **kernel_args),
       out_type=(kv_out, kv_out),
       scratch_types=dict(
-          k_smem=plgpu.SMEM((copies, dkv_rows, head_dim), k.dtype,
-                            transforms=transforms),
-          v_smem=plgpu.SMEM((copies, dkv_rows, head_dim), k.dtype,
-                            transforms=transforms),
+          k_smem=tile_buffer((copies, dkv_rows, head_dim), k.dtype,
+                             transforms, whole_atoms),
+          v_smem=tile_buffer((copies, dkv_rows, head_dim), k.dtype,
+                             transforms, whole_atoms),
           ready=plgpu.Barrier(num_barriers=(2, copies)),
           **(dict(done=plgpu.Barrier(num_arrivals=COMPUTE_WGS))
              if split or exchange else {}),
@@ -572,7 +591,8 @@ def flash_backward(q, k, v, operands: Operands, o, lse, do, dlse, *,
       grid_names=("heads", "kv_seq", "batch"),
       num_threads=COMPUTE_WGS + 1, thread_name="wg",
       compiler_params=params, kernel_name="flash_attention_dkv_mosaic",
-  )(q, k, v, do, lse2, delta, *(x for x in dkv_extras if x is not None))
+  )(q_s, k, v, do_s, lse2, delta,
+    *(x for x in dkv_extras if x is not None))
   if blocks.fused_dq:
     dq = (dq_sum[...] * scores.scale).astype(q.dtype)
   return dq[:, :q_len], dk[:, :kv_len], dv[:, :kv_len]

@@ -47,10 +47,12 @@ from pallas_kernels.mosaic_gpu.config import BlockSizes, compiler_params
 from pallas_kernels.mosaic_gpu.tiles import (COL, COMPUTE_WGS, ROW,
                                              await_last_releases, cta_row_tile,
                                              dropped, load_ids, logits2,
-                                             needs_positions, online_softmax,
-                                             pad_ids, range_table,
-                                             smem_transforms, split_refs,
-                                             table_ranges, tma_rows, visible)
+                                             needs_positions, one_atom_wide,
+                                             online_softmax, pad_ids,
+                                             range_table, smem_transforms,
+                                             split_refs, table_ranges,
+                                             tile_buffer, tile_views,
+                                             tma_rows, visible)
 
 # Hardware barrier ids of the consumers' schedule with `named_barriers`,
 # [warpgroup waiting][parity of its wait]: Mosaic GPU itself uses 0 (the
@@ -216,12 +218,13 @@ def _union(a, b):
 def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
                     *, mask: Mask, scores: Scores, blocks: BlockSizes,
                     group: int, kv_len: int, num_tiles: int,
-                    programs: int | None):
+                    programs: int | None, whole_atoms: tuple[bool, bool]):
   """q_ref/o_ref [B, T, N, H], k_ref/v_ref [B, S, K, H], lse_ref [B, N,
   num_tiles * 2 * block_q]; keys at or past kv_len (<= S: XLA's padding)
   are masked. The last of num_tiles query tiles may reach past T (and the
   last key tile past S): TMA reads zeros there and drops the stores of O's
-  rows past T (`tma_rows`). extra_refs
+  rows past T (`tma_rows`; `whole_atoms`: whether Q and K, and V, are
+  copied untiled, `tile_buffer`). extra_refs
   (each None when absent): the range table of block_q-row query tiles
   (`range_table`), ALiBi slopes [B, N], query and key ids [B, T], [B, S]
   (padded past the kernel's tiles), sink logits [N], dropout seed words
@@ -238,7 +241,12 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
   next."""
   (table_ref, slopes_ref, q_ids_ref, kv_ids_ref, sinks_ref, seed_ref,
    offsets_ref, dense_ref, bias_ref, order_ref) = extra_refs
-  (q_smem3, k_smem, v_smem, lse_smem3), ready, free, schedule_barrier = scratch
+  (q_buffer, k_buffer, v_buffer, lse_smem3), ready, free, schedule_barrier = (
+      scratch)
+  (q_copy3, q_smem3), (k_copy, k_smem), (v_copy, v_smem) = (
+      tile_views(x, atoms) for x, atoms in
+      zip((q_buffer, k_buffer, v_buffer), (*whole_atoms[:1] * 2,
+                                           whole_atoms[1])))
   k_ready, v_ready, q_ready = ready
   k_free, v_free = free
   block_q, block_kv, stages = blocks.block_q, blocks.block_kv, blocks.num_stages
@@ -291,7 +299,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
     b, h, tile = item_coords(item)
     plgpu.copy_gmem_to_smem(
         q_ref.at[b, pl.ds(tile * rows + wg * block_q, block_q), h],
-        q_smem3.at[buffer, wg], q_ready.at[buffer * COMPUTE_WGS + wg])
+        q_copy3.at[buffer, wg], q_ready.at[buffer * COMPUTE_WGS + wg])
 
   def consumer_item(i, item, next_item, base):
     # With two Q buffers (persistent) item i uses buffer i % 2, and the
@@ -406,7 +414,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
       q_smem[...] = o.astype(dtype)
       lse_smem[...] = lse
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(q_smem,
+      plgpu.copy_smem_to_gmem(q_copy3.at[buffer, wg],
                               o_ref.at[batch, pl.ds(q_start, block_q), head])
       plgpu.copy_smem_to_gmem(
           lse_smem, lse_ref.at[batch, head, pl.ds(q_start, block_q)])
@@ -432,9 +440,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
         plgpu.barrier_wait(k_free.at[slot])
         plgpu.barrier_wait(v_free.at[slot])
       tile = (batch, pl.ds(j * block_kv, block_kv), kv_head)
-      plgpu.copy_gmem_to_smem(k_ref.at[tile], k_smem.at[slot],
+      plgpu.copy_gmem_to_smem(k_ref.at[tile], k_copy.at[slot],
                               k_ready.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[tile], v_smem.at[slot],
+      plgpu.copy_gmem_to_smem(v_ref.at[tile], v_copy.at[slot],
                               v_ready.at[slot])
     return base + steps - first
 
@@ -466,18 +474,25 @@ def flash_forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
   from the logsumexp, in `jax_flash.attention`), and query offsets (a
   prompt chunk against a cache) are forward only. Any T and S: Q, K and V
   are read where they lie, in tiles that may reach past the last row
-  (`tiles.tma_rows`: a copy only where a length is not a multiple of 8),
+  (`tiles.tma_rows`: no copy at head dims 32 and 64, elsewhere one only
+  where a length is not a multiple of 8),
   and the kernel masks keys past S.
   GPU only: the Pallas interpreter cannot run a wgmma whose left operand is
   in registers (P here); tests lower it for CUDA on the CPU instead.
   Returns (o [B, T, N, H], lse [B, N, T] float32, natural log).
   """
   q_len, kv_len = q.shape[1], k.shape[1]
-  q = pad_to(q, 1, tma_rows(q_len))
-  k, v = (pad_to(x, 1, tma_rows(kv_len)) for x in (k, v))
-  batch, _, num_heads, head_dim = q.shape
-  group = num_heads // k.shape[2]
   blocks = block_sizes
+  head_dim = q.shape[3]
+  # Q and K, and V (whose swizzle follows its rows), copied untiled where
+  # one swizzle atom wide (`tiles.tile_buffer`).
+  whole_atoms = (one_atom_wide(q.dtype, head_dim),
+                 one_atom_wide(q.dtype, head_dim, blocks.block_kv))
+  q, k = (pad_to(x, 1, tma_rows(n, whole_atoms[0]))
+          for x, n in ((q, q_len), (k, kv_len)))
+  v = pad_to(v, 1, tma_rows(kv_len, whole_atoms[1]))
+  batch, _, num_heads, _ = q.shape
+  group = num_heads // k.shape[2]
   rows = COMPUTE_WGS * blocks.block_q
   num_tiles = -(-q_len // rows)
   padded_len = num_tiles * rows  # The logsumexp's rows, ids' and pairs'.
@@ -506,13 +521,13 @@ def flash_forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
   stages, q_buffers = blocks.num_stages, blocks.q_buffers(head_dim)
   scratch = dict(
       buffers=(
-          plgpu.SMEM((q_buffers, COMPUTE_WGS, blocks.block_q, head_dim),
-                     q.dtype, transforms=transforms),
-          plgpu.SMEM((stages, blocks.block_kv, head_dim), k.dtype,
-                     transforms=transforms),
-          plgpu.SMEM((stages, blocks.block_kv, head_dim), v.dtype,
-                     transforms=smem_transforms(v.dtype, head_dim,
-                                                blocks.block_kv)),
+          tile_buffer((q_buffers, COMPUTE_WGS, blocks.block_q, head_dim),
+                      q.dtype, transforms, whole_atoms[0]),
+          tile_buffer((stages, blocks.block_kv, head_dim), k.dtype,
+                      transforms, whole_atoms[0]),
+          tile_buffer((stages, blocks.block_kv, head_dim), v.dtype,
+                      smem_transforms(v.dtype, head_dim, blocks.block_kv),
+                      whole_atoms[1]),
           plgpu.SMEM((q_buffers, COMPUTE_WGS, blocks.block_q), jnp.float32),
       ),
       ready=(plgpu.Barrier(num_barriers=stages),
@@ -529,7 +544,8 @@ def flash_forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
     _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref,
                     (buffers, ready, free, schedule), mask=mask,
                     scores=scores, blocks=blocks, group=group, kv_len=kv_len,
-                    num_tiles=num_tiles, programs=programs)
+                    num_tiles=num_tiles, programs=programs,
+                    whole_atoms=whole_atoms)
 
   o, lse = plgpu.kernel(
       body,

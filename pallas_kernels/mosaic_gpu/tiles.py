@@ -9,7 +9,8 @@ a mask_mod's or the ids' table), tiles of a per-(query, key) operand
 (`visible`) and the online softmax's step (`online_softmax`), ids
 (`load_ids`, `pad_ids`), dropout (`needs_positions`, `dropped`), the
 kernels' refs split into inputs, extras and outputs (`split_refs`), the
-rows of a sequence array (`tma_rows`), and a producer's wait on the last
+rows of a sequence array (`tma_rows`; `one_atom_wide`, `tile_buffer`,
+`tile_views`: untiled copies of tiles one swizzle atom wide), and a producer's wait on the last
 releases of its ring (`await_last_releases`). Built on the
 backend-neutral `jax_flash.spec`.
 """
@@ -46,13 +47,15 @@ def await_last_releases(loaded, stages: int, *free):
         plgpu.barrier_wait(barrier.at[slot])
 
 
-def tma_rows(length: int) -> int:
+def tma_rows(length: int, whole_atoms: bool = False) -> int:
   """Rows a kernel's sequence array (Q, K, V, O, dO and the gradients)
-  has for `length` positions: the next multiple of 8 (Mosaic GPU's TMA
-  views a [rows, head dim] tile's rows in groups of 8), so XLA pads only
-  lengths that are not one. Tiles reaching past the last row are not
-  padded: the TMA unit reads zeros there and drops stores past it."""
-  return round_up(length, 8)
+  has for `length` positions. Tiles reaching past the last row are not
+  padded: the TMA unit reads zeros there and drops stores past it. A tiled
+  copy views a [rows, head dim] tile's rows in groups of 8, so the array
+  needs the next multiple of 8 (XLA pads only lengths that are not one);
+  with `whole_atoms` (`one_atom_wide`: the tiles are copied untiled,
+  `tile_buffer`) it needs none."""
+  return length if whole_atoms else round_up(length, 8)
 
 
 def smem_transforms(dtype, minor_dim: int, rows: int | None = None):
@@ -66,6 +69,34 @@ def smem_transforms(dtype, minor_dim: int, rows: int | None = None):
     swizzle //= 2
   elems = swizzle // itemsize
   return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
+
+
+def one_atom_wide(dtype, head_dim: int, *rows: int) -> bool:
+  """Whether [rows, head_dim] tiles (and V's tiles of each of `rows` rows,
+  whose swizzle `smem_transforms` may narrow) are one swizzle atom wide
+  (head dims 32 and 64 in 16 bits): their tiled layout is then the same
+  bytes as the untiled rows, which TMA copies without grouping rows by 8
+  (`tile_buffer`)."""
+  return all(smem_transforms(dtype, head_dim, r)[0].tiling[1] == head_dim
+             for r in (None, *rows))
+
+
+def tile_buffer(shape, dtype, transforms, whole_atoms: bool):
+  """Scratch for [..., rows, head dim] tiles that TMA copies and wgmma
+  reads, with `transforms` (`smem_transforms`). With `whole_atoms`
+  (`one_atom_wide`), two views of the same bytes (`tile_views`): swizzled
+  only, for the copies, and tiled too, for wgmma and register stores."""
+  tiled = plgpu.SMEM(shape, dtype, transforms=transforms)
+  if not whole_atoms:
+    return tiled
+  return plgpu.RefUnion(plgpu.SMEM(shape, dtype, transforms=transforms[1:]),
+                        tiled)
+
+
+def tile_views(buffer, whole_atoms: bool):
+  """(the view TMA copies through, the view wgmma reads) of a
+  `tile_buffer`'s ref."""
+  return tuple(buffer) if whole_atoms else (buffer, buffer)
 
 
 def cta_row_tile(mask: Mask, axis: str, num_tiles: int):
