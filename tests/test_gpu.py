@@ -187,6 +187,15 @@ MOSAIC_OPTIONS = {
         dict(bias=jax.random.normal(jax.random.key(19), (1, 4, 197, 1500)),
              logits_soft_cap=20.0,
              alibi_slopes=jnp.linspace(0.01, 0.1, 4).reshape(1, 4))),
+    # Head dims in column parts (`tiles.Columns`) with score options.
+    "dropout_soft_cap_h72_parts": (
+        Case(2, 1000, 1003, 8, 2, 72, "bfloat16", True),
+        dict(dropout_rate=0.2, dropout_rng=jax.random.key(20),
+             logits_soft_cap=30.0)),
+    "segments_sinks_h40_parts": (
+        Case(2, 512, 520, 4, 2, 40, "float16", False),
+        dict(segment_ids=(_packed(2, 512, 4, 4), _packed(2, 520, 4, 4)),
+             sinks=jnp.linspace(-2.0, 2.0, 4))),
     "segments_lengths_h256_causal": (
         Case(1, 512, 600, 4, 2, 256, "bfloat16", True),
         dict(segment_ids=(_packed(1, 512, 3, 2), _packed(1, 600, 3, 3)),
@@ -274,7 +283,8 @@ PERSISTENT_CASES = {  # Each CTA runs items of unequal lengths in turn.
         "odd_lengths_h64_causal_gqa")},
     **{name: MOSAIC_OPTIONS[name] for name in (
         "lengths_causal_gqa", "segments_h64_f16", "dense_mask_causal_gqa",
-        "sinks_window_gqa", "dropout_causal_gqa", "two_sided_window")},
+        "sinks_window_gqa", "dropout_causal_gqa", "two_sided_window",
+        "dropout_soft_cap_h72_parts", "segments_sinks_h40_parts")},
 }
 
 
@@ -348,6 +358,11 @@ MOSAIC_HEAD_DIMS = {
     "h32_odd_lengths_causal": (Case(2, 1500, 1003, 4, 2, 32, "float16",
                                     True), None),
     "h64_77_keys": (Case(2, 301, 77, 4, 4, 64, "bfloat16", False), None),
+    # Head dims off a multiple of 16 in column parts (`tiles.Columns`):
+    # 64 + 64 + 64 + 16 columns, the last reaching past 200; 32 past 24.
+    "h200_parts_causal": (Case(1, 1000, 1003, 8, 2, 200, "bfloat16", True),
+                          None),
+    "h24_parts_f16": (Case(2, 999, 1003, 4, 2, 24, "float16", False), None),
 }
 
 

@@ -117,15 +117,52 @@ def test_mosaic_reads_lengths_of_whole_8_rows_in_place(causal):
   assert not any("512" in a + b or "1536" in a + b for a, b in copies)
 
 
-def _lower_forward(shape, head_dim):
+def _lower_forward(shape, head_dim, **kwargs):
   b, t, s, n, k = shape
   q = jax.ShapeDtypeStruct((b, t, n, head_dim), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((b, s, k, head_dim), jnp.bfloat16)
   with jax.sharding.use_abstract_mesh(
       mesh_lib.AbstractMesh((1,), ("x",), abstract_device=H200)):
     return jax.jit(lambda q, k, v: jax_flash.flash_attention(
-        q, k, v, implementation="mosaic")).trace(q, kv, kv).lower(
+        q, k, v, implementation="mosaic", **kwargs)).trace(q, kv, kv).lower(
             lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("head_dim, block_kv, parts", [
+    (128, 128, ((0, 128),)), (64, 256, ((0, 64),)),
+    (72, 256, ((0, 64), (64, 16))), (40, 256, ((0, 32), (32, 16))),
+    (24, 128, ((0, 32),)),
+    (200, 64, ((0, 64), (64, 64), (128, 64), (192, 16))),
+    # V's 80- and 96-row tiles take no 64-column atom (their swizzle
+    # follows their rows); 40 bytes a row of 20 are no TMA stride.
+    (72, 80, None), (136, 96, None), (20, 256, None)])
+def test_column_parts_of_a_head_dim(head_dim, block_kv, parts):
+  layout = tiles.Columns.of(jnp.bfloat16, head_dim, block_kv)
+  assert (layout and layout.parts) == parts
+  if parts and len(parts) > 1:
+    assert layout.untiled == (True, True)
+
+
+@pytest.mark.parametrize("head_dim, kwargs", [
+    (72, {}), (40, dict(is_causal=True)), (200, dict(is_causal=True)),
+    (24, {}), (72, dict(dropout_rate=0.1, dropout_rng=jax.random.key(0),
+                        logits_soft_cap=20.0)),
+    (72, dict(block_sizes=jax_flash.MosaicBlockSizes(block_kv=128,
+                                                     persistent=True),
+              is_causal=True))])
+def test_head_dims_off_16_run_in_column_parts_in_place(head_dim, kwargs):
+  """Head dims off a multiple of 16 (DiT's 72, a UNet's 40): the forward
+  reads Q, K, V and writes O in column parts (`tiles.Columns`) where they
+  lie: no pad or slice of them; at 80-row K/V tiles (no 64-column part
+  for V) the head dim is padded to 80 as before."""
+  shape = (2, 1000, 1003, 8, 2)
+  text = _lower_forward(shape, head_dim, **kwargs)
+  assert "flash_attention_forward_mosaic" in text
+  assert _sequence_copies(text) == []
+  text = _lower_forward(shape, 72, block_sizes=jax_flash.MosaicBlockSizes(
+      block_kv=80))
+  assert ("tensor<2x1000x8x72xbf16>", "tensor<2x1000x8x80xbf16>") in (
+      _sequence_copies(text))
 
 
 @pytest.mark.parametrize("head_dim", [32, 64])

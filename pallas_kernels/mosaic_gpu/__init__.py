@@ -45,6 +45,7 @@ from pallas_kernels.mosaic_gpu import flash_decode
 from pallas_kernels.mosaic_gpu.config import BlockSizes
 from pallas_kernels.mosaic_gpu.flash_bwd import flash_backward
 from pallas_kernels.mosaic_gpu.flash_fwd import flash_forward
+from pallas_kernels.mosaic_gpu.tiles import Columns
 
 
 # What a user's mask_mod or score_mod may be made of in these kernels:
@@ -213,7 +214,9 @@ class MosaicGpuBackend:
     (q,), (k, v) = without_padding(mask, operands.q_ids, operands.kv_ids,
                                    (q,), (k, v))
     value_dim = v.shape[-1]
-    q, k, v = _pad_heads(q, k, v)
+    if value_dim != q.shape[-1] or Columns.of(q.dtype, value_dim,
+                                              config.block_kv) is None:
+      q, k, v = _pad_heads(q, k, v)
     o, lse = flash_forward(q, k, v, operands, mask=mask, scores=scores,
                            block_sizes=config)
     return o[..., :value_dim], lse

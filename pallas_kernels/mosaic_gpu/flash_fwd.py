@@ -44,10 +44,10 @@ from jax_flash.spec.operands import Operands
 from jax_flash.spec.padding import pad_pairs, pad_to, round_up
 from jax_flash.spec.scores import Scores
 from pallas_kernels.mosaic_gpu.config import BlockSizes, compiler_params
-from pallas_kernels.mosaic_gpu.tiles import (COL, COMPUTE_WGS, ROW,
-                                             await_last_releases, cta_row_tile,
-                                             dropped, load_ids, logits2,
-                                             needs_positions, one_atom_wide,
+from pallas_kernels.mosaic_gpu.tiles import (COL, COMPUTE_WGS, ROW, Columns,
+                                             await_last_releases, columns,
+                                             cta_row_tile, dropped, load_ids,
+                                             logits2, needs_positions,
                                              online_softmax, pad_ids,
                                              range_table, smem_transforms,
                                              split_refs, table_ranges,
@@ -218,13 +218,14 @@ def _union(a, b):
 def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
                     *, mask: Mask, scores: Scores, blocks: BlockSizes,
                     group: int, kv_len: int, num_tiles: int,
-                    programs: int | None, whole_atoms: tuple[bool, bool]):
+                    programs: int | None, layout: Columns):
   """q_ref/o_ref [B, T, N, H], k_ref/v_ref [B, S, K, H], lse_ref [B, N,
   num_tiles * 2 * block_q]; keys at or past kv_len (<= S: XLA's padding)
   are masked. The last of num_tiles query tiles may reach past T (and the
   last key tile past S): TMA reads zeros there and drops the stores of O's
-  rows past T (`tma_rows`; `whole_atoms`: whether Q and K, and V, are
-  copied untiled, `tile_buffer`). extra_refs
+  rows past T (`tma_rows`). `layout`: the head dim's column parts, each
+  with tiles of its own, and whether they are copied untiled
+  (`tiles.Columns`); the last part may reach past H. extra_refs
   (each None when absent): the range table of block_q-row query tiles
   (`range_table`), ALiBi slopes [B, N], query and key ids [B, T], [B, S]
   (padded past the kernel's tiles), sink logits [N], dropout seed words
@@ -241,16 +242,19 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
   next."""
   (table_ref, slopes_ref, q_ids_ref, kv_ids_ref, sinks_ref, seed_ref,
    offsets_ref, dense_ref, bias_ref, order_ref) = extra_refs
-  (q_buffer, k_buffer, v_buffer, lse_smem3), ready, free, schedule_barrier = (
+  (q_buffers, k_buffers, v_buffers, lse_smem3), ready, free, schedule_barrier = (
       scratch)
-  (q_copy3, q_smem3), (k_copy, k_smem), (v_copy, v_smem) = (
-      tile_views(x, atoms) for x, atoms in
-      zip((q_buffer, k_buffer, v_buffer), (*whole_atoms[:1] * 2,
-                                           whole_atoms[1])))
+  qk_untiled, v_untiled = layout.untiled
+  # Per column part: (the view TMA copies through, the view wgmma reads).
+  q_views = [tile_views(x, qk_untiled) for x in q_buffers]
+  k_views = [tile_views(x, qk_untiled) for x in k_buffers]
+  v_views = [tile_views(x, v_untiled) for x in v_buffers]
+  part_columns = [columns(start, width, q_ref.shape[-1])
+                  for start, width in layout.parts]
   k_ready, v_ready, q_ready = ready
   k_free, v_free = free
   block_q, block_kv, stages = blocks.block_q, blocks.block_kv, blocks.num_stages
-  q_buffers = blocks.q_buffers(q_ref.shape[-1])
+  q_buffers = blocks.q_buffers(sum(w for _, w in layout.parts))
   dtype = q_ref.dtype
   wg = lax.axis_index("wg")
   schedule = _Schedule(schedule_barrier, wg)
@@ -297,9 +301,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
   def load_q(item, buffer):
     """This warpgroup's rows of item `item`'s Q into Q buffer `buffer`."""
     b, h, tile = item_coords(item)
-    plgpu.copy_gmem_to_smem(
-        q_ref.at[b, pl.ds(tile * rows + wg * block_q, block_q), h],
-        q_copy3.at[buffer, wg], q_ready.at[buffer * COMPUTE_WGS + wg])
+    q_rows = pl.ds(tile * rows + wg * block_q, block_q)
+    for (copy, _), cols in zip(q_views, part_columns):
+      plgpu.copy_gmem_to_smem(q_ref.at[b, q_rows, h, cols],
+                              copy.at[buffer, wg],
+                              q_ready.at[buffer * COMPUTE_WGS + wg])
 
   def consumer_item(i, item, next_item, base):
     # With two Q buffers (persistent) item i uses buffer i % 2, and the
@@ -307,7 +313,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
     batch, head, tile = item_coords(item)
     tile_start = tile * rows
     buffer = lax.rem(i, q_buffers) if q_buffers > 1 else 0
-    q_smem, lse_smem = q_smem3.at[buffer, wg], lse_smem3.at[buffer, wg]
+    q_smems = [mma.at[buffer, wg] for _, mma in q_views]
+    lse_smem = lse_smem3.at[buffer, wg]
     q_offset = 0 if offsets_ref is None else offsets_ref[batch]
     first, steps, consumer_ranges = item_ranges(batch, tile_start, q_offset)
     q_start = tile_start + wg * block_q
@@ -330,8 +337,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
     q_ids = load_ids(q_ids_ref, batch, q_start, block_q, ROW)
     m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), ROW)
     l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), ROW)
-    acc = plgpu.layout_cast(jnp.zeros((block_q, q_ref.shape[-1]), jnp.float32),
-                            plgpu.Layout.WGMMA)
+    acc = tuple(plgpu.layout_cast(jnp.zeros((block_q, width), jnp.float32),
+                                  plgpu.Layout.WGMMA)
+                for _, width in layout.parts)
     # Warpgroup 1 runs half a step behind (as if the second of a step -1).
     pl.when(wg == 1)(functools.partial(schedule.both, 1))
 
@@ -345,7 +353,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
         plgpu.barrier_wait(k_ready.at[slot])
 
       def qk(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
+        for q_smem, (_, k_smem) in zip(q_smems, k_views):
+          plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
         schedule.both(0)
         return acc_ref[...]
       s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
@@ -380,9 +389,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
       with jax.named_scope("v_wait"):
         plgpu.barrier_wait(v_ready.at[slot])
       schedule.wait(1)  # The tensor cores are ours again.
-      acc = pl.run_state(
-          lambda acc_ref: plgpu.wgmma(acc_ref, p16, v_smem.at[slot]))(
-              plgpu.ACC.init(acc))
+      def pv(acc_refs):
+        for acc_ref, (_, v_smem) in zip(acc_refs, v_views):
+          plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+      acc = pl.run_state(pv)(tuple(plgpu.ACC.init(a) for a in acc))
       plgpu.barrier_arrive(v_free.at[slot])
       return acc, m_new, l
 
@@ -410,12 +420,15 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
     with jax.named_scope("epilogue"):
       sink2 = (None if sinks_ref is None else
                sinks_ref[head].astype(jnp.float32) * softmax.LOG2E)
-      o, lse = softmax.finalize(acc, m, l, sink2=sink2)
-      q_smem[...] = o.astype(dtype)
+      for q_smem, part in zip(q_smems, acc):
+        o, lse = softmax.finalize(part, m, l, sink2=sink2)
+        q_smem[...] = o.astype(dtype)
       lse_smem[...] = lse
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(q_copy3.at[buffer, wg],
-                              o_ref.at[batch, pl.ds(q_start, block_q), head])
+      for (copy, _), cols in zip(q_views, part_columns):
+        plgpu.copy_smem_to_gmem(
+            copy.at[buffer, wg],
+            o_ref.at[batch, pl.ds(q_start, block_q), head, cols])
       plgpu.copy_smem_to_gmem(
           lse_smem, lse_ref.at[batch, head, pl.ds(q_start, block_q)])
       if q_buffers == 1:
@@ -440,10 +453,12 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
         plgpu.barrier_wait(k_free.at[slot])
         plgpu.barrier_wait(v_free.at[slot])
       tile = (batch, pl.ds(j * block_kv, block_kv), kv_head)
-      plgpu.copy_gmem_to_smem(k_ref.at[tile], k_copy.at[slot],
-                              k_ready.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[tile], v_copy.at[slot],
-                              v_ready.at[slot])
+      for (k_copy, _), (v_copy, _), cols in zip(k_views, v_views,
+                                                part_columns):
+        plgpu.copy_gmem_to_smem(k_ref.at[(*tile, cols)], k_copy.at[slot],
+                                k_ready.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[(*tile, cols)], v_copy.at[slot],
+                                v_ready.at[slot])
     return base + steps - first
 
   @pl.when(wg < COMPUTE_WGS)
@@ -464,9 +479,10 @@ def flash_forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
                   block_sizes: BlockSizes):
   """Runs the forward kernel.
 
-  q [B, T, N, H], k/v [B, S, K, H] (K divides N), bf16 or fp16, H a
-  multiple of 16 in [32, 256] (`config.kernel_head_dim`: the backend pads
-  other head dims to one). `operands` (`jax_flash.spec.operands`): those
+  q [B, T, N, H], k/v [B, S, K, H] (K divides N), bf16 or fp16, H up to
+  256: a multiple of 16 from 32 in one part, any other in parts one
+  swizzle atom wide (`tiles.Columns`; the backend pads the head dim to a
+  multiple of 16 where V's tiles cannot take them). `operands` (`jax_flash.spec.operands`): those
   the call has, each read as its docstring says; here the tile kinds
   become tile ranges, the ids are padded past the tiles, a dense mask and
   a bias (each dim 1 or full) are read tile by tile (no tile skipped for
@@ -474,23 +490,19 @@ def flash_forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
   from the logsumexp, in `jax_flash.attention`), and query offsets (a
   prompt chunk against a cache) are forward only. Any T and S: Q, K and V
   are read where they lie, in tiles that may reach past the last row
-  (`tiles.tma_rows`: no copy at head dims 32 and 64, elsewhere one only
-  where a length is not a multiple of 8),
-  and the kernel masks keys past S.
+  (`tiles.tma_rows`: no copy of tiles one swizzle atom wide, elsewhere one
+  only where a length is not a multiple of 8), and the kernel masks keys
+  past S.
   GPU only: the Pallas interpreter cannot run a wgmma whose left operand is
   in registers (P here); tests lower it for CUDA on the CPU instead.
   Returns (o [B, T, N, H], lse [B, N, T] float32, natural log).
   """
   q_len, kv_len = q.shape[1], k.shape[1]
   blocks = block_sizes
-  head_dim = q.shape[3]
-  # Q and K, and V (whose swizzle follows its rows), copied untiled where
-  # one swizzle atom wide (`tiles.tile_buffer`).
-  whole_atoms = (one_atom_wide(q.dtype, head_dim),
-                 one_atom_wide(q.dtype, head_dim, blocks.block_kv))
-  q, k = (pad_to(x, 1, tma_rows(n, whole_atoms[0]))
+  layout = Columns.of(q.dtype, q.shape[3], blocks.block_kv)
+  q, k = (pad_to(x, 1, tma_rows(n, layout.untiled[0]))
           for x, n in ((q, q_len), (k, kv_len)))
-  v = pad_to(v, 1, tma_rows(kv_len, whole_atoms[1]))
+  v = pad_to(v, 1, tma_rows(kv_len, layout.untiled[1]))
   batch, _, num_heads, _ = q.shape
   group = num_heads // k.shape[2]
   rows = COMPUTE_WGS * blocks.block_q
@@ -517,22 +529,28 @@ def flash_forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
             *(pad_pairs(x, padded_len, kv_rows)
               for x in (operands.dense_mask, operands.bias)),
             None if order is None else jnp.asarray(order))
-  transforms = smem_transforms(q.dtype, head_dim)
-  stages, q_buffers = blocks.num_stages, blocks.q_buffers(head_dim)
+  widths = [w for _, w in layout.parts]
+  stages, q_buffers = blocks.num_stages, blocks.q_buffers(sum(widths))
+  untiled = layout.untiled
   scratch = dict(
       buffers=(
-          tile_buffer((q_buffers, COMPUTE_WGS, blocks.block_q, head_dim),
-                      q.dtype, transforms, whole_atoms[0]),
-          tile_buffer((stages, blocks.block_kv, head_dim), k.dtype,
-                      transforms, whole_atoms[0]),
-          tile_buffer((stages, blocks.block_kv, head_dim), v.dtype,
-                      smem_transforms(v.dtype, head_dim, blocks.block_kv),
-                      whole_atoms[1]),
+          tuple(tile_buffer((q_buffers, COMPUTE_WGS, blocks.block_q, w),
+                            q.dtype, smem_transforms(q.dtype, w), untiled[0])
+                for w in widths),
+          tuple(tile_buffer((stages, blocks.block_kv, w), k.dtype,
+                            smem_transforms(k.dtype, w), untiled[0])
+                for w in widths),
+          tuple(tile_buffer((stages, blocks.block_kv, w), v.dtype,
+                            smem_transforms(v.dtype, w, blocks.block_kv),
+                            untiled[1])
+                for w in widths),
           plgpu.SMEM((q_buffers, COMPUTE_WGS, blocks.block_q), jnp.float32),
       ),
-      ready=(plgpu.Barrier(num_barriers=stages),
-             plgpu.Barrier(num_barriers=stages),
-             plgpu.Barrier(num_barriers=q_buffers * COMPUTE_WGS)),
+      # One arrival a column part's copy.
+      ready=(plgpu.Barrier(num_arrivals=len(widths), num_barriers=stages),
+             plgpu.Barrier(num_arrivals=len(widths), num_barriers=stages),
+             plgpu.Barrier(num_arrivals=len(widths),
+                           num_barriers=q_buffers * COMPUTE_WGS)),
       free=(plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2,
   )
   if not blocks.named_barriers:
@@ -544,8 +562,7 @@ def flash_forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
     _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref,
                     (buffers, ready, free, schedule), mask=mask,
                     scores=scores, blocks=blocks, group=group, kv_len=kv_len,
-                    num_tiles=num_tiles, programs=programs,
-                    whole_atoms=whole_atoms)
+                    num_tiles=num_tiles, programs=programs, layout=layout)
 
   o, lse = plgpu.kernel(
       body,

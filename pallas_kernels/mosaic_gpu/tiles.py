@@ -16,6 +16,9 @@ backend-neutral `jax_flash.spec`.
 """
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -27,6 +30,9 @@ from jax_flash.spec.mask import (KV_PAD_ID, Q_PAD_ID, Mask, id_block_table,
                                   kinds_block_table, without_full_tiles)
 from jax_flash.spec.padding import pad_to, round_up
 from jax_flash.spec.scores import Scores
+from pallas_kernels.mosaic_gpu.config import (HEAD_DIM_MULTIPLE,
+                                              MIN_KERNEL_HEAD_DIM,
+                                              kernel_head_dim)
 
 COMPUTE_WGS = 2
 ROW = plgpu.Layout.WGMMA.reduce(1)  # One value per row of a wgmma tile.
@@ -79,6 +85,49 @@ def one_atom_wide(dtype, head_dim: int, *rows: int) -> bool:
   (`tile_buffer`)."""
   return all(smem_transforms(dtype, head_dim, r)[0].tiling[1] == head_dim
              for r in (None, *rows))
+
+
+@dataclasses.dataclass(frozen=True)
+class Columns:
+  """How the forward's tiles cover a head dim: `parts`, (start, width)
+  column ranges of Q, K, V and O, each with tiles of its own in shared
+  memory (one part, the whole head dim, for a multiple of 16); `untiled`,
+  whether TMA copies Q's and K's tiles, and V's, untiled (`tile_buffer`)."""
+  parts: tuple[tuple[int, int], ...]
+  untiled: tuple[bool, bool]
+
+  @classmethod
+  def of(cls, dtype, head_dim: int, block_kv: int) -> "Columns | None":
+    """The columns of a head dim: a multiple of 16 in one part; any other
+    in parts one swizzle atom wide (64, 32 and 16 columns in 16 bits, the
+    last reaching past the head dim: TMA reads zeros there and drops O's
+    stores), so no column is padded in XLA; None where TMA cannot read the
+    arrays in place (a row of the head dim not a multiple of 16 bytes) or
+    V's tiles of block_kv rows cannot take such parts (`smem_transforms`)."""
+    if head_dim % HEAD_DIM_MULTIPLE == 0 and head_dim >= MIN_KERNEL_HEAD_DIM:
+      return cls(((0, head_dim),), (one_atom_wide(dtype, head_dim),
+                                    one_atom_wide(dtype, head_dim, block_kv)))
+    if head_dim * jnp.dtype(dtype).itemsize % 16:
+      return None
+    parts, start = [], 0
+    left = kernel_head_dim(head_dim, head_dim)
+    while left:
+      width = max(w for w in (64, 32, 16) if w <= left)
+      parts.append((start, width))
+      start, left = start + width, left - width
+    if not all(one_atom_wide(dtype, w, block_kv) for _, w in parts):
+      return None
+    return cls(tuple(parts), (True, True))
+
+
+def columns(start: int, width: int, head_dim: int):
+  """The index of columns [start, start + width) of a ref with head_dim
+  columns: a static slice where they lie inside, else one with a traced
+  start (a static slice past a ref's end is refused at trace time; TMA
+  reads zeros past it and drops stores there)."""
+  if start + width <= head_dim:
+    return pl.ds(start, width)
+  return pl.ds(lax.axis_index("wg") * 0 + start, width)
 
 
 def tile_buffer(shape, dtype, transforms, whole_atoms: bool):
@@ -167,14 +216,15 @@ def visible(mask: Mask, rows, cols, kv_len, *, dense_ref, pair, batch, head,
 def online_softmax(s, c, m, l, acc):
   """One tile of the online softmax on base-2 logits s * c (hidden pairs
   -inf): (p, m_new, l_new, acc) with the running row max m and sum l
-  updated, p = 2**(s c - m_new) and acc [rows, Hv] rescaled to m_new (a
-  row that has seen no key keeps max -inf and p 0)."""
+  updated, p = 2**(s c - m_new) and acc [rows, Hv] (or a tuple of
+  column parts) rescaled to m_new (a row that has seen no key keeps max -inf and p 0)."""
   m_new = jnp.maximum(m, s.max(axis=1) * c)
   m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
   alpha = jnp.exp2(m - m_safe)
   p = jnp.exp2(s * c - lax.broadcast_in_dim(m_safe, s.shape, [0]))
   l = l * alpha + p.sum(axis=1)
-  acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+  acc = jax.tree.map(
+      lambda a: a * lax.broadcast_in_dim(alpha, a.shape, [0]), acc)
   return p, m_new, l, acc
 
 
