@@ -1022,14 +1022,16 @@ def _kernel_operands(text, kernel):
   return re.findall(r"tensor<([0-9x]+)x(?:bf16|f16)>", call)
 
 
-@pytest.mark.parametrize("head_dim, value_head_dim, kernel_dim", [
-    (80, 80, 80), (72, 72, 80), (20, 20, 32), (192, 128, 192),
-    (128, 64, 128), (64, 128, 128)])
+@pytest.mark.parametrize("head_dim, value_head_dim, kernel_dim, forward_dim", [
+    (80, 80, 80, 80), (72, 72, 80, 72), (20, 20, 32, 32),
+    (192, 128, 192, 192), (128, 64, 128, 128), (64, 128, 128, 128)])
 def test_head_dims_run_at_a_multiple_of_16(head_dim, value_head_dim,
-                                           kernel_dim):
-  """Q, K and V reach the kernels with `config.kernel_head_dim` columns (a
-  multiple of 16: zero columns added only where the head dims are not, or
-  differ), and the gradients come back at the inputs' own head dims."""
+                                           kernel_dim, forward_dim):
+  """Q, K and V reach the backward kernels with `config.kernel_head_dim`
+  columns (a multiple of 16: zero columns added only where the head dims
+  are not, or differ) and the forward with those or, in column parts
+  (`tiles.Columns`: 72), their own; the gradients come back at the
+  inputs' own head dims."""
   assert config.kernel_head_dim(head_dim, value_head_dim) == kernel_dim
   q = jax.ShapeDtypeStruct((1, 256, 4, head_dim), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((1, 300, 2, head_dim), jnp.bfloat16)
@@ -1044,9 +1046,10 @@ def test_head_dims_run_at_a_multiple_of_16(head_dim, value_head_dim,
     traced = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v)
     text = traced.lower(lowering_platforms=("cuda",)).as_text()
   assert [g.shape for g in traced.out_info] == [q.shape, k.shape, v.shape]
-  for kernel in ("flash_attention_forward_mosaic",) + MOSAIC_BACKWARD:
+  for kernel, dim in (("flash_attention_forward_mosaic", forward_dim),
+                      *((name, kernel_dim) for name in MOSAIC_BACKWARD)):
     operands = _kernel_operands(text, kernel)
-    assert operands and all(o.endswith(f"x{kernel_dim}") for o in operands)
+    assert operands and all(o.endswith(f"x{dim}") for o in operands)
 
 
 @pytest.mark.parametrize("head_dim, causal, kv_len, block_kv", [
