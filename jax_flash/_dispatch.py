@@ -14,7 +14,9 @@ call, and the next is asked.
 Pallas backend takes the call, else "xla"; "pallas" is the first of
 `PALLAS` that takes it, passing over one that is measured `slower` than a
 later one that takes it too; any other name is that backend alone, and a
-`ValueError` says why when it cannot.
+`ValueError` says why when it cannot. The backward's backend is the
+forward's unless it declines (`backward_unsupported`) or, for None and
+"pallas", is measured `backward_slower` than the next Pallas backend's.
 """
 from __future__ import annotations
 
@@ -58,6 +60,9 @@ class XlaBackend:
     return None
 
   def slower(self, problem, dtype, *, mask, scores):
+    return None
+
+  def backward_slower(self, problem, dtype, *, mask, scores):
     return None
 
   def backward_unsupported(self, problem, dtype, *, mask, scores, operands):
@@ -167,8 +172,9 @@ def select(implementation, query, problem: Problem, dtype, *, mask: Mask,
   """The backends of this call; ValueError if the one named cannot take it.
 
   The forward's backend as the module docstring says; the backward's is the
-  forward's own unless it declines (`backward_unsupported`), then the next
-  Pallas backend that takes the call (after a Pallas forward), then "xla".
+  forward's own unless it declines (`backward_unsupported`) or, for None
+  and "pallas", is `backward_slower` than the next Pallas backend that
+  takes the call (after a Pallas forward), then "xla".
   """
   operands = Operands() if operands is None else operands
 
@@ -210,9 +216,13 @@ def select(implementation, query, problem: Problem, dtype, *, mask: Mask,
   fallbacks = [backends()[n] for n in PALLAS] if forward.name in PALLAS else []
   candidates = [forward] + [b for b in fallbacks + [XLA] if b != forward]
   takes = [b for b in candidates if b == forward or reason(b) is None]
-  backward = next(b for b in takes if b.backward_unsupported(
-      problem, dtype, mask=mask, scores=scores, operands=operands) is None
-                  or b == XLA)
+  backwards = [b for b in takes if b == XLA or b.backward_unsupported(
+      problem, dtype, mask=mask, scores=scores, operands=operands) is None]
+  backward = backwards[0]
+  faster = next((b for b in backwards[1:] if b != XLA), None)
+  if implementation in (None, "pallas") and faster and backward.backward_slower(
+      problem, dtype, mask=mask, scores=scores) is not None:
+    backward = faster  # Measured faster; a named backend runs anyway.
   gradients = []
   for name in GRADIENT_OPERANDS:
     if jax.tree.leaves(getattr(operands, name)) and (

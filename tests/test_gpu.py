@@ -392,6 +392,35 @@ def test_default_on_h200_is_mosaic_where_it_takes_the_call():
   assert "mosaic_gpu" in hlo
 
 
+# Short keys (`config.TRITON_MAX_KV_LEN`): the Mosaic forward where it
+# reads the arrays in place, the Triton backward where the Mosaic one
+# would copy them (`MosaicGpuBackend.slower`, `backward_slower`).
+DEFAULT_SHORT_KEYS = {
+    "dit_h72": Case(4, 256, 256, 4, 4, 72, "bfloat16", False),
+    "vit_197_h64": Case(4, 197, 197, 4, 4, 64, "bfloat16", False),
+    "clip_77_causal": Case(4, 77, 77, 4, 4, 64, "float16", True),
+}
+
+
+@pytest.mark.parametrize("name", DEFAULT_SHORT_KEYS)
+def test_default_short_keys_pair_the_backends(name):
+  """The default's forward and backward kernels (named in the program) and
+  its results against the reference."""
+  if "H200" not in jax.devices()[0].device_kind:
+    pytest.skip("not an H200")
+  case = DEFAULT_SHORT_KEYS[name]
+  q, k, v, _ = inputs(case)
+  hlo = jax.jit(jax.grad(lambda q, k, v: jnp.sum(jax_flash.flash_attention(
+      q, k, v, is_causal=case.causal).astype(jnp.float32)),
+                         argnums=(0, 1, 2))).lower(q, k, v).as_text()
+  assert "flash_attention_forward_mosaic" in hlo
+  assert "flash_attention_backward_dkdv" in hlo
+  assert "flash_attention_dkv_mosaic" not in hlo
+  compare_with_reference(dict(is_causal=case.causal), case.dtype,
+                         shape=case.shape, block_sizes=None,
+                         implementation=None)
+
+
 def test_default_implementation_on_gpu_is_pallas():
   case = Case(1, 300, 300, 2, 2, 64, "bfloat16", True)
   q, k, v, _ = inputs(case)

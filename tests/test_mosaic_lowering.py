@@ -204,10 +204,9 @@ def test_keys_padded_at_the_source_are_read_in_place():
      dict(is_causal=True), True),
     ("odd_q_len", (2, 300, 512, 8, 2, 128), jnp.bfloat16, {}, True),
     ("odd_kv_len", (2, 256, 521, 8, 2, 128), jnp.bfloat16, {}, True),
-    # Up to config.TRITON_MAX_KV_LEN keys the Triton kernels (faster).
+    # Up to config.TRITON_MAX_KV_LEN keys the Triton kernels where the
+    # Mosaic forward would copy arrays (`test_short_keys_...` below).
     ("short_keys", (2, 256, 300, 8, 2, 128), jnp.bfloat16, {}, False),
-    ("short_keys_causal", (4, 197, 197, 8, 8, 64), jnp.bfloat16,
-     dict(is_causal=True), False),
     ("head_dim_96", (2, 256, 512, 8, 2, 96), jnp.bfloat16, {}, True),
     ("head_dim_192", (2, 256, 512, 8, 2, 192), jnp.bfloat16, {}, True),
     ("head_dim_80", (2, 256, 512, 8, 2, 80), jnp.bfloat16,
@@ -245,6 +244,27 @@ def test_pallas_picks_mosaic_where_it_takes_the_call(name, shape, dtype,
   assert (MOSAIC_CALL in text) == mosaic, name
   if not mosaic:
     assert TRITON_FORWARD in text
+
+
+@pytest.mark.parametrize("shape, causal, forward, backward", [
+    ((2, 256, 300, 8, 2, 128), False, "triton", "triton"),
+    ((4, 197, 197, 8, 8, 64), True, "mosaic", "triton"),
+    ((4, 256, 256, 4, 4, 72), False, "mosaic", "triton"),
+    ((4, 256, 256, 4, 4, 64), False, "mosaic", "mosaic"),
+    ((4, 300, 77, 4, 4, 40), False, "triton", "triton")])
+def test_short_keys_pick_each_direction_by_its_copies(shape, causal, forward,
+                                                      backward):
+  """Up to `config.TRITON_MAX_KV_LEN` keys the default runs the Triton
+  forward where XLA would copy arrays around the Mosaic one (a length off
+  8 read tiled: 300 at head dim 128; a head dim padded: 40 on 77 keys) and
+  the Mosaic forward where it reads them in place (197 tokens at head dim
+  64, DiT's head dim 72 in column parts); the Triton backward where the
+  Mosaic backward would copy (a length off 8, a head dim off 16)."""
+  text = _lower_grad("pallas", shape, is_causal=causal)
+  assert ("flash_attention_forward_mosaic" in text) == (forward == "mosaic")
+  names = MOSAIC_BACKWARD if backward == "mosaic" else TRITON_BACKWARD
+  others = TRITON_BACKWARD if backward == "mosaic" else MOSAIC_BACKWARD
+  assert all(n in text for n in names) and not any(n in text for n in others)
 
 
 def test_mosaic_named_runs_short_keys_too():
@@ -1053,14 +1073,16 @@ def test_head_dims_run_at_a_multiple_of_16(head_dim, value_head_dim,
 
 
 @pytest.mark.parametrize("head_dim, causal, kv_len, block_kv", [
-    (64, False, 197, 208), (64, True, 197, 128), (48, False, 77, 80),
+    (64, False, 197, 256), (64, True, 197, 128), (48, False, 77, 80),
+    (32, False, 77, 96), (80, False, 77, 80),
     (128, False, 30, 64), (64, False, 1500, 256), (128, False, 100, 112),
     (256, False, 77, 64)])
 def test_short_keys_take_one_tile_of_their_length(head_dim, causal, kv_len,
                                                   block_kv):
   """Keys fewer than the default K/V tile's rows run in one tile of their
-  length rounded up to 16 rows (at least 64): 208 for ViT's 197 tokens
-  where 256 rows would be 23% masked columns."""
+  length rounded up to 16 rows (at least 64: 80 for 77 tokens at head
+  dim 80), or to a multiple of the head dim at 32 and 64, whose V tiles
+  then keep a row's swizzle and are read in place (`short_kv_tile`)."""
   blocks = jax_flash.MosaicBlockSizes.get_default(head_dim, causal,
                                                   kv_len=kv_len)
   assert blocks.block_kv == block_kv

@@ -66,6 +66,12 @@ class Backend(Protocol):
     takes; None where it is not. The dispatch then prefers the next when
     no backend is named (a named one runs anyway)."""
 
+  def backward_slower(self, problem: Problem, dtype, *, mask: Mask,
+                      scores: Scores) -> str | None:
+    """Why the next backend's backward is measured faster on this call;
+    None where it is not. The dispatch then runs the next one's backward
+    after this forward when no backend is named."""
+
   def backward_unsupported(self, problem: Problem, dtype, *, mask: Mask,
                            scores: Scores,
                            operands: Operands) -> str | None:

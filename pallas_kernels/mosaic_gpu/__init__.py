@@ -164,17 +164,45 @@ class MosaicGpuBackend:
               f"of {sorted(missing)}")
     return None
 
+  def _forward_copies(self, problem: Problem, dtype, mask: Mask) -> bool:
+    """Whether XLA copies Q, K, V or O around the forward at its default
+    tiles: a head dim padded (`tiles.Columns`) or a length off a multiple
+    of 8 read through tiled copies."""
+    blocks = self.config(None, problem, dtype, is_causal=mask.is_causal,
+                         mask=mask)
+    layout = (Columns.of(dtype, problem.head_dim, blocks.block_kv)
+              if problem.value_head_dim == problem.head_dim else None)
+    return layout is None or layout.copies(problem.q_len, problem.kv_len)
+
   def slower(self, problem: Problem, dtype, *, mask: Mask,
              scores: Scores) -> str | None:
-    """Up to `config.TRITON_MAX_KV_LEN` keys the Triton kernels are faster:
-    an item of the forward is then one or two K/V tiles, and its fixed
-    costs (Q's load, the epilogue's stores, the consumers' stagger) are
-    most of its time (benchmarks/NOTES.md, "short keys take the Triton
-    kernels")."""
+    """Up to `config.TRITON_MAX_KV_LEN` keys the Triton forward is faster
+    where XLA would copy arrays around this one (`_forward_copies`): the
+    copies then cost as much as the kernel (benchmarks/NOTES.md, "column
+    parts")."""
+    del scores
+    if (problem.kv_len <= config.TRITON_MAX_KV_LEN
+        and self._forward_copies(problem, dtype, mask)):
+      return (f"the Triton kernels are faster on {problem.kv_len} keys (at "
+              f"most {config.TRITON_MAX_KV_LEN}) where the Mosaic forward "
+              f"would copy arrays")
+    return None
+
+  def backward_slower(self, problem: Problem, dtype, *, mask: Mask,
+                      scores: Scores) -> str | None:
+    """Up to `config.TRITON_MAX_KV_LEN` keys the Triton backward is faster
+    where XLA copies arrays around this one: a head dim padded to a
+    multiple of 16 or a length off a multiple of 8 (its pipelined tiles
+    are copied tiled)."""
     del dtype, mask, scores
-    if problem.kv_len <= config.TRITON_MAX_KV_LEN:
-      return (f"the Triton kernels are faster on {problem.kv_len} keys "
-              f"(at most {config.TRITON_MAX_KV_LEN})")
+    padded = (problem.head_dim != problem.value_head_dim or
+              config.kernel_head_dim(problem.head_dim,
+                                     problem.head_dim) != problem.head_dim)
+    if problem.kv_len <= config.TRITON_MAX_KV_LEN and (
+        padded or problem.q_len % 8 or problem.kv_len % 8):
+      return (f"the Triton backward is faster on {problem.kv_len} keys (at "
+              f"most {config.TRITON_MAX_KV_LEN}) where the Mosaic backward "
+              f"would copy arrays")
     return None
 
   def config(self, block_sizes, problem: Problem, dtype, *, is_causal: bool,

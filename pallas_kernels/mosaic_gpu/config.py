@@ -40,10 +40,14 @@ def kernel_head_dim(head_dim: int, value_head_dim: int) -> int:
              round_up(max(head_dim, value_head_dim), HEAD_DIM_MULTIPLE))
 
 
-def short_kv_tile(kv_len: int) -> int:
+def short_kv_tile(kv_len: int, head_dim: int) -> int:
   """Rows of one K/V tile that holds all kv_len keys: a multiple of 16
-  (V's contracted rows, `tiles.smem_transforms`), at least 64."""
-  return max(64, round_up(kv_len, 16))
+  (V's contracted rows, `tiles.smem_transforms`), at least 64; at head
+  dims 32 and 64 a multiple of the head dim, so that V's tile keeps the
+  swizzle of a row and is copied untiled, any length in place
+  (`tiles.one_atom_wide`)."""
+  multiple = head_dim if head_dim in (32, 64) else 16
+  return max(64, round_up(kv_len, multiple))
 
 
 def fused_dq_columns(head_dim: int) -> int:
@@ -54,11 +58,11 @@ def fused_dq_columns(head_dim: int) -> int:
   return head_dim // 2 if head_dim > 64 else head_dim
 
 
-# Keys up to which the dispatch prefers the Triton kernels when no backend
-# is named (`MosaicGpuBackend.slower`): at 77-257 keys (CLIP, text
-# cross-attention, ViT, DiT) they measured 0.98-1.9x the Mosaic kernels'
-# speed forward+backward and 0.93-2.1x forward on an H200, at 512 (BERT,
-# T5 cross-attention) 0.8-0.9x (benchmarks/NOTES.md).
+# Keys up to which the dispatch prefers the Triton kernels, when no backend
+# is named, for a call XLA would copy arrays around the Mosaic kernels for
+# (`MosaicGpuBackend.slower`, `backward_slower`): at 77-257 keys (CLIP,
+# text cross-attention, ViT, DiT) the copies cost as much as the kernels
+# (benchmarks/NOTES.md, "sequence copies", "column parts").
 TRITON_MAX_KV_LEN = 320
 # Kernel head dims up to which the forward is persistent by default
 # (`BlockSizes.get_default`; two Q buffers fit beside the K/V ring).
@@ -235,8 +239,8 @@ class BlockSizes:
 
     Forward: 64-row consumer tiles; K/V tiles of 256 rows at head dim 64
     (128 causal up to SHORT_KV_LEN keys), 128 at 65-128, 96 at 129-192, 64
-    at 193-256 (80 above LONG_KV_LEN keys), or one tile of the keys rounded
-    up to 16 rows (at least 64) where that is fewer rows (`short_kv_tile`);
+    at 193-256 (80 above LONG_KV_LEN keys), or one tile of the keys
+    (`short_kv_tile`) where that is fewer rows;
     2 stages. Backward: 64-row
     tiles, dQ's K/V tiles 128 rows at head dim 64 and at 65-128 non-causal.
     `fused_dq` (head dims 64, 128): 3 backward stages at 64, 2 at 128.
@@ -256,8 +260,9 @@ class BlockSizes:
       short = is_causal and kv_len is not None and kv_len <= SHORT_KV_LEN
       blocks = cls(block_q=64, block_kv=128 if short else 256,
                    block_kv_dq=128)
-    if kv_len is not None and short_kv_tile(kv_len) < blocks.block_kv:
-      blocks = dataclasses.replace(blocks, block_kv=short_kv_tile(kv_len))
+    if kv_len is not None and short_kv_tile(kv_len, head_dim) < blocks.block_kv:
+      blocks = dataclasses.replace(blocks,
+                                   block_kv=short_kv_tile(kv_len, head_dim))
     if fused_dq:
       blocks = dataclasses.replace(
           blocks, fused_dq=True, num_stages_bwd=3 if head_dim <= 64 else 2)

@@ -119,6 +119,13 @@ class Columns:
       return None
     return cls(tuple(parts), (True, True))
 
+  def copies(self, q_len: int, kv_len: int) -> bool:
+    """Whether XLA copies a sequence array around the forward: a length off
+    a multiple of 8 whose tiles are copied tiled (`tma_rows`)."""
+    qk, v = self.untiled
+    return bool((not qk and (q_len % 8 or kv_len % 8))
+                or (not v and kv_len % 8))
+
 
 def columns(start: int, width: int, head_dim: int):
   """The index of columns [start, start + width) of a ref with head_dim

@@ -70,6 +70,10 @@ class TritonBackend:
              scores: Scores) -> str | None:
     return None  # The last Pallas backend: nothing after it to prefer.
 
+  def backward_slower(self, problem: Problem, dtype, *, mask: Mask,
+                      scores: Scores) -> str | None:
+    return None  # The last Pallas backend.
+
   def backward_unsupported(self, problem: Problem, dtype, *, mask: Mask,
                            scores: Scores,
                            operands: Operands) -> str | None:
