@@ -10,8 +10,9 @@ a mask_mod's or the ids' table), tiles of a per-(query, key) operand
 (`load_ids`, `pad_ids`), dropout (`needs_positions`, `dropped`), the
 kernels' refs split into inputs, extras and outputs (`split_refs`), the
 rows of a sequence array (`tma_rows`; `one_atom_wide`, `tile_buffer`,
-`tile_views`: untiled copies of tiles one swizzle atom wide), and a producer's wait on the last
-releases of its ring (`await_last_releases`). Built on the
+`tile_views`: untiled copies of tiles one swizzle atom wide), a head
+dim's column parts (`Columns`, `columns`), and a producer's wait on the
+last releases of its ring (`await_last_releases`). Built on the
 backend-neutral `jax_flash.spec`.
 """
 from __future__ import annotations
@@ -223,8 +224,9 @@ def visible(mask: Mask, rows, cols, kv_len, *, dense_ref, pair, batch, head,
 def online_softmax(s, c, m, l, acc):
   """One tile of the online softmax on base-2 logits s * c (hidden pairs
   -inf): (p, m_new, l_new, acc) with the running row max m and sum l
-  updated, p = 2**(s c - m_new) and acc [rows, Hv] (or a tuple of
-  column parts) rescaled to m_new (a row that has seen no key keeps max -inf and p 0)."""
+  updated, p = 2**(s c - m_new) and acc [rows, Hv] (or a tuple of column
+  parts) rescaled to m_new (a row that has seen no key keeps max -inf and
+  p 0)."""
   m_new = jnp.maximum(m, s.max(axis=1) * c)
   m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
   alpha = jnp.exp2(m - m_safe)
