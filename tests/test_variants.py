@@ -200,3 +200,22 @@ def test_factored_logits_are_the_logits(scale, soft_cap):
     np.testing.assert_array_equal(t.max(axis=1) * c, s2.max(axis=1))
   else:
     assert c == 1.0
+
+
+@pytest.mark.parametrize("kwargs", [
+    {}, dict(is_causal=True),
+    dict(local_window_size=(100, 20), dropout_rate=0.2,
+         dropout_rng=jax.random.key(3)),
+    dict(segment_ids=(jnp.repeat(jnp.arange(4), 128)[None],
+                      jnp.repeat(jnp.arange(4), 10)[None]))])
+def test_dkdv_runs_split_over_the_queries_match_reference(kwargs):
+  """Few keys against many queries: the Triton dK/dV kernel splits each key
+  tile's query tiles into runs (here 4 of 8 tiles: 2 programs against 132
+  multiprocessors), whose float32 shares are summed: gradients against
+  the reference."""
+  from pallas_kernels.triton import flash_bwd
+  from tests.cases import SMALL_BLOCKS
+  assert flash_bwd.dkdv_splits(2, 512 // SMALL_BLOCKS.block_q_dkv, 132) == 4
+  assert flash_bwd.dkdv_splits(300, 64, 132) == 1
+  compare_with_reference(kwargs, jnp.float32, shape=(1, 512, 40, 2, 1, 32),
+                         implementation=KERNEL_IMPL)

@@ -8,6 +8,9 @@ atomics anywhere, so gradients are bitwise deterministic:
   P^T = exp(S^T - L) from the forward's logsumexp (S^T = K Q^T keeps every
   dot's M dimension at the key tile), and accumulates dV += P^T dO and
   dK += dS^T Q with dS = P * (dP - D): dK/dV come out summed over the group.
+  Where those programs are too few to fill the GPU (a few keys against many
+  queries), each key tile's query tiles are split into runs of one program
+  each, whose float32 shares XLA sums in a fixed order (`dkdv_splits`).
 * dQ: one program owns a query tile of one (batch, head), loops over key tiles
   and accumulates dQ += dS K.
 * dBias (only when a bias is given; XLA drops it when its result is unused):
@@ -27,7 +30,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jax_flash.spec import softmax
+from jax_flash.spec import device, softmax
+from jax_flash.spec import mask as mask_lib
 from jax_flash.spec.mask import Mask
 from jax_flash.spec.operands import Operands
 from jax_flash.spec.scores import Scores
@@ -42,11 +46,14 @@ _INF = float("inf")
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
                  operand_refs: Operands, id_table_ref, dk_ref, dv_ref, *,
                  scores: Scores, mask: Mask, head_dim: int,
-                 value_head_dim: int, block_q: int, block_k: int):
-  """One (key tile, batch, kv head).
+                 value_head_dim: int, block_q: int, block_k: int,
+                 splits: int):
+  """One (key tile, batch, kv head), or with `splits` > 1 one of that many
+  equal runs of its query tiles (`dkdv_splits`).
 
   q_ref: [T, G, Hp]; do_ref: [T, G, Hvp]; k/dk_ref: [S, Hp]; v/dv_ref:
-  [S, Hvp]; lse/delta_ref: [G, T];
+  [S, Hvp] (with splits, dk/dv_ref float32: this run's share);
+  lse/delta_ref: [G, T];
   operand_refs: the optional operands' refs, per-head ones as [G, ...]
   (`operand_specs.for_key_tiles`).
   """
@@ -55,7 +62,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
   ctx = TileContext(mask, scores, operand_refs, id_table_ref, q_len, kv_len,
                     block_q, block_k, batch=pl.program_id(1),
                     query_head=pl.program_id(2) * group, transposed=True)
-  kv_tile = pl.program_id(0)
+  kv_tile = lax.div(pl.program_id(0), splits)
   kv_start = kv_tile * block_k
   # Keys past a length may hold garbage: zeroed (dK/dV there come out 0).
   k = ctx.without_padding(load_tile(k_ref, kv_start, block_k, row_bound=kv_len,
@@ -96,6 +103,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
     return dk, dv
 
   ranges = ctx.q_ranges(kv_tile, kv_start)
+  if splits > 1:  # This run's query tiles, all of them fully in it.
+    per = pl.cdiv(pl.cdiv(q_len, block_q), splits)
+    first = lax.rem(pl.program_id(0), splits) * per
+    ranges = mask_lib.intersect_ranges(ranges, (first, first, first + per,
+                                                first + per))
 
   def head_body(head, carry):
     step = functools.partial(body, head=head, slope=ctx.slope(head))
@@ -248,6 +260,22 @@ def _dbias_kernel(*refs, scores: Scores, mask: Mask, head_dim: int,
   lax.fori_loop(hi, pl.cdiv(ctx.kv_len, block_k), zero_body, None)
 
 
+# Programs a multiprocessor the dK/dV kernel should have at least, and
+# query tiles a run of its at least (`dkdv_splits`).
+DKDV_PROGRAMS_PER_SM = 2
+DKDV_MIN_RUN = 8
+
+
+def dkdv_splits(programs: int, q_tiles: int, multiprocessors: int) -> int:
+  """Runs the dK/dV kernel splits each key tile's query tiles into: one
+  where its `programs` (key tiles x batch x KV heads) fill the GPU, else
+  enough for DKDV_PROGRAMS_PER_SM a multiprocessor, each run at least
+  DKDV_MIN_RUN tiles (few keys against many queries: cross-attention on
+  77 text tokens has 64 programs for 132 multiprocessors)."""
+  wanted = pl.cdiv(DKDV_PROGRAMS_PER_SM * multiprocessors, programs)
+  return max(1, min(wanted, q_tiles // DKDV_MIN_RUN))
+
+
 def flash_backward(q, k, v, operands: Operands, o, lse, do, dlse, *,
                    scores: Scores, mask: Mask, block_sizes: BlockSizes,
                    interpret: bool = False):
@@ -288,18 +316,33 @@ def flash_backward(q, k, v, operands: Operands, o, lse, do, dlse, *,
   group_stat_spec = pl.BlockSpec((None, group, q_len), lambda j, b, h: (b, h, 0))
   extra = operand_specs.for_key_tiles(operands, mask, bq, bk, q_len, kv_len,
                                       group)
+  splits = dkdv_splits(pl.cdiv(kv_len, bk) * batch * num_kv_heads,
+                       pl.cdiv(q_len, bq), device.num_multiprocessors())
+
+  def out_spec(width):
+    if splits == 1:
+      return kv_spec(width)
+    return pl.BlockSpec((None, None, kv_len, None, width),
+                        lambda j, b, h: (lax.rem(j, splits), b, 0, h, 0))
+
+  def out_shape(x):
+    if splits == 1:
+      return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return jax.ShapeDtypeStruct((splits, *x.shape), jnp.float32)
   dk, dv = pl.pallas_call(
-      functools.partial(_dkdv_kernel, block_q=bq, block_k=bk, **static),
-      grid=(pl.cdiv(kv_len, bk), batch, num_kv_heads),
+      functools.partial(_dkdv_kernel, block_q=bq, block_k=bk, splits=splits,
+                        **static),
+      grid=(pl.cdiv(kv_len, bk) * splits, batch, num_kv_heads),
       in_specs=[group_spec(hp), kv_spec(hp), kv_spec(hvp), group_spec(hvp),
                 group_stat_spec, group_stat_spec, *extra.in_specs()],
-      out_specs=[kv_spec(hp), kv_spec(hvp)],
-      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
-                 jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      out_specs=[out_spec(hp), out_spec(hvp)],
+      out_shape=[out_shape(k), out_shape(v)],
       compiler_params=compiler_params,
       interpret=interpret,
       name="flash_attention_backward_dkdv",
   )(q, k, v, do, lse, delta, *extra.args())
+  if splits > 1:  # The runs' shares summed in a fixed order.
+    dk, dv = (x.sum(axis=0).astype(y.dtype) for x, y in ((dk, k), (dv, v)))
 
   # dQ and dBias: grid over (query tiles, batch, heads).
   bq, bk = block_sizes.block_q_dq, block_sizes.block_k_dq
