@@ -648,15 +648,18 @@ def _split_with_operands(fn, in_factors, out_factors, refused, refit_why,
 
 # The optional arrays each strategy splits the sequence with; with others a
 # call's sequence stays whole. all_to_all: ids gathered whole, per-head
-# arrays cut to a device's heads. all_gather: key ids gathered with the
-# keys, query ids and a bias's rows cut with the queries (its key dim whole
-# on every device), per-head arrays whole, dropout's bits at the queries'
-# positions (a dense mask comes with a table of tile kinds over the whole
-# call's grid: not cut). ring: key ids travel with the keys, sinks join the
-# merge.
+# arrays cut to a device's heads, a dense mask (sharded along its queries,
+# every key's column on each device) moved to a device's heads with the
+# queries (gathered whole where it broadcasts over heads); its tile kinds
+# cover the whole sequence each device then holds. all_gather: key ids
+# gathered with the keys, query ids and a bias's rows cut with the queries
+# (its key dim whole on every device), per-head arrays whole, dropout's
+# bits at the queries' positions (a dense mask's tile kinds cover the whole
+# call's grid, not a chunk's: not cut). ring: key ids travel with the keys,
+# sinks join the merge.
 _STRATEGY_OPERANDS = {
     "all_to_all": frozenset(("q_ids", "kv_ids", "alibi_slopes", "sinks",
-                             "tile_kinds", "dropout_seed")),
+                             "dense_mask", "tile_kinds", "dropout_seed")),
     "all_gather": frozenset(("q_ids", "kv_ids", "alibi_slopes", "sinks",
                              "bias", "dropout_seed")),
     "ring": frozenset(("q_ids", "kv_ids", "sinks")),

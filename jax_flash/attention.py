@@ -177,7 +177,8 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
       Pallas backend takes the call, "xla" otherwise. "pallas": the best
       Pallas backend for the device and call (GPU only): the Mosaic GPU
       kernels on an H100/H200 where they take the call, else the Triton
-      kernels. "mosaic": the Mosaic GPU kernels, forward and backward
+      kernels (up to 320 keys also for a forward or backward around
+      which XLA would copy arrays for the Mosaic kernels). "mosaic": the Mosaic GPU kernels, forward and backward
       (Hopper only; bf16/fp16, head dims up to 256, causal,
       sliding windows, lengths, segment ids, dense masks, bias, soft-cap,
       ALiBi, sinks, dropout, flex mods that close over no array; with a

@@ -247,8 +247,9 @@ def operands():
   operands that broadcast over a split summed across it; results as on
   one device, dropout's keep bits too (its seed shifted to each device's
   place). Sequence-sharded ("model"), all_to_all with ids, ALiBi, sinks
-  and dropout, all_gather with ids, ALiBi, sinks, a bias and dropout, ring
-  with ids and sinks; a dense mask keeps the sequence whole. (A mod
+  dropout and a dense mask, all_gather with ids, ALiBi, sinks, a bias and
+  dropout, ring with ids and sinks; a bias with a dense mask keeps the
+  sequence whole. (A mod
   reading the batch or head index keeps the call whole:
   tests/test_sharding.py finds such mods.)"""
   mesh = jax.make_mesh((2, 4), ("data", "model"),
@@ -260,6 +261,7 @@ def operands():
   segments = jnp.sort(jax.random.randint(keys[0], (b, t), 0, 3), axis=1)
   full_bias = jax.random.normal(keys[1], (b, n, t, t))
   dense = jax.random.bernoulli(keys[2], 0.8, (b, 1, t, t))
+  per_head = jax.random.bernoulli(keys[3], 0.7, (b, n, t, t))
   shared_bias = jax.random.normal(keys[3], (1, 1, t, t))
   causal = jax_flash.create_block_mask(lambda bb, hh, qi, ki: qi >= ki,
                                        None, None, t, t)
@@ -291,7 +293,12 @@ def operands():
        jnp.zeros(()), heads, P(), True),
       ("sequence: segments_sinks_alibi_dropout", segments_sinks_alibi_dropout,
        sinks, seq, P(), True),
-      # No strategy takes a dense mask (its tile kinds): kept whole.
+      # A dense mask (all_to_all), shared by the heads or per head.
+      ("sequence: dense mask and ids", call(lambda x: dict(
+          mask=dense, segment_ids=segments, sinks=x)), sinks, seq, P(), True),
+      ("sequence: dense mask per head, causal", call(lambda x: dict(
+          mask=per_head, is_causal=True, sinks=x)), sinks, seq, P(), True),
+      # all_to_all takes no bias, all_gather no dense mask: kept whole.
       ("sequence: bias and dense mask", call(lambda x: dict(
           bias=x, mask=dense)), full_bias, seq, P(), False),
   ]
@@ -315,9 +322,12 @@ def operands():
     print(f"operands {name}: all-gathers {gathered} "
           f"all-to-alls={hlo.count('all-to-all(')} errors={errors}")
     assert errors[0] <= bound.out and max(errors[1:]) <= bound.grad, errors
-    # Ids ([B, T] int32) and the sinks' gradient ([N]) may be gathered
-    # (sequence-sharded); no query, key, value or bias ([.., .., .., ..]).
-    tensors = [g for g in gathered if g.split("{")[0].count(",") >= 3]
+    # Ids ([B, T] int32), the sinks' gradient ([N]) and a dense mask shared
+    # by the heads (int8, all_to_all: each device needs every head's rows)
+    # may be gathered (sequence-sharded); no query, key, value or bias
+    # ([.., .., .., ..] floats).
+    tensors = [g for g in gathered if g.split("{")[0].count(",") >= 3
+               and not g.startswith("s8")]
     assert (not tensors) == split, (name, gathered)
     if sharding is seq:
       assert (hlo.count("all-to-all(") > 0) == split, name
