@@ -9,8 +9,8 @@ a multiple of 16: Q, K and V padded with zero columns where they are not,
 but for the forward's column parts, `tiles.Columns`), any lengths (read
 in place, the last tiles reaching past the ends; XLA pads a length that
 is not a multiple of 8 only for tiles wider than a swizzle atom,
-`tiles.tma_rows`; the kernels mask keys past the length), causal masks, sliding windows, flex
-attention's mask_mods that close over no array, lengths and segment ids
+`tiles.tma_rows`; the kernels mask keys past the length), causal masks,
+sliding windows, flex attention's mask_mods that close over no array, lengths and segment ids
 (the band and the tile-range tables of the shared mask description),
 soft-cap, ALiBi and score_mods (`Scores.logits2`), sinks (in each row's
 denominator; their gradient comes from the logsumexp) and dropout (the keep

@@ -482,8 +482,9 @@ def flash_forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
   q [B, T, N, H], k/v [B, S, K, H] (K divides N), bf16 or fp16, H up to
   256: a multiple of 16 from 32 in one part, any other in parts one
   swizzle atom wide (`tiles.Columns`; the backend pads the head dim to a
-  multiple of 16 where V's tiles cannot take them). `operands` (`jax_flash.spec.operands`): those
-  the call has, each read as its docstring says; here the tile kinds
+  multiple of 16 where V's tiles cannot take them). `operands`
+  (`jax_flash.spec.operands`): those the call has, each read as its
+  docstring says; here the tile kinds
   become tile ranges, the ids are padded past the tiles, a dense mask and
   a bias (each dim 1 or full) are read tile by tile (no tile skipped for
   a dense mask), sinks enter each row's denominator (their gradient comes
