@@ -59,7 +59,7 @@ from jax.sharding import PartitionSpec as P
 from jax_flash.spec import dropout, mods
 from jax_flash.spec.backend import differentiable_leaves
 from jax_flash.spec.checks import Problem
-from jax_flash.spec.mask import Mask
+from jax_flash.spec.mask import Mask, dense_tile_kinds
 from jax_flash.spec.operands import Operands
 from jax_flash.spec.scores import Scores
 
@@ -654,14 +654,16 @@ def _split_with_operands(fn, in_factors, out_factors, refused, refit_why,
 # cover the whole sequence each device then holds. all_gather: key ids
 # gathered with the keys, query ids and a bias's rows cut with the queries
 # (its key dim whole on every device), per-head arrays whole, dropout's
-# bits at the queries' positions (a dense mask's tile kinds cover the whole
-# call's grid, not a chunk's: not cut). ring: key ids travel with the keys,
-# sinks join the merge.
+# bits at the queries' positions, a dense mask's rows cut with the queries
+# and its tile kinds taken again from a chunk's rows (`_at_offsets`; a
+# flex block mask's kinds, which cover the whole call's grid, are refused:
+# `_refused`). ring: key ids travel with the keys, sinks join the merge.
 _STRATEGY_OPERANDS = {
     "all_to_all": frozenset(("q_ids", "kv_ids", "alibi_slopes", "sinks",
                              "dense_mask", "tile_kinds", "dropout_seed")),
     "all_gather": frozenset(("q_ids", "kv_ids", "alibi_slopes", "sinks",
-                             "bias", "dropout_seed")),
+                             "bias", "dense_mask", "tile_kinds",
+                             "dropout_seed")),
     "ring": frozenset(("q_ids", "kv_ids", "sinks")),
     "ring_all_to_all": frozenset(),
 }
@@ -671,9 +673,23 @@ def _refused(operands: Operands) -> dict:
   """{strategy: why it cannot run a call with `operands`}."""
   present = {f.name for f in dataclasses.fields(Operands)
              if getattr(operands, f.name) is not None}
-  return {name: f"{name} runs no {sorted(present - allowed)}"
-          for name, allowed in _STRATEGY_OPERANDS.items()
-          if not present <= allowed}
+  refused = {name: f"{name} runs no {sorted(present - allowed)}"
+             for name, allowed in _STRATEGY_OPERANDS.items()
+             if not present <= allowed}
+  if "tile_kinds" in present and "dense_mask" not in present:
+    refused.setdefault("all_gather", "all_gather runs no flex block mask "
+                       "(its tile kinds cover the whole call's grid)")
+  return refused
+
+
+def _at_offsets(operands: Operands, offsets, q, k) -> Operands:
+  """`operands` of a query chunk at `offsets` (all_gather's): with a dense
+  mask (its rows the chunk's), the tile kinds of those rows."""
+  operands = dataclasses.replace(operands, q_offsets=offsets)
+  if operands.dense_mask is None:
+    return operands
+  return dataclasses.replace(operands, tile_kinds=dense_tile_kinds(
+      operands.dense_mask, q.shape[1], k.shape[1]))
 
 
 def _seed_index(tree):
@@ -714,8 +730,7 @@ def sharded_forward(forward, chunk_forward, ring_forward, refit_why):
 
     def chunk(*args):
       q, k, v, *leaves, offsets, cfg = args
-      operands = dataclasses.replace(jax.tree.unflatten(tree, leaves),
-                                     q_offsets=offsets)
+      operands = _at_offsets(jax.tree.unflatten(tree, leaves), offsets, q, k)
       return chunk_forward(q, k, v, operands, cfg)
 
     def ring(*args):
@@ -773,8 +788,7 @@ def sharded_backward(backward, chunk_backward, ring_backward, refit_why):
 
     def chunk(*args):
       q, k, v, *leaves, o, lse, do, dlse, offsets, cfg = args
-      operands = dataclasses.replace(jax.tree.unflatten(tree, leaves),
-                                     q_offsets=offsets)
+      operands = _at_offsets(jax.tree.unflatten(tree, leaves), offsets, q, k)
       dq, dk, dv, grads = chunk_backward(q, k, v, operands, o, lse, do,
                                          dlse, cfg)
       return (dq, dk, dv) + chosen(grads)

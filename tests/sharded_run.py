@@ -247,9 +247,9 @@ def operands():
   operands that broadcast over a split summed across it; results as on
   one device, dropout's keep bits too (its seed shifted to each device's
   place). Sequence-sharded ("model"), all_to_all with ids, ALiBi, sinks
-  dropout and a dense mask, all_gather with ids, ALiBi, sinks, a bias and
-  dropout, ring with ids and sinks; a bias with a dense mask keeps the
-  sequence whole. (A mod
+  dropout and a dense mask, all_gather with ids, ALiBi, sinks, a bias,
+  dropout and a dense mask, ring with ids and sinks; a bias with a dense
+  mask and 4 KV heads runs all_gather. (A mod
   reading the batch or head index keeps the call whole:
   tests/test_sharding.py finds such mods.)"""
   mesh = jax.make_mesh((2, 4), ("data", "model"),
@@ -298,7 +298,7 @@ def operands():
           mask=dense, segment_ids=segments, sinks=x)), sinks, seq, P(), True),
       ("sequence: dense mask per head, causal", call(lambda x: dict(
           mask=per_head, is_causal=True, sinks=x)), sinks, seq, P(), True),
-      # all_to_all takes no bias, all_gather no dense mask: kept whole.
+      # all_to_all takes no bias: all_gather (K and V gathered).
       ("sequence: bias and dense mask", call(lambda x: dict(
           bias=x, mask=dense)), full_bias, seq, P(), False),
   ]
@@ -355,6 +355,12 @@ def operands():
                                     sinks=x, dropout_rate=0.3,
                                     dropout_rng=jax.random.key(5)),
        sinks, None),
+      # Dense masks: rows cut with the queries, each chunk's tile kinds
+      # taken from its rows (balanced halves when causal).
+      ("all_gather", lambda x: dict(is_causal=True, mask=dense, sinks=x),
+       sinks, None),
+      ("all_gather", lambda x: dict(mask=per_head, segment_ids=segments,
+                                    sinks=x), sinks, None),
   ]
   for strategy, options, x, x_sharding in sequence_cases:
     def loss(q, k, v, x):
@@ -389,10 +395,11 @@ def operands():
     assert hlo.count("all-to-all(") == 0
     if x_sharding is not None:
       assert grads_s[3].sharding.is_equivalent_to(x_sharding, x.ndim)
+  _all_gather_structured_mask(mesh, seq, bound)
   for strategy, options, why in (
       ("ring", dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)),
        "ring runs no ['dropout_seed']"),
-      ("all_gather", dict(mask=dense), "all_gather runs no ['dense_mask'")):
+      ("ring", dict(mask=dense), "ring runs no ['dense_mask'")):
     try:
       jax.jit(lambda q: jax_flash.flash_attention(
           q, q, q, segment_ids=segments, context_parallel=strategy,
@@ -403,6 +410,32 @@ def operands():
     else:
       raise AssertionError(f"{strategy} ran with segment ids and {options}")
   print("operands: every case matches one device")
+
+
+def _all_gather_structured_mask(mesh, seq, bound):
+  """all_gather with a dense mask whose 64 x 64 tiles are empty, full or
+  partial by place (256 tokens: a tile row a device, two halves of one
+  when causal): each chunk must take the tile kinds of its own rows."""
+  b, t, n, h = 2, 256, 4, 32
+  q, k, v, do = random_inputs(b, t, t, n, 2, h, jnp.float32, seed=7)
+  rows, cols = jnp.arange(t)[:, None], jnp.arange(t)[None]
+  mask = ((rows // 64 + cols // 64) % 3 != 0) | (rows == cols)
+  mask = (mask & ~((rows % 64 == 5) & (cols // 64 == 1)))[None, None]
+  for causal in (False, True):
+    def loss(q, k, v):
+      out = jax_flash.flash_attention(
+          q, k, v, implementation="interpret", context_parallel="all_gather",
+          is_causal=causal, mask=mask)
+      return jnp.sum(out * do), out
+
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+    (_, out), grads = grad(q, k, v)
+    (_, out_s), grads_s = grad(*(jax.device_put(a, seq) for a in (q, k, v)))
+    errors = [relative_error(out_s, out)] + [
+        relative_error(a, c) for a, c in zip(grads_s, grads)]
+    print(f"operands sequence all_gather structured mask causal={causal}: "
+          f"errors={errors}")
+    assert errors[0] <= bound.out and max(errors[1:]) <= bound.grad, errors
 
 
 if __name__ == "__main__":
