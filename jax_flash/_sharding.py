@@ -540,17 +540,20 @@ def _localize(x, factors: str, seq, p: int, to_heads: bool):
   """One array of an all_to_all call with operands, on a device, moved
   between its sequence chunk of every head (`to_heads` False) and the
   whole sequence of its 1 / P of the heads: per (token, head) arrays by
-  an all-to-all, per-token ones (ids) gathered whole, per-head ones
-  (ALiBi slopes, sinks) cut to its heads (and, back, gathered); others
-  unchanged."""
+  an all-to-all, per-token ones (ids, a bias shared by the heads)
+  gathered whole (back, a gradient's partials over the heads summed and
+  cut to the chunk), per-head ones (ALiBi slopes, sinks) cut to its heads
+  (and, back, gathered); others unchanged."""
   names = factors.split()
   length = next((i for i, f in enumerate(names) if f in "ts"), None)
   heads = next((i for i, f in enumerate(names) if f in "nk"), None)
   if length is not None and heads is not None:
     split, concat = (heads, length) if to_heads else (length, heads)
     return lax.all_to_all(x, seq, split, concat, tiled=True)
-  if length is not None:
-    return lax.all_gather(x, seq, axis=length, tiled=True) if to_heads else x
+  if length is not None:  # Back: a gradient's partial over these heads.
+    if to_heads:
+      return lax.all_gather(x, seq, axis=length, tiled=True)
+    return lax.psum_scatter(x, seq, scatter_dimension=length, tiled=True)
   if heads is not None:
     if not to_heads:
       return lax.all_gather(x, seq, axis=heads, tiled=True)
@@ -648,7 +651,8 @@ def _split_with_operands(fn, in_factors, out_factors, refused, refit_why,
 
 # The optional arrays each strategy splits the sequence with; with others a
 # call's sequence stays whole. all_to_all: ids gathered whole, per-head
-# arrays cut to a device's heads, a dense mask (sharded along its queries,
+# arrays cut to a device's heads, a bias (its gradient back to chunks) and
+# a dense mask (sharded along its queries,
 # every key's column on each device) moved to a device's heads with the
 # queries (gathered whole where it broadcasts over heads); its tile kinds
 # cover the whole sequence each device then holds. all_gather: key ids
@@ -660,7 +664,8 @@ def _split_with_operands(fn, in_factors, out_factors, refused, refit_why,
 # `_refused`). ring: key ids travel with the keys, sinks join the merge.
 _STRATEGY_OPERANDS = {
     "all_to_all": frozenset(("q_ids", "kv_ids", "alibi_slopes", "sinks",
-                             "dense_mask", "tile_kinds", "dropout_seed")),
+                             "bias", "dense_mask", "tile_kinds",
+                             "dropout_seed")),
     "all_gather": frozenset(("q_ids", "kv_ids", "alibi_slopes", "sinks",
                              "bias", "dense_mask", "tile_kinds",
                              "dropout_seed")),

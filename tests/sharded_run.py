@@ -246,10 +246,10 @@ def operands():
   split along its own batch and head dims (none gathered), gradients of
   operands that broadcast over a split summed across it; results as on
   one device, dropout's keep bits too (its seed shifted to each device's
-  place). Sequence-sharded ("model"), all_to_all with ids, ALiBi, sinks
-  dropout and a dense mask, all_gather with ids, ALiBi, sinks, a bias,
-  dropout and a dense mask, ring with ids and sinks; a bias with a dense
-  mask and 4 KV heads runs all_gather. (A mod
+  place). Sequence-sharded ("model"), all_to_all with ids, ALiBi, sinks,
+  dropout, a dense mask and a bias (per head, or shared: its gradient
+  summed and cut back to chunks), all_gather with ids, ALiBi, sinks, a
+  bias, dropout and a dense mask, ring with ids and sinks. (A mod
   reading the batch or head index keeps the call whole:
   tests/test_sharding.py finds such mods.)"""
   mesh = jax.make_mesh((2, 4), ("data", "model"),
@@ -298,9 +298,12 @@ def operands():
           mask=dense, segment_ids=segments, sinks=x)), sinks, seq, P(), True),
       ("sequence: dense mask per head, causal", call(lambda x: dict(
           mask=per_head, is_causal=True, sinks=x)), sinks, seq, P(), True),
-      # all_to_all takes no bias: all_gather (K and V gathered).
+      # A bias (all_to_all): per head, and shared by the heads and the
+      # batch (its gradient's partials summed and cut back to chunks).
       ("sequence: bias and dense mask", call(lambda x: dict(
-          bias=x, mask=dense)), full_bias, seq, P(), False),
+          bias=x, mask=dense)), full_bias, seq, P(), True),
+      ("sequence: shared bias, causal", call(lambda x: dict(
+          bias=x, is_causal=True)), shared_bias, seq, P(), True),
   ]
   for name, fn, x, sharding, x_spec, split in cases:
     def loss(q, k, v, x):
@@ -322,12 +325,12 @@ def operands():
     print(f"operands {name}: all-gathers {gathered} "
           f"all-to-alls={hlo.count('all-to-all(')} errors={errors}")
     assert errors[0] <= bound.out and max(errors[1:]) <= bound.grad, errors
-    # Ids ([B, T] int32), the sinks' gradient ([N]) and a dense mask shared
-    # by the heads (int8, all_to_all: each device needs every head's rows)
-    # may be gathered (sequence-sharded); no query, key, value or bias
-    # ([.., .., .., ..] floats).
+    # Ids ([B, T] int32), the sinks' gradient ([N]) and a dense mask or
+    # bias shared by the heads ([.., 1, T, S]; all_to_all: each device needs
+    # every head's rows) may be gathered (sequence-sharded); no query, key,
+    # value or per-head bias.
     tensors = [g for g in gathered if g.split("{")[0].count(",") >= 3
-               and not g.startswith("s8")]
+               and not g.split("[")[1].split(",")[1] == "1"]
     assert (not tensors) == split, (name, gathered)
     if sharding is seq:
       assert (hlo.count("all-to-all(") > 0) == split, name
