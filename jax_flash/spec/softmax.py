@@ -78,7 +78,8 @@ def logsumexp(m, l):
 
 
 def finalize(acc, m, l, sink2=None):
-  """Normalizes once at the end: returns (o, lse), lse in natural log.
+  """Normalizes once at the end: returns (o, lse), lse in natural log; acc
+  [rows, Hv] or a tuple of such column parts (o likewise).
 
   sink2: the rows' base-2 sink logits (broadcasting against m: a scalar or
   [rows]), which join the denominator as one more key of value 0.
@@ -86,10 +87,11 @@ def finalize(acc, m, l, sink2=None):
   if sink2 is not None:
     m_new = jnp.maximum(m, sink2)
     alpha = jnp.exp2(m - m_new)  # 0 for rows that saw no key (m = -inf).
-    acc = acc * alpha[:, None]
+    acc = jax.tree.map(lambda a: a * alpha[:, None], acc)
     l = l * alpha + jnp.exp2(sink2 - m_new)
     m = m_new
-  return acc / safe_divisor(l)[:, None], logsumexp(m, l)
+  divisor = safe_divisor(l)[:, None]
+  return jax.tree.map(lambda a: a / divisor, acc), logsumexp(m, l)
 
 
 def with_sink(o, lse, sink):

@@ -467,10 +467,10 @@ def flash_backward(q, k, v, operands: Operands, o, lse, do, dlse, *,
   and S: the kernels read Q, dO, K and V where they lie, in tiles that may
   reach past the last row (`tiles.tma_rows`: a copy only where a length is
   not a multiple of 8, and at head dims 32 and 64 only of the streamed
-  tiles' arrays, not of the gradients; TMA reads zeros there, and L = +inf for those
-  queries, so they add nothing), mask keys past S and drop the gradient
-  rows past the ends. GPU only (the interpreter cannot run a wgmma with a
-  register operand); tests lower it for CUDA on the CPU.
+  tiles' arrays, not of the gradients; TMA reads zeros there, and L = +inf
+  for those queries, so they add nothing), mask keys past S and drop the
+  gradient rows past the ends. GPU only (the interpreter cannot run a
+  wgmma with a register operand); tests lower it for CUDA on the CPU.
   """
   q_len, kv_len = q.shape[1], k.shape[1]
   head_dim = q.shape[3]

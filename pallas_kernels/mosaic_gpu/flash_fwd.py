@@ -420,9 +420,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
     with jax.named_scope("epilogue"):
       sink2 = (None if sinks_ref is None else
                sinks_ref[head].astype(jnp.float32) * softmax.LOG2E)
-      for q_smem, part in zip(q_smems, acc):
-        o, lse = softmax.finalize(part, m, l, sink2=sink2)
-        q_smem[...] = o.astype(dtype)
+      o, lse = softmax.finalize(acc, m, l, sink2=sink2)
+      for q_smem, part in zip(q_smems, o):
+        q_smem[...] = part.astype(dtype)
       lse_smem[...] = lse
       plgpu.commit_smem()
       for (copy, _), cols in zip(q_views, part_columns):
