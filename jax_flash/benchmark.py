@@ -587,6 +587,17 @@ MODELS = (
 )
 
 
+def even_neighbours(m: ModelShape) -> list[ModelShape]:
+  """The shapes nearest `m` whose lengths are even, below and above: what
+  cuDNN's backward takes where it refuses an odd length (with its
+  TFLOP/s there, the target for a call it refuses)."""
+  below = dataclasses.replace(m, q_len=m.q_len - m.q_len % 2,
+                              kv_len=m.kv_len - m.kv_len % 2)
+  above = dataclasses.replace(m, q_len=m.q_len + m.q_len % 2,
+                              kv_len=m.kv_len + m.kv_len % 2)
+  return [s for s in (below, above) if s != m]
+
+
 def model_rows(shapes, impl_names, dtype, calls, repeats, log=None,
                extra_impls=None):
   """Forward and forward+backward of each model shape, each implementation
@@ -596,51 +607,61 @@ def model_rows(shapes, impl_names, dtype, calls, repeats, log=None,
   (H + Hv) forward, halved for causal; 3.5x that forward+backward.
   "flash_triton": our Triton kernels named, beside the default (the Mosaic
   GPU kernels on Hopper where they take the call). extra_impls(shape):
-  more implementations by name, for a shape."""
+  more implementations by name, for a shape. Where cuDNN refuses a
+  sequence length, rows "cudnn_nearest" time it at `even_neighbours`."""
   rows = []
   for m in shapes:
-    hv = m.value_head_dim or m.head_dim
-    keys = jax.random.split(jax.random.key(0), 4)
-    q = jax.random.normal(keys[0], (m.batch, m.q_len, m.heads, m.head_dim),
-                          dtype)
-    k = jax.random.normal(keys[1], (m.batch, m.kv_len, m.kv_heads,
-                                    m.head_dim), dtype)
-    v = jax.random.normal(keys[2], (m.batch, m.kv_len, m.kv_heads, hv), dtype)
-    do = jax.random.normal(keys[3], q.shape[:-1] + (hv,), dtype)
-    flops = 2 * m.batch * m.heads * m.q_len * m.kv_len * (m.head_dim + hv)
-    flops /= 2 if m.causal else 1
-    def jax_nn(impl, m=m, hv=hv):
-      # jax.nn takes no value head dim of its own: V padded to the query's
-      # (MLA's baseline, cuDNN at 192/192), the output cut back.
-      def f(q, k, v):
-        if hv == m.head_dim:
-          return jax.nn.dot_product_attention(
-              q, k, v, is_causal=m.causal, implementation=impl)
-        v = jnp.pad(v, ((0, 0),) * 3 + ((0, m.head_dim - hv),))
-        return jax.nn.dot_product_attention(
-            q, k, v, is_causal=m.causal, implementation=impl)[..., :hv]
-      return f
-
-    impls = {
-        "flash": lambda q, k, v, m=m: jax_flash.flash_attention(
-            q, k, v, is_causal=m.causal, logits_soft_cap=m.soft_cap),
-        "flash_triton": lambda q, k, v, m=m: jax_flash.flash_attention(
-            q, k, v, is_causal=m.causal, logits_soft_cap=m.soft_cap,
-            implementation="triton"),
-        "cudnn": jax_nn("cudnn"), "xla": jax_nn("xla"),
-        **(extra_impls(m) if extra_impls else {}),
-    }
     for name in impl_names:
       for mode in ("fwd", "fwd+bwd"):
-        row = dict(model=m.name, source=m.source, impl=name, mode=mode,
-                   batch=m.batch, q_len=m.q_len, kv_len=m.kv_len,
-                   heads=m.heads, kv_heads=m.kv_heads, head_dim=m.head_dim,
-                   value_head_dim=hv, causal=m.causal, soft_cap=m.soft_cap,
-                   dtype=jnp.dtype(dtype).name)
-        row.update(_measure(impls[name], mode, q, k, v, do, flops, calls,
-                            repeats))
+        row = _model_row(m, name, mode, dtype, calls, repeats, extra_impls)
         _record(rows, row, log)
+        if name == "cudnn" and "sequence length" in row.get("error", ""):
+          for near in even_neighbours(m):
+            row = _model_row(near, name, mode, dtype, calls, repeats, None)
+            _record(rows, dict(row, model=m.name, impl="cudnn_nearest"), log)
   return rows
+
+
+def _model_row(m, name, mode, dtype, calls, repeats, extra_impls):
+  hv = m.value_head_dim or m.head_dim
+  keys = jax.random.split(jax.random.key(0), 4)
+  q = jax.random.normal(keys[0], (m.batch, m.q_len, m.heads, m.head_dim),
+                        dtype)
+  k = jax.random.normal(keys[1], (m.batch, m.kv_len, m.kv_heads,
+                                  m.head_dim), dtype)
+  v = jax.random.normal(keys[2], (m.batch, m.kv_len, m.kv_heads, hv), dtype)
+  do = jax.random.normal(keys[3], q.shape[:-1] + (hv,), dtype)
+  flops = 2 * m.batch * m.heads * m.q_len * m.kv_len * (m.head_dim + hv)
+  flops /= 2 if m.causal else 1
+
+  def jax_nn(impl):
+    # jax.nn takes no value head dim of its own: V padded to the query's
+    # (MLA's baseline, cuDNN at 192/192), the output cut back.
+    def f(q, k, v):
+      if hv == m.head_dim:
+        return jax.nn.dot_product_attention(
+            q, k, v, is_causal=m.causal, implementation=impl)
+      v = jnp.pad(v, ((0, 0),) * 3 + ((0, m.head_dim - hv),))
+      return jax.nn.dot_product_attention(
+          q, k, v, is_causal=m.causal, implementation=impl)[..., :hv]
+    return f
+
+  impls = {
+      "flash": lambda q, k, v: jax_flash.flash_attention(
+          q, k, v, is_causal=m.causal, logits_soft_cap=m.soft_cap),
+      "flash_triton": lambda q, k, v: jax_flash.flash_attention(
+          q, k, v, is_causal=m.causal, logits_soft_cap=m.soft_cap,
+          implementation="triton"),
+      "cudnn": jax_nn("cudnn"), "xla": jax_nn("xla"),
+      **(extra_impls(m) if extra_impls else {}),
+  }
+  row = dict(model=m.name, source=m.source, impl=name, mode=mode,
+             batch=m.batch, q_len=m.q_len, kv_len=m.kv_len,
+             heads=m.heads, kv_heads=m.kv_heads, head_dim=m.head_dim,
+             value_head_dim=hv, causal=m.causal, soft_cap=m.soft_cap,
+             dtype=jnp.dtype(dtype).name)
+  row.update(_measure(impls[name], mode, q, k, v, do, flops, calls, repeats))
+  return row
 
 
 def markdown_models(rows) -> str:
@@ -653,8 +674,17 @@ def markdown_models(rows) -> str:
           + " | flash / best other fwd | fwd+bwd |")
   lines = [head, "|" + "---|" * (head.count("|") - 1)]
   by = {}
+  nearest = {}  # (model, mode): cuDNN's best TFLOP/s at an even neighbour.
   for r in rows:
+    if r["impl"] == "cudnn_nearest":
+      if "tflops" in r:
+        key = (r["model"], r["mode"])
+        nearest[key] = max(nearest.get(key, 0.0), r["tflops"])
+      continue
     by.setdefault(r["model"], {})[(r["impl"], r["mode"])] = r
+  if nearest:
+    lines[0] += " flash TFLOP/s / cuDNN's at the nearest shape it takes |"
+    lines[1] += "---|"
   for model, group in by.items():
     r0 = next(iter(group.values()))
     shape = (f"{r0['batch']} x {r0['q_len']}/{r0['kv_len']}, "
@@ -669,6 +699,11 @@ def markdown_models(rows) -> str:
       others = [group[(i, mode)]["ms"] for i in ("cudnn", "xla")
                 if "ms" in group.get((i, mode), {})]
       ratios.append(f"{min(others) / ours:.2f}" if ours and others else "-")
+    if nearest:
+      ratios.append(", ".join(
+          f"{mode} {group[('flash', mode)]['tflops'] / nearest[model, mode]:.2f}"
+          for mode in ("fwd", "fwd+bwd") if (model, mode) in nearest
+          and "tflops" in group.get(("flash", mode), {})) or "-")
     lines.append(f"| {model} | {shape} | " + " | ".join(cells) + " | "
                  + " | ".join(ratios) + " |")
   return "\n".join(lines)

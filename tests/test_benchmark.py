@@ -267,3 +267,30 @@ def test_model_rows_time_every_shape_and_name_refusals():
   table = markdown_models(rows)
   assert table.count("\n") == 1 + len(small)
   assert "phi2" in table and "refused" in table
+
+
+def test_refused_lengths_are_compared_at_cudnns_nearest_shapes():
+  """Where cuDNN refuses an odd length, its TFLOP/s at the even lengths on
+  either side is the yardstick: the neighbours are right, and the table
+  divides ours by the better of them."""
+  from jax_flash.benchmark import MODELS, even_neighbours, markdown_models
+  vit = next(m for m in MODELS if m.name == "vit_b16")
+  assert [(s.q_len, s.kv_len) for s in even_neighbours(vit)] == [
+      (196, 196), (198, 198)]
+  sd = next(m for m in MODELS if m.name == "sd15_cross")
+  assert [(s.q_len, s.kv_len) for s in even_neighbours(sd)] == [
+      (4096, 76), (4096, 78)]
+  gpt = next(m for m in MODELS if m.name == "gpt2_small")
+  assert even_neighbours(gpt) == []
+  base = dict(model="vit_b16", batch=128, q_len=197, kv_len=197, heads=12,
+              kv_heads=12, head_dim=64, value_head_dim=64, causal=False)
+  rows = [dict(base, impl="flash", mode="fwd+bwd", ms=0.5, tflops=300.0),
+          dict(base, impl="cudnn", mode="fwd+bwd",
+               error="NotImplementedError: Unsupported sequence length"),
+          dict(base, impl="cudnn_nearest", mode="fwd+bwd", q_len=196,
+               kv_len=196, ms=0.5, tflops=250.0),
+          dict(base, impl="cudnn_nearest", mode="fwd+bwd", q_len=198,
+               kv_len=198, ms=0.5, tflops=240.0)]
+  table = markdown_models(rows)
+  assert "nearest shape it takes" in table.splitlines()[0]
+  assert table.splitlines()[-1].endswith("| fwd+bwd 1.20 |")
