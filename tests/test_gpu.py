@@ -400,9 +400,11 @@ DEFAULT_SHORT_KEYS = {
     "dit_h72": (Case(4, 256, 256, 4, 4, 72, "bfloat16", False), True),
     "vit_197_h64": (Case(4, 197, 197, 4, 4, 64, "bfloat16", False), True),
     "clip_77_causal": (Case(4, 77, 77, 4, 4, 64, "float16", True), True),
-    # Triton both ways; its dK/dV kernel's query tiles split into runs.
+    # 96-row K/V tiles in column parts 32 + 16; the Triton dK/dV kernel's
+    # query tiles split into runs.
     "sd_cross_h40_77_keys": (Case(2, 4096, 77, 8, 8, 40, "bfloat16", False),
-                             False),
+                             True),
+    "h20_77_keys": (Case(2, 300, 77, 4, 4, 20, "float16", False), False),
 }
 
 

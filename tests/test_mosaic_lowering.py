@@ -251,14 +251,15 @@ def test_pallas_picks_mosaic_where_it_takes_the_call(name, shape, dtype,
     ((4, 197, 197, 8, 8, 64), True, "mosaic", "triton"),
     ((4, 256, 256, 4, 4, 72), False, "mosaic", "triton"),
     ((4, 256, 256, 4, 4, 64), False, "mosaic", "mosaic"),
-    ((4, 300, 77, 4, 4, 40), False, "triton", "triton")])
+    ((4, 300, 77, 4, 4, 40), False, "mosaic", "triton"),
+    ((4, 300, 77, 4, 4, 20), False, "triton", "triton")])
 def test_short_keys_pick_each_direction_by_its_copies(shape, causal, forward,
                                                       backward):
   """Up to `config.TRITON_MAX_KV_LEN` keys the default runs the Triton
   forward where XLA would copy arrays around the Mosaic one (a length off
-  8 read tiled: 300 at head dim 128; a head dim padded: 40 on 77 keys) and
+  8 read tiled: 300 at head dim 128; a head dim padded: 20 on 77 keys) and
   the Mosaic forward where it reads them in place (197 tokens at head dim
-  64, DiT's head dim 72 in column parts); the Triton backward where the
+  64, head dims 72 and 40 in column parts); the Triton backward where the
   Mosaic backward would copy (a length off 8, a head dim off 16)."""
   text = _lower_grad("pallas", shape, is_causal=causal)
   assert ("flash_attention_forward_mosaic" in text) == (forward == "mosaic")
@@ -1074,15 +1075,18 @@ def test_head_dims_run_at_a_multiple_of_16(head_dim, value_head_dim,
 
 @pytest.mark.parametrize("head_dim, causal, kv_len, block_kv", [
     (64, False, 197, 256), (64, True, 197, 128), (48, False, 77, 80),
-    (32, False, 77, 96), (80, False, 77, 80),
+    (32, False, 77, 96), (80, False, 77, 80), (40, False, 77, 96),
+    (72, False, 70, 128),
     (128, False, 30, 64), (64, False, 1500, 256), (128, False, 100, 112),
     (256, False, 77, 64)])
 def test_short_keys_take_one_tile_of_their_length(head_dim, causal, kv_len,
                                                   block_kv):
   """Keys fewer than the default K/V tile's rows run in one tile of their
   length rounded up to 16 rows (at least 64: 80 for 77 tokens at head
-  dim 80), or to a multiple of the head dim at 32 and 64, whose V tiles
-  then keep a row's swizzle and are read in place (`short_kv_tile`)."""
+  dim 80), or to a multiple of the widest column part where tiles are
+  copied untiled (the head dim at 32 and 64; 32 at head dim 40, 64 at
+  72), whose V tiles then keep a row's swizzle and are read in place
+  (`short_kv_tile`)."""
   blocks = jax_flash.MosaicBlockSizes.get_default(head_dim, causal,
                                                   kv_len=kv_len)
   assert blocks.block_kv == block_kv

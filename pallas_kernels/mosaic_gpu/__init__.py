@@ -216,7 +216,8 @@ class MosaicGpuBackend:
     head_dim = config.kernel_head_dim(problem.head_dim, problem.value_head_dim)
     blocks = (block_sizes if isinstance(block_sizes, BlockSizes) else
               BlockSizes.get_default(
-                  head_dim, is_causal,
+                  problem.head_dim if problem.value_head_dim ==
+                  problem.head_dim else head_dim, is_causal,
                   band_only=mask in (Mask(), Mask(is_causal=True)),
                   kv_len=problem.kv_len))
     if blocks.fused_dq and head_dim not in config.FUSED_DQ_HEAD_DIMS:

@@ -42,11 +42,16 @@ def kernel_head_dim(head_dim: int, value_head_dim: int) -> int:
 
 def short_kv_tile(kv_len: int, head_dim: int) -> int:
   """Rows of one K/V tile that holds all kv_len keys: a multiple of 16
-  (V's contracted rows, `tiles.smem_transforms`), at least 64; at head
-  dims 32 and 64 a multiple of the head dim, so that V's tile keeps the
-  swizzle of a row and is copied untiled, any length in place
-  (`tiles.one_atom_wide`)."""
-  multiple = head_dim if head_dim in (32, 64) else 16
+  (V's contracted rows, `tiles.smem_transforms`), at least 64. Where the
+  forward copies a head dim's tiles untiled (head dims 32 and 64, and
+  those off a multiple of 16, in column parts: `tiles.Columns`), a
+  multiple of its widest part's columns, so that V's tiles keep a row's
+  swizzle and any length is read in place (`tiles.one_atom_wide`): 77
+  keys take 96 rows at head dim 40 (parts 32 + 16), 80 at head dim 80."""
+  multiple = HEAD_DIM_MULTIPLE
+  if head_dim in (32, 64) or head_dim % HEAD_DIM_MULTIPLE:
+    padded = kernel_head_dim(head_dim, head_dim)
+    multiple = max(w for w in (64, 32, 16) if w <= padded)
   return max(64, round_up(kv_len, multiple))
 
 
@@ -235,7 +240,8 @@ class BlockSizes:
   def get_default(cls, head_dim: int, is_causal: bool = False,
                   fused_dq: bool = False, band_only: bool = False,
                   kv_len: int | None = None) -> "BlockSizes":
-    """The default tiles for a head dim, causality and key length.
+    """The default tiles for a head dim (the call's, before any padding),
+    causality and key length.
 
     Forward: 64-row consumer tiles; K/V tiles of 256 rows at head dim 64
     (128 causal up to SHORT_KV_LEN keys), 128 at 65-128, 96 at 129-192, 64
