@@ -240,8 +240,9 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
               logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
               dropout_rate=dropout_rate, dropout_rng=dropout_rng,
               dropout_broadcast=dropout_broadcast, sinks=sinks)
-  spec = prepare(query, key, value, fp8=fp8 is not False or descale is not None,
-                 **args)
+  fp8_kind = ("descale" if descale is not None else
+              "amax" if fp8 is not False else False)
+  spec = prepare(query, key, value, fp8=fp8_kind, **args)
   p = spec.problem
   _dispatch.check_options(block_sizes, version)
   _sharding.check_strategy(context_parallel)

@@ -156,3 +156,40 @@ def test_flax_modules_take_fp8():
   with pytest.raises(ValueError, match="fp8 must be"):
     jax_flash.linen.FlashAttention(num_heads=2, fp8=1).init(
         jax.random.key(0), x)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, causal", [
+    ((2, 1000, 1003, 8, 2, 64), True), ((1, 512, 777, 4, 4, 128), False),
+    ((1, 700, 700, 8, 2, 128), True), ((1, 300, 1000, 4, 2, 256), True)])
+def test_mosaic_fp8_forward_is_as_close_as_the_rounding(shape, causal):
+  """The Mosaic FP8 forward (e4m3 wgmma; H200) with the bf16 backward on
+  the rounded values: output and gradients within the bounds the
+  blockwise path meets, and no further from the blockwise FP8 path's
+  output than either is from float32 (P rounded against another running
+  maximum)."""
+  if "H200" not in jax.devices()[0].device_kind:
+    pytest.skip("not an H200")
+  q, k, v, do = random_inputs(*shape, jnp.bfloat16)
+  num_kv_heads = k.shape[2]
+  exact = lambda q, k, v: jax_flash.reference_attention(q, k, v,
+                                                        is_causal=causal)
+  up = [x.astype(jnp.float32) for x in (q, k, v)]
+  rounded = lambda q, k, v: exact(*(fp8.round_trip(x, num_kv_heads)
+                                    for x in (q, k, v)))
+  ours = lambda q, k, v: jax_flash.flash_attention(
+      q, k, v, is_causal=causal, fp8=True, implementation="mosaic")
+  hlo = jax.jit(ours).lower(q, k, v).as_text()
+  assert "flash_attention_forward_mosaic" in hlo and "f8E4M3FN" in hlo
+  out = jax.jit(ours)(q, k, v)
+  assert out.dtype == q.dtype
+  floor = _rel(rounded(*up), exact(*up))
+  assert _rel(out, exact(*up)) <= 1.6 * floor
+  blockwise = jax_flash.flash_attention(q, k, v, is_causal=causal, fp8=True,
+                                        implementation="xla")
+  assert _rel(out, blockwise) <= floor
+  want = _grads(exact, *up, do)
+  for ours_g, floor_g, w in zip(jax.jit(lambda *a: _grads(ours, *a))(
+      q, k, v, do), _grads(rounded, *up, do), want):
+    assert ours_g.dtype == q.dtype
+    assert _rel(ours_g, w) <= 2 * _rel(floor_g, w)

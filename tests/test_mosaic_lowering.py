@@ -1091,3 +1091,45 @@ def test_short_keys_take_one_tile_of_their_length(head_dim, causal, kv_len,
                                                   kv_len=kv_len)
   assert blocks.block_kv == block_kv
 
+
+
+@pytest.mark.parametrize("head_dim, causal", [(64, False), (128, True),
+                                              (256, True)])
+def test_fp8_forward_lowers_in_e4m3(head_dim, causal):
+  """fp8=True on an H200: the Mosaic forward with e4m3 operands (QK^T and
+  P V in FP8 wgmma; V transposed), the bf16 Mosaic backward; the default
+  picks it too."""
+  for implementation in ("mosaic", None):
+    text = _lower_grad(implementation, (2, 256, 520, 8, 2, head_dim),
+                       is_causal=causal, fp8=True)
+    assert "flash_attention_forward_mosaic" in text
+    assert all(name in text for name in MOSAIC_BACKWARD)
+    assert "f8E4M3FN" in text
+
+
+@pytest.mark.parametrize("shape, kwargs, match", [
+    ((2, 256, 520, 8, 2, 96), {}, r"head dims \(64, 128, 256\)"),
+    ((2, 256, 520, 8, 2, 64), dict(logits_soft_cap=30.0), "no soft-cap"),
+    ((2, 256, 520, 8, 2, 64), dict(local_window_size=(64, 0)),
+     "only a causal mask"),
+])
+def test_fp8_calls_the_forward_lacks_say_why(shape, kwargs, match):
+  """Named, the Mosaic backend says what its FP8 forward lacks; the
+  default runs such a call on the blockwise path."""
+  with pytest.raises(ValueError, match=match):
+    _lower_grad("mosaic", shape, fp8=True, **kwargs)
+  text = _lower_grad(None, shape, fp8=True, **kwargs)
+  assert MOSAIC_CALL not in text and "flash_attention_forward" not in text
+
+
+def test_fp8_descale_inputs_stay_on_the_blockwise_path():
+  """float8 inputs with the caller's scales: requantizing them with other
+  scales would round them again, so the Mosaic forward declines."""
+  q8 = jax.ShapeDtypeStruct((2, 256, 8, 128), jnp.float8_e4m3fn)
+  kv8 = jax.ShapeDtypeStruct((2, 520, 2, 128), jnp.float8_e4m3fn)
+  with jax.sharding.use_abstract_mesh(
+      mesh_lib.AbstractMesh((1,), ("x",), abstract_device=H200)):
+    with pytest.raises(ValueError, match="float8 inputs with descale run"):
+      jax.jit(lambda q, k, v: jax_flash.flash_attention(
+          q, k, v, descale=(1.0, 1.0, 1.0), implementation="mosaic")).trace(
+              q8, kv8, kv8).lower(lowering_platforms=("cuda",))

@@ -62,7 +62,7 @@ def prepare(query, key, value, *, bias=None, mask=None, scale=None,
   scores = Scores(scale=scale, soft_cap=cap, alibi=slopes is not None,
                   bias=bias is not None, dropout_rate=rate,
                   dropout_broadcast=bool(dropout_broadcast) and rate > 0,
-                  sinks=sinks is not None, fp8=bool(fp8))
+                  sinks=sinks is not None, fp8=fp8 or False)
   operands = Operands(
       q_ids=q_ids, kv_ids=kv_ids,
       dense_mask=None if dense is None else dense.astype(jnp.int8),

@@ -45,7 +45,10 @@ class Scores:
   sinks: bool = False
   # FP8: P V multiplies P rounded to e4m3 (`fp8.quantize_p`; Q, K and V
   # arrive rounded, `jax_flash.spec.fp8`); the backward takes it as P.
-  fp8: bool = False
+  # False, "amax" (inputs rounded with the scales `fp8.scales` gives, so a
+  # kernel may divide by them again exactly) or "descale" (float8 inputs
+  # and the caller's scales).
+  fp8: bool | str = False
   # A user's score_mod (`mods.ElementwiseMod`, flex attention), and how many
   # arrays it reads (`Operands.score_consts`).
   mod: Callable | None = None

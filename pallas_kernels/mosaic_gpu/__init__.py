@@ -23,8 +23,12 @@ Dense masks and bias (a [Bm, Nm, T, S] tile read from global memory on
 every tile, a row or column vector where it broadcasts; the dispatch takes
 the bias gradient from the Triton backend's dbias kernel, and the whole
 backward from the Triton kernels for a bias per (query, key) pair:
-`backward_unsupported`). Everything it takes has run on an H200 (tests/test_gpu.py,
-test_flex.py, test_decode.py).
+`backward_unsupported`). With `fp8=True` (inputs rounded to e4m3 with
+per-(batch, KV head) scales, `jax_flash.spec.fp8`), causal or no mask,
+head dims `config.FP8_BLOCK_KV`: the forward in e4m3 (`flash_fwd`'s
+`fp8_operands`), the backward the bf16 kernels' on the rounded values.
+Everything it takes has run on an H200 (tests/test_gpu.py,
+test_flex.py, test_decode.py, test_fp8.py).
 """
 from __future__ import annotations
 
@@ -45,7 +49,7 @@ from pallas_kernels.mosaic_gpu import config
 from pallas_kernels.mosaic_gpu import flash_decode
 from pallas_kernels.mosaic_gpu.config import BlockSizes
 from pallas_kernels.mosaic_gpu.flash_bwd import flash_backward
-from pallas_kernels.mosaic_gpu.flash_fwd import flash_forward
+from pallas_kernels.mosaic_gpu.flash_fwd import flash_forward, fp8_operands
 from pallas_kernels.mosaic_gpu.tiles import Columns
 
 
@@ -113,6 +117,24 @@ def split_kv_unsupported(problem: Problem, *, paged: bool) -> str | None:
   return None
 
 
+def _fp8_unsupported(problem: Problem, mask: Mask, scores: Scores,
+                     decode) -> str | None:
+  """What the FP8 forward lacks for the call (None: it takes it)."""
+  if scores.fp8 != "amax":
+    return "fp8=True (float8 inputs with descale run on the blockwise path)"
+  if decode:
+    return "no decode"
+  if (problem.head_dim not in config.FP8_BLOCK_KV
+      or problem.value_head_dim != problem.head_dim):
+    return (f"head dims {tuple(config.FP8_BLOCK_KV)}, value's the same, got "
+            f"{problem.head_dim}/{problem.value_head_dim}")
+  if mask not in (Mask(), Mask(is_causal=True)):
+    return "only a causal mask or none"
+  if scores != Scores(scale=scores.scale, fp8=scores.fp8) or scores.scale <= 0:
+    return "no soft-cap, ALiBi, bias, sinks or dropout and a positive scale"
+  return None
+
+
 def _pad_heads(q, k, v, *rest):
   """q, k, v (and o, dO in `rest`, value's head dim) with zero columns up
   to `config.kernel_head_dim`: zeros add nothing to the logits, and V's
@@ -146,8 +168,11 @@ class MosaicGpuBackend:
     if version != 2:
       return "the Mosaic GPU backend runs only the FlashAttention-2 forward"
     if scores.fp8:
-      return "the Mosaic GPU kernels take no fp8 call (implementation='xla' does)"
-    if jnp.dtype(dtype).name not in config.DTYPES:
+      why = _fp8_unsupported(problem, mask, scores, decode)
+      if why:
+        return (f"the Mosaic GPU FP8 forward takes {why} "
+                f"(implementation='xla' takes any fp8 call)")
+    elif jnp.dtype(dtype).name not in config.DTYPES:
       return (f"query dtype must be bfloat16 or float16 for the Mosaic GPU "
               f"kernels, got {jnp.dtype(dtype)}")
     for name, h in (("head_dim (last axis of query, key)", problem.head_dim),
@@ -212,8 +237,21 @@ class MosaicGpuBackend:
     """The call's tiles: `block_sizes`, or the defaults for its head dim,
     causality, key length, and (`persistent`) whether the call's mask is at
     most causality (the persistent schedule weighs items by the band)."""
-    del version, scores  # Only 2 (see `unsupported`); the tiles take any.
+    del version  # Only 2 (see `unsupported`); the tiles take any.
     head_dim = config.kernel_head_dim(problem.head_dim, problem.value_head_dim)
+    fp8 = scores is not None and bool(scores.fp8)
+    if fp8 and block_sizes is None:  # K/V tiles of the FP8 forward.
+      block_sizes = BlockSizes.get_default(head_dim, is_causal,
+                                           band_only=True)
+      block_sizes = dataclasses.replace(block_sizes, block_kv=(
+          config.FP8_BLOCK_KV.get(head_dim, block_sizes.block_kv)))
+    if fp8 and isinstance(block_sizes, BlockSizes) and block_sizes.block_kv % 64:
+      raise ValueError(f"block_sizes.block_kv must be a multiple of 64 with "
+                       f"fp8, got {block_sizes.block_kv}")
+    # FP8 calls arrive as float32 (rounded values); their kernels' smem is
+    # bounded by the bf16 kernels' (the forward's e4m3 Q, K, V and P and a
+    # bf16 O against bf16 Q, K and V).
+    itemsize = 2 if fp8 else jnp.dtype(dtype).itemsize
     blocks = (block_sizes if isinstance(block_sizes, BlockSizes) else
               BlockSizes.get_default(
                   problem.head_dim if problem.value_head_dim ==
@@ -226,12 +264,12 @@ class MosaicGpuBackend:
       raise ValueError(f"block_sizes.fused_dq=True needs a head_dim in "
                        f"{config.FUSED_DQ_HEAD_DIMS}, got "
                        f"{problem.head_dim}{value}")
-    smem = blocks.smem_bytes(head_dim, jnp.dtype(dtype).itemsize)
+    smem = blocks.smem_bytes(head_dim, itemsize)
     if smem > config.SMEM_BYTES:
       raise ValueError(f"block_sizes {blocks} need {smem} bytes of shared "
                        f"memory at head_dim {head_dim}, more than "
                        f"the {config.SMEM_BYTES} of an H100/H200")
-    smem = blocks.backward_smem_bytes(head_dim, jnp.dtype(dtype).itemsize)
+    smem = blocks.backward_smem_bytes(head_dim, itemsize)
     if smem > config.SMEM_BYTES:
       raise ValueError(f"block_sizes {blocks} need {smem} bytes of shared "
                        f"memory in the backward at head_dim {head_dim}, more "
@@ -241,6 +279,11 @@ class MosaicGpuBackend:
   def forward(self, q, k, v, operands: Operands, *, mask: Mask,
               scores: Scores, config: BlockSizes, version: int = 2):
     del version  # Only 2 (see `unsupported`).
+    if scores.fp8:
+      q8, k8, vt8, scales = fp8_operands(q, k, v, k.shape[2])
+      o, lse = flash_forward(q8, k8, vt8, operands, mask=mask, scores=scores,
+                             block_sizes=config, fp8_scales=scales)
+      return o.astype(q.dtype), lse
     (q,), (k, v) = without_padding(mask, operands.q_ids, operands.kv_ids,
                                    (q,), (k, v))
     value_dim = v.shape[-1]
@@ -294,7 +337,17 @@ class MosaicGpuBackend:
                mask: Mask, scores: Scores, config: BlockSizes):
     """(dq, dk, dv, Operands()): no operand's gradient (the dispatch takes
     a bias's from a backend that gives it; no arrays a score_mod closes
-    over, see `unsupported`)."""
+    over, see `unsupported`). FP8 calls (float32 values on e4m3's grid
+    times a scale) run the bf16 kernels on those values, P unrounded, as
+    the blockwise backward takes it."""
+    if scores.fp8:
+      dtype = q.dtype
+      q, k, v, o, do = (x.astype(jnp.bfloat16) for x in (q, k, v, o, do))
+      scores = dataclasses.replace(scores, fp8=False)
+      dq, dk, dv, grads = self.backward(
+          q, k, v, operands, o, lse, do, dlse, mask=mask, scores=scores,
+          config=config)
+      return dq.astype(dtype), dk.astype(dtype), dv.astype(dtype), grads
     (q, do), (k, v) = without_padding(mask, operands.q_ids, operands.kv_ids,
                                       (q, do), (k, v))
     head_dim, value_dim = q.shape[-1], v.shape[-1]

@@ -37,6 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jax_flash.spec import fp8 as fp8_lib
 from jax_flash.spec import softmax
 from jax_flash.spec.device import num_multiprocessors
 from jax_flash.spec.mask import Mask, kv_block_ranges
@@ -218,7 +219,7 @@ def _union(a, b):
 def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
                     *, mask: Mask, scores: Scores, blocks: BlockSizes,
                     group: int, kv_len: int, num_tiles: int,
-                    programs: int | None, layout: Columns):
+                    programs: int | None, layout: Columns, fp8: bool):
   """q_ref/o_ref [B, T, N, H], k_ref/v_ref [B, S, K, H], lse_ref [B, N,
   num_tiles * 2 * block_q]; keys at or past kv_len (<= S: XLA's padding)
   are masked. The last of num_tiles query tiles may reach past T (and the
@@ -232,7 +233,16 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
   [2], query offsets [B] (row i of sequence b sits at position
   i + q_offsets[b]; `mask.has_q_offsets`), a dense mask and a bias
   (`pad_pairs`; `mask.has_dense`, `scores.bias`), the persistent CTAs'
-  items [rounds, programs] (`persistent_order`).
+  items [rounds, programs] (`persistent_order`), and with `fp8` the
+  scales [B, K, 2] float32 (`fp8_operands`).
+
+  With `fp8`, Q and K are e4m3 and v_ref holds V transposed, [B, K, H,
+  S'] (FP8 wgmma takes only K-major operands): the logits' factor c takes
+  Q's and K's scales, P enters P V as e4m3 values of P * 448 through
+  shared memory (jax 0.11.2's wgmma takes an 8-bit left operand from
+  registers only in a layout the accumulator's cannot be converted to),
+  and the epilogue multiplies by V's scale / 448; O is staged in a bf16
+  buffer of its own.
 
   A CTA runs the items (batch, head, 2 * block_q query rows)
   `cta_schedule` gives it (`programs`: None, one; else the persistent
@@ -241,9 +251,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
   (base + i) % num_stages, so the ring carries over from one item to the
   next."""
   (table_ref, slopes_ref, q_ids_ref, kv_ids_ref, sinks_ref, seed_ref,
-   offsets_ref, dense_ref, bias_ref, order_ref) = extra_refs
-  (q_buffers, k_buffers, v_buffers, lse_smem3), ready, free, schedule_barrier = (
-      scratch)
+   offsets_ref, dense_ref, bias_ref, order_ref, scales_ref) = extra_refs
+  ((q_buffers, k_buffers, v_buffers, lse_smem3, fp8_buffers), ready, free,
+   schedule_barrier) = scratch
   qk_untiled, v_untiled = layout.untiled
   # Per column part: (the view TMA copies through, the view wgmma reads).
   q_views = [tile_views(x, qk_untiled) for x in q_buffers]
@@ -255,7 +265,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
   k_free, v_free = free
   block_q, block_kv, stages = blocks.block_q, blocks.block_kv, blocks.num_stages
   q_buffers = blocks.q_buffers(sum(w for _, w in layout.parts))
-  dtype = q_ref.dtype
+  dtype = o_ref.dtype
   wg = lax.axis_index("wg")
   schedule = _Schedule(schedule_barrier, wg)
 
@@ -324,6 +334,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
       lo, full_lo, full_hi, hi = (jnp.where(empty, first, x)
                                   for x in (lo, full_lo, full_hi, hi))
     slope = None if slopes_ref is None else slopes_ref[batch, head]
+    if fp8:  # Q's and K's scales in the logits, V's (over 448) in O.
+      kv_head = lax.div(head, jnp.int32(group))
+      qk_scale = scales_ref[batch, kv_head, 0]
+      pv_scale = scales_ref[batch, kv_head, 1]
     coords = needs_positions(mask, scores)
     with jax.named_scope("q_load"):  # Profiler regions (`compiler_params`).
       if q_buffers == 1:
@@ -372,6 +386,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
                    rows + q_offset)  # What ALiBi and a score_mod see.
       s, c, _ = logits2(scores, s, positions, cols, slope=slope,
                         bias_ref=bias_ref, pair=tile, batch=batch, head=head)
+      if fp8:
+        c = c * qk_scale
       if masked:
         ids = {}
         if mask.has_ids:
@@ -385,13 +401,18 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
       # l sums the undropped p; only P V sees the dropout.
       p16 = dropped(p, scores, seed_ref, batch, head, positions,
                     cols).astype(dtype)
+      if fp8:  # P * 448 as e4m3, the left operand from shared memory.
+        p16 = fp8_buffers[1].at[wg]
+        p16[...] = (p * fp8_lib.E4M3_MAX).astype(fp8_lib.E4M3)
+        plgpu.commit_smem()
       schedule.arrive(1)  # Softmax done: the other may compute.
       with jax.named_scope("v_wait"):
         plgpu.barrier_wait(v_ready.at[slot])
       schedule.wait(1)  # The tensor cores are ours again.
       def pv(acc_refs):
         for acc_ref, (_, v_smem) in zip(acc_refs, v_views):
-          plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+          plgpu.wgmma(acc_ref, p16,
+                      v_smem.at[slot].T if fp8 else v_smem.at[slot])
       acc = pl.run_state(pv)(tuple(plgpu.ACC.init(a) for a in acc))
       plgpu.barrier_arrive(v_free.at[slot])
       return acc, m_new, l
@@ -420,12 +441,15 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
     with jax.named_scope("epilogue"):
       sink2 = (None if sinks_ref is None else
                sinks_ref[head].astype(jnp.float32) * softmax.LOG2E)
+      if fp8:
+        acc = tuple(a * (pv_scale / fp8_lib.E4M3_MAX) for a in acc)
       o, lse = softmax.finalize(acc, m, l, sink2=sink2)
-      for q_smem, part in zip(q_smems, o):
-        q_smem[...] = part.astype(dtype)
+      o_views = ([(fp8_buffers[0],) * 2] if fp8 else q_views)
+      for (copy, mma), part in zip(o_views, o):
+        mma.at[buffer, wg][...] = part.astype(dtype)
       lse_smem[...] = lse
       plgpu.commit_smem()
-      for (copy, _), cols in zip(q_views, part_columns):
+      for (copy, _), cols in zip(o_views, part_columns):
         plgpu.copy_smem_to_gmem(
             copy.at[buffer, wg],
             o_ref.at[batch, pl.ds(q_start, block_q), head, cols])
@@ -452,13 +476,15 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
       def _():
         plgpu.barrier_wait(k_free.at[slot])
         plgpu.barrier_wait(v_free.at[slot])
-      tile = (batch, pl.ds(j * block_kv, block_kv), kv_head)
+      keys = pl.ds(j * block_kv, block_kv)
+      tile = (batch, keys, kv_head)
       for (k_copy, _), (v_copy, _), cols in zip(k_views, v_views,
                                                 part_columns):
         plgpu.copy_gmem_to_smem(k_ref.at[(*tile, cols)], k_copy.at[slot],
                                 k_ready.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[(*tile, cols)], v_copy.at[slot],
-                                v_ready.at[slot])
+        v_tile = (v_ref.at[batch, kv_head, cols, keys] if fp8 else
+                  v_ref.at[(*tile, cols)])
+        plgpu.copy_gmem_to_smem(v_tile, v_copy.at[slot], v_ready.at[slot])
     return base + steps - first
 
   @pl.when(wg < COMPUTE_WGS)
@@ -475,8 +501,21 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
     await_last_releases(for_each_item(producer_item), stages, k_free, v_free)
 
 
+def fp8_operands(q, k, v, num_kv_heads: int):
+  """(q8, k8, vt8, scales) for the FP8 forward from float q [B, T, N, H],
+  k, v [B, S, K, H] whose values are e4m3 values times a scale per
+  (batch, KV head) (`jax_flash.spec.fp8.round_trip`): each array divided
+  by `fp8.scales` (the same scales again, so the division is exact) as
+  e4m3, V transposed to [B, K, H, S] and scales [B, K, 2] float32: Q's
+  times K's, and V's."""
+  sq, sk, sv = (fp8_lib.scales(x, num_kv_heads) for x in (q, k, v))
+  q8, k8, v8 = (fp8_lib.quantize(x, s_, num_kv_heads)
+                for x, s_ in ((q, sq), (k, sk), (v, sv)))
+  return q8, k8, v8.transpose(0, 2, 3, 1), jnp.stack([sq * sk, sv], axis=-1)
+
+
 def flash_forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
-                  block_sizes: BlockSizes):
+                  block_sizes: BlockSizes, fp8_scales=None):
   """Runs the forward kernel.
 
   q [B, T, N, H], k/v [B, S, K, H] (K divides N), bf16 or fp16, H up to
@@ -494,16 +533,24 @@ def flash_forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
   (`tiles.tma_rows`: no copy of tiles one swizzle atom wide, elsewhere one
   only where a length is not a multiple of 8), and the kernel masks keys
   past S.
+  With `fp8_scales` ([B, K, 2], `fp8_operands`), q and k are e4m3, v is
+  V transposed as e4m3 [B, K, H, S], H is 64, 128 or 256 and the output
+  bfloat16 (`_forward_kernel`).
   GPU only: the Pallas interpreter cannot run a wgmma whose left operand is
   in registers (P here); tests lower it for CUDA on the CPU instead.
   Returns (o [B, T, N, H], lse [B, N, T] float32, natural log).
   """
+  fp8 = fp8_scales is not None
   q_len, kv_len = q.shape[1], k.shape[1]
   blocks = block_sizes
-  layout = Columns.of(q.dtype, q.shape[3], blocks.block_kv)
+  layout = (Columns(((0, q.shape[3]),), (False, False)) if fp8 else
+            Columns.of(q.dtype, q.shape[3], blocks.block_kv))
   q, k = (pad_to(x, 1, tma_rows(n, layout.untiled[0]))
           for x, n in ((q, q_len), (k, kv_len)))
-  v = pad_to(v, 1, tma_rows(kv_len, layout.untiled[1]))
+  if fp8:  # The tiled copies of V^T's [H, block_kv] tiles: whole tiles.
+    v = pad_to(v, 3, round_up(kv_len, blocks.block_kv))
+  else:
+    v = pad_to(v, 1, tma_rows(kv_len, layout.untiled[1]))
   batch, _, num_heads, _ = q.shape
   group = num_heads // k.shape[2]
   rows = COMPUTE_WGS * blocks.block_q
@@ -529,8 +576,9 @@ def flash_forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
             operands.sinks, operands.dropout_seed, operands.q_offsets,
             *(pad_pairs(x, padded_len, kv_rows)
               for x in (operands.dense_mask, operands.bias)),
-            None if order is None else jnp.asarray(order))
+            None if order is None else jnp.asarray(order), fp8_scales)
   widths = [w for _, w in layout.parts]
+  out_dtype = jnp.dtype(jnp.bfloat16) if fp8 else q.dtype
   stages, q_buffers = blocks.num_stages, blocks.q_buffers(sum(widths))
   untiled = layout.untiled
   scratch = dict(
@@ -541,11 +589,22 @@ def flash_forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
           tuple(tile_buffer((stages, blocks.block_kv, w), k.dtype,
                             smem_transforms(k.dtype, w), untiled[0])
                 for w in widths),
-          tuple(tile_buffer((stages, blocks.block_kv, w), v.dtype,
-                            smem_transforms(v.dtype, w, blocks.block_kv),
-                            untiled[1])
+          tuple((plgpu.SMEM((stages, w, blocks.block_kv), v.dtype,
+                            transforms=smem_transforms(v.dtype,
+                                                       blocks.block_kv))
+                 if fp8 else
+                 tile_buffer((stages, blocks.block_kv, w), v.dtype,
+                             smem_transforms(v.dtype, w, blocks.block_kv),
+                             untiled[1]))
                 for w in widths),
           plgpu.SMEM((q_buffers, COMPUTE_WGS, blocks.block_q), jnp.float32),
+          # With fp8: O's staging (bf16) and each consumer's P (e4m3).
+          (plgpu.SMEM((q_buffers, COMPUTE_WGS, blocks.block_q, widths[0]),
+                      out_dtype, transforms=smem_transforms(out_dtype,
+                                                            widths[0])),
+           plgpu.SMEM((COMPUTE_WGS, blocks.block_q, blocks.block_kv),
+                      q.dtype, transforms=smem_transforms(
+                          q.dtype, blocks.block_kv))) if fp8 else None,
       ),
       # One arrival a column part's copy.
       ready=(plgpu.Barrier(num_arrivals=len(widths), num_barriers=stages),
@@ -563,11 +622,12 @@ def flash_forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
     _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref,
                     (buffers, ready, free, schedule), mask=mask,
                     scores=scores, blocks=blocks, group=group, kv_len=kv_len,
-                    num_tiles=num_tiles, programs=programs, layout=layout)
+                    num_tiles=num_tiles, programs=programs, layout=layout,
+                    fp8=fp8)
 
   o, lse = plgpu.kernel(
       body,
-      out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
+      out_type=(jax.ShapeDtypeStruct(q.shape, out_dtype),
                 jax.ShapeDtypeStruct((batch, num_heads, padded_len),
                                      jnp.float32)),
       scratch_types=scratch,
