@@ -51,7 +51,9 @@ def impls(m):
       return jax.nn.dot_product_attention(
           q, k, v, is_causal=m.causal, implementation=implementation)[..., :hv]
     return f
-  return {"flash": ours(None), "mosaic": ours("mosaic"),
+  fp8 = lambda q, k, v: jax_flash.flash_attention(
+      q, k, v, is_causal=m.causal, logits_soft_cap=m.soft_cap, fp8=True)
+  return {"flash": ours(None), "fp8": fp8, "mosaic": ours("mosaic"),
           "triton": ours("triton"), "cudnn": jax_nn("cudnn"),
           "xla": jax_nn("xla")}
 

@@ -1,6 +1,7 @@
 """FP8 (`fp8=True`) against our bf16 kernels and cuDNN's bf16: speed and error.
 
-    PYTHONPATH=. python benchmarks/fp8.py [--seq-len 8192] [--head-dims 128 256]
+    PYTHONPATH=. python benchmarks/fp8.py [--seq-len 8192] [--head-dims 128 256] \
+        [--parts speed error]
 
 For each head dim and causality, at `--seq-len` tokens (batch and heads
 from `--tokens` and `--hidden`, as `jax_flash.benchmark`): ms and TFLOP/s of
@@ -102,12 +103,14 @@ def main():
   parser.add_argument("--hidden", type=int, default=2048)
   parser.add_argument("--calls", type=int, default=10)
   parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--parts", nargs="+", default=["speed", "error"],
+                      choices=["speed", "error"])
   args = parser.parse_args()
-  for head_dim in args.head_dims:
+  for head_dim in args.head_dims if "speed" in args.parts else ():
     for causal in (True, False):
       speed(head_dim, causal, args.seq_len, args.tokens, args.hidden,
             args.calls, args.repeats)
-  for head_dim in args.head_dims:
+  for head_dim in args.head_dims if "error" in args.parts else ():
     for outliers in (False, True):
       error(head_dim, True, args.error_len, outliers)
 

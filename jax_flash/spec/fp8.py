@@ -75,10 +75,14 @@ def _straight_through_jvp(primals, tangents):
 
 def round_trip(x, num_kv_heads: int):
   """float32 `dequantize(quantize(x))` with per-(batch, KV head) scales,
-  differentiated as the identity (the gradient reaches x in its dtype)."""
+  differentiated as the identity (the gradient reaches x in its dtype).
+  The e4m3 values pass an optimization barrier: XLA on a GPU, allowed
+  excess precision, would otherwise drop the pair of conversions under
+  jit and leave x unrounded."""
   scale = jax.lax.stop_gradient(scales(x, num_kv_heads))
-  rounded = dequantize(quantize(jax.lax.stop_gradient(x), scale,
-                                num_kv_heads), scale, num_kv_heads)
+  x8 = jax.lax.optimization_barrier(
+      quantize(jax.lax.stop_gradient(x), scale, num_kv_heads))
+  rounded = dequantize(x8, scale, num_kv_heads)
   return _straight_through(x, rounded)
 
 
