@@ -114,7 +114,8 @@ def main():
                       choices=list(SHAPES))
   parser.add_argument("--impls", nargs="+",
                       default=["flash", "mosaic", "triton", "cudnn"],
-                      choices=["flash", "mosaic", "triton", "cudnn", "xla"])
+                      choices=["flash", "fp8", "mosaic", "triton", "cudnn",
+                               "xla"])
   parser.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"],
                       choices=["fwd", "bwd", "fwd+bwd"])
   parser.add_argument("--calls", type=int, default=10)
