@@ -1,7 +1,7 @@
 """FP8 (`fp8=True`) against our bf16 kernels and cuDNN's bf16: speed and error.
 
-    PYTHONPATH=. python benchmarks/fp8.py [--seq-len 8192] [--head-dims 128 256] \
-        [--parts speed error]
+    PYTHONPATH=. python benchmarks/fp8.py [--seq-len 8192] \
+        [--head-dims 128 256] [--parts speed error]
 
 For each head dim and causality, at `--seq-len` tokens (batch and heads
 from `--tokens` and `--hidden`, as `jax_flash.benchmark`): ms and TFLOP/s of

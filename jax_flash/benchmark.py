@@ -700,10 +700,12 @@ def markdown_models(rows) -> str:
                 if "ms" in group.get((i, mode), {})]
       ratios.append(f"{min(others) / ours:.2f}" if ours and others else "-")
     if nearest:
+      ours = {mode: group.get(("flash", mode), {}).get("tflops")
+              for mode in ("fwd", "fwd+bwd")}
       ratios.append(", ".join(
-          f"{mode} {group[('flash', mode)]['tflops'] / nearest[model, mode]:.2f}"
-          for mode in ("fwd", "fwd+bwd") if (model, mode) in nearest
-          and "tflops" in group.get(("flash", mode), {})) or "-")
+          f"{mode} {ours[mode] / nearest[model, mode]:.2f}"
+          for mode in ours if (model, mode) in nearest and ours[mode])
+                    or "-")
     lines.append(f"| {model} | {shape} | " + " | ".join(cells) + " | "
                  + " | ".join(ratios) + " |")
   return "\n".join(lines)

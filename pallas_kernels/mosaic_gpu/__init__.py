@@ -245,7 +245,8 @@ class MosaicGpuBackend:
                                            band_only=True)
       block_sizes = dataclasses.replace(block_sizes, block_kv=(
           config.FP8_BLOCK_KV.get(head_dim, block_sizes.block_kv)))
-    if fp8 and isinstance(block_sizes, BlockSizes) and block_sizes.block_kv % 64:
+    if (fp8 and isinstance(block_sizes, BlockSizes)
+        and block_sizes.block_kv % 64):
       raise ValueError(f"block_sizes.block_kv must be a multiple of 64 with "
                        f"fp8, got {block_sizes.block_kv}")
     # FP8 calls arrive as float32 (rounded values); their kernels' smem is
