@@ -8,11 +8,14 @@ from `--tokens` and `--hidden`, as `jax_flash.benchmark`): ms and TFLOP/s of
 jitted calls forward, backward and forward+backward for "bf16" (the
 default dispatch on bf16 inputs), "fp8" (the same with fp8=True: on an
 H100/H200 the Mosaic FP8 forward and the bf16 backward on the rounded
-values) and "cudnn" (jax.nn, bf16). Then, at `--error-len` tokens, the
-error (RMS over RMS) of fp8's output and gradients against float32
-attention on the unquantized inputs, beside that of exact attention on
-the inputs rounded to e4m3 (`jax_flash.spec.fp8.round_trip`) and of the
-bf16 call. One JSON line a row.
+values), "cudnn" (jax.nn, bf16) and, forward only, "cudnn_fp8" (cuDNN's
+FP8 attention through jax's private `fused_attention_stablehlo` API, the
+inputs rounded with one scale a tensor, its output e4m3 with V's scale).
+Then, at `--error-len` tokens, the error (RMS over RMS) of the FP8
+calls' outputs and gradients against float32 attention on the
+unquantized inputs, beside that of exact attention on the inputs rounded
+to e4m3 (`jax_flash.spec.fp8.round_trip`) and of the bf16 call. One JSON
+line a row; an implementation that refuses a call gets its error.
 """
 from __future__ import annotations
 
@@ -32,6 +35,32 @@ def _rel(a, b):
   return float(jnp.sqrt(jnp.mean((a - b) ** 2) / jnp.mean(b ** 2)))
 
 
+def cudnn_fp8(causal):
+  """cuDNN's FP8 forward as f(q, k, v) on bf16 inputs: each tensor
+  divided by max |x| / 448 and rounded to e4m3 (the scales given as its
+  descales), P scaled by 448 into e4m3, the e4m3 output scaled by V's
+  scale (attention's output is at most max |V|)."""
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+  def f(q, k, v):
+    scales = [jnp.max(jnp.abs(x.astype(jnp.float32))) / fp8.E4M3_MAX
+              for x in (q, k, v)]
+    q8, k8, v8 = ((x.astype(jnp.float32) / s).astype(fp8.E4M3)
+                  for x, s in zip((q, k, v), scales))
+    one = jnp.ones((1, 1, 1, 1), jnp.float32)
+    params = {name: one for name in cudnn.fp8_params_keys}
+    params.update(descale_q=one * scales[0], descale_k=one * scales[1],
+                  descale_v=one * scales[2], scale_s=one * fp8.E4M3_MAX,
+                  descale_s=one / fp8.E4M3_MAX, scale_o=one / scales[2],
+                  descale_o=one * scales[2])
+    out, _, _ = cudnn.dot_product_attention(
+        q8, k8, v8, fp8_params=params, scale=q.shape[-1] ** -0.5,
+        mask_type=(cudnn.MaskType.CAUSAL if causal else
+                   cudnn.MaskType.NO_MASK), use_fp8=True)
+    return (out.astype(jnp.float32) * scales[2]).astype(q.dtype)
+  return f
+
+
 def speed(head_dim, causal, seq_len, tokens, hidden, calls, repeats):
   heads = hidden // head_dim
   batch = max(1, tokens // seq_len)
@@ -47,9 +76,11 @@ def speed(head_dim, causal, seq_len, tokens, hidden, calls, repeats):
           q, k, v, is_causal=causal, fp8=True),
       "cudnn": lambda q, k, v: jax.nn.dot_product_attention(
           q, k, v, is_causal=causal, implementation="cudnn"),
+      "cudnn_fp8": cudnn_fp8(causal),
   }
   for name, fn in impls.items():
-    for mode in ("fwd", "bwd", "fwd+bwd"):
+    for mode in ("fwd",) if name == "cudnn_fp8" else ("fwd", "bwd",
+                                                       "fwd+bwd"):
       row = dict(kind="speed", impl=name, mode=mode, head_dim=head_dim,
                  causal=causal, seq_len=seq_len, batch=batch, heads=heads)
       row.update(benchmark._measure(fn, mode, q, k, v, do, flops, calls,
@@ -84,13 +115,18 @@ def error(head_dim, causal, seq_len, outliers):
         f(q, k, v).astype(jnp.float32) * do), argnums=(0, 1, 2)))(*args)
   want_o = jax.jit(exact)(*up)
   want_g = grads(exact, *up)
+  calls["cudnn_fp8"] = cudnn_fp8(causal)  # Forward only.
   for name, f in calls.items():
     args = up if name == "rounding_alone" else (q, k, v)
     row = dict(kind="error", impl=name, head_dim=head_dim, causal=causal,
-               seq_len=seq_len, outliers=outliers,
-               out=_rel(jax.jit(f)(*args), want_o))
-    row.update({f"d{n}": _rel(g, w) for n, g, w in zip(
-        "qkv", grads(f, *args), want_g)})
+               seq_len=seq_len, outliers=outliers)
+    try:
+      row["out"] = _rel(jax.jit(f)(*args), want_o)
+      if name != "cudnn_fp8":
+        row.update({f"d{n}": _rel(g, w) for n, g, w in zip(
+            "qkv", grads(f, *args), want_g)})
+    except Exception as e:  # cuDNN's FP8 off an H100/H200: say so.
+      row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     print(json.dumps(row), flush=True)
 
 

@@ -31,6 +31,8 @@
 #   bash scripts/gpu_check.sh dims      # head dims 96/192: Mosaic vs Triton and cuDNN, 8k
 #   bash scripts/gpu_check.sh ptxas     # the Mosaic kernels' register/spill report
 #   bash scripts/gpu_check.sh sass      # their PTX (instruction mix: sass_mix.py)
+#   bash scripts/gpu_check.sh fp8       # FP8: its tests, where an fp8 call's time goes (8k),
+#                                       # speed and error vs bf16 and cuDNN (bf16 and FP8)
 #   bash scripts/gpu_check.sh mosaic    # the Mosaic kernels: correctness sweep + 8k benchmark
 #                                       # (with tokamax if .whl/ is carried: scripts/tokamax_wheels.sh)
 # TESTS="tests/a.py::b ..." limits `tests` to those; BENCH_ARGS replaces
@@ -91,6 +93,19 @@ for mode in "$@"; do
       ;;
     models)
       bench models "${BENCH_LIMIT:-400}" --scenario models
+      ;;
+    fp8)
+      XLA_FLAGS=$TEST_XLA_FLAGS timeout 150 python3 -m pytest -q -n 8 \
+        -p no:cacheprovider tests/test_fp8.py > "$OUT/fp8_tests.log" 2>&1
+      tail -n 3 "$OUT/fp8_tests.log"
+      timeout 120 python3 benchmarks/call_profile.py --shapes llama3_8b \
+        --impls flash fp8 --modes fwd fwd+bwd --calls 5 \
+        --out "$OUT/fp8_profile" > /tmp/fp8_profile.log 2>&1 \
+        || tail -n 20 /tmp/fp8_profile.log
+      cut -c1-400 "$OUT/fp8_profile/call_profile.md"
+      timeout 300 python3 benchmarks/fp8.py > "$OUT/fp8.jsonl" \
+        2> /tmp/fp8.err || tail -n 20 /tmp/fp8.err
+      cut -c1-300 "$OUT/fp8.jsonl"
       ;;
     dispatch)
       timeout "${DISPATCH_LIMIT:-240}" python3 benchmarks/dispatch_overhead.py \
