@@ -32,7 +32,8 @@
 #   bash scripts/gpu_check.sh ptxas     # the Mosaic kernels' register/spill report
 #   bash scripts/gpu_check.sh sass      # their PTX (instruction mix: sass_mix.py)
 #   bash scripts/gpu_check.sh fp8       # FP8: its tests, where an fp8 call's time goes (8k),
-#                                       # speed and error vs bf16 and cuDNN (bf16 and FP8)
+#                                       # speed and error vs bf16 and cuDNN (bf16 and FP8),
+#                                       # train_lm with --fp8 on and off (~12 min)
 #   bash scripts/gpu_check.sh mosaic    # the Mosaic kernels: correctness sweep + 8k benchmark
 #                                       # (with tokamax if .whl/ is carried: scripts/tokamax_wheels.sh)
 # TESTS="tests/a.py::b ..." limits `tests` to those; BENCH_ARGS replaces
@@ -106,6 +107,16 @@ for mode in "$@"; do
       timeout 300 python3 benchmarks/fp8.py > "$OUT/fp8.jsonl" \
         2> /tmp/fp8.err || tail -n 20 /tmp/fp8.err
       cut -c1-300 "$OUT/fp8.jsonl"
+      # A short training run with and without FP8 (head dim 64, causal:
+      # the Mosaic FP8 forward), the same seed: eval losses side by side.
+      for mode in off on; do
+        timeout 200 python3 examples/train_lm.py --layers 4 --d-model 512 \
+          --heads 8 --kv-heads 8 --seq-len 1024 --batch 16 --steps 300 \
+          --lr 1e-3 --dtype bfloat16 --eval-batches 4 --sample-len 20 \
+          --fp8 $mode > "$OUT/train_fp8_$mode.log" 2>&1
+        echo "train --fp8 $mode: exit $?"
+        tr '\r' '\n' < "$OUT/train_fp8_$mode.log" | tail -n 4
+      done
       ;;
     dispatch)
       timeout "${DISPATCH_LIMIT:-240}" python3 benchmarks/dispatch_overhead.py \
