@@ -162,7 +162,8 @@ def _ring_of(cfg: Config, q, k, v, seq, size: int) -> ring._Ring:
 
 def _ring_forward(q, k, v, operands: Operands, seq, size, cfg: Config):
   return ring._ring_forward(q, k, v, operands.q_ids, operands.kv_ids,
-                            operands.sinks, _ring_of(cfg, q, k, v, seq, size))
+                            operands.sinks, _ring_of(cfg, q, k, v, seq, size),
+                            operands.dropout_seed)
 
 
 def _ring_backward(q, k, v, operands: Operands, o, lse, do, dlse, seq, size,
@@ -171,7 +172,8 @@ def _ring_backward(q, k, v, operands: Operands, o, lse, do, dlse, seq, size,
   queries, zeros for the ids)."""
   dq, dk, dv = ring._ring_backward(q, k, v, operands.q_ids, operands.kv_ids,
                                    o, lse, do, dlse,
-                                   _ring_of(cfg, q, k, v, seq, size))
+                                   _ring_of(cfg, q, k, v, seq, size),
+                                   operands.dropout_seed)
   d_operands = jax.tree.map(jnp.zeros_like, operands)
   if operands.sinks is not None:
     d_operands = dataclasses.replace(

@@ -661,7 +661,8 @@ def _split_with_operands(fn, in_factors, out_factors, refused, refit_why,
 # bits at the queries' positions, a dense mask's rows cut with the queries
 # and its tile kinds taken again from a chunk's rows (`_at_offsets`; a
 # flex block mask's kinds, which cover the whole call's grid, are refused:
-# `_refused`). ring: key ids travel with the keys, sinks join the merge.
+# `_refused`). ring: key ids travel with the keys, sinks join the merge,
+# dropout draws each pair's bits at its place (`ring._pair_seed`).
 _STRATEGY_OPERANDS = {
     "all_to_all": frozenset(("q_ids", "kv_ids", "alibi_slopes", "sinks",
                              "bias", "dense_mask", "tile_kinds",
@@ -669,7 +670,7 @@ _STRATEGY_OPERANDS = {
     "all_gather": frozenset(("q_ids", "kv_ids", "alibi_slopes", "sinks",
                              "bias", "dense_mask", "tile_kinds",
                              "dropout_seed")),
-    "ring": frozenset(("q_ids", "kv_ids", "sinks")),
+    "ring": frozenset(("q_ids", "kv_ids", "sinks", "dropout_seed")),
     "ring_all_to_all": frozenset(),
 }
 

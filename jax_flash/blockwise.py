@@ -209,8 +209,8 @@ def _dropped(p: _Problem, ops: Operands, x, q0, k0):
     batch, head = _batch_head(x)
   rows, cols, offset = _coords(p, ops, q0, k0)
   seed = ops.dropout_seed  # The bits of the queries' positions.
-  return dropout.dropped(x, seed[0], seed[1], p.scores.dropout_rate, batch,
-                         head, rows + offset, cols)
+  return dropout.dropped(x, seed, p.scores.dropout_rate, batch, head,
+                         rows + offset, cols)
 
 
 def _blocks(x, num: int, size: int, kh: int):

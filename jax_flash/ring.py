@@ -22,7 +22,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jax_flash import _dispatch
-from jax_flash.spec import checks, softmax
+from jax_flash.spec import checks, dropout, softmax
 from jax_flash.spec.mask import Mask
 from jax_flash.spec.operands import Operands
 from jax_flash.spec.scores import Scores
@@ -80,16 +80,26 @@ def _plan_of(ring: _Ring, mask: Mask):
   return ring.plan, ring.configs
 
 
-def _pair_forward(kind, q, k, v, ids, offsets, ring: _Ring):
+def _pair_operands(mask: Mask, ids, offsets, seed) -> Operands:
+  """A pair's operands: its ids, the query offsets of a windowed ring's
+  FULL pair, and dropout's seed at the pair's place (`_pair_seed`; the
+  kernels add the query offsets to its rows themselves)."""
+  q_offsets = offsets if mask.has_q_offsets else None
+  if seed is not None and q_offsets is not None:
+    seed = seed.at[2].add(-q_offsets[0])
+  return Operands(q_ids=ids[0], kv_ids=ids[1], q_offsets=q_offsets,
+                  dropout_seed=seed)
+
+
+def _pair_forward(kind, q, k, v, ids, offsets, seed, ring: _Ring):
   """(o, lse) of one (query chunk, key chunk) pair: full, causal or skipped
   (`offsets`: the queries' positions past the keys' first, for a windowed
-  ring's FULL pairs)."""
+  ring's FULL pairs; `seed`: dropout's, at the pair's rows and columns)."""
   def run(mask):
     plan, configs = _plan_of(ring, mask)
     return lambda q, k, v, ids: plan.forward.forward(
-        q, k, v, Operands(q_ids=ids[0], kv_ids=ids[1],
-                          q_offsets=offsets if mask.has_q_offsets else None),
-        mask=mask, scores=ring.scores, config=configs.forward)
+        q, k, v, _pair_operands(mask, ids, offsets, seed), mask=mask,
+        scores=ring.scores, config=configs.forward)
 
   def skip(q, k, v, ids):
     b, t, n, _ = q.shape
@@ -100,7 +110,7 @@ def _pair_forward(kind, q, k, v, ids, offsets, ring: _Ring):
   return lax.switch(kind, [run(full), run(causal), skip], q, k, v, ids)
 
 
-def _pair_backward(kind, q, k, v, ids, offsets, o, lse, do, dlse,
+def _pair_backward(kind, q, k, v, ids, offsets, seed, o, lse, do, dlse,
                    ring: _Ring):
   """Float32 (dq, dk, dv) of one pair, from the merged o and lse (and
   their cotangents do, dlse)."""
@@ -109,11 +119,8 @@ def _pair_backward(kind, q, k, v, ids, offsets, o, lse, do, dlse,
 
     def f(q, k, v, ids, o, lse, do, dlse):
       dq, dk, dv, _ = plan.backward.backward(
-          q, k, v, Operands(q_ids=ids[0], kv_ids=ids[1],
-                            q_offsets=offsets if mask.has_q_offsets
-                            else None),
-          o, lse, do, dlse, mask=mask, scores=ring.scores,
-          config=configs.backward)
+          q, k, v, _pair_operands(mask, ids, offsets, seed), o, lse, do,
+          dlse, mask=mask, scores=ring.scores, config=configs.backward)
       return tuple(x.astype(jnp.float32) for x in (dq, dk, dv))
     return f
 
@@ -155,6 +162,25 @@ def _pairs(ring: _Ring, step):
   # (Half 0 never sees key half 1: chunk 2P-1-s comes after chunk d.)
 
 
+def _pair_seed(seed, ring: _Ring, step, qh, kh, rows: int):
+  """Dropout's seed for this device's pair (query half qh, key half kh)
+  at `step`: offset to the pair's first row and column in the whole
+  sequence (chunk d of the queries, d - step of the keys; in the zigzag
+  layout halves 0 and 1 are chunks d and 2P-1-d of 2P), so its bits are
+  the unsharded call's. `rows`: a device's rows (both halves). None
+  without dropout."""
+  if seed is None:
+    return None
+  d = lax.axis_index(ring.axis)
+  s = lax.rem(d - step + ring.size, ring.size)
+  if qh is None:
+    return dropout.at_positions(seed, d * rows, s * rows)
+  half = rows // 2
+  chunk = lambda c, h: c if h == 0 else 2 * ring.size - 1 - c
+  return dropout.at_positions(seed, chunk(d, qh) * half,
+                              chunk(s, kh) * half)
+
+
 def _half(x, half):
   if half is None:
     return x
@@ -180,10 +206,11 @@ def _ids_half(q_ids, kv_ids, qh, kh):
   return _half(q_ids, qh), _half(kv_ids, kh)
 
 
-def _ring_forward(q, k, v, q_ids, kv_ids, sinks, ring: _Ring):
+def _ring_forward(q, k, v, q_ids, kv_ids, sinks, ring: _Ring, seed=None):
   """(out, lse) of this device's query chunk: the P steps in a loop (one
   step's buffers live at a time), each pair's partial merged into the
-  running (o, lse) of its query half by their logsumexps."""
+  running (o, lse) of its query half by their logsumexps. `seed`:
+  dropout's (int32 [4]), drawn at each pair's place in the sequence."""
   halves = [0, 1] if ring.zigzag else [None]
   b, _, n, _ = q.shape
   rows = q.shape[1] // len(halves)
@@ -194,7 +221,8 @@ def _ring_forward(q, k, v, q_ids, kv_ids, sinks, ring: _Ring):
     for qh, kh, kind in _pairs(ring, step):
       o, part_lse = _pair_forward(
           kind, _half(q, qh), _half(k, kh), _half(v, kh),
-          _ids_half(q_ids, kv_ids, qh, kh), _offsets(q, step), ring)
+          _ids_half(q_ids, kv_ids, qh, kh), _offsets(q, step),
+          _pair_seed(seed, ring, step, qh, kh, q.shape[1]), ring)
       o = o.transpose(0, 2, 1, 3).astype(jnp.float32)  # [B, N, T, H]
       acc[qh] = softmax.merge(jnp.stack([acc[qh][0], o]),
                               jnp.stack([acc[qh][1], part_lse]), axis=0)
@@ -234,7 +262,7 @@ def _ring_fwd(q, k, v, q_ids, kv_ids, sinks, ring):
 
 
 def _ring_backward(q, k, v, q_ids, kv_ids, out, lse, do, dlse,
-                   ring: _Ring):
+                   ring: _Ring, seed=None):
   """(dq, dk, dv) of this device's chunks: the pairs' gradients, dK/dV
   travelling with their keys (after P moves they are home again; a
   windowed ring's, after fewer, are sent home)."""
@@ -252,7 +280,8 @@ def _ring_backward(q, k, v, q_ids, kv_ids, out, lse, do, dlse,
     for qh, kh, kind in _pairs(ring, i):
       g_q, g_k, g_v = _pair_backward(
           kind, _half(q, qh), _half(k, kh), _half(v, kh),
-          _ids_half(q_ids, kv_ids, qh, kh), _offsets(q, i), _half(out, qh),
+          _ids_half(q_ids, kv_ids, qh, kh), _offsets(q, i),
+          _pair_seed(seed, ring, i, qh, kh, q.shape[1]), _half(out, qh),
           lse_half(lse, qh), _half(do, qh), lse_half(dlse, qh), ring)
       dq = _set_half(dq, qh, _half(dq, qh) + g_q)
       dk = _set_half(dk, kh, _half(dk, kh) + g_k)

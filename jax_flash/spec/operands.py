@@ -20,7 +20,8 @@ class Operands:
     means attend.
   bias: float [Bm, Nm, Tm, Sm], added to the logits; differentiable.
   alibi_slopes: float32 [B, N].
-  dropout_seed: int32 [2], the seed words of the dropout hash.
+  dropout_seed: int32 [4], the dropout hash's seed (`dropout.seed_words`:
+    two words, then offsets added to rows and columns).
   sinks: float32 [N], a sink logit per query head; differentiable.
   q_offsets: int32 [B], the position of each sequence's first query
     (`Mask.has_q_offsets`; decode and chunked prefill).

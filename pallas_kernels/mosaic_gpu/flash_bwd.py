@@ -115,7 +115,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
   absent: table_ref, the range table of the CTA's key rows (transposed,
   `range_table`); slopes_ref, ALiBi slopes [B, N]; q_ids_ref / kv_ids_ref,
   ids [B, T] / [B, S] padded past the kernel's tiles; seed_ref, dropout
-  seed words [2]; dense_ref, bias_ref: a dense mask and a bias, transposed
+  seed [4]; dense_ref, bias_ref: a dense mask and a bias, transposed
   (`pad_pairs`); dq_ref, with `blocks.fused_dq` (then `fused` holds its
   scratch, `_accumulate_dq`): float32 [B, T, N, H], zeros, to which the
   kernel adds dS K. With `whole_atoms`, K and V and their gradients are
@@ -357,7 +357,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
   masked, tiles past T or S read zeros and store nothing there. Each None when absent:
   table_ref, the range table of the CTA's query rows (`range_table`);
   slopes_ref, ALiBi slopes [B, N]; q_ids_ref / kv_ids_ref, ids [B, T] /
-  [B, S] padded past the kernel's tiles; seed_ref, dropout seed words [2];
+  [B, S] padded past the kernel's tiles; seed_ref, the dropout seed [4];
   dense_ref, bias_ref: a dense mask and a bias (`pad_pairs`). With
   `whole_atoms`, Q, dO and dQ are copied untiled (`tiles.tile_buffer`)."""
   wgs = dq_warpgroups(q_ref.shape[3])

@@ -229,8 +229,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
   (`tiles.Columns`); the last part may reach past H. extra_refs
   (each None when absent): the range table of block_q-row query tiles
   (`range_table`), ALiBi slopes [B, N], query and key ids [B, T], [B, S]
-  (padded past the kernel's tiles), sink logits [N], dropout seed words
-  [2], query offsets [B] (row i of sequence b sits at position
+  (padded past the kernel's tiles), sink logits [N], the dropout seed
+  [4], query offsets [B] (row i of sequence b sits at position
   i + q_offsets[b]; `mask.has_q_offsets`), a dense mask and a bias
   (`pad_pairs`; `mask.has_dense`, `scores.bias`), the persistent CTAs'
   items [rounds, programs] (`persistent_order`), and with `fp8` the

@@ -264,13 +264,13 @@ def needs_positions(mask: Mask, scores: Scores) -> bool:
 
 def dropped(x, scores: Scores, seed_ref, batch, head, rows, cols):
   """x * keep / (1 - rate) (`dropout.dropped`, the bits of every backend)
-  for query head `head`, or x without dropout; seed_ref: int32 [2] in
+  for query head `head`, or x without dropout; seed_ref: int32 [4] in
   global memory."""
   if not scores.dropout:
     return x
   if scores.dropout_broadcast:
     batch = head = jnp.int32(0)
-  return dropout.dropped(x, seed_ref[0], seed_ref[1], scores.dropout_rate,
+  return dropout.dropped(x, seed_ref, scores.dropout_rate,
                          batch, head, rows, cols)
 
 

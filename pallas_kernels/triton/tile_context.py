@@ -191,7 +191,7 @@ class TileContext:
     batch = self.batch
     if self.scores.dropout_broadcast:
       batch = head = 0
-    return dropout.dropped(x, seed[0], seed[1], self.scores.dropout_rate,
+    return dropout.dropped(x, seed, self.scores.dropout_rate,
                            jnp.asarray(batch, jnp.int32),
                            jnp.asarray(head, jnp.int32),
                            rows.astype(jnp.int32), cols.astype(jnp.int32))
