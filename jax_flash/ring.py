@@ -251,14 +251,14 @@ def _ring_forward(q, k, v, q_ids, kv_ids, sinks, ring: _Ring, seed=None):
   return jnp.concatenate(out, axis=1), jnp.concatenate(lse, axis=-1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _ring(q, k, v, q_ids, kv_ids, sinks, ring: _Ring):
-  return _ring_forward(q, k, v, q_ids, kv_ids, sinks, ring)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _ring(q, k, v, q_ids, kv_ids, sinks, seed, ring: _Ring):
+  return _ring_forward(q, k, v, q_ids, kv_ids, sinks, ring, seed)[0]
 
 
-def _ring_fwd(q, k, v, q_ids, kv_ids, sinks, ring):
-  out, lse = _ring_forward(q, k, v, q_ids, kv_ids, sinks, ring)
-  return out, (q, k, v, q_ids, kv_ids, sinks, out, lse)
+def _ring_fwd(q, k, v, q_ids, kv_ids, sinks, seed, ring):
+  out, lse = _ring_forward(q, k, v, q_ids, kv_ids, sinks, ring, seed)
+  return out, (q, k, v, q_ids, kv_ids, sinks, seed, out, lse)
 
 
 def _ring_backward(q, k, v, q_ids, kv_ids, out, lse, do, dlse,
@@ -301,17 +301,18 @@ def _ring_backward(q, k, v, q_ids, kv_ids, out, lse, do, dlse,
 
 
 def _ring_bwd(ring, residuals, do):
-  q, k, v, q_ids, kv_ids, sinks, out, lse = residuals
+  q, k, v, q_ids, kv_ids, sinks, seed, out, lse = residuals
   ids_cotangents = (None if q_ids is None else jnp.zeros_like(q_ids),
                     None if kv_ids is None else jnp.zeros_like(kv_ids))
   dq, dk, dv = _ring_backward(q, k, v, q_ids, kv_ids, out, lse, do,
-                              jnp.zeros_like(lse), ring)
+                              jnp.zeros_like(lse), ring, seed)
   dsinks = None
   if sinks is not None:  # The sink's gradient from this device's queries.
     delta = softmax.backward_delta(out, do.astype(q.dtype))
     dsinks = -jnp.sum(jnp.exp(sinks[None, :, None] - lse) * delta,
                       axis=(0, 2))
-  return dq, dk, dv, *ids_cotangents, dsinks
+  return (dq, dk, dv, *ids_cotangents, dsinks,
+          None if seed is None else jnp.zeros_like(seed))
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -327,6 +328,7 @@ def _zigzag_order(size):
 @checks.in_x64_scope
 def ring_attention(query, key, value, *, mesh, axis_name, is_causal=False,
                    segment_ids=None, scale=None, sinks=None,
+                   dropout_rate=0.0, dropout_rng=None,
                    implementation=None, block_sizes=None):
   """Self-attention with the sequence sharded over `axis_name` of `mesh`.
 
@@ -339,7 +341,9 @@ def ring_attention(query, key, value, *, mesh, axis_name, is_causal=False,
       sequence is reordered into it and back here).
     segment_ids: int [B, T] (packed documents: a query sees only keys with
       its id); the key ids travel around the ring with the keys.
-    scale, sinks, block_sizes: as in `flash_attention`.
+    scale, sinks, dropout_rate, dropout_rng, block_sizes: as in
+      `flash_attention` (dropout: the keep bits of the unsharded call,
+      each pair of chunks drawing those of its place).
     implementation: as in `flash_attention`: the backend each device runs on
       each pair of chunks ("xla": the reference, differentiated).
   Returns [B, T, N, H], sequence-sharded over `axis_name`; differentiable with
@@ -360,7 +364,10 @@ def ring_attention(query, key, value, *, mesh, axis_name, is_causal=False,
   pair = dataclasses.replace(p, q_len=local, kv_len=local)
   sinks = checks.check_sinks(sinks, p)
   # Sinks join the merge of the pairs' partials, not a pair's kernel.
-  scores = Scores(scale=checks.check_scale(scale, p.head_dim))
+  rate = checks.check_dropout(dropout_rate, dropout_rng)
+  seed = dropout.seed_words(dropout_rng) if rate > 0 else None
+  scores = Scores(scale=checks.check_scale(scale, p.head_dim),
+                  dropout_rate=rate)
   mask = Mask(is_causal=bool(is_causal), has_ids=segment_ids is not None,
               segments_only=segment_ids is not None)
   plan = _dispatch.select(implementation, query, pair, query.dtype,
@@ -389,9 +396,10 @@ def ring_attention(query, key, value, *, mesh, axis_name, is_causal=False,
   spec = P(None, axis_name)
   ids_spec = None if ids is None else spec
   out = jax.shard_map(
-      lambda q, k, v, ids, sinks: _ring(q, k, v, ids, ids, sinks, ring),
-      mesh=mesh, in_specs=(spec, spec, spec, ids_spec, P()), out_specs=spec,
-      check_vma=False)(query, key, value, ids, sinks)
+      lambda q, k, v, ids, sinks, seed: _ring(q, k, v, ids, ids, sinks, seed,
+                                              ring),
+      mesh=mesh, in_specs=(spec, spec, spec, ids_spec, P(), P()),
+      out_specs=spec, check_vma=False)(query, key, value, ids, sinks, seed)
   if is_causal:
     inverse = [zigzag.index(c) for c in range(chunks)]
     out = reorder(out, inverse)

@@ -12,7 +12,7 @@ from jax_flash.testing import assert_attention_close, relative_error  # noqa: E4
 
 
 def main(causal, num_kv_heads, devices, segments=False,
-         implementation="interpret", sinks=False):
+         implementation="interpret", sinks=False, dropout=False):
   mesh = jax.make_mesh((devices,), ("seq",),
                        axis_types=(jax.sharding.AxisType.Auto,),
                        devices=jax.devices()[:devices])
@@ -35,18 +35,20 @@ def main(causal, num_kv_heads, devices, segments=False,
   ids = None
   if segments:  # Packed documents of random lengths.
     ids = jnp.sort(jax.random.randint(keys[3], (b, t), 0, 5), axis=1)
+  drop = (dict(dropout_rate=0.25, dropout_rng=jax.random.key(7)) if dropout
+          else {})
   ring = lambda q, k, v, s: jax_flash.ring_attention(
       q, k, v, mesh=mesh, axis_name="seq", is_causal=causal, segment_ids=ids,
-      sinks=s, implementation=implementation)
+      sinks=s, implementation=implementation, **drop)
   ref = lambda q, k, v, s: jax_flash.reference_attention(
-      q, k, v, is_causal=causal, segment_ids=ids, sinks=s)
+      q, k, v, is_causal=causal, segment_ids=ids, sinks=s, **drop)
   (_, out), grads = loss(ring)(q, k, v, sink_values)
   (_, ref_out), ref_grads = loss(ref)(q, k, v, sink_values)
   errors = [relative_error(out, ref_out)] + [
       relative_error(a, r) for a, r in zip(grads, ref_grads)]
   print(f"causal={causal} kv_heads={num_kv_heads} devices={devices} "
         f"segments={segments} implementation={implementation} "
-        f"sinks={sinks} "
+        f"sinks={sinks} dropout={dropout} "
         f"errors={errors}")
   assert_attention_close({"out": out, "grads": grads},
                          {"out": ref_out, "grads": ref_grads})
@@ -55,4 +57,5 @@ def main(causal, num_kv_heads, devices, segments=False,
 if __name__ == "__main__":
   main(sys.argv[1] == "causal", int(sys.argv[2]), int(sys.argv[3]),
        sys.argv[4] == "segments", sys.argv[5],
-       len(sys.argv) > 6 and sys.argv[6] == "sinks")
+       len(sys.argv) > 6 and "sinks" in sys.argv[6],
+       len(sys.argv) > 6 and "dropout" in sys.argv[6])
