@@ -399,12 +399,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
         s = jnp.where(ok, s, -jnp.inf)
       p, m_new, l, acc = online_softmax(s, c, m, l, acc)
       # l sums the undropped p; only P V sees the dropout.
-      p16 = dropped(p, scores, seed_ref, batch, head, positions,
-                    cols).astype(dtype)
       if fp8:  # P * 448 as e4m3, the left operand from shared memory.
         p16 = fp8_buffers[1].at[wg]
         p16[...] = (p * fp8_lib.E4M3_MAX).astype(fp8_lib.E4M3)
         plgpu.commit_smem()
+      else:
+        p16 = dropped(p, scores, seed_ref, batch, head, positions,
+                      cols).astype(dtype)
       schedule.arrive(1)  # Softmax done: the other may compute.
       with jax.named_scope("v_wait"):
         plgpu.barrier_wait(v_ready.at[slot])
