@@ -611,18 +611,22 @@ def model_rows(shapes, impl_names, dtype, calls, repeats, log=None,
   sequence length, rows "cudnn_nearest" time it at `even_neighbours`."""
   rows = []
   for m in shapes:
+    case = _model_case(m, dtype, extra_impls)
     for name in impl_names:
       for mode in ("fwd", "fwd+bwd"):
-        row = _model_row(m, name, mode, dtype, calls, repeats, extra_impls)
+        row = _model_row(case, name, mode, calls, repeats)
         _record(rows, row, log)
         if name == "cudnn" and "sequence length" in row.get("error", ""):
           for near in even_neighbours(m):
-            row = _model_row(near, name, mode, dtype, calls, repeats, None)
+            row = _model_row(_model_case(near, dtype, None), name, mode,
+                             calls, repeats)
             _record(rows, dict(row, model=m.name, impl="cudnn_nearest"), log)
   return rows
 
 
-def _model_row(m, name, mode, dtype, calls, repeats, extra_impls):
+def _model_case(m, dtype, extra_impls):
+  """(row fields, inputs (q, k, v, dO), forward FLOPs, impls by name) of
+  one model shape."""
   hv = m.value_head_dim or m.head_dim
   keys = jax.random.split(jax.random.key(0), 4)
   q = jax.random.normal(keys[0], (m.batch, m.q_len, m.heads, m.head_dim),
@@ -655,12 +659,17 @@ def _model_row(m, name, mode, dtype, calls, repeats, extra_impls):
       "cudnn": jax_nn("cudnn"), "xla": jax_nn("xla"),
       **(extra_impls(m) if extra_impls else {}),
   }
-  row = dict(model=m.name, source=m.source, impl=name, mode=mode,
-             batch=m.batch, q_len=m.q_len, kv_len=m.kv_len,
-             heads=m.heads, kv_heads=m.kv_heads, head_dim=m.head_dim,
-             value_head_dim=hv, causal=m.causal, soft_cap=m.soft_cap,
-             dtype=jnp.dtype(dtype).name)
-  row.update(_measure(impls[name], mode, q, k, v, do, flops, calls, repeats))
+  fields = dict(model=m.name, source=m.source, batch=m.batch, q_len=m.q_len,
+                kv_len=m.kv_len, heads=m.heads, kv_heads=m.kv_heads,
+                head_dim=m.head_dim, value_head_dim=hv, causal=m.causal,
+                soft_cap=m.soft_cap, dtype=jnp.dtype(dtype).name)
+  return fields, (q, k, v, do), flops, impls
+
+
+def _model_row(case, name, mode, calls, repeats):
+  fields, inputs, flops, impls = case
+  row = dict(fields, impl=name, mode=mode)
+  row.update(_measure(impls[name], mode, *inputs, flops, calls, repeats))
   return row
 
 

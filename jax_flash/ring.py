@@ -82,12 +82,9 @@ def _plan_of(ring: _Ring, mask: Mask):
 
 def _pair_operands(mask: Mask, ids, offsets, seed) -> Operands:
   """A pair's operands: its ids, the query offsets of a windowed ring's
-  FULL pair, and dropout's seed at the pair's place (`_pair_seed`; the
-  kernels add the query offsets to its rows themselves)."""
-  q_offsets = offsets if mask.has_q_offsets else None
-  if seed is not None and q_offsets is not None:
-    seed = seed.at[2].add(-q_offsets[0])
-  return Operands(q_ids=ids[0], kv_ids=ids[1], q_offsets=q_offsets,
+  FULL pair, and dropout's seed at the pair's place (`_pair_seed`)."""
+  return Operands(q_ids=ids[0], kv_ids=ids[1],
+                  q_offsets=offsets if mask.has_q_offsets else None,
                   dropout_seed=seed)
 
 
@@ -167,14 +164,17 @@ def _pair_seed(seed, ring: _Ring, step, qh, kh, rows: int):
   at `step`: offset to the pair's first row and column in the whole
   sequence (chunk d of the queries, d - step of the keys; in the zigzag
   layout halves 0 and 1 are chunks d and 2P-1-d of 2P), so its bits are
-  the unsharded call's. `rows`: a device's rows (both halves). None
-  without dropout."""
+  the unsharded call's. With a window the rows' offset is the keys'
+  chunk's: its kernels count a pair's rows from there, adding the
+  queries' offsets themselves (`_offsets`). `rows`: a device's rows (both
+  halves). None without dropout."""
   if seed is None:
     return None
   d = lax.axis_index(ring.axis)
   s = lax.rem(d - step + ring.size, ring.size)
   if qh is None:
-    return dropout.at_positions(seed, d * rows, s * rows)
+    first_row = s if ring.window is not None else d
+    return dropout.at_positions(seed, first_row * rows, s * rows)
   half = rows // 2
   chunk = lambda c, h: c if h == 0 else 2 * ring.size - 1 - c
   return dropout.at_positions(seed, chunk(d, qh) * half,

@@ -240,25 +240,23 @@ class MosaicGpuBackend:
     del version  # Only 2 (see `unsupported`); the tiles take any.
     head_dim = config.kernel_head_dim(problem.head_dim, problem.value_head_dim)
     fp8 = scores is not None and bool(scores.fp8)
-    if fp8 and block_sizes is None:  # K/V tiles of the FP8 forward.
-      block_sizes = BlockSizes.get_default(head_dim, is_causal,
-                                           band_only=True)
-      block_sizes = dataclasses.replace(block_sizes, block_kv=(
-          config.FP8_BLOCK_KV.get(head_dim, block_sizes.block_kv)))
-    if (fp8 and isinstance(block_sizes, BlockSizes)
-        and block_sizes.block_kv % 64):
-      raise ValueError(f"block_sizes.block_kv must be a multiple of 64 with "
-                       f"fp8, got {block_sizes.block_kv}")
     # FP8 calls arrive as float32 (rounded values); their kernels' smem is
     # bounded by the bf16 kernels' (the forward's e4m3 Q, K, V and P and a
     # bf16 O against bf16 Q, K and V).
     itemsize = 2 if fp8 else jnp.dtype(dtype).itemsize
-    blocks = (block_sizes if isinstance(block_sizes, BlockSizes) else
+    own = isinstance(block_sizes, BlockSizes)
+    blocks = (block_sizes if own else
               BlockSizes.get_default(
                   problem.head_dim if problem.value_head_dim ==
                   problem.head_dim else head_dim, is_causal,
                   band_only=mask in (Mask(), Mask(is_causal=True)),
                   kv_len=problem.kv_len))
+    if fp8 and not own:  # The FP8 forward's K/V tiles.
+      blocks = dataclasses.replace(blocks, block_kv=config.FP8_BLOCK_KV.get(
+          head_dim, blocks.block_kv))
+    if fp8 and blocks.block_kv % 64:
+      raise ValueError(f"block_sizes.block_kv must be a multiple of 64 with "
+                       f"fp8, got {blocks.block_kv}")
     if blocks.fused_dq and head_dim not in config.FUSED_DQ_HEAD_DIMS:
       value = ("" if problem.value_head_dim == problem.head_dim else
                f" (value's {problem.value_head_dim})")
