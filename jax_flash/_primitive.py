@@ -195,12 +195,10 @@ def _partitioned(operands: Operands, cfg: Config) -> bool:
   reading the batch or head index).
 
   (On one device there is nothing to partition, and the plain call also
-  lowers ahead of time for a GPU that is not present.) Not the Mosaic FP8
-  forward: it divides the inputs by scales of their own values again,
-  exact only over the whole of each (batch, KV head), not a shard of it.
+  lowers ahead of time for a GPU that is not present.) The Mosaic FP8
+  forward quantizes a shard again exactly: `fp8_operands`.
   """
   return (jax.device_count() > 1
-          and not (cfg.scores.fp8 and cfg.plan.forward.name == "mosaic")
           and _sharding.splittable(operands, cfg.mask, cfg.scores))
 
 

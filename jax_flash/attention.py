@@ -57,10 +57,10 @@ def _as(result, out_dtype):
 
 def _fp8_inputs(query, key, value, fp8, descale, out_dtype):
   """(query, key, value, out_dtype) for an FP8 call: float8_e4m3fn inputs
-  dequantized with `descale`, or (`fp8`) inputs rounded to e4m3 with
-  per-(batch, KV head) scales, straight-through (`jax_flash.spec.fp8`),
-  as float32 for the blockwise path; out_dtype the result's (None for a
-  call without FP8)."""
+  dequantized with `descale` as float32, or (`fp8`) inputs rounded to
+  e4m3 with per-(batch, KV head) scales, straight-through, in
+  `fp8.rounded_dtype` (`jax_flash.spec.fp8`); out_dtype the result's
+  (None for a call without FP8)."""
   fp8_lib.check_fp8(fp8)
   e4m3 = {jnp.dtype(x.dtype) == fp8_lib.E4M3 for x in (query, key, value)}
   if e4m3 == {False}:
@@ -77,8 +77,8 @@ def _fp8_inputs(query, key, value, fp8, descale, out_dtype):
     if fp8 == "rotate":
       r = fp8_lib.rotation(query.shape[-1])
       query, key = (x.astype(jnp.float32) @ r for x in (query, key))
-    return (*(_batched(fp8_lib.round_trip, x, num_kv_heads)
-              for x in (query, key, value)), dtype)
+    return (*(_batched(fp8_lib.round_trip, x, num_kv_heads).astype(
+        fp8_lib.rounded_dtype(dtype)) for x in (query, key, value)), dtype)
   if e4m3 != {True}:
     raise ValueError(f"query, key and value must all be float8_e4m3fn or "
                      f"none of them, got {query.dtype}, {key.dtype}, "

@@ -250,9 +250,11 @@ def forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
       s2, _ = _logits2(p, ops, p.dot("bqkgh,bskh->bkgqs", qb, kb), q0, k0)
       m, alpha, prob, l = softmax.update(m, l, s2.reshape(rows, p.block_k))
       prob = _dropped(p, ops, prob.reshape(s2.shape), q0, k0)
-      if scores.fp8:
-        prob = fp8.quantize_p(prob)
-      pv = p.dot("bkgqs,bskh->bkgqh", prob.astype(v.dtype), vb)
+      if scores.fp8:  # e4m3 values of P * 448: exact in V's dtype.
+        pv = p.dot("bkgqs,bskh->bkgqh", fp8.quantize_p(prob).astype(v.dtype),
+                   vb) / fp8.E4M3_MAX
+      else:
+        pv = p.dot("bkgqs,bskh->bkgqh", prob.astype(v.dtype), vb)
       return acc * alpha[:, None] + pv.reshape(rows, hv), m, l
 
     carry = lax.fori_loop(lo[i], hi[i], body, softmax.init(rows, hv))

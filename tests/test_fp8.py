@@ -86,6 +86,30 @@ def test_rounding_survives_jit():
   assert jnp.array_equal(rounded, fp8.round_trip(x, 2))
 
 
+def test_scales_are_powers_of_two_that_requantize_any_part_exactly():
+  """Scales are the least powers of two at or above max |x| / 448; the
+  rounded bf16 values are exact (their float32 values), and a part of a
+  (batch, KV head) quantized again with its own scales gives the same
+  e4m3 values times a power of two (what the Mosaic FP8 forward does on
+  a shard)."""
+  x = random_inputs(2, 96, 96, 4, 2, 64, jnp.bfloat16)[0] * 3.7
+  s = fp8.scales(x, 2)
+  amax = jnp.max(jnp.abs(x.astype(jnp.float32)).reshape(2, 96, 2, 2, 64),
+                 axis=(1, 3, 4))
+  assert jnp.array_equal(jnp.exp2(jnp.round(jnp.log2(s))), s)
+  assert jnp.all((amax / s <= fp8.E4M3_MAX) & (amax / s > fp8.E4M3_MAX / 2))
+  exact_amax = jnp.full((1, 1), fp8.E4M3_MAX * 0.25)  # 448 / 4: scale 1/4.
+  assert fp8.scales(jnp.full((1, 2, 1, 2), exact_amax[0, 0]), 1) == 0.25
+  rounded = fp8.round_trip(x, 2)
+  assert rounded.dtype == jnp.bfloat16
+  rounded32 = fp8.round_trip(x.astype(jnp.float32), 2)
+  assert jnp.array_equal(rounded.astype(jnp.float32), rounded32)
+  part = rounded[:, 10:40]  # A shard along the sequence.
+  again = fp8.dequantize(fp8.quantize(part, fp8.scales(part, 2), 2),
+                         fp8.scales(part, 2), 2)
+  assert jnp.array_equal(again, part.astype(jnp.float32))
+
+
 def test_rotation_is_orthogonal():
   for h in (64, 80):
     r = fp8.rotation(h)

@@ -1,14 +1,20 @@
 """FP8 (e4m3) attention: the quantization every backend applies.
 
 Q, K and V are e4m3 values times a float32 scale per (batch, KV head):
-x = x8 * scale, x8 = round_e4m3(x / scale) with scale = max |x| / 448 over
-the (batch, KV head)'s rows (its query heads' for Q), as FlashAttention-3
-and cuDNN take per-tensor or per-head descales. The scores are formed from
-the e4m3 values (exact products, float32 sums). The probabilities P, in
-[0, 1] against their row's running maximum, multiply V as e4m3 too, scaled
-by 448 so that 1 is e4m3's largest value (`quantize_p`); the row sums take
-P before that rounding. Gradients treat each rounding as the identity
-(straight-through): they are exact attention's at the rounded inputs.
+x = x8 * scale, x8 = round_e4m3(x / scale) with scale the least power of
+two at or above max |x| / 448 over the (batch, KV head)'s rows (its query
+heads' for Q), as FlashAttention-3 and cuDNN take per-tensor or per-head
+descales. A power of two keeps e4m3's three mantissa bits (only the
+subnormal threshold moves, by at most one binade) and makes the rounded
+values exact in bfloat16 and exact to divide again: any power-of-two scale
+that keeps a block's rounded values within 448 gives back e4m3 values, so
+a kernel may quantize any part of a (batch, KV head) again without a
+second rounding. The scores are formed from the e4m3 values (exact
+products, float32 sums). The probabilities P, in [0, 1] against their
+row's running maximum, multiply V as e4m3 too, scaled by 448 so that 1 is
+e4m3's largest value (`quantize_p`); the row sums take P before that
+rounding. Gradients treat each rounding as the identity (straight-through):
+they are exact attention's at the rounded inputs.
 
 Incoherent processing (`rotation`): Q and K multiplied by one orthogonal
 matrix along the head dim before they are rounded. Q K^T is unchanged; an
@@ -40,12 +46,16 @@ def _grouped(x, num_kv_heads: int):
 
 
 def scales(x, num_kv_heads: int):
-  """float32 [B, K]: max |x| over each (batch, KV head)'s rows and heads,
-  over E4M3_MAX (1 where x is all zeros); values that are not finite (a
-  masked position's NaN) do not count. x [B, L, N, H]."""
+  """float32 [B, K]: the least power of two at or above max |x| / E4M3_MAX
+  over each (batch, KV head)'s rows and heads (1 where x is all zeros);
+  values that are not finite (a masked position's NaN) do not count.
+  x [B, L, N, H]."""
   a = jnp.abs(_grouped(x, num_kv_heads).astype(jnp.float32))
   amax = jnp.max(jnp.where(jnp.isfinite(a), a, 0.0), axis=(1, 3, 4))
-  return jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+  # amax / 448 = m * 2^e, m in [0.5, 1): 2^e, or 2^(e - 1) where m is 0.5.
+  m, e = jnp.frexp(amax / E4M3_MAX)
+  scale = jnp.ldexp(jnp.float32(1), jnp.where(m == 0.5, e - 1, e))
+  return jnp.where(amax > 0, scale, 1.0)
 
 
 def quantize(x, scale, num_kv_heads: int):
@@ -73,16 +83,24 @@ def _straight_through_jvp(primals, tangents):
   return rounded, dx.astype(rounded.dtype)
 
 
+def rounded_dtype(dtype):
+  """The dtype `round_trip` gives for inputs of `dtype`: bfloat16 holds
+  every rounded value exactly (a power-of-two scale, bfloat16's exponent
+  range); float16 may not (its range), so float32 there."""
+  return jnp.dtype(jnp.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 else
+                   jnp.float32)
+
+
 def round_trip(x, num_kv_heads: int):
-  """float32 `dequantize(quantize(x))` with per-(batch, KV head) scales,
-  differentiated as the identity (the gradient reaches x in its dtype).
-  The e4m3 values pass an optimization barrier: XLA on a GPU, allowed
-  excess precision, would otherwise drop the pair of conversions under
-  jit and leave x unrounded."""
+  """`dequantize(quantize(x))` with per-(batch, KV head) scales, in
+  `rounded_dtype(x.dtype)` (exact), differentiated as the identity (the
+  gradient reaches x in its dtype). The e4m3 values pass an optimization
+  barrier: XLA on a GPU, allowed excess precision, would otherwise drop
+  the pair of conversions under jit and leave x unrounded."""
   scale = jax.lax.stop_gradient(scales(x, num_kv_heads))
   x8 = jax.lax.optimization_barrier(
       quantize(jax.lax.stop_gradient(x), scale, num_kv_heads))
-  rounded = dequantize(x8, scale, num_kv_heads)
+  rounded = dequantize(x8, scale, num_kv_heads).astype(rounded_dtype(x.dtype))
   return _straight_through(x, rounded)
 
 
@@ -103,9 +121,9 @@ def _no_gradient_jvp(primals, tangents):
 
 
 def quantize_p(p):
-  """P (float32, in [0, 1]) rounded as e4m3 values of P * 448, returned as
-  float32 P again: what P V multiplies."""
-  return (p * E4M3_MAX).astype(E4M3).astype(jnp.float32) / E4M3_MAX
+  """P (float32, in [0, 1]) as the e4m3 values of P * 448, in float32
+  (exact in bfloat16 too): P V is their product with V, over 448."""
+  return (p * E4M3_MAX).astype(E4M3).astype(jnp.float32)
 
 
 def rotation(head_dim: int):

@@ -240,7 +240,7 @@ class MosaicGpuBackend:
     del version  # Only 2 (see `unsupported`); the tiles take any.
     head_dim = config.kernel_head_dim(problem.head_dim, problem.value_head_dim)
     fp8 = scores is not None and bool(scores.fp8)
-    # FP8 calls arrive as float32 (rounded values); their kernels' smem is
+    # FP8 calls arrive as rounded values (bf16 or float32); their kernels' smem is
     # bounded by the bf16 kernels' (the forward's e4m3 Q, K, V and P and a
     # bf16 O against bf16 Q, K and V).
     itemsize = 2 if fp8 else jnp.dtype(dtype).itemsize
@@ -336,9 +336,9 @@ class MosaicGpuBackend:
                mask: Mask, scores: Scores, config: BlockSizes):
     """(dq, dk, dv, Operands()): no operand's gradient (the dispatch takes
     a bias's from a backend that gives it; no arrays a score_mod closes
-    over, see `unsupported`). FP8 calls (float32 values on e4m3's grid
-    times a scale) run the bf16 kernels on those values, P unrounded, as
-    the blockwise backward takes it."""
+    over, see `unsupported`). FP8 calls (values on e4m3's grid times a
+    power-of-two scale, exact in bf16) run the bf16 kernels on those
+    values, P unrounded, as the blockwise backward takes it."""
     if scores.fp8:
       dtype = q.dtype
       q, k, v, o, do = (x.astype(jnp.bfloat16) for x in (q, k, v, o, do))

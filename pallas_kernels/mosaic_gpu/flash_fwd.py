@@ -504,11 +504,12 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
 
 def fp8_operands(q, k, v, num_kv_heads: int):
   """(q8, k8, vt8, scales) for the FP8 forward from float q [B, T, N, H],
-  k, v [B, S, K, H] whose values are e4m3 values times a scale per
-  (batch, KV head) (`jax_flash.spec.fp8.round_trip`): each array divided
-  by `fp8.scales` (the same scales again, so the division is exact) as
-  e4m3, V transposed to [B, K, H, S] and scales [B, K, 2] float32: Q's
-  times K's, and V's."""
+  k, v [B, S, K, H] whose values are e4m3 values times a power-of-two
+  scale per (batch, KV head) (`jax_flash.spec.fp8.round_trip`): each
+  array divided by `fp8.scales` of its own values (a power of two that
+  keeps them within 448, so the division gives e4m3 values exactly, on
+  any shard of a (batch, KV head) too) as e4m3, V transposed to
+  [B, K, H, S] and scales [B, K, 2] float32: Q's times K's, and V's."""
   sq, sk, sv = (fp8_lib.scales(x, num_kv_heads) for x in (q, k, v))
   q8, k8, v8 = (fp8_lib.quantize(x, s_, num_kv_heads)
                 for x, s_ in ((q, sq), (k, sk), (v, sv)))
