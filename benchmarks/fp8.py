@@ -1,7 +1,7 @@
 """FP8 (`fp8=True`) against our bf16 kernels and cuDNN's bf16: speed and error.
 
     PYTHONPATH=. python benchmarks/fp8.py [--seq-len 8192] \
-        [--head-dims 128 256] [--parts speed error]
+        [--head-dims 128 256] [--parts speed error tiles]
 
 For each head dim and causality, at `--seq-len` tokens (batch and heads
 from `--tokens` and `--hidden`, as `jax_flash.benchmark`): ms and TFLOP/s of
@@ -20,6 +20,7 @@ line a row; an implementation that refuses a call gets its error.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import jax
@@ -88,6 +89,63 @@ def speed(head_dim, causal, seq_len, tokens, hidden, calls, repeats):
       print(json.dumps(row), flush=True)
 
 
+def tiles(head_dim, causal, seq_len, tokens, hidden, calls, repeats,
+          block_kvs, stages):
+  """The FP8 forward's K/V tile rows and pipeline stages: ms of the fp8=True
+  call's forward (the same XLA passes around each) and of the Mosaic FP8
+  kernel alone on e4m3 inputs (`flash_fwd.flash_forward`), beside the bf16
+  kernel alone at its default tiles."""
+  from jax_flash.spec.mask import Mask
+  from jax_flash.spec.operands import Operands
+  from jax_flash.spec.scores import Scores
+  from pallas_kernels.mosaic_gpu import config, flash_fwd
+  heads = hidden // head_dim
+  batch = max(1, tokens // seq_len)
+  keys = jax.random.split(jax.random.key(head_dim), 4)
+  q, k, v, do = (jax.random.normal(kk, (batch, seq_len, heads, head_dim),
+                                   jnp.bfloat16) for kk in keys)
+  flops = 4 * batch * heads * seq_len * seq_len * head_dim / (2 if causal
+                                                                else 1)
+  mask, scale = Mask(is_causal=causal), head_dim ** -0.5
+  default = config.BlockSizes.get_default(head_dim, causal, kv_len=seq_len)
+  q8, k8, vt8, scales = flash_fwd.fp8_operands(q, k, v, heads)
+
+  def kernel(blocks, fp8_on):
+    def f(q, k, v):
+      if fp8_on:
+        return flash_fwd.flash_forward(
+            q8, k8, vt8, Operands(), mask=mask,
+            scores=Scores(scale=scale, fp8="amax"), block_sizes=blocks,
+            fp8_scales=scales)[0]
+      return flash_fwd.flash_forward(q, k, v, Operands(), mask=mask,
+                                     scores=Scores(scale=scale),
+                                     block_sizes=blocks)[0]
+    return f
+
+  rows = [("bf16_kernel", None, default, kernel(default, False))]
+  for block_kv in block_kvs:
+    for num_stages in stages:
+      try:
+        blocks = dataclasses.replace(default, block_kv=block_kv,
+                                     num_stages=num_stages)
+      except ValueError as e:
+        print(json.dumps(dict(kind="tiles", head_dim=head_dim, error=str(e))))
+        continue
+      rows.append(("fp8_kernel", (block_kv, num_stages), blocks,
+                   kernel(blocks, True)))
+      rows.append(("fp8_call", (block_kv, num_stages), blocks,
+                   lambda q, k, v, b=blocks: jax_flash.flash_attention(
+                       q, k, v, is_causal=causal, fp8=True, block_sizes=b,
+                       implementation="mosaic")))
+  for name, tile, _, fn in rows:
+    row = dict(kind="tiles", impl=name, head_dim=head_dim, causal=causal,
+               seq_len=seq_len, batch=batch, heads=heads,
+               block_kv=tile and tile[0], num_stages=tile and tile[1])
+    row.update(benchmark._measure(fn, "fwd", q, k, v, do, flops, calls,
+                                  repeats))
+    print(json.dumps(row), flush=True)
+
+
 def error(head_dim, causal, seq_len, outliers):
   """Errors against float32 on the unquantized inputs; `outliers`: two
   feature columns of Q and K 20x the rest."""
@@ -140,8 +198,15 @@ def main():
   parser.add_argument("--calls", type=int, default=10)
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--parts", nargs="+", default=["speed", "error"],
-                      choices=["speed", "error"])
+                      choices=["speed", "error", "tiles"])
+  parser.add_argument("--block-kvs", type=int, nargs="+",
+                      default=[64, 128, 192, 256])
+  parser.add_argument("--stages", type=int, nargs="+", default=[2, 3])
   args = parser.parse_args()
+  for head_dim in args.head_dims if "tiles" in args.parts else ():
+    for causal in (True, False):
+      tiles(head_dim, causal, args.seq_len, args.tokens, args.hidden,
+            args.calls, args.repeats, args.block_kvs, args.stages)
   for head_dim in args.head_dims if "speed" in args.parts else ():
     for causal in (True, False):
       speed(head_dim, causal, args.seq_len, args.tokens, args.hidden,

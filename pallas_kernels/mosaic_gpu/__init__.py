@@ -240,9 +240,8 @@ class MosaicGpuBackend:
     del version  # Only 2 (see `unsupported`); the tiles take any.
     head_dim = config.kernel_head_dim(problem.head_dim, problem.value_head_dim)
     fp8 = scores is not None and bool(scores.fp8)
-    # FP8 calls arrive as rounded values (bf16 or float32); their kernels' smem is
-    # bounded by the bf16 kernels' (the forward's e4m3 Q, K, V and P and a
-    # bf16 O against bf16 Q, K and V).
+    # FP8 calls arrive as rounded values (bf16 or float32): their forward
+    # reads e4m3 tiles, their backward is the bf16 kernels'.
     itemsize = 2 if fp8 else jnp.dtype(dtype).itemsize
     own = isinstance(block_sizes, BlockSizes)
     blocks = (block_sizes if own else
@@ -263,7 +262,8 @@ class MosaicGpuBackend:
       raise ValueError(f"block_sizes.fused_dq=True needs a head_dim in "
                        f"{config.FUSED_DQ_HEAD_DIMS}, got "
                        f"{problem.head_dim}{value}")
-    smem = blocks.smem_bytes(head_dim, itemsize)
+    smem = (blocks.smem_bytes(head_dim, 1, fp8=True) if fp8 else
+            blocks.smem_bytes(head_dim, itemsize))
     if smem > config.SMEM_BYTES:
       raise ValueError(f"block_sizes {blocks} need {smem} bytes of shared "
                        f"memory at head_dim {head_dim}, more than "

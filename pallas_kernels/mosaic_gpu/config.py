@@ -212,17 +212,23 @@ class BlockSizes:
     head dim 256's shared memory only without it)."""
     return self.block_kv % 64 == 0
 
-  def smem_bytes(self, head_dim: int, itemsize: int) -> int:
+  def smem_bytes(self, head_dim: int, itemsize: int,
+                 fp8: bool = False) -> int:
     """Shared memory of the forward: Q tiles, the K/V ring, the row stats,
     each allocation aligned to 1 KiB, Mosaic's 2 KiB reduction scratch
-    (`reduction_scratch`) and the barriers (1 KiB). An upper bound: (128,
-    3) at head dim 128, 232568 bytes on the H200, is 233472 here; 80-row
-    K/V tiles at head dim 256, 230488 (lowered for the H200), 231424."""
+    (`reduction_scratch`) and the barriers (1 KiB); with `fp8` (e4m3 Q, K
+    and V: itemsize 1) also O's bf16 staging and each consumer's e4m3 P.
+    An upper bound: (128, 3) at head dim 128, 232568 bytes on the H200, is
+    233472 here; 80-row K/V tiles at head dim 256, 230488 (lowered for
+    the H200), 231424."""
     buffers = self.q_buffers(head_dim)
     q = aligned(buffers * 2 * self.block_q * head_dim * itemsize)
     kv = 2 * aligned(self.num_stages * self.block_kv * head_dim * itemsize)
     scratch = 2048 if self.reduction_scratch() else 0
-    return q + kv + aligned(buffers * 2 * self.block_q * 4) + scratch + 1024
+    staging = (aligned(buffers * 2 * self.block_q * head_dim * 2) +
+               aligned(2 * self.block_q * self.block_kv) if fp8 else 0)
+    return (q + kv + staging + aligned(buffers * 2 * self.block_q * 4) +
+            scratch + 1024)
 
   def backward_smem_bytes(self, head_dim: int, itemsize: int) -> int:
     """Shared memory of the larger backward kernel: dK/dV (its K/V tiles, a
