@@ -122,8 +122,11 @@ def _no_gradient_jvp(primals, tangents):
 
 def quantize_p(p):
   """P (float32, in [0, 1]) as the e4m3 values of P * 448, in float32
-  (exact in bfloat16 too): P V is their product with V, over 448."""
-  return (p * E4M3_MAX).astype(E4M3).astype(jnp.float32)
+  (exact in bfloat16 too): P V is their product with V, over 448. Through
+  an optimization barrier, as in `round_trip` (XLA on a GPU would drop the
+  pair of conversions)."""
+  return jax.lax.optimization_barrier(
+      (p * E4M3_MAX).astype(E4M3)).astype(jnp.float32)
 
 
 def rotation(head_dim: int):

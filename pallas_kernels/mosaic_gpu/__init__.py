@@ -251,8 +251,14 @@ class MosaicGpuBackend:
                   band_only=mask in (Mask(), Mask(is_causal=True)),
                   kv_len=problem.kv_len))
     if fp8 and not own:  # The FP8 forward's K/V tiles.
-      blocks = dataclasses.replace(blocks, block_kv=config.FP8_BLOCK_KV.get(
-          head_dim, blocks.block_kv))
+      rows = config.FP8_BLOCK_KV.get(head_dim)
+      if rows is not None:  # 256 rows fit beside one Q buffer, not two.
+        want = rows[0 if is_causal else 1]
+        tiles = [dataclasses.replace(blocks, block_kv=want),
+                 dataclasses.replace(blocks, block_kv=want, persistent=False),
+                 dataclasses.replace(blocks, block_kv=rows[0])]
+        blocks = next((t for t in tiles if t.smem_bytes(
+            head_dim, 1, fp8=True) <= config.SMEM_BYTES), tiles[-1])
     if fp8 and blocks.block_kv % 64:
       raise ValueError(f"block_sizes.block_kv must be a multiple of 64 with "
                        f"fp8, got {blocks.block_kv}")

@@ -11,9 +11,10 @@ from jax_flash.spec.padding import round_up
 
 DTYPES = ("bfloat16", "float16")
 # Head dims of the FP8 forward (`fp8=True`: e4m3 wgmma), and its K/V tiles'
-# rows at each (a multiple of 64: V^T's rows of keys take the 64- or
-# 128-byte swizzle P's e4m3 tiles need).
-FP8_BLOCK_KV = {64: 128, 128: 128, 256: 64}
+# rows at each, (causal, not): a multiple of 64 (V^T's rows of keys take
+# the 64- or 128-byte swizzle P's e4m3 tiles need), measured on the H200
+# at 8k tokens (benchmarks/NOTES.md, "FP8 tiles").
+FP8_BLOCK_KV = {64: (128, 128), 128: (128, 256), 256: (64, 64)}
 # Head dims a call may have (of query/key and of value): up to wgmma's
 # N <= 256. The kernels run at `kernel_head_dim`: a multiple of 16 (bf16
 # rows of 32 bytes, the narrowest swizzle TMA and wgmma take), at least 32.
