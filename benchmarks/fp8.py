@@ -62,7 +62,9 @@ def cudnn_fp8(causal):
   return f
 
 
-def speed(head_dim, causal, seq_len, tokens, hidden, calls, repeats):
+def _inputs(head_dim, causal, seq_len, tokens, hidden):
+  """bf16 q, k, v, dO [B, L, N, H] (batch and heads from `tokens` and
+  `hidden`) and the forward's FLOPs."""
   heads = hidden // head_dim
   batch = max(1, tokens // seq_len)
   keys = jax.random.split(jax.random.key(head_dim), 4)
@@ -70,6 +72,12 @@ def speed(head_dim, causal, seq_len, tokens, hidden, calls, repeats):
                                    jnp.bfloat16) for kk in keys)
   flops = 4 * batch * heads * seq_len * seq_len * head_dim / (2 if causal
                                                                 else 1)
+  return q, k, v, do, flops
+
+
+def speed(head_dim, causal, seq_len, tokens, hidden, calls, repeats):
+  q, k, v, do, flops = _inputs(head_dim, causal, seq_len, tokens, hidden)
+  batch, heads = q.shape[0], q.shape[2]
   impls = {
       "bf16": lambda q, k, v: jax_flash.flash_attention(
           q, k, v, is_causal=causal),
@@ -99,13 +107,8 @@ def tiles(head_dim, causal, seq_len, tokens, hidden, calls, repeats,
   from jax_flash.spec.operands import Operands
   from jax_flash.spec.scores import Scores
   from pallas_kernels.mosaic_gpu import config, flash_fwd
-  heads = hidden // head_dim
-  batch = max(1, tokens // seq_len)
-  keys = jax.random.split(jax.random.key(head_dim), 4)
-  q, k, v, do = (jax.random.normal(kk, (batch, seq_len, heads, head_dim),
-                                   jnp.bfloat16) for kk in keys)
-  flops = 4 * batch * heads * seq_len * seq_len * head_dim / (2 if causal
-                                                                else 1)
+  q, k, v, do, flops = _inputs(head_dim, causal, seq_len, tokens, hidden)
+  batch, heads = q.shape[0], q.shape[2]
   mask, scale = Mask(is_causal=causal), head_dim ** -0.5
   default = config.BlockSizes.get_default(head_dim, causal, kv_len=seq_len)
   q8, k8, vt8, scales = flash_fwd.fp8_operands(q, k, v, heads)
