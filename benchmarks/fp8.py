@@ -8,7 +8,8 @@ from `--tokens` and `--hidden`, as `jax_flash.benchmark`): ms and TFLOP/s of
 jitted calls forward, backward and forward+backward for "bf16" (the
 default dispatch on bf16 inputs), "fp8" (the same with fp8=True: on an
 H100/H200 the Mosaic FP8 forward and the bf16 backward on the rounded
-values), "cudnn" (jax.nn, bf16) and, forward only, "cudnn_fp8" (cuDNN's
+values), "fp8_e4m3" (forward only: float8 inputs quantized beforehand,
+with descale), "cudnn" (jax.nn, bf16) and, forward only, "cudnn_fp8" (cuDNN's
 FP8 attention through jax's private `fused_attention_stablehlo` API, the
 inputs rounded with one scale a tensor, its output e4m3 with V's scale).
 Then, at `--error-len` tokens, the error (RMS over RMS) of the FP8
@@ -29,6 +30,7 @@ import jax.numpy as jnp
 import jax_flash
 from jax_flash import benchmark
 from jax_flash.spec import fp8
+from jax_flash.spec.operands import Operands
 
 
 def _rel(a, b):
@@ -87,12 +89,18 @@ def speed(head_dim, causal, seq_len, tokens, hidden, calls, repeats):
           q, k, v, is_causal=causal, implementation="cudnn"),
       "cudnn_fp8": cudnn_fp8(causal),
   }
+  # Inputs the caller quantized (forward only): float8 with descale.
+  descale = tuple(fp8.scales(x, heads) for x in (q, k, v))
+  e4m3 = [fp8.quantize(x, s, heads) for x, s in zip((q, k, v), descale)]
+  impls["fp8_e4m3"] = lambda q, k, v: jax_flash.flash_attention(
+      q, k, v, is_causal=causal, descale=descale)
   for name, fn in impls.items():
-    for mode in ("fwd",) if name == "cudnn_fp8" else ("fwd", "bwd",
-                                                       "fwd+bwd"):
+    forward_only = name in ("cudnn_fp8", "fp8_e4m3")
+    args = e4m3 if name == "fp8_e4m3" else (q, k, v)
+    for mode in ("fwd",) if forward_only else ("fwd", "bwd", "fwd+bwd"):
       row = dict(kind="speed", impl=name, mode=mode, head_dim=head_dim,
                  causal=causal, seq_len=seq_len, batch=batch, heads=heads)
-      row.update(benchmark._measure(fn, mode, q, k, v, do, flops, calls,
+      row.update(benchmark._measure(fn, mode, *args, do, flops, calls,
                                     repeats))
       print(json.dumps(row), flush=True)
 
@@ -104,14 +112,13 @@ def tiles(head_dim, causal, seq_len, tokens, hidden, calls, repeats,
   kernel alone on e4m3 inputs (`flash_fwd.flash_forward`), beside the bf16
   kernel alone at its default tiles."""
   from jax_flash.spec.mask import Mask
-  from jax_flash.spec.operands import Operands
   from jax_flash.spec.scores import Scores
   from pallas_kernels.mosaic_gpu import config, flash_fwd
   q, k, v, do, flops = _inputs(head_dim, causal, seq_len, tokens, hidden)
   batch, heads = q.shape[0], q.shape[2]
   mask, scale = Mask(is_causal=causal), head_dim ** -0.5
   default = config.BlockSizes.get_default(head_dim, causal, kv_len=seq_len)
-  q8, k8, vt8, scales = flash_fwd.fp8_operands(q, k, v, heads)
+  q8, k8, vt8, scales = flash_fwd.fp8_operands(q, k, v, Operands())
 
   def kernel(blocks, fp8_on):
     def f(q, k, v):

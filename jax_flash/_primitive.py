@@ -353,7 +353,8 @@ def _flash_jvp(prim, primals, tangents, *, cfg, tree):
 # Operands without a batch axis: a vmapped one cannot fold into the batch.
 _UNFOLDABLE = ("dropout_seed", "sinks", "mask_consts", "score_consts")
 # Operands whose axis 0 is the batch (B), or broadcasts over it (1 or B).
-_BATCH_AXIS = ("q_ids", "kv_ids", "alibi_slopes", "q_offsets")
+_BATCH_AXIS = ("q_ids", "kv_ids", "alibi_slopes", "q_offsets", "fp8_q",
+               "fp8_k", "fp8_v", "fp8_scales")
 _BROADCAST_BATCH_AXIS = ("bias", "dense_mask", "tile_kinds")
 
 

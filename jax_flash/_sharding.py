@@ -498,7 +498,9 @@ _OPERAND_DIMS = {
     "q_ids": ("b", "t"), "kv_ids": ("b", "s"),
     "dense_mask": ("b", "n", "t", "s"), "bias": ("b", "n", "t", "s"),
     "alibi_slopes": ("b", "n"), "sinks": ("n",), "q_offsets": ("b",),
-    "tile_kinds": ("b", None, None), "dropout_seed": (None,)}
+    "tile_kinds": ("b", None, None), "dropout_seed": (None,),
+    "fp8_q": ("b", "t", "n", None), "fp8_k": ("b", "s", "k", None),
+    "fp8_v": ("b", "s", "k", None), "fp8_scales": ("b", "k", None)}
 _SPLIT = ("b", "n", "k", "t", "s")  # The factors a call with operands splits.
 
 
@@ -521,7 +523,8 @@ def operand_factors(operands: Operands, q, k) -> tuple[str, ...]:
   long as q's or k's (b, n, t, s), else (a dim of 1 that broadcasts, a
   table's block count) a factor of its own, "u<leaf>_<dim>", never
   split."""
-  sizes = dict(b=q.shape[0], t=q.shape[1], n=q.shape[2], s=k.shape[1])
+  sizes = dict(b=q.shape[0], t=q.shape[1], n=q.shape[2], s=k.shape[1],
+               k=k.shape[2])
   factors = []
   for field in dataclasses.fields(Operands):
     x = getattr(operands, field.name)
@@ -662,14 +665,17 @@ def _split_with_operands(fn, in_factors, out_factors, refused, refit_why,
 # and its tile kinds taken again from a chunk's rows (`_at_offsets`; a
 # flex block mask's kinds, which cover the whole call's grid, are refused:
 # `_refused`). ring: key ids travel with the keys, sinks join the merge,
-# dropout draws each pair's bits at its place (`ring._pair_seed`).
+# dropout draws each pair's bits at its place (`ring._pair_seed`). FP8's
+# e4m3 arrays and scales (`_FP8`) move as q, k, v and the per-head arrays
+# do in all_to_all and all_gather; a ring's pairs would not get them.
+_FP8 = ("fp8_q", "fp8_k", "fp8_v", "fp8_scales")
 _STRATEGY_OPERANDS = {
     "all_to_all": frozenset(("q_ids", "kv_ids", "alibi_slopes", "sinks",
                              "bias", "dense_mask", "tile_kinds",
-                             "dropout_seed")),
+                             "dropout_seed") + _FP8),
     "all_gather": frozenset(("q_ids", "kv_ids", "alibi_slopes", "sinks",
                              "bias", "dense_mask", "tile_kinds",
-                             "dropout_seed")),
+                             "dropout_seed") + _FP8),
     "ring": frozenset(("q_ids", "kv_ids", "sinks", "dropout_seed")),
     "ring_all_to_all": frozenset(),
 }

@@ -2,6 +2,8 @@
 the attention primitive, `_primitive`)."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -56,11 +58,13 @@ def _as(result, out_dtype):
 
 
 def _fp8_inputs(query, key, value, fp8, descale, out_dtype):
-  """(query, key, value, out_dtype) for an FP8 call: float8_e4m3fn inputs
-  dequantized with `descale` as float32, or (`fp8`) inputs rounded to
-  e4m3 with per-(batch, KV head) scales, straight-through, in
-  `fp8.rounded_dtype` (`jax_flash.spec.fp8`); out_dtype the result's
-  (None for a call without FP8)."""
+  """(query, key, value, out_dtype, fp8 operands) for an FP8 call:
+  float8_e4m3fn inputs dequantized with `descale` as float32, or (`fp8`)
+  inputs rounded to e4m3 with per-(batch, KV head) scales,
+  straight-through, in `fp8.rounded_dtype` (`jax_flash.spec.fp8`);
+  out_dtype the result's (None for a call without FP8); the operands the
+  e4m3 values and their scales (`Operands.fp8_q`, ...: batched), made
+  once for the kernels that read them."""
   fp8_lib.check_fp8(fp8)
   e4m3 = {jnp.dtype(x.dtype) == fp8_lib.E4M3 for x in (query, key, value)}
   if e4m3 == {False}:
@@ -68,7 +72,7 @@ def _fp8_inputs(query, key, value, fp8, descale, out_dtype):
       raise ValueError("descale and out_dtype are for float8_e4m3fn query, "
                        "key and value; with other inputs use fp8=True")
     if fp8 is False:
-      return query, key, value, None
+      return query, key, value, None, {}
     checks.check_qkv(query, key, value)
     if jnp.dtype(query.dtype).itemsize > 4:
       raise ValueError(f"fp8 takes float32, bfloat16 or float16 inputs, got "
@@ -77,8 +81,13 @@ def _fp8_inputs(query, key, value, fp8, descale, out_dtype):
     if fp8 == "rotate":
       r = fp8_lib.rotation(query.shape[-1])
       query, key = (x.astype(jnp.float32) @ r for x in (query, key))
-    return (*(_batched(fp8_lib.round_trip, x, num_kv_heads).astype(
-        fp8_lib.rounded_dtype(dtype)) for x in (query, key, value)), dtype)
+    parts = [fp8_lib.rounded(_batch(x), num_kv_heads)
+             for x in (query, key, value)]
+    values = [_unbatch(v.astype(fp8_lib.rounded_dtype(dtype)), query.ndim)
+              for v, _, _ in parts]
+    e4m3_values = [x8 for _, x8, _ in parts]
+    scales = [s for _, _, s in parts]
+    return (*values, dtype, _fp8_operands(*e4m3_values, scales))
   if e4m3 != {True}:
     raise ValueError(f"query, key and value must all be float8_e4m3fn or "
                      f"none of them, got {query.dtype}, {key.dtype}, "
@@ -91,17 +100,28 @@ def _fp8_inputs(query, key, value, fp8, descale, out_dtype):
                      "float8_e4m3fn inputs are quantized already")
   p = checks.check_qkv(query, key, value)
   scales = fp8_lib.check_descale(descale, p.batch, p.num_kv_heads)
-  query, key, value = (
-      _batched(fp8_lib.dequantize, fp8_lib.no_gradient(x), scale,
-               p.num_kv_heads) for x, scale in zip((query, key, value), scales))
-  return query, key, value, jnp.dtype(out_dtype or jnp.bfloat16)
+  e4m3_values = [_batch(fp8_lib.no_gradient(x)) for x in (query, key, value)]
+  values = [_unbatch(fp8_lib.dequantize(x8, scale, p.num_kv_heads),
+                     query.ndim) for x8, scale in zip(e4m3_values, scales)]
+  return (*values, jnp.dtype(out_dtype or jnp.bfloat16),
+          _fp8_operands(*e4m3_values, scales))
 
 
-def _batched(fn, x, *args):
-  """fn(x [B, L, N, H], *args), for x [L, N, H] too."""
-  if x.ndim == 3:
-    return fn(x[None], *args)[0]
-  return fn(x, *args)
+def _fp8_operands(q8, k8, v8, scales) -> dict:
+  """`Operands`' FP8 fields: e4m3 [B, L, N, H] arrays and the three
+  [B, K] scales as one float32 [B, K, 3]."""
+  return dict(fp8_q=q8, fp8_k=k8, fp8_v=v8,
+              fp8_scales=jnp.stack(scales, axis=-1).astype(jnp.float32))
+
+
+def _batch(x):
+  """x [B, L, N, H], or [L, N, H] as [1, L, N, H]."""
+  return x[None] if x.ndim == 3 else x
+
+
+def _unbatch(x, ndim: int):
+  """The inverse of `_batch` for inputs of `ndim` dims."""
+  return x[0] if ndim == 3 else x
 
 
 @checks.in_x64_scope
@@ -230,8 +250,8 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
   Gradients with respect to query, key and value are deterministic (no
   atomics). Errors in the arguments are raised at trace time as ValueError.
   """
-  query, key, value, out_dtype = _fp8_inputs(query, key, value, fp8,
-                                             descale, out_dtype)
+  query, key, value, out_dtype, fp8_operands = _fp8_inputs(
+      query, key, value, fp8, descale, out_dtype)
   query, scale = checks.fold_traced_scale(query, scale)
   args = dict(bias=bias, mask=mask, scale=scale, is_causal=is_causal,
               query_seq_lengths=query_seq_lengths,
@@ -243,6 +263,8 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
   fp8_kind = ("descale" if descale is not None else
               "amax" if fp8 is not False else False)
   spec = prepare(query, key, value, fp8=fp8_kind, **args)
+  spec = dataclasses.replace(spec, operands=dataclasses.replace(
+      spec.operands, **fp8_operands))
   p = spec.problem
   _dispatch.check_options(block_sizes, version)
   _sharding.check_strategy(context_parallel)

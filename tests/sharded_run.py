@@ -219,6 +219,7 @@ def context_parallel():
                                           hlo)]
       reach = options["local_window_size"][0]
       assert max(trips) == (reach - 1) // (t // 4) + 2, trips
+  _fp8_context_parallel(mesh, seq, bound)
   q = jax.device_put(jnp.ones((b, 96, n, h)), seq)
   kv = jax.device_put(jnp.ones((b, 96, 1, h)), seq)
   refused = [  # (strategy, options, why)
@@ -237,6 +238,46 @@ def context_parallel():
     else:
       raise AssertionError(f"{strategy} ran {options}")
   print("context_parallel: every case matches one device")
+
+
+def _fp8_context_parallel(mesh, seq, bound):
+  """fp8=True sequence-sharded: its e4m3 operands (`Operands.fp8_q`, ...)
+  split with the queries and keys (all_gather, all_to_all; on the CPU the
+  blockwise path does not read them, and XLA drops their collectives),
+  and the result is one device's; a ring, whose pairs would not get
+  them, is refused by name."""
+  b, n, kv_heads, h = 2, 8, 4, 32
+  q, k, v, do = random_inputs(b, 96, 96, n, kv_heads, h, jnp.float32, seed=7)
+  for strategy, options in (("all_gather", dict(is_causal=True)),
+                            ("all_to_all", {})):
+    def loss(q, k, v):
+      out = jax_flash.flash_attention(q, k, v, context_parallel=strategy,
+                                      fp8=True, **options)
+      return jnp.sum(out * do), out
+
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+    (_, out), grads = grad(q, k, v)
+    args = [jax.device_put(x, seq) for x in (q, k, v)]
+    hlo = grad.lower(*args).compile().as_text()
+    (_, out_s), grads_s = grad(*args)
+    errors = [relative_error(out_s, out)] + [
+        relative_error(x, y) for x, y in zip(grads_s, grads)]
+    print(f"fp8 context_parallel={strategy} {options}: errors={errors}")
+    assert errors[0] <= bound.out and max(errors[1:]) <= bound.grad, errors
+    if strategy == "all_gather":
+      assert f"f32[1,96,{kv_heads},{h}]" in "".join(
+          line for line in hlo.splitlines() if " all-gather(" in line)
+    else:
+      assert "all-gather(" not in hlo and hlo.count("all-to-all(") > 0
+  try:
+    jax.jit(lambda q, k, v: jax_flash.flash_attention(
+        q, k, v, fp8=True, is_causal=True, context_parallel="ring")).lower(
+            *(jax.device_put(x, seq) for x in (q, k, v))).compile()
+  except Exception as e:
+    assert "ring runs no ['fp8_k', 'fp8_q', 'fp8_scales', 'fp8_v']" in str(
+        e), str(e)
+  else:
+    raise AssertionError("ring ran an fp8 call")
 
 
 def operands():

@@ -238,3 +238,35 @@ def test_mosaic_fp8_forward_is_as_close_as_the_rounding(shape, causal,
   blockwise = jax_flash.flash_attention(q, k, v, is_causal=causal, fp8=True,
                                         implementation="xla")
   assert _rel(out, blockwise) <= floor
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, causal", [
+    ((2, 1000, 1003, 8, 2, 128), True), ((1, 512, 777, 4, 4, 256), False)])
+def test_mosaic_fp8_forward_reads_float8_inputs_as_they_are(shape, causal):
+  """float8 inputs with the caller's descales (not powers of two) on the
+  Mosaic FP8 forward (H200): the output of the same e4m3 values on the
+  blockwise path, within the blockwise path's own difference from the
+  Mosaic forward on fp8=True (P rounded against another running maximum),
+  and that of float32 attention on the dequantized values to FP8's
+  error."""
+  if "H200" not in jax.devices()[0].device_kind:
+    pytest.skip("not an H200")
+  q, k, v, _ = random_inputs(*shape, jnp.bfloat16)
+  num_kv_heads = shape[4]
+  descale = tuple(fp8.scales(x, num_kv_heads) * 0.77 for x in (q, k, v))
+  e4m3 = [fp8.quantize(x, s, num_kv_heads) for x, s in zip((q, k, v),
+                                                           descale)]
+  ours = lambda implementation: jax.jit(
+      lambda q, k, v: jax_flash.flash_attention(
+          q, k, v, is_causal=causal, descale=descale,
+          implementation=implementation))
+  hlo = ours("mosaic").lower(*e4m3).as_text()
+  assert "flash_attention_forward_mosaic" in hlo
+  out, blockwise = ours("mosaic")(*e4m3), ours("xla")(*e4m3)
+  exact = jax_flash.reference_attention(
+      *(fp8.dequantize(x, s, num_kv_heads) for x, s in zip(e4m3, descale)),
+      is_causal=causal)
+  assert _rel(out, exact) < 0.05  # P's e4m3 rounding and bf16 output.
+  assert _rel(out, blockwise) < 0.05
+

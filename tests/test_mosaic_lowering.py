@@ -1122,14 +1122,36 @@ def test_fp8_calls_the_forward_lacks_say_why(shape, kwargs, match):
   assert MOSAIC_CALL not in text and "flash_attention_forward" not in text
 
 
-def test_fp8_descale_inputs_stay_on_the_blockwise_path():
-  """float8 inputs with the caller's scales: requantizing them with other
-  scales would round them again, so the Mosaic forward declines."""
+def test_fp8_descale_inputs_run_the_mosaic_forward_as_they_are():
+  """float8 inputs with the caller's scales: the Mosaic FP8 forward reads
+  the e4m3 arrays themselves (no rounding or max of their own: no
+  reduction and no conversion to e4m3 outside the kernel)."""
   q8 = jax.ShapeDtypeStruct((2, 256, 8, 128), jnp.float8_e4m3fn)
   kv8 = jax.ShapeDtypeStruct((2, 520, 2, 128), jnp.float8_e4m3fn)
   with jax.sharding.use_abstract_mesh(
       mesh_lib.AbstractMesh((1,), ("x",), abstract_device=H200)):
-    with pytest.raises(ValueError, match="float8 inputs with descale run"):
-      jax.jit(lambda q, k, v: jax_flash.flash_attention(
-          q, k, v, descale=(1.0, 1.0, 1.0), implementation="mosaic")).trace(
-              q8, kv8, kv8).lower(lowering_platforms=("cuda",))
+    for implementation in ("mosaic", None):
+      text = jax.jit(lambda q, k, v: jax_flash.flash_attention(
+          q, k, v, descale=(0.5, 0.25, 1.0), is_causal=True,
+          implementation=implementation)).trace(q8, kv8, kv8).lower(
+              lowering_platforms=("cuda",)).as_text()
+      assert "flash_attention_forward_mosaic" in text
+      assert "stablehlo.reduce" not in text
+      assert "-> tensor<2x256x8x128xf8E4M3FN>" not in text
+
+
+def test_fp8_true_quantizes_each_input_once():
+  """fp8=True's forward: one max and one conversion to e4m3 a tensor,
+  outside the kernel (the kernel reads the e4m3 values the rounding
+  made, not a second quantization of the rounded values)."""
+  q = jax.ShapeDtypeStruct((2, 256, 8, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 520, 2, 128), jnp.bfloat16)
+  with jax.sharding.use_abstract_mesh(
+      mesh_lib.AbstractMesh((1,), ("x",), abstract_device=H200)):
+    text = jax.jit(lambda q, k, v: jax_flash.flash_attention(
+        q, k, v, is_causal=True, fp8=True)).trace(q, kv, kv).lower(
+            lowering_platforms=("cuda",)).as_text()
+  assert "flash_attention_forward_mosaic" in text
+  assert text.count("stablehlo.reduce") == 3
+  assert len(re.findall(r"stablehlo.convert.*-> tensor<[0-9x]*xf8E4M3FN>",
+                        text)) == 3

@@ -91,17 +91,23 @@ def rounded_dtype(dtype):
                    jnp.float32)
 
 
-def round_trip(x, num_kv_heads: int):
-  """`dequantize(quantize(x))` with per-(batch, KV head) scales, in
-  `rounded_dtype(x.dtype)` (exact), differentiated as the identity (the
-  gradient reaches x in its dtype). The e4m3 values pass an optimization
-  barrier: XLA on a GPU, allowed excess precision, would otherwise drop
-  the pair of conversions under jit and leave x unrounded."""
+def rounded(x, num_kv_heads: int):
+  """(`dequantize(quantize(x))` with per-(batch, KV head) scales, in
+  `rounded_dtype(x.dtype)` (exact) and differentiated as the identity (the
+  gradient reaches x in its dtype); the e4m3 values; their scales [B, K]).
+  The e4m3 values pass an optimization barrier: XLA on a GPU, allowed
+  excess precision, would otherwise drop the pair of conversions under
+  jit and leave x unrounded."""
   scale = jax.lax.stop_gradient(scales(x, num_kv_heads))
   x8 = jax.lax.optimization_barrier(
       quantize(jax.lax.stop_gradient(x), scale, num_kv_heads))
-  rounded = dequantize(x8, scale, num_kv_heads).astype(rounded_dtype(x.dtype))
-  return _straight_through(x, rounded)
+  values = dequantize(x8, scale, num_kv_heads).astype(rounded_dtype(x.dtype))
+  return _straight_through(x, values), x8, scale
+
+
+def round_trip(x, num_kv_heads: int):
+  """The first of `rounded`: x rounded to e4m3 and back, straight-through."""
+  return rounded(x, num_kv_heads)[0]
 
 
 @jax.custom_jvp

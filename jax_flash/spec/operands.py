@@ -29,6 +29,12 @@ class Operands:
     block, key block) pairs of `Mask.mod_tiles`, combined over heads: a
     mask_mod's (`Mask.mod`; flex attention) or a dense mask's
     (`mask.dense_tile_kinds`). Kernels get the tile ranges made of it.
+  fp8_q, fp8_k, fp8_v, fp8_scales: an FP8 call's e4m3 values of query,
+    key and value ([B, T, N, H], [B, S, K, H], [B, S, K, Hv]) and their
+    float32 scales [B, K, 3] (x = x8 * scale, per batch and KV head; the
+    library's, `jax_flash.spec.fp8`, or the caller's descales), made once
+    for kernels that read e4m3; q, k and v carry the same values in a
+    float dtype for the others and the backward.
   mask_consts, score_consts: tuples of the arrays a mask_mod / score_mod
     closes over (`mods.ElementwiseMod`); the score_mod's are
     differentiable. The Triton kernels read a mask_mod's element by
@@ -44,6 +50,10 @@ class Operands:
   sinks: jax.Array | None = None
   q_offsets: jax.Array | None = None
   tile_kinds: jax.Array | None = None
+  fp8_q: jax.Array | None = None
+  fp8_k: jax.Array | None = None
+  fp8_v: jax.Array | None = None
+  fp8_scales: jax.Array | None = None
   mask_consts: tuple | None = None
   score_consts: tuple | None = None
 

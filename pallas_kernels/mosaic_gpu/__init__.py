@@ -24,9 +24,11 @@ every tile, a row or column vector where it broadcasts; the dispatch takes
 the bias gradient from the Triton backend's dbias kernel, and the whole
 backward from the Triton kernels for a bias per (query, key) pair:
 `backward_unsupported`). With `fp8=True` (inputs rounded to e4m3 with
-per-(batch, KV head) scales, `jax_flash.spec.fp8`), causal or no mask,
-head dims `config.FP8_BLOCK_KV`: the forward in e4m3 (`flash_fwd`'s
-`fp8_operands`), the backward the bf16 kernels' on the rounded values.
+per-(batch, KV head) scales, `jax_flash.spec.fp8`) or float8 inputs with
+`descale`, causal or no mask, head dims `config.FP8_BLOCK_KV`: the
+forward in e4m3 on the call's e4m3 values (`flash_fwd`'s
+`fp8_operands`), the backward (fp8=True) the bf16 kernels' on the
+rounded values.
 Everything it takes has run on an H200 (tests/test_gpu.py,
 test_flex.py, test_decode.py, test_fp8.py).
 """
@@ -120,8 +122,6 @@ def split_kv_unsupported(problem: Problem, *, paged: bool) -> str | None:
 def _fp8_unsupported(problem: Problem, mask: Mask, scores: Scores,
                      decode) -> str | None:
   """What the FP8 forward lacks for the call (None: it takes it)."""
-  if scores.fp8 != "amax":
-    return "fp8=True (float8 inputs with descale run on the blockwise path)"
   if decode:
     return "no decode"
   if (problem.head_dim not in config.FP8_BLOCK_KV
@@ -285,7 +285,11 @@ class MosaicGpuBackend:
               scores: Scores, config: BlockSizes, version: int = 2):
     del version  # Only 2 (see `unsupported`).
     if scores.fp8:
-      q8, k8, vt8, scales = fp8_operands(q, k, v, k.shape[2])
+      if scores.fp8 == "descale" and operands.fp8_q is None:
+        raise ValueError("the Mosaic FP8 forward reads float8 inputs as they "
+                         "are (Operands.fp8_q, ...), which this part of the "
+                         "call lacks")
+      q8, k8, vt8, scales = fp8_operands(q, k, v, operands)
       o, lse = flash_forward(q8, k8, vt8, operands, mask=mask, scores=scores,
                              block_sizes=config, fp8_scales=scales)
       return o.astype(q.dtype), lse
