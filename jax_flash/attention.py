@@ -107,6 +107,22 @@ def _fp8_inputs(query, key, value, fp8, descale, out_dtype):
           _fp8_operands(*e4m3_values, scales))
 
 
+def _fold_scale(query, scale, descale):
+  """(query, scale, descale) with a traced scale folded in
+  (`checks.fold_traced_scale`) before any FP8 rounding, so that the e4m3
+  values a kernel reads are those of the scaled query: float8 inputs take
+  it into the query's descale instead."""
+  if (descale is not None and isinstance(descale, (tuple, list))
+      and len(descale) == 3 and jnp.dtype(query.dtype) == fp8_lib.E4M3):
+    factor, folded = checks.fold_traced_scale(jnp.ones((), jnp.float32),
+                                              scale)
+    if folded is scale:  # Static (or None): nothing to fold.
+      return query, scale, descale
+    return query, folded, (descale[0] * factor, *descale[1:])
+  query, scale = checks.fold_traced_scale(query, scale)
+  return query, scale, descale
+
+
 def _fp8_operands(q8, k8, v8, scales) -> dict:
   """`Operands`' FP8 fields: e4m3 [B, L, N, H] arrays and the three
   [B, K] scales as one float32 [B, K, 3]."""
@@ -250,9 +266,9 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
   Gradients with respect to query, key and value are deterministic (no
   atomics). Errors in the arguments are raised at trace time as ValueError.
   """
+  query, scale, descale = _fold_scale(query, scale, descale)
   query, key, value, out_dtype, fp8_operands = _fp8_inputs(
       query, key, value, fp8, descale, out_dtype)
-  query, scale = checks.fold_traced_scale(query, scale)
   args = dict(bias=bias, mask=mask, scale=scale, is_causal=is_causal,
               query_seq_lengths=query_seq_lengths,
               key_value_seq_lengths=key_value_seq_lengths,

@@ -142,6 +142,47 @@ def test_float8_inputs_with_descale_match_fp8_true():
   assert one.shape == (100, 4, 32) and bool(jnp.isfinite(one).all())
 
 
+def _depends_on(jaxpr, var, source) -> bool:
+  """Whether `var` is computed from `source` in `jaxpr` (an equation's
+  outputs taken to depend on all of its inputs)."""
+  producers = {out: e for e in jaxpr.eqns for out in e.outvars}
+  stack, seen = [var], set()
+  while stack:
+    x = stack.pop()
+    if x is source:
+      return True
+    if id(x) in seen or x not in producers:
+      continue
+    seen.add(id(x))
+    stack.extend(v for v in producers[x].invars if not hasattr(v, "val"))
+  return False
+
+
+def test_a_traced_scale_scales_the_values_that_are_quantized():
+  """A traced scale (jax.nn takes one) multiplies the query before it is
+  rounded (fp8=True) or joins the query's descale (float8 inputs): a
+  power of two traced gives the static scale's result exactly."""
+  q, k, v, _ = random_inputs(2, 100, 130, 4, 2, 64, jnp.bfloat16)
+  static = jax_flash.flash_attention(q, k, v, fp8=True, scale=0.25)
+  traced = jax.jit(lambda q, k, v, s: jax_flash.flash_attention(
+      q, k, v, fp8=True, scale=s))(q, k, v, jnp.float32(0.25))
+  assert jnp.array_equal(traced, static)
+  # The e4m3 query a kernel reads (`Operands.fp8_q`) is made from the scale.
+  jaxpr = jax.make_jaxpr(lambda q, k, v, s: jax_flash.flash_attention(
+      q, k, v, fp8=True, scale=s))(q, k, v, jnp.float32(0.25)).jaxpr
+  call, = (e for e in jaxpr.eqns
+           if e.primitive.name.startswith("jax_flash_attention"))
+  leaves = jax.tree.unflatten(call.params["tree"],
+                              range(call.params["tree"].num_leaves))
+  assert _depends_on(jaxpr, call.invars[3 + leaves.fp8_q], jaxpr.invars[3])
+  descale = tuple(fp8.scales(x, 2) for x in (q, k, v))
+  e4m3 = [fp8.quantize(x, s, 2) for x, s in zip((q, k, v), descale)]
+  static = jax_flash.flash_attention(*e4m3, descale=descale, scale=0.25)
+  traced = jax.jit(lambda q, k, v, s: jax_flash.flash_attention(
+      q, k, v, descale=descale, scale=s))(*e4m3, jnp.float32(0.25))
+  assert jnp.array_equal(traced, static)
+
+
 def test_masked_positions_may_hold_nan():
   """Positions past the lengths count in no scale: NaN there reaches no
   result."""
@@ -269,4 +310,23 @@ def test_mosaic_fp8_forward_reads_float8_inputs_as_they_are(shape, causal):
       is_causal=causal)
   assert _rel(out, exact) < 0.05  # P's e4m3 rounding and bf16 output.
   assert _rel(out, blockwise) < 0.05
+
+
+@pytest.mark.gpu
+def test_mosaic_fp8_forward_with_a_traced_scale():
+  """A traced scale on the Mosaic FP8 forward (H200): the e4m3 values it
+  reads are the scaled query's, as the blockwise path's are."""
+  if "H200" not in jax.devices()[0].device_kind:
+    pytest.skip("not an H200")
+  q, k, v, _ = random_inputs(1, 512, 512, 4, 2, 128, jnp.bfloat16)
+  scale = jnp.float32(0.3 / 128 ** 0.5)
+  calls = {implementation: jax.jit(lambda q, k, v, s: jax_flash.flash_attention(
+      q, k, v, is_causal=True, fp8=True, scale=s,
+      implementation=implementation)) for implementation in ("mosaic", "xla")}
+  exact = jax_flash.reference_attention(
+      *(x.astype(jnp.float32) for x in (q, k, v)), is_causal=True,
+      scale=0.3 / 128 ** 0.5)
+  out = calls["mosaic"](q, k, v, scale)
+  assert _rel(out, calls["xla"](q, k, v, scale)) < 0.05
+  assert _rel(out, exact) < 0.08
 
