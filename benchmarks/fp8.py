@@ -118,7 +118,9 @@ def tiles(head_dim, causal, seq_len, tokens, hidden, calls, repeats,
   batch, heads = q.shape[0], q.shape[2]
   mask, scale = Mask(is_causal=causal), head_dim ** -0.5
   default = config.BlockSizes.get_default(head_dim, causal, kv_len=seq_len)
-  q8, k8, vt8, scales = flash_fwd.fp8_operands(q, k, v, Operands())
+  parts = [fp8.rounded(x, heads) for x in (q, k, v)]
+  q8, k8, vt8, scales = flash_fwd.fp8_operands(Operands(**fp8.as_operands(
+      *(x8 for _, x8, _ in parts), [s for _, _, s in parts])))
 
   def kernel(blocks, fp8_on):
     def f(q, k, v):

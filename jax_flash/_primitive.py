@@ -195,8 +195,8 @@ def _partitioned(operands: Operands, cfg: Config) -> bool:
   reading the batch or head index).
 
   (On one device there is nothing to partition, and the plain call also
-  lowers ahead of time for a GPU that is not present.) The Mosaic FP8
-  forward quantizes a shard again exactly: `fp8_operands`.
+  lowers ahead of time for a GPU that is not present.) An FP8 call's
+  shards carry their e4m3 values (`Operands.fp8_q`, ...).
   """
   return (jax.device_count() > 1
           and _sharding.splittable(operands, cfg.mask, cfg.scores))

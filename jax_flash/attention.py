@@ -87,7 +87,7 @@ def _fp8_inputs(query, key, value, fp8, descale, out_dtype):
               for v, _, _ in parts]
     e4m3_values = [x8 for _, x8, _ in parts]
     scales = [s for _, _, s in parts]
-    return (*values, dtype, _fp8_operands(*e4m3_values, scales))
+    return (*values, dtype, fp8_lib.as_operands(*e4m3_values, scales))
   if e4m3 != {True}:
     raise ValueError(f"query, key and value must all be float8_e4m3fn or "
                      f"none of them, got {query.dtype}, {key.dtype}, "
@@ -104,7 +104,7 @@ def _fp8_inputs(query, key, value, fp8, descale, out_dtype):
   values = [_unbatch(fp8_lib.dequantize(x8, scale, p.num_kv_heads),
                      query.ndim) for x8, scale in zip(e4m3_values, scales)]
   return (*values, jnp.dtype(out_dtype or jnp.bfloat16),
-          _fp8_operands(*e4m3_values, scales))
+          fp8_lib.as_operands(*e4m3_values, scales))
 
 
 def _fold_scale(query, scale, descale):
@@ -121,13 +121,6 @@ def _fold_scale(query, scale, descale):
     return query, folded, (descale[0] * factor, *descale[1:])
   query, scale = checks.fold_traced_scale(query, scale)
   return query, scale, descale
-
-
-def _fp8_operands(q8, k8, v8, scales) -> dict:
-  """`Operands`' FP8 fields: e4m3 [B, L, N, H] arrays and the three
-  [B, K] scales as one float32 [B, K, 3]."""
-  return dict(fp8_q=q8, fp8_k=k8, fp8_v=v8,
-              fp8_scales=jnp.stack(scales, axis=-1).astype(jnp.float32))
 
 
 def _batch(x):

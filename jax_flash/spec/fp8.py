@@ -105,6 +105,14 @@ def rounded(x, num_kv_heads: int):
   return _straight_through(x, values), x8, scale
 
 
+def as_operands(q8, k8, v8, scales) -> dict:
+  """`Operands`' FP8 fields (`fp8_q`, `fp8_k`, `fp8_v`, `fp8_scales`):
+  e4m3 [B, L, N, H] arrays and their three [B, K] scales as one float32
+  [B, K, 3]."""
+  return dict(fp8_q=q8, fp8_k=k8, fp8_v=v8,
+              fp8_scales=jnp.stack(scales, axis=-1).astype(jnp.float32))
+
+
 def round_trip(x, num_kv_heads: int):
   """The first of `rounded`: x rounded to e4m3 and back, straight-through."""
   return rounded(x, num_kv_heads)[0]

@@ -285,11 +285,11 @@ class MosaicGpuBackend:
               scores: Scores, config: BlockSizes, version: int = 2):
     del version  # Only 2 (see `unsupported`).
     if scores.fp8:
-      if scores.fp8 == "descale" and operands.fp8_q is None:
-        raise ValueError("the Mosaic FP8 forward reads float8 inputs as they "
-                         "are (Operands.fp8_q, ...), which this part of the "
-                         "call lacks")
-      q8, k8, vt8, scales = fp8_operands(q, k, v, operands)
+      if operands.fp8_q is None:
+        raise ValueError("the Mosaic FP8 forward reads the call's e4m3 "
+                         "values (Operands.fp8_q, ...), which this part of "
+                         "the call lacks")
+      q8, k8, vt8, scales = fp8_operands(operands)
       o, lse = flash_forward(q8, k8, vt8, operands, mask=mask, scores=scores,
                              block_sizes=config, fp8_scales=scales)
       return o.astype(q.dtype), lse

@@ -502,25 +502,15 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
     await_last_releases(for_each_item(producer_item), stages, k_free, v_free)
 
 
-def fp8_operands(q, k, v, operands: Operands):
+def fp8_operands(operands: Operands):
   """(q8, k8, vt8, scales) for the FP8 forward: the call's e4m3 values
-  (`Operands.fp8_q`, ...), V transposed to [B, K, H, S], and scales
-  [B, K, 2] float32 (Q's times K's, and V's). Where the operands lack them
-  (a part of an fp8=True call that did not carry them), float q [B, T, N,
-  H], k, v [B, S, K, H], e4m3 values times a power-of-two scale per
-  (batch, KV head) (`jax_flash.spec.fp8.rounded`), are divided by
-  `fp8.scales` of their own values: a power of two that keeps them within
-  448, so the division gives e4m3 values exactly, on any shard of a
-  (batch, KV head) too."""
-  if operands.fp8_q is not None:
-    q8, k8, v8 = operands.fp8_q, operands.fp8_k, operands.fp8_v
-    sq, sk, sv = (operands.fp8_scales[..., i] for i in range(3))
-  else:
-    num_kv_heads = k.shape[2]
-    sq, sk, sv = (fp8_lib.scales(x, num_kv_heads) for x in (q, k, v))
-    q8, k8, v8 = (fp8_lib.quantize(x, s_, num_kv_heads)
-                  for x, s_ in ((q, sq), (k, sk), (v, sv)))
-  return q8, k8, v8.transpose(0, 2, 3, 1), jnp.stack([sq * sk, sv], axis=-1)
+  (`Operands.fp8_q`, ...: the caller's, or those fp8=True rounded the
+  inputs to, `jax_flash.spec.fp8`), V transposed to [B, K, H, S], and
+  scales [B, K, 2] float32 (Q's times K's, and V's)."""
+  sq, sk, sv = (operands.fp8_scales[..., i] for i in range(3))
+  return (operands.fp8_q, operands.fp8_k,
+          operands.fp8_v.transpose(0, 2, 3, 1),
+          jnp.stack([sq * sk, sv], axis=-1))
 
 
 def flash_forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
