@@ -10,8 +10,8 @@ For each (shape, implementation, forward or forward+backward): the call's
 time as `jax_flash.benchmark` measures it (back-to-back jitted calls), then
 `--calls` calls under `jax.profiler`: GPU ms a call in the attention
 kernels (`ATTENTION`: ours and cuDNN's) and in the rest, and the costliest
-kernels. Shapes: `jax_flash.benchmark.MODELS` and short_sequences.py's
-held-out ones. One JSON line a row to stdout and DIR/call_profile.jsonl,
+kernels. Shapes: `jax_flash.benchmark.MODELS` and the held-out ones
+(`HELD_OUT` there). One JSON line a row to stdout and DIR/call_profile.jsonl,
 then a table to DIR/call_profile.md.
 """
 from __future__ import annotations
@@ -20,21 +20,17 @@ import argparse
 import json
 import os
 import re
-import sys
 import tempfile
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(__file__))
-import short_sequences  # noqa: E402
-
-import jax_flash  # noqa: E402
-from jax_flash import benchmark  # noqa: E402
+import jax_flash
+from jax_flash import benchmark
 
 # GPU kernels that compute attention (ours, cuDNN's); the rest is overhead.
 ATTENTION = re.compile(r"flash_attention|sdpa|fmha|cudnn", re.IGNORECASE)
-SHAPES = {m.name: m for m in benchmark.MODELS + short_sequences.HELD_OUT}
+SHAPES = {m.name: m for m in benchmark.MODELS + benchmark.HELD_OUT}
 
 
 def impls(m):

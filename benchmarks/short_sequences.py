@@ -4,7 +4,7 @@ and one CTA an item) against the Triton kernels and cuDNN, jitted calls.
     PYTHONPATH=. python benchmarks/short_sequences.py [--out DIR]
 
 The short shapes of `jax_flash.benchmark.MODELS` and held-out ones like
-them (`HELD_OUT`), forward and forward+backward, bf16; one JSON line a
+them (`HELD_OUT` there), forward and forward+backward, bf16; one JSON line a
 measurement, then a table of ms (and each against cuDNN's where it takes
 the call) to DIR/short_sequences.md.
 """
@@ -18,30 +18,13 @@ import jax.numpy as jnp
 
 import jax_flash
 from jax_flash import benchmark
-from jax_flash.benchmark import ModelShape
 from pallas_kernels.mosaic_gpu import config
 
-HELD_OUT = (
-    ModelShape("vit_l14", "ViT-L/14 at 224 px: 257 tokens, 16 heads of 64",
-               64, 257, 257, 16, 16, 64),
-    ModelShape("vit_h14", "ViT-H/14 at 224 px: 257 tokens, 16 heads of 80",
-               64, 257, 257, 16, 16, 80),
-    ModelShape("bert_base", "BERT-base: 512 tokens, 12 heads of 64", 32, 512,
-               512, 12, 12, 64),
-    ModelShape("clip_text", "CLIP text encoder: 77 tokens, causal, 12 heads "
-               "of 64", 256, 77, 77, 12, 12, 64, causal=True),
-    ModelShape("t5_cross", "T5-base cross-attention: 128 queries on 512",
-               64, 128, 512, 12, 12, 64),
-    ModelShape("llava_cross", "1k queries on 576 image tokens, 32 of 128",
-               8, 1024, 576, 32, 32, 128),
-    ModelShape("seq_1k_h128_causal", "1k tokens, causal, 16 heads of 128 on 4",
-               16, 1024, 1024, 16, 4, 128, causal=True),
-)
 SHORT = ("vit_b16", "dit_xl2", "sd15_cross", "whisper_cross",
          "whisper_encoder", "gpt2_small")
 
 
-def mosaic_impls(m: ModelShape):
+def mosaic_impls(m: benchmark.ModelShape):
   """The Mosaic kernels with their default tiles, persistent and not."""
   def mosaic(persistent):
     dim = config.kernel_head_dim(m.head_dim, m.value_head_dim or m.head_dim)
@@ -63,7 +46,7 @@ def main():
   parser.add_argument("--repeats", type=int, default=5)
   args = parser.parse_args()
   os.makedirs(args.out, exist_ok=True)
-  shapes = [m for m in benchmark.MODELS if m.name in SHORT] + list(HELD_OUT)
+  shapes = [m for m in benchmark.MODELS if m.name in SHORT] + list(benchmark.HELD_OUT)
   rows = benchmark.model_rows(shapes, NAMES, jnp.bfloat16, args.calls,
                               args.repeats, extra_impls=mosaic_impls)
   lines = ["| model | mode | " + " | ".join(NAMES) + " | best mosaic / "

@@ -585,6 +585,23 @@ MODELS = (
     ModelShape("whisper_encoder", "Whisper large encoder: 1500 frames",
                8, 1500, 1500, 20, 20, 64),
 )
+# Shapes like those of `MODELS` that no default was chosen on (`--held-out`).
+HELD_OUT = (
+    ModelShape("vit_l14", "ViT-L/14 at 224 px: 257 tokens, 16 heads of 64",
+               64, 257, 257, 16, 16, 64),
+    ModelShape("vit_h14", "ViT-H/14 at 224 px: 257 tokens, 16 heads of 80",
+               64, 257, 257, 16, 16, 80),
+    ModelShape("bert_base", "BERT-base: 512 tokens, 12 heads of 64", 32, 512,
+               512, 12, 12, 64),
+    ModelShape("clip_text", "CLIP text encoder: 77 tokens, causal, 12 heads "
+               "of 64", 256, 77, 77, 12, 12, 64, causal=True),
+    ModelShape("t5_cross", "T5-base cross-attention: 128 queries on 512",
+               64, 128, 512, 12, 12, 64),
+    ModelShape("llava_cross", "1k queries on 576 image tokens, 32 of 128",
+               8, 1024, 576, 32, 32, 128),
+    ModelShape("seq_1k_h128_causal", "1k tokens, causal, 16 heads of 128 on 4",
+               16, 1024, 1024, 16, 4, 128, causal=True),
+)
 
 
 def even_neighbours(m: ModelShape) -> list[ModelShape]:
@@ -659,7 +676,8 @@ def _model_case(m, dtype, extra_impls):
       "cudnn": jax_nn("cudnn"), "xla": jax_nn("xla"),
       **(extra_impls(m) if extra_impls else {}),
   }
-  fields = dict(model=m.name, source=m.source, batch=m.batch, q_len=m.q_len,
+  fields = dict(model=m.name, source=m.source, held_out=m in HELD_OUT,
+                batch=m.batch, q_len=m.q_len,
                 kv_len=m.kv_len, heads=m.heads, kv_heads=m.kv_heads,
                 head_dim=m.head_dim, value_head_dim=hv, causal=m.causal,
                 soft_cap=m.soft_cap, dtype=jnp.dtype(dtype).name)
@@ -715,7 +733,8 @@ def markdown_models(rows) -> str:
           f"{mode} {ours[mode] / nearest[model, mode]:.2f}"
           for mode in ours if (model, mode) in nearest and ours[mode])
                     or "-")
-    lines.append(f"| {model} | {shape} | " + " | ".join(cells) + " | "
+    name = f"{model} (held out)" if r0.get("held_out") else model
+    lines.append(f"| {name} | {shape} | " + " | ".join(cells) + " | "
                  + " | ".join(ratios) + " |")
   return "\n".join(lines)
 
@@ -960,7 +979,11 @@ def main(argv=None):
                       "configurations (`MODELS`), ours against cuDNN and "
                       "XLA")
   parser.add_argument("--models", nargs="+", default=None,
-                      help="models: only these rows of `MODELS` (names)")
+                      help="models: only these rows of `MODELS` (names; "
+                      "with --held-out, of `HELD_OUT` too)")
+  parser.add_argument("--held-out", action="store_true",
+                      help="models: also the shapes of `HELD_OUT`, after "
+                      "`MODELS`' (their rows marked held_out)")
   parser.add_argument("--sizes", type=int, nargs="+",
                       default=[1024, 2048, 4096],
                       help="window sizes, numbers of documents, or padding "
@@ -994,13 +1017,13 @@ def main(argv=None):
     print("\n".join(lines))
     return
   if args.scenario == "models":
-    models = MODELS
+    models = MODELS + (HELD_OUT if args.held_out else ())
     if args.models:
-      unknown = set(args.models) - {m.name for m in MODELS}
+      unknown = set(args.models) - {m.name for m in models}
       if unknown:
         parser.error(f"--models: unknown {sorted(unknown)}; known: "
-                     f"{[m.name for m in MODELS]}")
-      models = [m for m in MODELS if m.name in args.models]
+                     f"{[m.name for m in models]}")
+      models = [m for m in models if m.name in args.models]
     rows = model_rows(models, ["flash", "flash_triton", "cudnn", "xla"],
                       jnp.dtype(args.dtype), args.calls, args.repeats,
                       log=os.path.join(args.out, "benchmark.jsonl"))

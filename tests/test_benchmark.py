@@ -249,24 +249,29 @@ def test_mosaic_impls_lower_for_an_h200(name, causal):
 def test_model_rows_time_every_shape_and_name_refusals():
   """The models scenario on the CPU, at small sizes: every implementation
   and mode gets a time or its error, and the table compares ours with the
-  best other."""
+  best other; a held-out shape's row says so."""
   import dataclasses
 
   import jax.numpy as jnp
 
-  from jax_flash.benchmark import MODELS, markdown_models, model_rows
+  from jax_flash.benchmark import (HELD_OUT, MODELS, markdown_models,
+                                   model_rows)
   small = [dataclasses.replace(m, batch=1, q_len=min(m.q_len, 40),
                                kv_len=min(m.kv_len, 30))
            for m in MODELS if m.name in ("phi2", "deepseek_v2_mla",
                                          "sd15_cross")]
+  clip = next(m for m in HELD_OUT if m.name == "clip_text")
   rows = model_rows(small, ["flash", "cudnn", "xla"], jnp.float32, calls=1,
                     repeats=1)
   assert len(rows) == 3 * 3 * 2
   assert all(("ms" in r) != ("error" in r) for r in rows)
   assert all("ms" in r for r in rows if r["impl"] != "cudnn")
-  table = markdown_models(rows)
-  assert table.count("\n") == 1 + len(small)
+  assert not any(r["held_out"] for r in rows)
+  held = [dict(r, model=clip.name, held_out=True) for r in rows[:6]]
+  table = markdown_models(rows + held)
+  assert table.count("\n") == 1 + len(small) + 1
   assert "phi2" in table and "refused" in table
+  assert "| clip_text (held out) |" in table
 
 
 def test_refused_lengths_are_compared_at_cudnns_nearest_shapes():

@@ -218,13 +218,15 @@ def _union(a, b):
 
 def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
                     *, mask: Mask, scores: Scores, blocks: BlockSizes,
-                    group: int, kv_len: int, num_tiles: int,
+                    group: int, q_len: int, kv_len: int, num_tiles: int,
                     programs: int | None, layout: Columns, fp8: bool):
   """q_ref/o_ref [B, T, N, H], k_ref/v_ref [B, S, K, H], lse_ref [B, N,
   num_tiles * 2 * block_q]; keys at or past kv_len (<= S: XLA's padding)
   are masked. The last of num_tiles query tiles may reach past T (and the
   last key tile past S): TMA reads zeros there and drops the stores of O's
-  rows past T (`tma_rows`). `layout`: the head dim's column parts, each
+  rows past T (`tma_rows`); a consumer whose rows all lie at or past q_len
+  (the call's T) only releases its tiles, so the other one's 64 rows run
+  alone (257 tokens: the last query tile's second warpgroup). `layout`: the head dim's column parts, each
   with tiles of its own, and whether they are copied untiled
   (`tiles.Columns`); the last part may reach past H. extra_refs
   (each None when absent): the range table of block_q-row query tiles
@@ -275,10 +277,14 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
     consumer warpgroup w, the ranges of its rows (the band's and the
     table's)."""
     def consumer_ranges(w):
-      return table_ranges(
-          mask, kv_block_ranges(mask, tile_start + w * block_q, block_q,
-                                block_kv, kv_len, q_offset),
+      start = tile_start + w * block_q
+      ranges = table_ranges(
+          mask, kv_block_ranges(mask, start, block_q, block_kv, kv_len,
+                                q_offset),
           table_ref, batch, lax.div(tile_start, block_q) + w)
+      if num_tiles * COMPUTE_WGS * block_q - q_len < block_q:  # None past.
+        return ranges
+      return tuple(jnp.where(start >= q_len, ranges[0], x) for x in ranges)
     if table_ref is None:  # The band of the CTA's rows.
       first, _, _, steps = kv_block_ranges(mask, tile_start,
                                            COMPUTE_WGS * block_q, block_kv,
@@ -329,10 +335,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
     first, steps, consumer_ranges = item_ranges(batch, tile_start, q_offset)
     q_start = tile_start + wg * block_q
     lo, full_lo, full_hi, hi = consumer_ranges(wg)
-    if table_ref is not None:  # An empty range sits at the producer's first.
-      empty = lo >= hi
-      lo, full_lo, full_hi, hi = (jnp.where(empty, first, x)
-                                  for x in (lo, full_lo, full_hi, hi))
+    empty = lo >= hi  # An empty range sits at the producer's first.
+    lo, full_lo, full_hi, hi = (jnp.where(empty, first, x)
+                                for x in (lo, full_lo, full_hi, hi))
     slope = None if slopes_ref is None else slopes_ref[batch, head]
     if fp8:  # Q's and K's scales in the logits, V's (over 448) in O.
       kv_head = lax.div(head, jnp.int32(group))
@@ -620,8 +625,8 @@ def flash_forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
         refs, 3, extras)
     _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref,
                     (buffers, ready, free, schedule), mask=mask,
-                    scores=scores, blocks=blocks, group=group, kv_len=kv_len,
-                    num_tiles=num_tiles, programs=programs, layout=layout,
+                    scores=scores, blocks=blocks, group=group, q_len=q_len,
+                    kv_len=kv_len, num_tiles=num_tiles, programs=programs, layout=layout,
                     fp8=fp8)
 
   o, lse = plgpu.kernel(
