@@ -143,6 +143,22 @@ def test_column_parts_of_a_head_dim(head_dim, block_kv, parts):
     assert layout.untiled == (True, True)
 
 
+@pytest.mark.parametrize("head_dim, block_kv, lengths, parts", [
+    (80, 320, (257, 257), ((0, 64), (64, 16))),
+    (128, 128, (448, 1500), ((0, 64), (64, 64))),
+    (112, 128, (1000, 1003), ((0, 64), (64, 32), (96, 16))),
+    (80, 320, (256, 256), ((0, 80),)),
+    (192, 96, (1000, 1003), ((0, 192),))])
+def test_wide_head_dims_at_lengths_off_8_run_in_parts(head_dim, block_kv,
+                                                      lengths, parts):
+  """A head dim wider than a swizzle atom at a length off a multiple of 8
+  runs in parts one atom wide, read in place (no tiled copy, no pad);
+  where V's tiles cannot take them (96 rows) it stays one part, copied."""
+  layout = tiles.Columns.of(jnp.bfloat16, head_dim, block_kv, *lengths)
+  assert layout.parts == parts
+  assert layout.copies(*lengths) == (parts == ((0, 192),))
+
+
 @pytest.mark.parametrize("head_dim, kwargs", [
     (72, {}), (40, dict(is_causal=True)), (200, dict(is_causal=True)),
     (24, {}), (72, dict(dropout_rate=0.1, dropout_rng=jax.random.key(0),
@@ -170,16 +186,21 @@ def test_tiles_one_swizzle_atom_wide_read_any_length_in_place(head_dim):
   """Head dims 32 and 64 (tiles one swizzle atom wide, copied untiled:
   `tiles.tile_buffer`) at lengths off a multiple of 8 (448 on 1500 keys):
   the forward holds no pad or slice; the backward pads only the arrays of
-  its pipelined tiles (K and V, to 1504) and slices no gradient. At head
-  dim 128 K and V are still padded to 1504 forward."""
+  its pipelined tiles (K and V, to 1504) and slices no gradient. Wider
+  head dims at such lengths run in parts one atom wide (`tiles.Columns`:
+  64 + 64 at 128, 64 + 16 at 80), read in place too; at 96-row K/V tiles
+  (head dim 192: V's tiles take no 64-column atom) K and V are padded to
+  1504."""
   shape = (2, 448, 1500, 4, 2)
   assert "flash_attention_forward_mosaic" in _lower_forward(shape, head_dim)
   assert _sequence_copies(_lower_forward(shape, head_dim)) == []
   copies = _sequence_copies(_lower_grad("mosaic", (*shape, head_dim)))
   kv = f"tensor<2x1500x2x{head_dim}xbf16>"
   assert copies and all(a == kv and "1504" in b for a, b in copies), copies
-  assert set(_sequence_copies(_lower_forward(shape, 128))) == {
-      ("tensor<2x1500x2x128xbf16>", "tensor<2x1504x2x128xbf16>")}
+  for wide in (80, 128):
+    assert _sequence_copies(_lower_forward(shape, wide)) == []
+  assert set(_sequence_copies(_lower_forward(shape, 192))) == {
+      ("tensor<2x1500x2x192xbf16>", "tensor<2x1504x2x192xbf16>")}
 
 
 def test_keys_padded_at_the_source_are_read_in_place():
@@ -206,7 +227,9 @@ def test_keys_padded_at_the_source_are_read_in_place():
     ("odd_kv_len", (2, 256, 521, 8, 2, 128), jnp.bfloat16, {}, True),
     # Up to config.TRITON_MAX_KV_LEN keys the Triton kernels where the
     # Mosaic forward would copy arrays (`test_short_keys_...` below).
-    ("short_keys", (2, 256, 300, 8, 2, 128), jnp.bfloat16, {}, False),
+    ("short_keys", (2, 256, 300, 8, 2, 192), jnp.bfloat16, {}, False),
+    ("short_keys_in_parts", (2, 256, 300, 8, 2, 128), jnp.bfloat16, {},
+     True),
     ("head_dim_96", (2, 256, 512, 8, 2, 96), jnp.bfloat16, {}, True),
     ("head_dim_192", (2, 256, 512, 8, 2, 192), jnp.bfloat16, {}, True),
     ("head_dim_80", (2, 256, 512, 8, 2, 80), jnp.bfloat16,
@@ -247,7 +270,9 @@ def test_pallas_picks_mosaic_where_it_takes_the_call(name, shape, dtype,
 
 
 @pytest.mark.parametrize("shape, causal, forward, backward", [
-    ((2, 256, 300, 8, 2, 128), False, "triton", "triton"),
+    ((2, 256, 300, 8, 2, 192), False, "triton", "triton"),
+    ((2, 256, 300, 8, 2, 128), False, "mosaic", "triton"),
+    ((4, 257, 257, 4, 4, 80), False, "mosaic", "triton"),
     ((4, 197, 197, 8, 8, 64), True, "mosaic", "triton"),
     ((4, 256, 256, 4, 4, 72), False, "mosaic", "triton"),
     ((4, 256, 256, 4, 4, 64), False, "mosaic", "mosaic"),
@@ -257,9 +282,10 @@ def test_short_keys_pick_each_direction_by_its_copies(shape, causal, forward,
                                                       backward):
   """Up to `config.TRITON_MAX_KV_LEN` keys the default runs the Triton
   forward where XLA would copy arrays around the Mosaic one (a length off
-  8 read tiled: 300 at head dim 128; a head dim padded: 20 on 77 keys) and
+  8 read tiled: 300 at head dim 192; a head dim padded: 20 on 77 keys) and
   the Mosaic forward where it reads them in place (197 tokens at head dim
-  64, head dims 72 and 40 in column parts); the Triton backward where the
+  64, head dims 72 and 40 in column parts, 128 and 80 in parts at lengths
+  off 8); the Triton backward where the
   Mosaic backward would copy (a length off 8, a head dim off 16)."""
   text = _lower_grad("pallas", shape, is_causal=causal)
   assert ("flash_attention_forward_mosaic" in text) == (forward == "mosaic")
@@ -1074,18 +1100,19 @@ def test_head_dims_run_at_a_multiple_of_16(head_dim, value_head_dim,
 
 
 @pytest.mark.parametrize("head_dim, causal, kv_len, block_kv", [
-    (64, False, 197, 256), (64, True, 197, 128), (48, False, 77, 80),
-    (32, False, 77, 96), (80, False, 77, 80), (40, False, 77, 96),
-    (72, False, 70, 128),
-    (128, False, 30, 64), (64, False, 1500, 256), (128, False, 100, 112),
-    (256, False, 77, 64)])
+    (64, False, 197, 256), (64, True, 197, 128), (48, False, 80, 80),
+    (48, False, 77, 96), (32, False, 77, 96), (80, False, 80, 80),
+    (80, False, 77, 128), (40, False, 77, 96), (72, False, 70, 128),
+    (128, False, 30, 64), (64, False, 1500, 256), (128, False, 104, 112),
+    (128, False, 100, 128), (256, False, 77, 64)])
 def test_short_keys_take_one_tile_of_their_length(head_dim, causal, kv_len,
                                                   block_kv):
   """Keys fewer than the default K/V tile's rows run in one tile of their
-  length rounded up to 16 rows (at least 64: 80 for 77 tokens at head
+  length rounded up to 16 rows (at least 64: 80 for 80 tokens at head
   dim 80), or to a multiple of the widest column part where tiles are
   copied untiled (the head dim at 32 and 64; 32 at head dim 40, 64 at
-  72), whose V tiles then keep a row's swizzle and are read in place
+  72; any head dim at a length off a multiple of 8: 64 at 80 on 77
+  keys), whose V tiles then keep a row's swizzle and are read in place
   (`short_kv_tile`)."""
   blocks = jax_flash.MosaicBlockSizes.get_default(head_dim, causal,
                                                   kv_len=kv_len)

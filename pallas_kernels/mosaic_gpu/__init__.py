@@ -196,7 +196,8 @@ class MosaicGpuBackend:
     of 8 read through tiled copies."""
     blocks = self.config(None, problem, dtype, is_causal=mask.is_causal,
                          mask=mask)
-    layout = (Columns.of(dtype, problem.head_dim, blocks.block_kv)
+    layout = (Columns.of(dtype, problem.head_dim, blocks.block_kv,
+                         problem.q_len, problem.kv_len)
               if problem.value_head_dim == problem.head_dim else None)
     return layout is None or layout.copies(problem.q_len, problem.kv_len)
 
@@ -296,8 +297,8 @@ class MosaicGpuBackend:
     (q,), (k, v) = without_padding(mask, operands.q_ids, operands.kv_ids,
                                    (q,), (k, v))
     value_dim = v.shape[-1]
-    if value_dim != q.shape[-1] or Columns.of(q.dtype, value_dim,
-                                              config.block_kv) is None:
+    if value_dim != q.shape[-1] or Columns.of(
+        q.dtype, value_dim, config.block_kv, q.shape[1], k.shape[1]) is None:
       q, k, v = _pad_heads(q, k, v)
     o, lse = flash_forward(q, k, v, operands, mask=mask, scores=scores,
                            block_sizes=config)

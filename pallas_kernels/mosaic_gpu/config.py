@@ -52,9 +52,11 @@ def short_kv_tile(kv_len: int, head_dim: int) -> int:
   those off a multiple of 16, in column parts: `tiles.Columns`), a
   multiple of its widest part's columns, so that V's tiles keep a row's
   swizzle and any length is read in place (`tiles.one_atom_wide`): 77
-  keys take 96 rows at head dim 40 (parts 32 + 16), 80 at head dim 80."""
+  keys take 96 rows at head dim 40 (parts 32 + 16), 80 at head dim 80;
+  where kv_len is off a multiple of 8 the forward reads any head dim in
+  such parts (77 keys take 128 rows at head dim 80, parts 64 + 16)."""
   multiple = HEAD_DIM_MULTIPLE
-  if head_dim in (32, 64) or head_dim % HEAD_DIM_MULTIPLE:
+  if head_dim in (32, 64) or head_dim % HEAD_DIM_MULTIPLE or kv_len % 8:
     padded = kernel_head_dim(head_dim, head_dim)
     multiple = max(w for w in (64, 32, 16) if w <= padded)
   return max(64, round_up(kv_len, multiple))

@@ -548,7 +548,7 @@ def flash_forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
   q_len, kv_len = q.shape[1], k.shape[1]
   blocks = block_sizes
   layout = (Columns(((0, q.shape[3]),), (False, False)) if fp8 else
-            Columns.of(q.dtype, q.shape[3], blocks.block_kv))
+            Columns.of(q.dtype, q.shape[3], blocks.block_kv, q_len, kv_len))
   q, k = (pad_to(x, 1, tma_rows(n, layout.untiled[0]))
           for x, n in ((q, q_len), (k, kv_len)))
   if fp8:  # The tiled copies of V^T's [H, block_kv] tiles: whole tiles.

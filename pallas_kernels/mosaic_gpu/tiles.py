@@ -98,24 +98,36 @@ class Columns:
   untiled: tuple[bool, bool]
 
   @classmethod
-  def of(cls, dtype, head_dim: int, block_kv: int) -> "Columns | None":
-    """The columns of a head dim: a multiple of 16 in one part; any other
-    in parts one swizzle atom wide (64, 32 and 16 columns in 16 bits, the
-    last reaching past the head dim: TMA reads zeros there and drops O's
-    stores), so no column is padded in XLA; None where TMA cannot read the
-    arrays in place (a row of the head dim not a multiple of 16 bytes) or
-    V's tiles of block_kv rows cannot take such parts (`smem_transforms`)."""
+  def of(cls, dtype, head_dim: int, block_kv: int, q_len: int = 8,
+         kv_len: int = 8) -> "Columns | None":
+    """The columns of a head dim: a multiple of 16 in one part, or where
+    that part's tiles would be copied tiled at a length off a multiple of 8
+    (`copies`: head dims 80-256 at 257 tokens), in parts one swizzle atom
+    wide (64, 32 and 16 columns in 16 bits) if V's tiles of block_kv rows
+    take them; any other head dim in such parts, the last reaching past
+    the head dim (TMA reads zeros there and drops O's stores), so no column
+    is padded in XLA; None where TMA cannot read the arrays in place (a
+    row of the head dim not a multiple of 16 bytes) or V's tiles cannot
+    take the parts (`smem_transforms`)."""
     if head_dim % HEAD_DIM_MULTIPLE == 0 and head_dim >= MIN_KERNEL_HEAD_DIM:
-      return cls(((0, head_dim),), (one_atom_wide(dtype, head_dim),
-                                    one_atom_wide(dtype, head_dim, block_kv)))
+      one = cls(((0, head_dim),), (one_atom_wide(dtype, head_dim),
+                                   one_atom_wide(dtype, head_dim, block_kv)))
+      if not one.copies(q_len, kv_len):
+        return one
+      return cls._in_parts(dtype, head_dim, block_kv) or one
     if head_dim * jnp.dtype(dtype).itemsize % 16:
       return None
+    return cls._in_parts(dtype, kernel_head_dim(head_dim, head_dim), block_kv)
+
+  @classmethod
+  def _in_parts(cls, dtype, width: int, block_kv: int) -> "Columns | None":
+    """`width` columns in parts one swizzle atom wide, widest first (None
+    where V's tiles of block_kv rows cannot take them)."""
     parts, start = [], 0
-    left = kernel_head_dim(head_dim, head_dim)
-    while left:
-      width = max(w for w in (64, 32, 16) if w <= left)
-      parts.append((start, width))
-      start, left = start + width, left - width
+    while width:
+      part = max(w for w in (64, 32, 16) if w <= width)
+      parts.append((start, part))
+      start, width = start + part, width - part
     if not all(one_atom_wide(dtype, w, block_kv) for _, w in parts):
       return None
     return cls(tuple(parts), (True, True))
