@@ -1,12 +1,16 @@
-"""One model shape under Mosaic GPU block-size variants, beside the
-Triton kernels and cuDNN: which schedule suits it, measured.
+"""One model shape under block-size variants of the Mosaic GPU or the
+Triton kernels, beside both backends' defaults and cuDNN: which schedule
+suits it, measured.
 
     PYTHONPATH=. python3 benchmarks/mosaic_variants.py whisper_cross \
-        '{"persistent": false}' '{"block_kv": 256}'
+        '{"persistent": false}' '{"block_kv": 256}' \
+        'triton {"block_q_dkv": 32}'
 
-The shape: a name of `jax_flash.benchmark.MODELS`. Each variant: JSON of
-`MosaicBlockSizes` fields over the shape's defaults. Forward and
-forward+backward, bf16, jitted calls; one JSON line a measurement.
+The shape: a name of `jax_flash.benchmark.MODELS` or `HELD_OUT`. Each
+variant: JSON of `MosaicBlockSizes` fields over the shape's defaults, or
+after "triton ", of the Triton `BlockSizes` fields over its defaults
+(`implementation="triton"`). Forward and forward+backward, bf16, jitted
+calls; one JSON line a measurement.
 """
 import dataclasses
 import json
@@ -16,11 +20,11 @@ import jax
 import jax.numpy as jnp
 
 import jax_flash
-from jax_flash.benchmark import MODELS, _measure
+from jax_flash.benchmark import HELD_OUT, MODELS, _measure
 
 
 def main(name, *variants):
-  shape = next(m for m in MODELS if m.name == name)
+  shape = next(m for m in MODELS + HELD_OUT if m.name == name)
   b, t, s, n, kh, h = (shape.batch, shape.q_len, shape.kv_len, shape.heads,
                        shape.kv_heads, shape.head_dim)
   keys = jax.random.split(jax.random.key(0), 4)
@@ -31,9 +35,14 @@ def main(name, *variants):
   pairs = t * s / (2 if shape.causal else 1)
   flops = 4 * b * n * h * pairs
   default = jax_flash.MosaicBlockSizes.get_default(h, shape.causal)
+  triton = jax_flash.BlockSizes.get_default(h, jnp.bfloat16, shape.causal)
   impls = {"triton": dict(implementation="triton"),
            "mosaic_default": dict(implementation="mosaic")}
   for text in variants:
+    if text.startswith("triton "):
+      impls[text] = dict(implementation="triton", block_sizes=(
+          dataclasses.replace(triton, **json.loads(text.split(" ", 1)[1]))))
+      continue
     impls[f"mosaic {text}"] = dict(
         implementation="mosaic",
         block_sizes=dataclasses.replace(default, **json.loads(text)))
