@@ -299,3 +299,21 @@ def test_refused_lengths_are_compared_at_cudnns_nearest_shapes():
   table = markdown_models(rows)
   assert "nearest shape it takes" in table.splitlines()[0]
   assert table.splitlines()[-1].endswith("| fwd+bwd 1.20 |")
+
+
+def test_fp8_backward_error_study_separates_the_matmuls(capsys):
+  """`benchmarks/fp8.py --parts backward` at a small size: bf16 matmuls on
+  the rounded inputs err exactly as the rounding alone; each FP8 matmul
+  adds error of its own (dV, dP: dV's; dQ, dK: dQ's and dK's, not dV's),
+  all of it within the 2x the FP8 target allows."""
+  import json
+
+  from benchmarks.fp8 import backward_error
+  backward_error(64, 256, outliers=False)
+  rows = {r["impl"]: r for r in map(json.loads,
+                                    capsys.readouterr().out.splitlines())}
+  ratio = lambda impl, g: rows[impl][f"d{g}/alone"]
+  assert all(abs(ratio("rounded_inputs", g) - 1) < 1e-4 for g in "qkv")
+  assert ratio("dv_dp", "v") > 1.1 and ratio("dq_dk_tile", "v") < 1 + 1e-4
+  assert ratio("dq_dk_tile", "q") > 1.02 and ratio("dq_dk_tile", "k") > 1.02
+  assert all(1 < ratio("all_tile", g) < 2 for g in "qkv")
