@@ -7,8 +7,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jax_flash import _dispatch, _primitive, _sharding
-from jax_flash.spec import checks
+from jax_flash import _dispatch, _primitive, _sequence_axis, _sharding
+from jax_flash.spec import checks, dropout
 from jax_flash.spec import fp8 as fp8_lib
 from jax_flash.spec.checks import Problem
 from jax_flash.spec.mask import Mask
@@ -142,7 +142,7 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
                     dropout_broadcast=False, sinks=None, return_residual=False,
                     implementation=None, block_sizes=None, version=2,
                     fp8=False, descale=None, out_dtype=None,
-                    context_parallel="auto"):
+                    context_parallel="auto", sequence_axis=None):
   """Exact attention, softmax(scale * Q K^T) V, without the T x S matrix in memory.
 
   A superset of `jax.nn.dot_product_attention`: same arguments, shapes and
@@ -244,6 +244,16 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
       others but ring moves fewer bytes: docs/devices.md). A strategy
       named that cannot run the sharding is an error when the call
       compiles, saying why.
+    sequence_axis: inside `jax.shard_map`, the name of the mesh axis (or a
+      tuple of names) the sequences are split over, in contiguous chunks:
+      query [B, T / P, N, H], key and value [B, S / P, K, H] on each of the
+      axis's P devices; the call is then the whole sequence's attention
+      (context parallelism: all_to_all, heads exchanged for the sequence;
+      N divisible by P, key/value heads repeated up to a multiple of P
+      where K is not). Segment ids and a bias's or mask's query rows are
+      chunks as the query is (their keys whole); per-head arrays, lengths
+      and dropout are the whole call's. Output (and logsumexp) chunks
+      like the query's.
 
   Returns:
     out: like query, in query.dtype; or `(out, logsumexp)`.
@@ -259,6 +269,32 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
   Gradients with respect to query, key and value are deterministic (no
   atomics). Errors in the arguments are raised at trace time as ValueError.
   """
+  options = dict(
+      scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
+      key_value_seq_lengths=key_value_seq_lengths,
+      local_window_size=local_window_size, segment_ids=segment_ids,
+      logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
+      dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+      dropout_broadcast=dropout_broadcast, sinks=sinks,
+      return_residual=return_residual, implementation=implementation,
+      block_sizes=block_sizes, version=version, fp8=fp8, descale=descale,
+      out_dtype=out_dtype, context_parallel=context_parallel)
+  if sequence_axis is not None:
+    return _sequence_axis.attend(_attention, sequence_axis, query, key,
+                                 value, bias, mask, **options)
+  return _attention(query, key, value, bias, mask, head_offset=None,
+                    **options)
+
+
+def _attention(query, key, value, bias, mask, *, scale, is_causal,
+               query_seq_lengths, key_value_seq_lengths, local_window_size,
+               segment_ids, logits_soft_cap, alibi_slopes, dropout_rate,
+               dropout_rng, dropout_broadcast, sinks, return_residual,
+               implementation, block_sizes, version, fp8, descale, out_dtype,
+               context_parallel, head_offset):
+  """`flash_attention` on one device's arrays; `head_offset` (traced int or
+  None): the place of its first query head among the whole call's, where
+  dropout's keep bits are drawn (`_sequence_axis`)."""
   query, scale, descale = _fold_scale(query, scale, descale)
   query, key, value, out_dtype, fp8_operands = _fp8_inputs(
       query, key, value, fp8, descale, out_dtype)
@@ -274,6 +310,10 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
   spec = prepare(query, key, value, fp8=fp8_kind, **args)
   spec = dataclasses.replace(spec, operands=dataclasses.replace(
       spec.operands, **fp8_operands))
+  seed = spec.operands.dropout_seed
+  if head_offset is not None and seed is not None and not dropout_broadcast:
+    spec = dataclasses.replace(spec, operands=dataclasses.replace(
+        spec.operands, dropout_seed=dropout.shifted(seed, 0, head_offset)))
   p = spec.problem
   _dispatch.check_options(block_sizes, version)
   _sharding.check_strategy(context_parallel)

@@ -491,8 +491,101 @@ def _all_gather_structured_mask(mesh, seq, bound):
     assert errors[0] <= bound.out and max(errors[1:]) <= bound.grad, errors
 
 
+def sequence_axis():
+  """flash_attention(..., sequence_axis="sp") inside a shard_map (its
+  checks of varying values on) over 4 devices of sequence chunks: every
+  feature as the whole call on one device, output, logsumexp and
+  gradients within float32's tolerance (all_to_all gives each device whole
+  sequences of its heads, the same arithmetic but for XLA's vectorizing
+  of other shapes and, where K < 4 repeats the KV heads, their gradients
+  summed in another order); the compiled program all-to-alls and gathers
+  only the ids and a mask's rows; bad uses named."""
+  mesh = jax.make_mesh((2, 4), ("data", "sp"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  b, t, n, h = 2, 64, 8, 32
+  keys = jax.random.split(jax.random.key(0), 8)
+  ids = jnp.sort(jax.random.randint(keys[4], (b, t), 0, 3), axis=1)
+  bias = jax.random.normal(keys[5], (b, n, t, t))
+  mask = jax.random.bernoulli(keys[6], 0.8, (b, 1, t, t))
+  cases = {  # name: (KV heads, options, per-chunk arrays)
+      "causal_gqa_repeated": (2, dict(is_causal=True), {}),
+      "segments_alibi_sinks": (8, dict(
+          alibi_slopes=jnp.linspace(0.01, 0.1, n),
+          sinks=jnp.linspace(-1.0, 1.0, n)), dict(segment_ids=ids)),
+      "dropout_soft_cap_window": (4, dict(
+          dropout_rate=0.2, dropout_rng=jax.random.key(3),
+          logits_soft_cap=20.0, local_window_size=(20, 5)), {}),
+      "lengths_bias_mqa": (1, dict(
+          query_seq_lengths=jnp.array([64, 40]),
+          key_value_seq_lengths=jnp.array([50, 64])), dict(bias=bias)),
+      "mask_causal_fp8": (4, dict(is_causal=True, fp8=True),
+                          dict(mask=mask)),
+  }
+  for name, (kv_heads, options, chunked) in cases.items():
+    q = jax.random.normal(keys[0], (b, t, n, h))
+    k = jax.random.normal(keys[1], (b, t, kv_heads, h))
+    v = jax.random.normal(keys[2], (b, t, kv_heads, h))
+    do = jax.random.normal(keys[3], (b, t, n, h))
+    call = lambda q, k, v, c, **kw: jax_flash.flash_attention(
+        q, k, v, implementation="xla", **options, **c, **kw)
+    specs = jax.tree.map(
+        lambda x: P(None, None, "sp") if x.ndim == 4 else P(None, "sp"),
+        chunked)
+    local = jax.shard_map(
+        lambda q, k, v, c: call(q, k, v, c, sequence_axis="sp",
+                                return_residual=True),
+        mesh=mesh, in_specs=(P(None, "sp"),) * 3 + (specs,),
+        out_specs=(P(None, "sp"),) * 2)
+    want, want_lse = jax.jit(lambda q, k, v: call(
+        q, k, v, chunked, return_residual=True))(q, k, v)
+    got, got_lse = jax.jit(local)(q, k, v, chunked)
+    loss = lambda f: jax.jit(jax.grad(
+        lambda q, k, v: jnp.sum(f(q, k, v) * do), argnums=(0, 1, 2)))
+    grads = loss(lambda q, k, v: call(q, k, v, chunked))(q, k, v)
+    grads_s = loss(lambda q, k, v: local(q, k, v, chunked)[0])(q, k, v)
+    errors = [relative_error(a, w) for a, w in zip(grads_s, grads)]
+    hlo = jax.jit(local).lower(q, k, v, chunked).compile().as_text()
+    finite = jnp.isfinite(want_lse)  # -inf past a query length.
+    np.testing.assert_array_equal(jnp.isfinite(got_lse), finite)
+    out_errors = [relative_error(got, want), relative_error(
+        jnp.where(finite, got_lse, 0.0), jnp.where(finite, want_lse, 0.0))]
+    print(f"sequence_axis {name}: all-to-alls={hlo.count('all-to-all(')} "
+          f"all-gathers={hlo.count('all-gather(')} out, lse errors="
+          f"{out_errors} grad errors={errors}")
+    bound = tolerance(jnp.float32)
+    assert max(out_errors) <= bound.out and max(errors) <= bound.grad, (
+        out_errors, errors)
+    assert hlo.count("all-to-all(") >= 4
+    assert hlo.count("all-gather(") == ("segment_ids" in chunked) + (
+        "mask" in chunked), hlo.count("all-gather(")
+  bad = {"sequence_axis='nope' names no axis": dict(sequence_axis="nope"),
+         "context_parallel='ring' with sequence_axis":
+             dict(sequence_axis="sp", context_parallel="ring")}
+  for match, kw in bad.items():
+    try:
+      jax.jit(jax.shard_map(
+          lambda q: jax_flash.flash_attention(q, q, q, **kw), mesh=mesh,
+          in_specs=P(None, "sp"), out_specs=P(None, "sp")))(q)
+    except ValueError as e:
+      assert match in str(e), e
+    else:
+      raise AssertionError(f"no error for {kw}")
+  q6 = jnp.ones((b, t, 6, h))
+  try:
+    jax.jit(jax.shard_map(
+        lambda q: jax_flash.flash_attention(q, q, q, sequence_axis="sp"),
+        mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp")))(q6)
+  except ValueError as e:
+    assert "N=6 must be a multiple of 4" in str(e), e
+  else:
+    raise AssertionError("no error for 6 heads on 4 devices")
+  print("every sequence_axis case matches one device")
+
+
 if __name__ == "__main__":
-  if sys.argv[1] == "context_parallel":
+  if sys.argv[1] == "sequence_axis":
+    sequence_axis()
+  elif sys.argv[1] == "context_parallel":
     context_parallel()
   elif sys.argv[1] == "operands":
     operands()

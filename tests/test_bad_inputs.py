@@ -90,6 +90,9 @@ BAD = {
                     "version must be 1 or 2"),
     "context_parallel": (_attention(context_parallel="ulysses"),
                          "context_parallel must be one of"),
+    "sequence_axis_outside_shard_map": (
+        _attention(sequence_axis="sp"),
+        "sequence_axis='sp' names no axis of an enclosing shard_map"),
     "implementation": (_attention(implementation="cuda"),
                        "implementation must be one of"),
     "scale_nan": (_attention(scale=float("nan")), "scale must be finite"),

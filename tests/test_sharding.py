@@ -35,6 +35,15 @@ def test_context_parallel_strategies_match_one_device():
   assert "every case matches one device" in _run("context_parallel")
 
 
+def test_sequence_axis_inside_shard_map_matches_one_device():
+  """`sequence_axis` inside a shard_map: every case of
+  `sharded_run.sequence_axis` ran and matched one device."""
+  out = _run("sequence_axis")
+  assert sum(line.startswith("sequence_axis ")
+             for line in out.splitlines()) == 5, out
+  assert "every sequence_axis case matches one device" in out
+
+
 def test_operands_split_over_batch_and_heads():
   assert "every case matches one device" in _run("operands")
 

@@ -1,0 +1,122 @@
+"""`flash_attention(..., sequence_axis=name)` inside `jax.shard_map`: each
+device holds a contiguous chunk of the sequences; the call is the whole
+sequence's attention, by all_to_all (DeepSpeed-Ulysses): Q, K and V
+exchange their sequence chunks for the whole sequence of 1 / P of the
+heads, each device attends on those heads (the attention primitive, per
+device whole), and the output goes back to sequence chunks. Every step is
+a JAX collective or array op, so gradients, vmap and shard_map's checks
+of varying values follow from JAX's own rules."""
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+from jax import lax
+
+
+def _axis_size(axis) -> int:
+  """P: the size of mesh axis (or axes) `axis` of the enclosing shard_map."""
+  try:
+    return lax.axis_size(axis)
+  except NameError as e:
+    raise ValueError(
+        f"sequence_axis={axis!r} names no axis of an enclosing shard_map "
+        f"(flash_attention with sequence_axis runs inside jax.shard_map "
+        f"over that mesh axis): {e}") from None
+
+
+def _to_heads(x, seq: int, heads: int, axis):
+  """Sequence chunks of every head -> the whole sequence of this device's
+  heads."""
+  return lax.all_to_all(x, axis, heads, seq, tiled=True)
+
+
+def _to_chunks(x, seq: int, heads: int, axis):
+  return lax.all_to_all(x, axis, seq, heads, tiled=True)
+
+
+def _own_heads(x, dim: int, p: int, axis):
+  """This device's 1 / P of per-head array x along `dim` (a dim of 1
+  broadcasts and stays)."""
+  if x is None or jnp.ndim(x) == 0 or x.shape[dim] == 1:
+    return x
+  size = x.shape[dim] // p
+  return lax.dynamic_slice_in_dim(x, lax.axis_index(axis) * size, size, dim)
+
+
+def _pairs(x, name: str, num_heads: int, q_chunk: int, kv_chunk: int,
+           kv_len: int, p: int, axis):
+  """A bias or mask, broadcastable to [B, N, T / P, S] (its query rows
+  a chunk, its keys whole), as [B, N / P, T, S] for this device's heads."""
+  if x is None:
+    return None
+  x = jnp.asarray(x)
+  x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+  if x.shape[3] not in (1, kv_len):
+    raise ValueError(
+        f"{name} with sequence_axis: its key dim must be whole, {kv_len} "
+        f"(P={p} chunks of {kv_chunk}) or 1, got shape {x.shape}")
+  if x.shape[2] not in (1, q_chunk):
+    raise ValueError(
+        f"{name} with sequence_axis: its query dim must be this device's "
+        f"chunk, {q_chunk}, or 1, got shape {x.shape}")
+  if x.shape[2] == 1:
+    return _own_heads(x, 1, p, axis)
+  if x.shape[1] == num_heads and num_heads > 1:
+    return _to_heads(x, 2, 1, axis)
+  return lax.all_gather(x, axis, axis=2, tiled=True)
+
+
+def attend(attention, axis, query, key, value, bias, mask, *,
+           context_parallel, segment_ids, alibi_slopes, sinks, descale,
+           return_residual, **options):
+  """attention(q, k, v, bias, mask, head_offset=..., **options) on the
+  whole sequence of this device's heads, from and to sequence chunks over
+  `axis` (`flash_attention`'s `sequence_axis`)."""
+  p = _axis_size(axis)
+  if context_parallel not in ("auto", "all_to_all"):
+    raise ValueError(
+        f"context_parallel={context_parallel!r} with sequence_axis: inside "
+        f"shard_map the sequence runs all_to_all ('auto' or 'all_to_all')")
+  if query.ndim not in (3, 4) or key.ndim != query.ndim:
+    raise ValueError(
+        f"sequence_axis: query [B, T, N, H] or [T, N, H] and key of the same "
+        f"rank, got {query.shape} and {key.shape}")
+  seq, heads = query.ndim - 3, query.ndim - 2
+  num_heads, kv_heads = query.shape[heads], key.shape[heads]
+  if num_heads % p:
+    raise ValueError(
+        f"sequence_axis={axis!r}: all_to_all splits the query heads over "
+        f"the axis's {p} devices, so N={num_heads} must be a multiple of "
+        f"{p}")
+  if descale is not None and any(jnp.ndim(d) for d in descale):
+    raise ValueError("sequence_axis with float8 inputs takes scalar "
+                     "descales only")
+  if kv_heads and num_heads % kv_heads == 0 and kv_heads % p:
+    # Each device needs whole KV heads: repeat them up to lcm(K, P), which
+    # divides N; query head n still attends with KV head n // (N // K).
+    repeats = math.lcm(kv_heads, p) // kv_heads
+    key, value = (jnp.repeat(x, repeats, axis=heads) for x in (key, value))
+  kv_len = key.shape[seq] * p
+  q_chunk = query.shape[seq]
+  bias, mask = (_pairs(x, name, num_heads, q_chunk, key.shape[seq], kv_len,
+                       p, axis)
+                for x, name in ((bias, "bias"), (mask, "mask")))
+  if segment_ids is not None:
+    ids = (segment_ids if isinstance(segment_ids, (tuple, list)) else
+           (segment_ids,))
+    ids = tuple(lax.all_gather(jnp.asarray(x), axis, axis=jnp.ndim(x) - 1,
+                               tiled=True) for x in ids)
+    segment_ids = ids if isinstance(segment_ids, (tuple, list)) else ids[0]
+  q, k, v = (_to_heads(x, seq, heads, axis) for x in (query, key, value))
+  offset = lax.axis_index(axis) * (num_heads // p)
+  out = attention(
+      q, k, v, bias, mask, head_offset=offset, segment_ids=segment_ids,
+      alibi_slopes=_own_heads(alibi_slopes, -1, p, axis),
+      sinks=_own_heads(sinks, -1, p, axis), descale=descale,
+      return_residual=return_residual, context_parallel="auto", **options)
+  if return_residual:
+    out, lse = out
+    return (_to_chunks(out, seq, heads, axis),
+            _to_chunks(lse, seq, heads, axis))
+  return _to_chunks(out, seq, heads, axis)
