@@ -25,7 +25,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None,
                           attn_weights_value_einsum=None, *,
                           is_causal: bool = False, implementation=None,
                           block_sizes=None, sinks=None, fp8=False,
-                          context_parallel="auto"):
+                          context_parallel="auto", sequence_axis=None):
   """Drop-in for `flax.linen.dot_product_attention`, computed by flash attention.
 
   Takes every argument linen passes; the softmax is always float32
@@ -33,7 +33,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None,
   are not used. With `module` set (`sow_weights=True`, which needs the
   attention weights) it falls back to flax's implementation. `is_causal`,
   `implementation`, `block_sizes`, `sinks` ([num_heads] learned sink
-  logits), `fp8` and `context_parallel` are this library's additions; see
+  logits), `fp8`, `context_parallel` and `sequence_axis` are this
+  library's additions; see
   `jax_flash.nnx.dot_product_attention` for the rest.
   """
   check_sow_weights(module, sinks)
@@ -49,7 +50,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None,
                 dropout_rate=dropout_rate, deterministic=deterministic,
                 is_causal=is_causal, implementation=implementation,
                 block_sizes=block_sizes, sinks=sinks, fp8=fp8,
-                context_parallel=context_parallel)
+                context_parallel=context_parallel,
+                sequence_axis=sequence_axis)
 
 
 class FlashAttention(nn.MultiHeadDotProductAttention):
@@ -57,7 +59,8 @@ class FlashAttention(nn.MultiHeadDotProductAttention):
 
   Same fields and parameters (a model swaps it in and keeps its checkpoint),
   plus `is_causal` (causal without a T x S mask), `implementation`,
-  `block_sizes`, `fp8`, `context_parallel` (`jax_flash.flash_attention`'s)
+  `block_sizes`, `fp8`, `context_parallel`, `sequence_axis`
+  (`jax_flash.flash_attention`'s)
   and `sinks`: True
   adds a parameter `sinks` [num_heads]
   (float32, zeros at first), learned attention sinks (see
@@ -71,6 +74,7 @@ class FlashAttention(nn.MultiHeadDotProductAttention):
   sinks: bool = False
   fp8: bool | str = False
   context_parallel: str = "auto"
+  sequence_axis: Any = None
 
   def __post_init__(self):
     check_module_options(self.implementation, self.block_sizes, self.fp8,
@@ -80,7 +84,8 @@ class FlashAttention(nn.MultiHeadDotProductAttention):
       object.__setattr__(self, "attention_fn", functools.partial(
           dot_product_attention, is_causal=self.is_causal,
           implementation=self.implementation, block_sizes=self.block_sizes,
-          fp8=self.fp8, context_parallel=self.context_parallel))
+          fp8=self.fp8, context_parallel=self.context_parallel,
+          sequence_axis=self.sequence_axis))
     super().__post_init__()
 
   @nn.compact

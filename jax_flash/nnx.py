@@ -24,7 +24,8 @@ from jax_flash.spec import fp8 as fp8_lib
 
 def attend(query, key, value, bias, mask, *, broadcast_dropout, dropout_rng,
            dropout_rate, deterministic, is_causal, implementation,
-           block_sizes, sinks=None, fp8=False, context_parallel="auto"):
+           block_sizes, sinks=None, fp8=False, context_parallel="auto",
+           sequence_axis=None):
   """flax's attention_fn contract on top of `flash_attention`.
 
   query [batch..., T, N, H]; key/value [batch..., S, K, H]; bias/mask
@@ -60,7 +61,7 @@ def attend(query, key, value, bias, mask, *, broadcast_dropout, dropout_rng,
       dropout_rng=dropout_rng if use_dropout else None,
       dropout_broadcast=broadcast_dropout, sinks=sinks,
       implementation=implementation, block_sizes=block_sizes, fp8=fp8,
-      context_parallel=context_parallel)
+      context_parallel=context_parallel, sequence_axis=sequence_axis)
   return out.reshape(batch_dims + out.shape[-3:])
 
 
@@ -94,7 +95,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None,
                           promote_dtype=dtypes.promote_dtype,
                           is_causal: bool = False, *, implementation=None,
                           block_sizes=None, sinks=None, fp8=False,
-                          context_parallel="auto"):
+                          context_parallel="auto", sequence_axis=None):
   """Drop-in for `flax.nnx.dot_product_attention`, computed by flash attention.
 
   Takes every argument nnx passes. `is_causal` skips the masked tiles instead
@@ -106,8 +107,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None,
   dots). With `module` set (nnx's `sow_weights=True`, which needs the T x S
   attention weights), it falls back to flax's own implementation.
 
-  `implementation`, `block_sizes`, `sinks`, `fp8` and `context_parallel`
-  are passed to `flash_attention`.
+  `implementation`, `block_sizes`, `sinks`, `fp8`, `context_parallel` and
+  `sequence_axis` are passed to `flash_attention`.
   """
   check_sow_weights(module, sinks)
   if module is not None:
@@ -121,7 +122,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None,
                 dropout_rate=dropout_rate, deterministic=deterministic,
                 is_causal=is_causal, implementation=implementation,
                 block_sizes=block_sizes, sinks=sinks, fp8=fp8,
-                context_parallel=context_parallel)
+                context_parallel=context_parallel,
+                sequence_axis=sequence_axis)
 
 
 class FlashAttention(nnx.MultiHeadAttention):
@@ -131,7 +133,8 @@ class FlashAttention(nnx.MultiHeadAttention):
   through `init_cache`), same parameters, so a model swaps it in and keeps its
   checkpoint. Extra keyword arguments: `implementation`, `block_sizes`,
   `fp8` (FP8 attention: `flash_attention`'s; decoding runs unquantized) and
-  `context_parallel` (inputs sharded along the sequence), for
+  `context_parallel` (inputs sharded along the sequence) and
+  `sequence_axis` (called inside shard_map on sequence chunks), for
   `flash_attention`, and `sinks=True`, which adds a parameter `sinks`
   [num_heads] (zeros at first): learned attention sinks (see
   `flash_attention`). Calls take `is_causal=True` without building a mask.
@@ -143,13 +146,13 @@ class FlashAttention(nnx.MultiHeadAttention):
 
   def __init__(self, *args, implementation=None, block_sizes=None,
                sinks: bool = False, fp8=False, context_parallel="auto",
-               attention_fn=None, **kwargs):
+               sequence_axis=None, attention_fn=None, **kwargs):
     check_module_options(implementation, block_sizes, fp8, context_parallel)
     if attention_fn is None:
       attention_fn = functools.partial(
           dot_product_attention, implementation=implementation,
           block_sizes=block_sizes, fp8=fp8,
-          context_parallel=context_parallel)
+          context_parallel=context_parallel, sequence_axis=sequence_axis)
     self.implementation = implementation
     super().__init__(*args, attention_fn=attention_fn, **kwargs)
     self.sinks = (nnx.Param(jnp.zeros((self.num_heads,), jnp.float32))

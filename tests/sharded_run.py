@@ -579,7 +579,42 @@ def sequence_axis():
     assert "N=6 must be a multiple of 4" in str(e), e
   else:
     raise AssertionError("no error for 6 heads on 4 devices")
+  _modules_on_sequence_chunks(mesh)
   print("every sequence_axis case matches one device")
+
+
+def _modules_on_sequence_chunks(mesh):
+  """nnx's and linen's FlashAttention built with sequence_axis="sp",
+  called inside a shard_map on sequence chunks (their parameters
+  replicated): the whole sequence's result, chunked."""
+  from flax import nnx
+  x = jax.random.normal(jax.random.key(5), (2, 64, 32))
+  chunks = dict(in_specs=(P(), P(None, "sp")), out_specs=P(None, "sp"))
+  attn = jax_flash.nnx.FlashAttention(
+      num_heads=8, num_kv_heads=2, in_features=32, decode=False,
+      rngs=nnx.Rngs(0))
+  graph, state = nnx.split(attn)
+  whole = nnx.merge(graph, state)(x, is_causal=True)
+  local = jax_flash.nnx.FlashAttention(
+      num_heads=8, num_kv_heads=2, in_features=32, decode=False,
+      sequence_axis="sp", rngs=nnx.Rngs(0))
+  graph, state = nnx.split(local)
+  got = jax.jit(jax.shard_map(
+      lambda state, x: nnx.merge(graph, state)(x, is_causal=True),
+      mesh=mesh, **chunks))(state, x)
+  nnx_error = relative_error(got, whole)
+  module = jax_flash.linen.FlashAttention(num_heads=8, qkv_features=32,
+                                          is_causal=True)
+  params = module.init(jax.random.key(1), x)
+  want = module.apply(params, x)
+  module = jax_flash.linen.FlashAttention(num_heads=8, qkv_features=32,
+                                          is_causal=True, sequence_axis="sp")
+  got = jax.jit(jax.shard_map(lambda params, x: module.apply(params, x),
+                              mesh=mesh, **chunks))(params, x)
+  linen_error = relative_error(got, want)
+  print(f"modules on sequence chunks: nnx {nnx_error}, linen {linen_error}")
+  assert max(nnx_error, linen_error) <= tolerance(jnp.float32).out, (
+      nnx_error, linen_error)
 
 
 if __name__ == "__main__":

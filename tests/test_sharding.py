@@ -37,10 +37,12 @@ def test_context_parallel_strategies_match_one_device():
 
 def test_sequence_axis_inside_shard_map_matches_one_device():
   """`sequence_axis` inside a shard_map: every case of
-  `sharded_run.sequence_axis` ran and matched one device."""
+  `sharded_run.sequence_axis` ran and matched one device, the Flax
+  modules built with it too."""
   out = _run("sequence_axis")
   assert sum(line.startswith("sequence_axis ")
              for line in out.splitlines()) == 5, out
+  assert "modules on sequence chunks" in out
   assert "every sequence_axis case matches one device" in out
 
 
