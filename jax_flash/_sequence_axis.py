@@ -8,10 +8,13 @@ a JAX collective or array op, so gradients, vmap and shard_map's checks
 of varying values follow from JAX's own rules."""
 from __future__ import annotations
 
+import functools
 import math
 
 import jax.numpy as jnp
 from jax import lax
+
+from jax_flash._sharding import localize
 
 
 def _axis_size(axis) -> int:
@@ -25,31 +28,11 @@ def _axis_size(axis) -> int:
         f"over that mesh axis): {e}") from None
 
 
-def _to_heads(x, seq: int, heads: int, axis):
-  """Sequence chunks of every head -> the whole sequence of this device's
-  heads."""
-  return lax.all_to_all(x, axis, heads, seq, tiled=True)
-
-
-def _to_chunks(x, seq: int, heads: int, axis):
-  return lax.all_to_all(x, axis, seq, heads, tiled=True)
-
-
-def _own_heads(x, dim: int, p: int, axis):
-  """This device's 1 / P of per-head array x along `dim` (a dim of 1
-  broadcasts and stays)."""
-  if x is None or jnp.ndim(x) == 0 or x.shape[dim] == 1:
-    return x
-  size = x.shape[dim] // p
-  return lax.dynamic_slice_in_dim(x, lax.axis_index(axis) * size, size, dim)
-
-
 def _pairs(x, name: str, num_heads: int, q_chunk: int, kv_chunk: int,
-           kv_len: int, p: int, axis):
-  """A bias or mask, broadcastable to [B, N, T / P, S] (its query rows
-  a chunk, its keys whole), as [B, N / P, T, S] for this device's heads."""
-  if x is None:
-    return None
+           kv_len: int, p: int):
+  """(a bias or mask as 4-D, its `_sharding.localize` factors): x
+  broadcastable to [B, N, T / P, S] (its query rows a chunk, its keys
+  whole), its dims of 1 factors of their own."""
   x = jnp.asarray(x)
   x = x.reshape((1,) * (4 - x.ndim) + x.shape)
   if x.shape[3] not in (1, kv_len):
@@ -60,11 +43,8 @@ def _pairs(x, name: str, num_heads: int, q_chunk: int, kv_chunk: int,
     raise ValueError(
         f"{name} with sequence_axis: its query dim must be this device's "
         f"chunk, {q_chunk}, or 1, got shape {x.shape}")
-  if x.shape[2] == 1:
-    return _own_heads(x, 1, p, axis)
-  if x.shape[1] == num_heads and num_heads > 1:
-    return _to_heads(x, 2, 1, axis)
-  return lax.all_gather(x, axis, axis=2, tiled=True)
+  heads = "n" if x.shape[1] == num_heads and num_heads > 1 else "u"
+  return x, f"u {heads} {'t' if x.shape[2] > 1 else 'u'} u"
 
 
 def attend(attention, axis, query, key, value, bias, mask, *,
@@ -99,24 +79,32 @@ def attend(attention, axis, query, key, value, bias, mask, *,
     key, value = (jnp.repeat(x, repeats, axis=heads) for x in (key, value))
   kv_len = key.shape[seq] * p
   q_chunk = query.shape[seq]
-  bias, mask = (_pairs(x, name, num_heads, q_chunk, key.shape[seq], kv_len,
-                       p, axis)
-                for x, name in ((bias, "bias"), (mask, "mask")))
+  batch = "b " * (query.ndim - 3)
+  to_heads = functools.partial(localize, seq=axis, p=p, to_heads=True)
+  pairs = []
+  for x, name in ((bias, "bias"), (mask, "mask")):
+    if x is not None:
+      x = to_heads(*_pairs(x, name, num_heads, q_chunk, key.shape[seq],
+                           kv_len, p))
+    pairs.append(x)
   if segment_ids is not None:
-    ids = (segment_ids if isinstance(segment_ids, (tuple, list)) else
-           (segment_ids,))
-    ids = tuple(lax.all_gather(jnp.asarray(x), axis, axis=jnp.ndim(x) - 1,
-                               tiled=True) for x in ids)
-    segment_ids = ids if isinstance(segment_ids, (tuple, list)) else ids[0]
-  q, k, v = (_to_heads(x, seq, heads, axis) for x in (query, key, value))
+    pair = isinstance(segment_ids, (tuple, list))
+    ids = tuple(to_heads(jnp.asarray(x), "u " * (jnp.ndim(x) - 1) + "t")
+                for x in (segment_ids if pair else (segment_ids,)))
+    segment_ids = ids if pair else ids[0]
+  per_head = {name: None if x is None or jnp.ndim(x) == 0 else
+              to_heads(x, "u " * (jnp.ndim(x) - 1) + "n")
+              for name, x in (("alibi_slopes", alibi_slopes),
+                              ("sinks", sinks))}
+  q, k, v = (to_heads(x, batch + "t n h") for x in (query, key, value))
   offset = lax.axis_index(axis) * (num_heads // p)
   out = attention(
-      q, k, v, bias, mask, head_offset=offset, segment_ids=segment_ids,
-      alibi_slopes=_own_heads(alibi_slopes, -1, p, axis),
-      sinks=_own_heads(sinks, -1, p, axis), descale=descale,
-      return_residual=return_residual, context_parallel="auto", **options)
+      q, k, v, *pairs, head_offset=offset, segment_ids=segment_ids,
+      descale=descale, return_residual=return_residual,
+      context_parallel="auto", **per_head, **options)
+  to_chunks = lambda y, factors: localize(y, batch + factors, axis, p,
+                                           to_heads=False)
   if return_residual:
     out, lse = out
-    return (_to_chunks(out, seq, heads, axis),
-            _to_chunks(lse, seq, heads, axis))
-  return _to_chunks(out, seq, heads, axis)
+    return to_chunks(out, "t n h"), to_chunks(lse, "t n")
+  return to_chunks(out, "t n h")

@@ -539,7 +539,7 @@ def operand_factors(operands: Operands, q, k) -> tuple[str, ...]:
   return tuple(factors)
 
 
-def _localize(x, factors: str, seq, p: int, to_heads: bool):
+def localize(x, factors: str, seq, p: int, to_heads: bool):
   """One array of an all_to_all call with operands, on a device, moved
   between its sequence chunk of every head (`to_heads` False) and the
   whole sequence of its 1 / P of the heads: per (token, head) arrays by
@@ -573,7 +573,7 @@ def _split_with_operands(fn, in_factors, out_factors, refused, refit_why,
   or the other strategies (`lowerings`: name -> (cfg, split, p) -> the
   per-device function) unless `refused` (strategy -> why) says otherwise:
   each array and
-  result along its factors (a string each: "b t n h"; `_localize`), its
+  result along its factors (a string each: "b t n h"; `localize`), its
   other dims whole. A result without the batch factor (or without the
   heads') is summed over the devices of the batch (heads) split: the
   gradient of an operand that broadcasts along it. The array at
@@ -630,11 +630,11 @@ def _split_with_operands(fn, in_factors, out_factors, refused, refit_why,
         return tuple(summed(y, f)
                      for y, f in zip(local_fn(*arrays), out_factors))
       if split.seq is not None:
-        arrays = [_localize(x, f, split.seq, p, True)
+        arrays = [localize(x, f, split.seq, p, True)
                   for x, f in zip(arrays, in_factors)]
       outs = fn(*arrays, cfg)
       if split.seq is not None:
-        outs = [_localize(y, f, split.seq, p, False)
+        outs = [localize(y, f, split.seq, p, False)
                 for y, f in zip(outs, out_factors)]
       return tuple(summed(y, f) for y, f in zip(outs, out_factors))
     return (mesh, lower, shardings(mesh, split, out_factors, result_shape),

@@ -226,8 +226,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
   last key tile past S): TMA reads zeros there and drops the stores of O's
   rows past T (`tma_rows`); a consumer whose rows all lie at or past q_len
   (the call's T) only releases its tiles, so the other one's 64 rows run
-  alone (257 tokens: the last query tile's second warpgroup). `layout`: the head dim's column parts, each
-  with tiles of its own, and whether they are copied untiled
+  alone (257 tokens: the last query tile's second warpgroup). `layout`:
+  the head dim's column parts, each with tiles of its own, and whether
+  they are copied untiled
   (`tiles.Columns`); the last part may reach past H. extra_refs
   (each None when absent): the range table of block_q-row query tiles
   (`range_table`), ALiBi slopes [B, N], query and key ids [B, T], [B, S]
@@ -626,8 +627,8 @@ def flash_forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
     _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref,
                     (buffers, ready, free, schedule), mask=mask,
                     scores=scores, blocks=blocks, group=group, q_len=q_len,
-                    kv_len=kv_len, num_tiles=num_tiles, programs=programs, layout=layout,
-                    fp8=fp8)
+                    kv_len=kv_len, num_tiles=num_tiles, programs=programs,
+                    layout=layout, fp8=fp8)
 
   o, lse = plgpu.kernel(
       body,
