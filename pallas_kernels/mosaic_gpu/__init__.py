@@ -50,7 +50,8 @@ from jax_flash.spec.scores import Scores
 from pallas_kernels.mosaic_gpu import config
 from pallas_kernels.mosaic_gpu import flash_decode
 from pallas_kernels.mosaic_gpu.config import BlockSizes
-from pallas_kernels.mosaic_gpu.flash_bwd import flash_backward
+from pallas_kernels.mosaic_gpu.flash_bwd import (backward_columns,
+                                                 flash_backward)
 from pallas_kernels.mosaic_gpu.flash_fwd import flash_forward, fp8_operands
 from pallas_kernels.mosaic_gpu.tiles import Columns
 
@@ -143,6 +144,15 @@ def _pad_heads(q, k, v, *rest):
   return tuple(pad_to(x, x.ndim - 1, size) for x in (q, k, v, *rest))
 
 
+def _backward_pads(problem: Problem, dtype, blocks: BlockSizes) -> bool:
+  """Whether the backward pads the head dims (`_pad_heads`): a value head
+  dim of its own, or one the kernels' column parts cannot read in place
+  (`flash_bwd.backward_columns`)."""
+  return (problem.value_head_dim != problem.head_dim
+          or backward_columns(dtype, problem.head_dim, problem.q_len,
+                              problem.kv_len, blocks) is None)
+
+
 @dataclasses.dataclass(frozen=True)
 class MosaicGpuBackend:
   """The `jax_flash.spec.backend.Backend` of the Mosaic GPU kernels."""
@@ -218,18 +228,13 @@ class MosaicGpuBackend:
   def backward_slower(self, problem: Problem, dtype, *, mask: Mask,
                       scores: Scores) -> str | None:
     """Up to `config.TRITON_MAX_KV_LEN` keys the Triton backward is faster
-    where XLA copies arrays around this one: a head dim padded to a
-    multiple of 16 or a length off a multiple of 8 (its pipelined tiles
-    are copied tiled)."""
-    del dtype, mask, scores
-    padded = (problem.head_dim != problem.value_head_dim or
-              config.kernel_head_dim(problem.head_dim,
-                                     problem.head_dim) != problem.head_dim)
-    if problem.kv_len <= config.TRITON_MAX_KV_LEN and (
-        padded or problem.q_len % 8 or problem.kv_len % 8):
+    where XLA pads the head dims around this one (`_backward_pads`)."""
+    del mask, scores
+    if (problem.kv_len <= config.TRITON_MAX_KV_LEN
+        and _backward_pads(problem, dtype, BlockSizes())):
       return (f"the Triton backward is faster on {problem.kv_len} keys (at "
               f"most {config.TRITON_MAX_KV_LEN}) where the Mosaic backward "
-              f"would copy arrays")
+              f"would pad head dims")
     return None
 
   def config(self, block_sizes, problem: Problem, dtype, *, is_causal: bool,
@@ -361,7 +366,12 @@ class MosaicGpuBackend:
     (q, do), (k, v) = without_padding(mask, operands.q_ids, operands.kv_ids,
                                       (q, do), (k, v))
     head_dim, value_dim = q.shape[-1], v.shape[-1]
-    q, k, v, o, do = _pad_heads(q, k, v, o, do)
+    problem = Problem(batch=q.shape[0], q_len=q.shape[1], kv_len=k.shape[1],
+                      num_heads=q.shape[2], num_kv_heads=k.shape[2],
+                      head_dim=head_dim, unbatched=False,
+                      value_head_dim=value_dim)
+    if _backward_pads(problem, q.dtype, config):
+      q, k, v, o, do = _pad_heads(q, k, v, o, do)
     dq, dk, dv = flash_backward(q, k, v, operands, o, lse, do, dlse,
                                 mask=mask, scores=scores, block_sizes=config)
     return (dq[..., :head_dim], dk[..., :head_dim], dv[..., :value_dim],

@@ -36,6 +36,7 @@ order that varies, so dQ is not bitwise deterministic.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -49,16 +50,17 @@ from jax_flash.spec.mask import Mask, cdiv, kv_block_ranges, q_block_ranges
 from jax_flash.spec.operands import Operands
 from jax_flash.spec.padding import pad_pairs, pad_to, round_up
 from jax_flash.spec.scores import Scores
-from pallas_kernels.mosaic_gpu.config import (FUSED_DQ_HEAD_DIMS, BlockSizes,
+from pallas_kernels.mosaic_gpu.config import (FUSED_DQ_HEAD_DIMS,
+                                              HEAD_DIM_MULTIPLE, BlockSizes,
                                               compiler_params, fused_dq_columns)
-from pallas_kernels.mosaic_gpu.tiles import (COL, COMPUTE_WGS, ROW,
+from pallas_kernels.mosaic_gpu.tiles import (COL, COMPUTE_WGS, ROW, Columns,
+                                             await_last_releases, columns,
                                              cta_row_tile, dropped, load_ids,
                                              logits2, needs_positions,
-                                             one_atom_wide, pad_ids,
-                                             range_table, smem_transforms,
-                                             split_refs, table_ranges,
-                                             tile_buffer, tile_views, tma_rows,
-                                             visible)
+                                             pad_ids, range_table,
+                                             smem_transforms, split_refs,
+                                             table_ranges, tile_buffer,
+                                             tile_views, tma_rows, visible)
 
 
 def _meet(barrier):
@@ -103,12 +105,30 @@ def split_dkv(head_dim: int) -> bool:
   return head_dim > 128
 
 
+def _parts(views, slot):
+  """The wgmma views of each column part's tile in `slot`."""
+  return [mma.at[slot] for _, mma in views]
+
+
+def _store(tiles, index, dtype):
+  """Writes gradient tiles, each (copy view, wgmma view, value, out_ref,
+  columns): the values into the tiles' shared memory, then by TMA to
+  out_ref[*index, columns]; waits for the stores."""
+  for _, mma, grad, _, _ in tiles:
+    mma[...] = grad.astype(dtype)
+  plgpu.commit_smem()
+  for copy, _, _, out_ref, cols in tiles:
+    plgpu.copy_smem_to_gmem(copy, out_ref.at[(*index, cols)],
+                            commit_group=False)
+  plgpu.commit_smem_to_gmem_group()
+  plgpu.wait_smem_to_gmem(0)
+
+
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
                 slopes_ref, q_ids_ref, kv_ids_ref, seed_ref, dense_ref,
-                bias_ref, dq_ref, dk_ref, dv_ref,
-                k_buffer, v_buffer, ready, done, fused, *, mask: Mask,
+                bias_ref, dq_ref, dk_ref, dv_ref, scratch, *, mask: Mask,
                 scores: Scores, blocks: BlockSizes, group: int, kv_len: int,
-                whole_atoms: bool):
+                layout: Columns):
   """q/do [B, T, N, H], k/v and dk/dv [B, S, K, H], lse/delta [B, N, T']
   (T' >= T: whole tiles); keys at or past kv_len (<= S: XLA's padding) are
   masked, tiles past T or S read zeros and store nothing there. Each None when
@@ -116,22 +136,40 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
   `range_table`); slopes_ref, ALiBi slopes [B, N]; q_ids_ref / kv_ids_ref,
   ids [B, T] / [B, S] padded past the kernel's tiles; seed_ref, dropout
   seed [4]; dense_ref, bias_ref: a dense mask and a bias, transposed
-  (`pad_pairs`); dq_ref, with `blocks.fused_dq` (then `fused` holds its
-  scratch, `_accumulate_dq`): float32 [B, T, N, H], zeros, to which the
-  kernel adds dS K. With `whole_atoms`, K and V and their gradients are
-  copied untiled (`tiles.tile_buffer`).
+  (`pad_pairs`); dq_ref, with `blocks.fused_dq` (then scratch's `fused`
+  holds its buffers, `_accumulate_dq`): float32 [B, T, N, H], zeros, to
+  which the kernel adds dS K. `layout`: the head dim's column parts, each
+  with tiles of its own, and whether TMA copies them untiled
+  (`tiles.Columns`; the last part may reach past H).
+
+  Warpgroup 2 streams the (query tile, query head) steps' Q and dO tiles,
+  L and D rows through `num_stages_bwd` slots: Q with L and D once the
+  slot's Q is released (`q_free`, after dK's matmul), dO once its dO is
+  (`do_free`, after dV's).
 
   Head dims above 128 (`split_dkv`): dK and dV together would need H
   registers a thread, so the CTA owns block_kv_dkv key rows that both
   warpgroups share (one K/V copy in shared memory): warpgroup 0 accumulates
   dV, warpgroup 1 dK, each recomputing S^T (5 matmuls a step instead of 4).
   """
+  (k_buffers, v_buffers, q_buffers, do_buffers, lse_smem2,
+   delta_smem2) = scratch["buffers"]
+  kv_ready, q_ready, do_ready = scratch["ready"]
+  q_free, do_free = scratch["free"]
+  done, fused = scratch.get("done"), scratch.get("fused")
+  untiled = all(layout.untiled)
+  k_views, v_views, q_views, do_views = (
+      [tile_views(x, untiled) for x in buffers]
+      for buffers in (k_buffers, v_buffers, q_buffers, do_buffers))
+  head_dim = q_ref.shape[3]
+  part_columns = [columns(start, width, head_dim)
+                  for start, width in layout.parts]
+  num_parts = len(layout.parts)
   bq, bkv = blocks.block_q_dkv, blocks.block_kv_dkv
-  q_len, head_dim = q_ref.shape[1], q_ref.shape[3]
-  (k_copy2, k_smem2), (v_copy2, v_smem2) = (
-      tile_views(x, whole_atoms) for x in (k_buffer, v_buffer))
+  stages = blocks.num_stages_bwd
+  q_len = q_ref.shape[1]
   dtype = q_ref.dtype
-  split = split_dkv(head_dim)
+  split = split_dkv(layout.width)
   batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
   wg = lax.axis_index("wg")
   cta_rows = bkv if split else COMPUTE_WGS * bkv
@@ -144,78 +182,69 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
   last_tile = cdiv(q_len, bq) - 1
   # One step at least: keys no query sees get a fully masked tile (P = 0),
   # so their dK/dV are written as zeros by the same code.
-  steps = jnp.maximum(hi - lo, 1)
+  steps = jnp.maximum(hi - lo, 1) * group  # (query tile, head of the group)
   slot = 0 if split else wg
-  k_smem, v_smem = k_smem2.at[slot], v_smem2.at[slot]
-  k_copy, v_copy = k_copy2.at[slot], v_copy2.at[slot]
+  k_own = [(copy.at[slot], mma.at[slot]) for copy, mma in k_views]
+  v_own = [(copy.at[slot], mma.at[slot]) for copy, mma in v_views]
   rows = pl.ds(kv_start, bkv)
   first_head = kv_head * group
 
   def q_tile(i):
     return jnp.minimum(lo + i, last_tile)
 
+  def step_index(n):
+    """(query tile step i, head of the group g, ring slot) of step n."""
+    return lax.div(n, group), lax.rem(n, group), lax.rem(n, stages)
+
+  @pl.when(wg == COMPUTE_WGS)
+  def _producer():
+    plgpu.set_max_registers(blocks.producer_registers, action="decrease")
+
+    @pl.loop(0, steps)
+    def _(n):
+      i, g, ring = step_index(n)
+      tile = (batch, pl.ds(q_tile(i) * bq, bq), first_head + g)
+
+      @pl.when(n >= stages)
+      def _():
+        plgpu.barrier_wait(q_free.at[ring])
+      for (copy, _), cols in zip(q_views, part_columns):
+        plgpu.copy_gmem_to_smem(q_ref.at[(*tile, cols)], copy.at[ring],
+                                q_ready.at[ring])
+      for ref, smem in ((lse_ref, lse_smem2), (delta_ref, delta_smem2)):
+        plgpu.copy_gmem_to_smem(ref.at[batch, first_head + g, tile[1]],
+                                smem.at[ring], q_ready.at[ring])
+
+      @pl.when(n >= stages)
+      def _():
+        plgpu.barrier_wait(do_free.at[ring])
+      for (copy, _), cols in zip(do_views, part_columns):
+        plgpu.copy_gmem_to_smem(do_ref.at[(*tile, cols)], copy.at[ring],
+                                do_ready.at[ring])
+    await_last_releases(steps, stages, q_free, do_free)
+
   def load_kv():
-    plgpu.copy_gmem_to_smem(k_ref.at[batch, rows, kv_head], k_copy,
-                            ready.at[0, slot])
-    plgpu.copy_gmem_to_smem(v_ref.at[batch, rows, kv_head], v_copy,
-                            ready.at[1, slot])
+    for own, ref, ready in ((k_own, k_ref, kv_ready.at[0, slot]),
+                            (v_own, v_ref, kv_ready.at[1, slot])):
+      for (copy, _), cols in zip(own, part_columns):
+        plgpu.copy_gmem_to_smem(ref.at[batch, rows, kv_head, cols], copy,
+                                ready)
 
-  def store(smem, copy, grad, out_ref):
-    smem[...] = grad.astype(dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(copy, out_ref.at[batch, rows, kv_head])
-    plgpu.wait_smem_to_gmem(0)
+  def accumulators():
+    return [plgpu.ACC((bkv, width), jnp.float32) for _, width in layout.parts]
 
-  def compute_split(pipeline):
-    pl.when(wg == 0)(load_kv)  # One copy, both warpgroups wait on it.
-    kv_ids = load_ids(kv_ids_ref, batch, kv_start, bkv, ROW)
-    plgpu.barrier_wait(ready.at[0, 0])
-    plgpu.barrier_wait(ready.at[1, 0])
-
-    def run(acc):
-      pipeline((acc, kv_ids))
-      return acc[...]
-    grad = pl.run_scoped(run, plgpu.ACC((bkv, head_dim), jnp.float32))
-    _meet(done)  # Neither overwrites K or V before both are done reading.
-    pl.when(wg == 0)(lambda: store(v_smem, v_copy, grad, dv_ref))
-    pl.when(wg == 1)(lambda: store(k_smem, k_copy, grad * scores.scale,
-                                   dk_ref))
-
-  def compute(pipeline):
-    load_kv()
-    kv_ids = load_ids(kv_ids_ref, batch, kv_start, bkv, ROW)
-    plgpu.barrier_wait(ready.at[0, wg])
-    plgpu.barrier_wait(ready.at[1, wg])
-
-    def run(dk_acc, dv_acc):
-      pipeline((dk_acc, dv_acc, kv_ids))
-      return dk_acc[...], dv_acc[...]
-    dk, dv = pl.run_scoped(run, plgpu.ACC((bkv, head_dim), jnp.float32),
-                           plgpu.ACC((bkv, head_dim), jnp.float32))
-    if done is not None:  # `fused_dq`'s matmuls read the other's K too.
-      _meet(done)
-    k_smem[...] = (dk * scores.scale).astype(dtype)
-    v_smem[...] = dv.astype(dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(k_copy, dk_ref.at[batch, rows, kv_head],
-                            commit_group=False)
-    plgpu.copy_smem_to_gmem(v_copy, dv_ref.at[batch, rows, kv_head],
-                            commit_group=False)
-    plgpu.commit_smem_to_gmem_group()
-    plgpu.wait_smem_to_gmem(0)
-
-  def step(index, q_smem, do_smem, lse_smem, delta_smem, q_free, do_free,
-           lse_free, delta_free, carry):
-    i, g = index
+  def step(n, carry, accs, kv_ids):
+    i, g, ring = step_index(n)
     shape = (bkv, bq)
     head = first_head + g
+    q_smems, do_smems = _parts(q_views, ring), _parts(do_views, ring)
+    plgpu.barrier_wait(q_ready.at[ring])
 
     def scores_t(acc):
-      plgpu.wgmma(acc, k_smem, q_smem.T)
-      lse = plgpu.load(lse_smem, layout=COL)
-      delta = plgpu.load(delta_smem, layout=COL)
-      plgpu.barrier_arrive(lse_free)
-      plgpu.barrier_arrive(delta_free)
+      for (_, k_smem), q_smem in zip(k_own, q_smems):
+        plgpu.wgmma(acc, k_smem, q_smem.T)
+      lse = plgpu.load(lse_smem2.at[ring], layout=COL)
+      delta = plgpu.load(delta_smem2.at[ring], layout=COL)
       return acc[...], lse, delta
     s, lse, delta = pl.run_scoped(scores_t, plgpu.ACC(shape, jnp.float32))
     def positions():  # Transposed: queries across, keys down.
@@ -225,7 +254,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
     if mask.has_ids:
       q_ids = load_ids(q_ids_ref, batch, q_tile(i) * bq, bq, COL)
       ids = dict(q_ids=lax.broadcast_in_dim(q_ids, shape, [1]),
-                 kv_ids=lax.broadcast_in_dim(carry[-1], shape, [0]))
+                 kv_ids=lax.broadcast_in_dim(kv_ids, shape, [0]))
     tile = lo + i
     p, aux = _probabilities(
         s, lax.broadcast_in_dim(lse, shape, [1]),
@@ -238,68 +267,100 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
       return dropped(x, scores, seed_ref, batch, head, *(rows_cols or
                                                          (None, None)))
 
+    def dp_parts(acc):  # dP^T = V dO^T, issued.
+      for (_, v_smem), do_smem in zip(v_own, do_smems):
+        plgpu.wgmma(acc, v_smem, do_smem.T)
+
     def dp_only(acc):
-      plgpu.wgmma(acc, v_smem, do_smem.T)
+      dp_parts(acc)
       return acc[...]
 
+    plgpu.barrier_wait(do_ready.at[ring])
     if split:
-      acc = carry[0]
-
       @pl.when(wg == 0)
       def _():
-        plgpu.wgmma(acc, drop(p).astype(dtype), do_smem)
+        p16 = drop(p).astype(dtype)
+        for acc, do_smem in zip(accs, do_smems):
+          plgpu.wgmma(acc, p16, do_smem)
         plgpu.wgmma_wait(0)
 
       @pl.when(wg == 1)
       def _():
         pd = scores.dqk(p, aux)  # Before dP: aux dies (fewer registers).
         dp = drop(pl.run_scoped(dp_only, plgpu.ACC(shape, jnp.float32)))
-        ds = pd * (dp - lax.broadcast_in_dim(delta, shape, [1]))
-        plgpu.wgmma(acc, ds.astype(dtype), q_smem)
+        ds = (pd * (dp - lax.broadcast_in_dim(delta, shape, [1]))).astype(
+            dtype)
+        for acc, q_smem in zip(accs, q_smems):
+          plgpu.wgmma(acc, ds, q_smem)
         plgpu.wgmma_wait(0)
-      plgpu.barrier_arrive(do_free)
-      plgpu.barrier_arrive(q_free)
+      plgpu.barrier_arrive(do_free.at[ring])
+      plgpu.barrier_arrive(q_free.at[ring])
       return carry
 
-    dk_acc, dv_acc, _ = carry
+    dk_accs, dv_accs = accs[:num_parts], accs[num_parts:]
     # With modified scores (aux), P's copy for dV and P times the scores'
     # derivative for dS are formed before dP, so that P and aux die.
     p16 = None if aux is None else drop(p).astype(dtype)
     pd = scores.dqk(p, aux)
 
     def dp_t(acc):
-      plgpu.wgmma(acc, v_smem, do_smem.T)
-      plgpu.wgmma(dv_acc, drop(p).astype(dtype) if p16 is None else p16,
-                  do_smem)
+      dp_parts(acc)
+      p_16 = drop(p).astype(dtype) if p16 is None else p16
+      for dv_acc, do_smem in zip(dv_accs, do_smems):
+        plgpu.wgmma(dv_acc, p_16, do_smem)
       # dV still runs, unless `dv_before_ds` waits for it (P's copy dies).
       return plgpu.wgmma_accumulator_load(
-          acc, wait_n=0 if blocks.dv_before_ds else 1)
+          acc, wait_n=0 if blocks.dv_before_ds else num_parts)
     dp = drop(pl.run_scoped(dp_t, plgpu.ACC(shape, jnp.float32)))
     ds = (pd * (dp - lax.broadcast_in_dim(delta, shape, [1]))).astype(dtype)
-    plgpu.wgmma(dk_acc, ds, q_smem)
-    plgpu.wgmma_wait(1)  # dV is done (dK may run): dO may go.
-    plgpu.barrier_arrive(do_free)
+    for dk_acc, q_smem in zip(dk_accs, q_smems):
+      plgpu.wgmma(dk_acc, ds, q_smem)
+    plgpu.wgmma_wait(num_parts)  # dV is done (dK may run): dO may go.
+    plgpu.barrier_arrive(do_free.at[ring])
     if fused is not None:
-      _accumulate_dq(ds, k_smem2, dq_ref.at[batch, pl.ds(q_tile(i) * bq, bq),
-                                            head], fused, wg,
-                     parity=lax.rem(i * group + g, 2))
+      _accumulate_dq(ds, k_views[0][1], dq_ref.at[
+          batch, pl.ds(q_tile(i) * bq, bq), head], fused, wg,
+                     parity=lax.rem(n, 2))
     plgpu.wgmma_wait(0)
-    plgpu.barrier_arrive(q_free)
+    plgpu.barrier_arrive(q_free.at[ring])
     return carry
 
-  transforms = smem_transforms(dtype, head_dim)
-  tile_spec = plgpu.BlockSpec(
-      (bq, None, head_dim), lambda i, g: (q_tile(i), first_head + g, 0),
-      transforms=transforms)
-  row_spec = plgpu.BlockSpec((None, bq),
-                             lambda i, g: (first_head + g, q_tile(i)))
-  plgpu.emit_pipeline_warp_specialized(
-      step, grid=(steps, group), memory_registers=blocks.producer_registers,
-      max_concurrent_steps=blocks.num_stages_bwd, wg_axis="wg",
-      num_compute_wgs=COMPUTE_WGS, manual_consumed_barriers=True,
-      compute_context=compute_split if split else compute,
-      in_specs=[tile_spec, tile_spec, row_spec, row_spec],
-  )(q_ref.at[batch], do_ref.at[batch], lse_ref.at[batch], delta_ref.at[batch])
+  @pl.when(wg < COMPUTE_WGS)
+  def _consumer():
+    plgpu.set_max_registers(blocks.consumer_registers(COMPUTE_WGS),
+                            action="increase")
+    if split:
+      pl.when(wg == 0)(load_kv)  # One copy, both warpgroups wait on it.
+    else:
+      load_kv()
+    kv_ids = load_ids(kv_ids_ref, batch, kv_start, bkv, ROW)
+    plgpu.barrier_wait(kv_ready.at[0, slot])
+    plgpu.barrier_wait(kv_ready.at[1, slot])
+
+    def run(*accs):
+      lax.fori_loop(0, steps, functools.partial(step, accs=accs,
+                                                kv_ids=kv_ids), None)
+      return [acc[...] for acc in accs]
+    grads = pl.run_scoped(run, *accumulators() * (1 if split else 2))
+    # Both read the other's K or V (above head dim 128, or `fused_dq`'s
+    # dS K): neither overwrites them before both are done.
+    if done is not None:
+      _meet(done)
+    index = (batch, rows, kv_head)
+
+    def tiles(views, values, out_ref):
+      return [(*view, value, out_ref, cols) for view, value, cols in
+              zip(views, values, part_columns)]
+    if split:
+      pl.when(wg == 0)(lambda: _store(tiles(v_own, grads, dv_ref), index,
+                                      dtype))
+      pl.when(wg == 1)(lambda: _store(
+          tiles(k_own, [g * scores.scale for g in grads], dk_ref), index,
+          dtype))
+    else:
+      _store(tiles(k_own, [g * scores.scale for g in grads[:num_parts]],
+                   dk_ref) + tiles(v_own, grads[num_parts:], dv_ref),
+             index, dtype)
 
 
 def _accumulate_dq(ds, k_smem2, dq_tile_ref, fused, wg, *, parity):
@@ -349,22 +410,36 @@ def dq_warpgroups(head_dim: int) -> int:
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
                slopes_ref, q_ids_ref, kv_ids_ref, seed_ref, dense_ref,
-               bias_ref, dq_ref, q_buffer, do_buffer, ready, *, mask: Mask,
-               scores: Scores, blocks: BlockSizes, group: int, kv_len: int,
-               whole_atoms: bool):
+               bias_ref, dq_ref, scratch, *, mask: Mask, scores: Scores,
+               blocks: BlockSizes, group: int, kv_len: int, layout: Columns):
   """q/do/dq [B, T, N, H], k/v [B, S, K, H], lse/delta [B, N, T'] (T' >=
   T: whole tiles); keys at or past kv_len (<= S: XLA's padding) are
   masked, tiles past T or S read zeros and store nothing there. Each None when absent:
   table_ref, the range table of the CTA's query rows (`range_table`);
   slopes_ref, ALiBi slopes [B, N]; q_ids_ref / kv_ids_ref, ids [B, T] /
   [B, S] padded past the kernel's tiles; seed_ref, the dropout seed [4];
-  dense_ref, bias_ref: a dense mask and a bias (`pad_pairs`). With
-  `whole_atoms`, Q, dO and dQ are copied untiled (`tiles.tile_buffer`)."""
-  wgs = dq_warpgroups(q_ref.shape[3])
-  bq, bkv = blocks.block_q_dq, blocks.block_kv_dq
+  dense_ref, bias_ref: a dense mask and a bias (`pad_pairs`). `layout`:
+  the head dim's column parts (`tiles.Columns`, as `_dkv_kernel`'s). The
+  last warpgroup streams K and V tiles through `num_stages_bwd` slots, each
+  refilled once the consumers release it (K after dQ's matmul, V after
+  dP's)."""
+  q_buffers, do_buffers, k_buffers, v_buffers = scratch["buffers"]
+  q_ready, k_ready, v_ready = scratch["ready"]
+  k_free, v_free = scratch["free"]
+  untiled = all(layout.untiled)
+  q_views, do_views, k_views, v_views = (
+      [tile_views(x, untiled) for x in buffers]
+      for buffers in (q_buffers, do_buffers, k_buffers, v_buffers))
   head_dim = q_ref.shape[3]
+  part_columns = [columns(start, width, head_dim)
+                  for start, width in layout.parts]
+  num_parts = len(layout.parts)
+  wgs = dq_warpgroups(layout.width)
+  bq, bkv = blocks.block_q_dq, blocks.block_kv_dq
+  stages = blocks.num_stages_bwd
   dtype = q_ref.dtype
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
+  kv_head = lax.div(head, jnp.int32(group))
   wg = lax.axis_index("wg")
   q_tile = cta_row_tile(mask, "q_seq", lse_ref.shape[2] // (wgs * bq))
   tile_start = q_tile * (wgs * bq)
@@ -375,39 +450,33 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
   coords = needs_positions(mask, scores)
   last_tile = cdiv(kv_len, bkv) - 1
   steps = jnp.maximum(hi - lo, 1)  # A row that sees nothing: dQ = 0.
-  (q_copy, q_smem), (do_copy, do_smem) = (
-      (a.at[wg], b.at[wg]) for a, b in (tile_views(x, whole_atoms)
-                                        for x in (q_buffer, do_buffer)))
   rows = pl.ds(q_start, bq)
 
   def kv_tile(j):
     return jnp.minimum(lo + j, last_tile)
 
-  def compute(pipeline):
-    plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_copy,
-                            ready.at[0, wg])
-    plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head], do_copy,
-                            ready.at[1, wg])
-    lse = plgpu.load(lse_ref.at[batch, head, rows], layout=ROW,
-                     optimized=False)
-    delta = plgpu.load(delta_ref.at[batch, head, rows], layout=ROW,
-                       optimized=False)
-    q_ids = load_ids(q_ids_ref, batch, q_start, bq, ROW)
-    plgpu.barrier_wait(ready.at[0, wg])
-    plgpu.barrier_wait(ready.at[1, wg])
+  @pl.when(wg == wgs)
+  def _producer():
+    plgpu.set_max_registers(blocks.producer_registers, action="decrease")
 
-    def run(dq_acc):
-      pipeline((dq_acc, lse, delta, q_ids))
-      return dq_acc[...]
-    dq = pl.run_scoped(run, plgpu.ACC((bq, head_dim), jnp.float32))
-    q_smem[...] = (dq * scores.scale).astype(dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_copy, dq_ref.at[batch, rows, head])
-    plgpu.wait_smem_to_gmem(0)
+    @pl.loop(0, steps)
+    def _(j):
+      ring = lax.rem(j, stages)
+      tile = (batch, pl.ds(kv_tile(j) * bkv, bkv), kv_head)
+      for views, ref, ready, free in ((k_views, k_ref, k_ready, k_free),
+                                      (v_views, v_ref, v_ready, v_free)):
+        @pl.when(j >= stages)
+        def _():
+          plgpu.barrier_wait(free.at[ring])
+        for (copy, _), cols in zip(views, part_columns):
+          plgpu.copy_gmem_to_smem(ref.at[(*tile, cols)], copy.at[ring],
+                                  ready.at[ring])
+    await_last_releases(steps, stages, k_free, v_free)
 
-  def step(index, k_smem, v_smem, k_free, v_free, carry):
-    (j,) = index
-    dq_acc, lse, delta, q_ids = carry
+  def step(j, carry, dq_accs, lse, delta, q_ids):
+    ring = lax.rem(j, stages)
+    k_smems, v_smems = _parts(k_views, ring), _parts(v_views, ring)
+    q_smems, do_smems = _parts(q_views, wg), _parts(do_views, wg)
     shape = (bq, bkv)
     ids = {}
     if mask.has_ids:
@@ -420,9 +489,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
     rows_cols = positions() if coords else None
 
     def s_dp(s_acc, dp_acc):
-      plgpu.wgmma(s_acc, q_smem, k_smem.T)
-      plgpu.wgmma(dp_acc, do_smem, v_smem.T)
-      s = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)  # dP still runs.
+      plgpu.barrier_wait(k_ready.at[ring])
+      for q_smem, k_smem in zip(q_smems, k_smems):
+        plgpu.wgmma(s_acc, q_smem, k_smem.T)
+      plgpu.barrier_wait(v_ready.at[ring])
+      for do_smem, v_smem in zip(do_smems, v_smems):
+        plgpu.wgmma(dp_acc, do_smem, v_smem.T)
+      s = plgpu.wgmma_accumulator_load(s_acc, wait_n=num_parts)  # dP runs.
       tile = lo + j
       p, aux = _probabilities(
           s, lax.broadcast_in_dim(lse, shape, [0]),
@@ -434,24 +507,56 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
       return scores.dqk(p, aux), dp_acc[...]
     pd, dp = pl.run_scoped(s_dp, plgpu.ACC(shape, jnp.float32),
                            plgpu.ACC(shape, jnp.float32))
-    plgpu.barrier_arrive(v_free)
+    plgpu.barrier_arrive(v_free.at[ring])
     dp = dropped(dp, scores, seed_ref, batch, head,
                  *(rows_cols or (None, None)))
-    ds = pd * (dp - lax.broadcast_in_dim(delta, shape, [0]))
-    plgpu.wgmma(dq_acc, ds.astype(dtype), k_smem)
+    ds = (pd * (dp - lax.broadcast_in_dim(delta, shape, [0]))).astype(dtype)
+    for dq_acc, k_smem in zip(dq_accs, k_smems):
+      plgpu.wgmma(dq_acc, ds, k_smem)
     plgpu.wgmma_wait(0)
-    plgpu.barrier_arrive(k_free)
+    plgpu.barrier_arrive(k_free.at[ring])
     return carry
 
-  kv_spec = plgpu.BlockSpec((bkv, head_dim), lambda j: (kv_tile(j), 0),
-                            transforms=smem_transforms(dtype, head_dim))
-  kv_head = lax.div(head, jnp.int32(group))
-  plgpu.emit_pipeline_warp_specialized(
-      step, grid=(steps,), memory_registers=blocks.producer_registers,
-      max_concurrent_steps=blocks.num_stages_bwd, wg_axis="wg",
-      num_compute_wgs=wgs, manual_consumed_barriers=True,
-      compute_context=compute, in_specs=[kv_spec, kv_spec],
-  )(k_ref.at[batch, :, kv_head], v_ref.at[batch, :, kv_head])
+  @pl.when(wg < wgs)
+  def _consumer():
+    plgpu.set_max_registers(blocks.consumer_registers(wgs),
+                            action="increase")
+    for views, ref, ready in ((q_views, q_ref, q_ready.at[0, wg]),
+                              (do_views, do_ref, q_ready.at[1, wg])):
+      for (copy, _), cols in zip(views, part_columns):
+        plgpu.copy_gmem_to_smem(ref.at[batch, rows, head, cols],
+                                copy.at[wg], ready)
+    lse = plgpu.load(lse_ref.at[batch, head, rows], layout=ROW,
+                     optimized=False)
+    delta = plgpu.load(delta_ref.at[batch, head, rows], layout=ROW,
+                       optimized=False)
+    q_ids = load_ids(q_ids_ref, batch, q_start, bq, ROW)
+    plgpu.barrier_wait(q_ready.at[0, wg])
+    plgpu.barrier_wait(q_ready.at[1, wg])
+
+    def run(*dq_accs):
+      lax.fori_loop(0, steps, functools.partial(
+          step, dq_accs=dq_accs, lse=lse, delta=delta, q_ids=q_ids), None)
+      return [acc[...] for acc in dq_accs]
+    dq = pl.run_scoped(run, *[plgpu.ACC((bq, width), jnp.float32)
+                              for _, width in layout.parts])
+    _store([(copy.at[wg], mma.at[wg], part * scores.scale, dq_ref, cols)
+            for (copy, mma), part, cols in zip(q_views, dq, part_columns)],
+           (batch, rows, head), dtype)
+
+
+def backward_columns(dtype, head_dim: int, q_len: int, kv_len: int,
+                     blocks: BlockSizes) -> Columns | None:
+  """The backward's column parts (`tiles.Columns`, with the 64 rows every
+  kernel's tiles are a multiple of): a head dim that is a multiple of 16 in
+  one part unless a length off a multiple of 8 would have its tiles copied
+  tiled, any other in parts one swizzle atom wide; with `fused_dq`, whose
+  dQ matmul slices K's columns, one part (rows padded, `tiles.tma_rows`);
+  None where TMA cannot read the arrays in place."""
+  if blocks.fused_dq:
+    return (Columns.of(dtype, head_dim, 64)
+            if head_dim % HEAD_DIM_MULTIPLE == 0 else None)
+  return Columns.of(dtype, head_dim, 64, q_len, kv_len)
 
 
 def flash_backward(q, k, v, operands: Operands, o, lse, do, dlse, *,
@@ -463,45 +568,48 @@ def flash_backward(q, k, v, operands: Operands, o, lse, do, dlse, *,
   bias's gradient is not computed here; sinks and query offsets are not
   read: the sinks' share is in L).
 
-  q/o/do [B, T, N, H], k/v [B, S, K, H] (K divides N), bf16 or fp16, any T
-  and S: the kernels read Q, dO, K and V where they lie, in tiles that may
-  reach past the last row (`tiles.tma_rows`: a copy only where a length is
-  not a multiple of 8, and at head dims 32 and 64 only of the streamed
-  tiles' arrays, not of the gradients; TMA reads zeros there, and L = +inf
-  for those queries, so they add nothing), mask keys past S and drop the
-  gradient rows past the ends. GPU only (the interpreter cannot run a
-  wgmma with a register operand); tests lower it for CUDA on the CPU.
+  q/o/do [B, T, N, H], k/v [B, S, K, H] (K divides N), bf16 or fp16, H
+  where `backward_columns` takes it (the backend pads others to a multiple
+  of 16), any T and S: the kernels read Q, dO, K and V and write the
+  gradients where they lie, in tiles that may reach past the last row and
+  column (TMA reads zeros there, and L = +inf for those queries, so they
+  add nothing; stores past the ends are dropped), and mask keys past S.
+  GPU only (the interpreter cannot run a wgmma with a register operand);
+  tests lower it for CUDA on the CPU.
   """
   q_len, kv_len = q.shape[1], k.shape[1]
-  head_dim = q.shape[3]
   blocks = block_sizes
-  split, wgs = split_dkv(head_dim), dq_warpgroups(head_dim)
+  layout = backward_columns(q.dtype, q.shape[3], q_len, kv_len, blocks)
+  widths = [w for _, w in layout.parts]
+  split, wgs = split_dkv(layout.width), dq_warpgroups(layout.width)
   kv_rows = blocks.block_kv_dkv * (1 if split else COMPUTE_WGS)
   q_rows = math.lcm(wgs * blocks.block_q_dq, blocks.block_q_dkv)
   # The kernels' tiles cover tp queries and sp keys (L, D, ids and per-pair
-  # operands are padded to them); the sequence arrays have `tma_rows`.
+  # operands are padded to them).
   tp, sp = round_up(q_len, q_rows), round_up(kv_len, kv_rows)
   # D = rowsum(dO * O) - dlse; L in base 2, +inf for rows that see no key
   # (lse = -inf) and for padding, so P = exp2(S - L) is 0 there, never NaN.
   delta = pad_to(softmax.backward_delta(o, do, dlse), 2, tp)
   lse2 = pad_to(jnp.where(lse == -jnp.inf, jnp.inf, lse * softmax.LOG2E), 2,
                 tp, jnp.inf)
-  # The streamed tiles (the dK/dV kernel's Q and dO, the dQ kernel's K and
-  # V) are copied tiled; the tiles a CTA keeps and the gradients untiled
-  # where they are one swizzle atom wide (`tiles.tile_buffer`).
-  whole_atoms = one_atom_wide(q.dtype, head_dim)
-  do = do.astype(q.dtype)
-  q_s, do_s = (pad_to(x, 1, tma_rows(q_len)) for x in (q, do))
-  k_s, v_s = (pad_to(x, 1, tma_rows(kv_len)) for x in (k, v))
-  q, do = (pad_to(x, 1, tma_rows(q_len, whole_atoms)) for x in (q, do))
-  k, v = (pad_to(x, 1, tma_rows(kv_len, whole_atoms)) for x in (k, v))
+  untiled = all(layout.untiled)
+  q, do = (pad_to(x.astype(q.dtype), 1, tma_rows(q_len, untiled))
+           for x in (q, do))
+  k, v = (pad_to(x, 1, tma_rows(kv_len, untiled)) for x in (k, v))
   batch, _, num_heads, _ = q.shape
   num_kv_heads = k.shape[2]
   group = num_heads // num_kv_heads
-  transforms = smem_transforms(q.dtype, head_dim)
+  dtype = q.dtype
   params = compiler_params()
   kernel_args = dict(mask=mask, scores=scores, blocks=blocks, group=group,
-                     kv_len=kv_len, whole_atoms=whole_atoms)
+                     kv_len=kv_len, layout=layout)
+  stages = blocks.num_stages_bwd
+
+  def buffers(lead, rows):
+    """One tile buffer a column part, [*lead, rows, width]."""
+    return tuple(tile_buffer((*lead, rows, w), dtype,
+                             smem_transforms(dtype, w), untiled)
+                 for w in widths)
 
   def tables(transposed):
     """The range table of one kernel's CTA rows, or None."""
@@ -523,76 +631,83 @@ def flash_backward(q, k, v, operands: Operands, o, lse, do, dlse, *,
     inputs, extra_refs, outputs = split_refs(refs, 6, extras)
     return inputs + extra_refs + outputs
 
+  parts = len(widths)
   if not blocks.fused_dq:
-    dq_rows = blocks.block_q_dq
+    dq_rows, kv_tile = blocks.block_q_dq, blocks.block_kv_dq
     dq_extras = (tables(False), operands.alibi_slopes, *ids,
                  operands.dropout_seed,
                  *(pad_pairs(x, tp, kv_cols)
                    for x in (operands.dense_mask, operands.bias)))
     dq = plgpu.kernel(
-        lambda *refs, q_smem, do_smem, ready: _dq_kernel(
-            *flat(refs, dq_extras), q_smem, do_smem, ready, **kernel_args),
-        out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        lambda *refs, **scratch: _dq_kernel(
+            *flat(refs, dq_extras), scratch, **kernel_args),
+        out_type=jax.ShapeDtypeStruct(q.shape, dtype),
         scratch_types=dict(
-            q_smem=tile_buffer((wgs, dq_rows, head_dim), q.dtype, transforms,
-                               whole_atoms),
-            do_smem=tile_buffer((wgs, dq_rows, head_dim), q.dtype,
-                                transforms, whole_atoms),
-            ready=plgpu.Barrier(num_barriers=(2, wgs))),
+            buffers=(buffers((wgs,), dq_rows), buffers((wgs,), dq_rows),
+                     buffers((stages,), kv_tile),
+                     buffers((stages,), kv_tile)),
+            # One arrival a column part's copy.
+            ready=(plgpu.Barrier(num_arrivals=parts, num_barriers=(2, wgs)),
+                   plgpu.Barrier(num_arrivals=parts, num_barriers=stages),
+                   plgpu.Barrier(num_arrivals=parts, num_barriers=stages)),
+            free=(plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),) * 2),
         grid=(num_heads, tp // (wgs * dq_rows), batch),
         grid_names=("heads", "q_seq", "batch"),
         num_threads=wgs + 1, thread_name="wg",
         compiler_params=params, kernel_name="flash_attention_dq_mosaic",
-    )(q, k_s, v_s, do, lse2, delta,
-      *(x for x in dq_extras if x is not None))
+    )(q, k, v, do, lse2, delta, *(x for x in dq_extras if x is not None))
 
   dkv_rows, copies = blocks.block_kv_dkv, 1 if split else COMPUTE_WGS
+  bq_dkv = blocks.block_q_dkv
   kv_out = jax.ShapeDtypeStruct(k.shape, k.dtype)
   # With `fused_dq` the dK/dV kernel adds dS K into float32 zeros in place
   # (a mutable array: the kernel's operand aliases it).
-  assert not blocks.fused_dq or head_dim in FUSED_DQ_HEAD_DIMS, head_dim
-  dq_sum = (jax.new_ref(jnp.zeros((batch, tp, num_heads, head_dim),
+  assert not blocks.fused_dq or layout.width in FUSED_DQ_HEAD_DIMS, widths
+  dq_sum = (jax.new_ref(jnp.zeros((batch, tp, num_heads, layout.width),
                                   jnp.float32))
             if blocks.fused_dq else None)
   dkv_extras = (tables(True), operands.alibi_slopes, *ids,
                 operands.dropout_seed,
                 *(pad_pairs(x, tp, kv_cols, transposed=True)
                   for x in (operands.dense_mask, operands.bias)), dq_sum)
-  bq_dkv = blocks.block_q_dkv
+  scratch = dict(
+      buffers=(buffers((copies,), dkv_rows), buffers((copies,), dkv_rows),
+               buffers((stages,), bq_dkv), buffers((stages,), bq_dkv),
+               plgpu.SMEM((stages, bq_dkv), jnp.float32),
+               plgpu.SMEM((stages, bq_dkv), jnp.float32)),
+      # One arrival a column part's copy (and Q's slot: L's and D's).
+      ready=(plgpu.Barrier(num_arrivals=parts, num_barriers=(2, copies)),
+             plgpu.Barrier(num_arrivals=parts + 2, num_barriers=stages),
+             plgpu.Barrier(num_arrivals=parts, num_barriers=stages)),
+      free=(plgpu.Barrier(num_arrivals=COMPUTE_WGS,
+                          num_barriers=stages),) * 2)
   # Both warpgroups read K/V of the other's rows (head dims above 128, or
   # `fused_dq`'s exchange of dS): they meet at `done` before writing dK/dV
   # through K/V's shared memory.
-  exchange = blocks.fused_dq and fused_dq_columns(head_dim) < head_dim
-  fused_scratch = {}
+  exchange = (blocks.fused_dq
+              and fused_dq_columns(layout.width) < layout.width)
+  if split or exchange:
+    scratch["done"] = plgpu.Barrier(num_arrivals=COMPUTE_WGS)
   if blocks.fused_dq:
-    width = fused_dq_columns(head_dim)
-    fused_scratch["fused"] = dict(
-        ds=plgpu.SMEM((2, COMPUTE_WGS, dkv_rows, bq_dkv), q.dtype,
-                      transforms=smem_transforms(q.dtype, bq_dkv)),
+    width = fused_dq_columns(layout.width)
+    transforms = smem_transforms(dtype, bq_dkv)
+    scratch["fused"] = dict(
+        ds=plgpu.SMEM((2, COMPUTE_WGS, dkv_rows, bq_dkv), dtype,
+                      transforms=transforms),
         dq=plgpu.SMEM((COMPUTE_WGS, bq_dkv, width), jnp.float32,
                       transforms=smem_transforms(jnp.float32, width)),
         **({"ds_ready": plgpu.Barrier(num_arrivals=COMPUTE_WGS)}
            if exchange else {}))
   dk, dv = plgpu.kernel(
-      lambda *refs, k_smem, v_smem, ready, done=None, fused=None: _dkv_kernel(
-          *flat(refs, dkv_extras), k_smem, v_smem, ready, done, fused,
-          **kernel_args),
+      lambda *refs, **scratch: _dkv_kernel(
+          *flat(refs, dkv_extras), scratch, **kernel_args),
       out_type=(kv_out, kv_out),
-      scratch_types=dict(
-          k_smem=tile_buffer((copies, dkv_rows, head_dim), k.dtype,
-                             transforms, whole_atoms),
-          v_smem=tile_buffer((copies, dkv_rows, head_dim), k.dtype,
-                             transforms, whole_atoms),
-          ready=plgpu.Barrier(num_barriers=(2, copies)),
-          **(dict(done=plgpu.Barrier(num_arrivals=COMPUTE_WGS))
-             if split or exchange else {}),
-          **fused_scratch),
+      scratch_types=scratch,
       grid=(num_kv_heads, sp // kv_rows, batch),
       grid_names=("heads", "kv_seq", "batch"),
       num_threads=COMPUTE_WGS + 1, thread_name="wg",
       compiler_params=params, kernel_name="flash_attention_dkv_mosaic",
-  )(q_s, k, v, do_s, lse2, delta,
-    *(x for x in dkv_extras if x is not None))
+  )(q, k, v, do, lse2, delta, *(x for x in dkv_extras if x is not None))
   if blocks.fused_dq:
-    dq = (dq_sum[...] * scores.scale).astype(q.dtype)
+    dq = (dq_sum[...] * scores.scale).astype(dtype)
   return dq[:, :q_len], dk[:, :kv_len], dv[:, :kv_len]

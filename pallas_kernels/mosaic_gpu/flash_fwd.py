@@ -267,7 +267,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
   k_ready, v_ready, q_ready = ready
   k_free, v_free = free
   block_q, block_kv, stages = blocks.block_q, blocks.block_kv, blocks.num_stages
-  q_buffers = blocks.q_buffers(sum(w for _, w in layout.parts))
+  q_buffers = blocks.q_buffers(layout.width)
   dtype = o_ref.dtype
   wg = lax.axis_index("wg")
   schedule = _Schedule(schedule_barrier, wg)
@@ -584,7 +584,7 @@ def flash_forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
             None if order is None else jnp.asarray(order), fp8_scales)
   widths = [w for _, w in layout.parts]
   out_dtype = jnp.dtype(jnp.bfloat16) if fp8 else q.dtype
-  stages, q_buffers = blocks.num_stages, blocks.q_buffers(sum(widths))
+  stages, q_buffers = blocks.num_stages, blocks.q_buffers(layout.width)
   untiled = layout.untiled
   scratch = dict(
       buffers=(

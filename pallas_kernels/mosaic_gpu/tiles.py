@@ -132,6 +132,11 @@ class Columns:
       return None
     return cls(tuple(parts), (True, True))
 
+  @property
+  def width(self) -> int:
+    """The columns the parts cover: the head dim, or past it."""
+    return sum(w for _, w in self.parts)
+
   def copies(self, q_len: int, kv_len: int) -> bool:
     """Whether XLA copies a sequence array around the forward: a length off
     a multiple of 8 whose tiles are copied tiled (`tma_rows`)."""
