@@ -396,18 +396,24 @@ def test_default_on_h200_is_mosaic_where_it_takes_the_call():
 
 
 # Short keys (`config.TRITON_MAX_KV_LEN`): the Mosaic forward where it
-# reads the arrays in place, the Triton backward where the Mosaic one
-# would copy them (`MosaicGpuBackend.slower`, `backward_slower`).
-# name: (case, whether the forward is Mosaic's); the backward is Triton's.
+# reads the arrays in place, the Mosaic backward where it does and the keys
+# exceed `config.TRITON_BACKWARD_MAX_KV_LEN` (`MosaicGpuBackend.slower`,
+# `backward_slower`). name: (case, whether the forward is Mosaic's, whether
+# the backward is).
 DEFAULT_SHORT_KEYS = {
-    "dit_h72": (Case(4, 256, 256, 4, 4, 72, "bfloat16", False), True),
-    "vit_197_h64": (Case(4, 197, 197, 4, 4, 64, "bfloat16", False), True),
-    "clip_77_causal": (Case(4, 77, 77, 4, 4, 64, "float16", True), True),
+    "dit_h72": (Case(4, 256, 256, 4, 4, 72, "bfloat16", False), True, True),
+    "vit_197_h64": (Case(4, 197, 197, 4, 4, 64, "bfloat16", False), True,
+                    True),
+    "vit_257_h80": (Case(2, 257, 257, 4, 4, 80, "bfloat16", False), True,
+                    True),
+    "clip_77_causal": (Case(4, 77, 77, 4, 4, 64, "float16", True), True,
+                       False),
     # 96-row K/V tiles in column parts 32 + 16; the Triton dK/dV kernel's
     # query tiles split into runs.
     "sd_cross_h40_77_keys": (Case(2, 4096, 77, 8, 8, 40, "bfloat16", False),
-                             True),
-    "h20_77_keys": (Case(2, 300, 77, 4, 4, 20, "float16", False), False),
+                             True, False),
+    "h20_77_keys": (Case(2, 300, 77, 4, 4, 20, "float16", False), False,
+                    False),
 }
 
 
@@ -417,14 +423,14 @@ def test_default_short_keys_pair_the_backends(name):
   its results against the reference."""
   if "H200" not in jax.devices()[0].device_kind:
     pytest.skip("not an H200")
-  case, mosaic_forward = DEFAULT_SHORT_KEYS[name]
+  case, mosaic_forward, mosaic_backward = DEFAULT_SHORT_KEYS[name]
   q, k, v, _ = inputs(case)
   hlo = jax.jit(jax.grad(lambda q, k, v: jnp.sum(jax_flash.flash_attention(
       q, k, v, is_causal=case.causal).astype(jnp.float32)),
                          argnums=(0, 1, 2))).lower(q, k, v).as_text()
   assert ("flash_attention_forward_mosaic" in hlo) == mosaic_forward
-  assert "flash_attention_backward_dkdv" in hlo
-  assert "flash_attention_dkv_mosaic" not in hlo
+  assert ("flash_attention_backward_dkdv" in hlo) != mosaic_backward
+  assert ("flash_attention_dkv_mosaic" in hlo) == mosaic_backward
   compare_with_reference(dict(is_causal=case.causal), case.dtype,
                          shape=case.shape, block_sizes=None,
                          implementation=None)

@@ -227,14 +227,18 @@ class MosaicGpuBackend:
 
   def backward_slower(self, problem: Problem, dtype, *, mask: Mask,
                       scores: Scores) -> str | None:
-    """Up to `config.TRITON_MAX_KV_LEN` keys the Triton backward is faster
-    where XLA pads the head dims around this one (`_backward_pads`)."""
+    """The Triton backward is faster up to `config.TRITON_MAX_KV_LEN` keys
+    where XLA pads the head dims around this one (`_backward_pads`), and up
+    to `config.TRITON_BACKWARD_MAX_KV_LEN` keys anyway."""
     del mask, scores
-    if (problem.kv_len <= config.TRITON_MAX_KV_LEN
+    kv_len = problem.kv_len
+    if kv_len <= config.TRITON_BACKWARD_MAX_KV_LEN or (
+        kv_len <= config.TRITON_MAX_KV_LEN
         and _backward_pads(problem, dtype, BlockSizes())):
-      return (f"the Triton backward is faster on {problem.kv_len} keys (at "
-              f"most {config.TRITON_MAX_KV_LEN}) where the Mosaic backward "
-              f"would pad head dims")
+      return (f"the Triton backward is faster on {kv_len} keys (at most "
+              f"{config.TRITON_BACKWARD_MAX_KV_LEN}, or "
+              f"{config.TRITON_MAX_KV_LEN} where the Mosaic backward would "
+              f"pad head dims)")
     return None
 
   def config(self, block_sizes, problem: Problem, dtype, *, is_causal: bool,

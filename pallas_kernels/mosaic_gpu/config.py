@@ -76,6 +76,16 @@ def fused_dq_columns(head_dim: int) -> int:
 # text cross-attention, ViT, DiT) the copies cost as much as the kernels
 # (benchmarks/NOTES.md, "sequence copies", "column parts").
 TRITON_MAX_KV_LEN = 320
+# Keys up to which the default runs the Triton backward even where the
+# Mosaic one reads every array in place: a dK/dV CTA's 128 key rows would
+# hold them all, and Triton's smaller tiles waste fewer (CLIP text's 77
+# keys, a text cross-attention's; benchmarks/NOTES.md, "backward in
+# place").
+TRITON_BACKWARD_MAX_KV_LEN = 128
+# Keys above which the backward pads a head dim off a multiple of 16
+# (`flash_bwd.backward_columns`) instead of running it in column parts:
+# there the parts' narrow matmuls cost more than the pad.
+BACKWARD_PARTS_MAX_KV_LEN = 1024
 # Kernel head dims up to which the forward is persistent by default
 # (`BlockSizes.get_default`; two Q buffers fit beside the K/V ring).
 PERSISTENT_MAX_HEAD_DIM = 128

@@ -50,7 +50,8 @@ from jax_flash.spec.mask import Mask, cdiv, kv_block_ranges, q_block_ranges
 from jax_flash.spec.operands import Operands
 from jax_flash.spec.padding import pad_pairs, pad_to, round_up
 from jax_flash.spec.scores import Scores
-from pallas_kernels.mosaic_gpu.config import (FUSED_DQ_HEAD_DIMS,
+from pallas_kernels.mosaic_gpu.config import (BACKWARD_PARTS_MAX_KV_LEN,
+                                              FUSED_DQ_HEAD_DIMS,
                                               HEAD_DIM_MULTIPLE, BlockSizes,
                                               compiler_params, fused_dq_columns)
 from pallas_kernels.mosaic_gpu.tiles import (COL, COMPUTE_WGS, ROW, Columns,
@@ -550,12 +551,15 @@ def backward_columns(dtype, head_dim: int, q_len: int, kv_len: int,
   """The backward's column parts (`tiles.Columns`, with the 64 rows every
   kernel's tiles are a multiple of): a head dim that is a multiple of 16 in
   one part unless a length off a multiple of 8 would have its tiles copied
-  tiled, any other in parts one swizzle atom wide; with `fused_dq`, whose
-  dQ matmul slices K's columns, one part (rows padded, `tiles.tma_rows`);
-  None where TMA cannot read the arrays in place."""
+  tiled, any other in parts one swizzle atom wide up to
+  `config.BACKWARD_PARTS_MAX_KV_LEN` keys; with `fused_dq`, whose dQ
+  matmul slices K's columns, one part (rows padded, `tiles.tma_rows`).
+  None where the backend pads the head dim first (to a multiple of 16)."""
+  if head_dim % HEAD_DIM_MULTIPLE and (
+      blocks.fused_dq or kv_len > BACKWARD_PARTS_MAX_KV_LEN):
+    return None
   if blocks.fused_dq:
-    return (Columns.of(dtype, head_dim, 64)
-            if head_dim % HEAD_DIM_MULTIPLE == 0 else None)
+    return Columns.of(dtype, head_dim, 64)
   return Columns.of(dtype, head_dim, 64, q_len, kv_len)
 
 
