@@ -100,21 +100,18 @@ def _sequence_copies(text):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_mosaic_reads_lengths_of_whole_8_rows_in_place(causal):
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+def test_mosaic_reads_any_length_in_place(causal, head_dim):
   """Lengths that are multiples of 8 but not of the tiles (448 queries on
-  1504 keys): the kernels read Q, K, V, dO and write O and the gradients
-  where they lie (tiles reach past the ends), so the forward+backward
-  holds no pad or slice of them; a length off a multiple of 8 is padded
-  to the next (TMA's 8-row groups), and nothing further."""
-  text = _lower_grad("mosaic", (2, 448, 1504, 4, 2, 64), jnp.bfloat16,
-                     is_causal=causal)
-  assert all(name in text for name in MOSAIC_BACKWARD)
-  assert _sequence_copies(text) == []
-  text = _lower_grad("mosaic", (2, 448, 1500, 4, 2, 64), jnp.bfloat16,
-                     is_causal=causal)
-  copies = set(_sequence_copies(text))
-  assert copies and all("1504" in a + b for a, b in copies), copies
-  assert not any("512" in a + b or "1536" in a + b for a, b in copies)
+  1504 keys) and lengths off a multiple of 8 (1500 keys): the kernels read
+  Q, K, V, dO and write O and the gradients where they lie (tiles reach
+  past the ends; untiled copies in column parts at 1500 keys), so the forward+backward holds no pad or slice
+  of them."""
+  for kv_len in (1504, 1500):
+    text = _lower_grad("mosaic", (2, 448, kv_len, 4, 2, head_dim),
+                       jnp.bfloat16, is_causal=causal)
+    assert all(name in text for name in MOSAIC_BACKWARD)
+    assert _sequence_copies(text) == [], (kv_len, _sequence_copies(text))
 
 
 def _lower_forward(shape, head_dim, **kwargs):
@@ -185,22 +182,19 @@ def test_head_dims_off_16_run_in_column_parts_in_place(head_dim, kwargs):
 def test_tiles_one_swizzle_atom_wide_read_any_length_in_place(head_dim):
   """Head dims 32 and 64 (tiles one swizzle atom wide, copied untiled:
   `tiles.tile_buffer`) at lengths off a multiple of 8 (448 on 1500 keys):
-  the forward holds no pad or slice; the backward pads only the arrays of
-  its pipelined tiles (K and V, to 1504) and slices no gradient. Wider
-  head dims at such lengths run in parts one atom wide (`tiles.Columns`:
-  64 + 64 at 128, 64 + 16 at 80), read in place too; at 96-row K/V tiles
-  (head dim 192: V's tiles take no 64-column atom) K and V are padded to
-  1504."""
+  neither the forward nor the backward holds a pad or slice. Wider head
+  dims at such lengths run in parts one atom wide (`tiles.Columns`: 64 +
+  64 at 128, 64 + 16 at 80), read in place too; at 96-row K/V tiles (head
+  dim 192: V's tiles take no 64-column atom) the forward's K and V are
+  padded to 1504, its backward's parts read them in place."""
   shape = (2, 448, 1500, 4, 2)
   assert "flash_attention_forward_mosaic" in _lower_forward(shape, head_dim)
-  assert _sequence_copies(_lower_forward(shape, head_dim)) == []
-  copies = _sequence_copies(_lower_grad("mosaic", (*shape, head_dim)))
-  kv = f"tensor<2x1500x2x{head_dim}xbf16>"
-  assert copies and all(a == kv and "1504" in b for a, b in copies), copies
+  assert _sequence_copies(_lower_grad("mosaic", (*shape, head_dim))) == []
   for wide in (80, 128):
     assert _sequence_copies(_lower_forward(shape, wide)) == []
-  assert set(_sequence_copies(_lower_forward(shape, 192))) == {
-      ("tensor<2x1500x2x192xbf16>", "tensor<2x1504x2x192xbf16>")}
+  pads = {("tensor<2x1500x2x192xbf16>", "tensor<2x1504x2x192xbf16>")}
+  assert set(_sequence_copies(_lower_forward(shape, 192))) == pads
+  assert set(_sequence_copies(_lower_grad("mosaic", (*shape, 192)))) == pads
 
 
 def test_keys_padded_at_the_source_are_read_in_place():
@@ -271,22 +265,26 @@ def test_pallas_picks_mosaic_where_it_takes_the_call(name, shape, dtype,
 
 @pytest.mark.parametrize("shape, causal, forward, backward", [
     ((2, 256, 300, 8, 2, 192), False, "triton", "triton"),
-    ((2, 256, 300, 8, 2, 128), False, "mosaic", "triton"),
-    ((4, 257, 257, 4, 4, 80), False, "mosaic", "triton"),
-    ((4, 197, 197, 8, 8, 64), True, "mosaic", "triton"),
-    ((4, 256, 256, 4, 4, 72), False, "mosaic", "triton"),
+    ((2, 256, 300, 8, 2, 128), False, "mosaic", "mosaic"),
+    ((4, 257, 257, 4, 4, 80), False, "mosaic", "mosaic"),
+    ((4, 197, 197, 8, 8, 64), True, "mosaic", "mosaic"),
+    ((4, 256, 256, 4, 4, 72), False, "mosaic", "mosaic"),
     ((4, 256, 256, 4, 4, 64), False, "mosaic", "mosaic"),
+    ((4, 77, 77, 4, 4, 64), True, "mosaic", "triton"),
     ((4, 300, 77, 4, 4, 40), False, "mosaic", "triton"),
-    ((4, 300, 77, 4, 4, 20), False, "triton", "triton")])
+    ((4, 300, 77, 4, 4, 20), False, "triton", "triton"),
+    ((4, 300, 300, 4, 4, 20), False, "triton", "triton")])
 def test_short_keys_pick_each_direction_by_its_copies(shape, causal, forward,
                                                       backward):
   """Up to `config.TRITON_MAX_KV_LEN` keys the default runs the Triton
   forward where XLA would copy arrays around the Mosaic one (a length off
-  8 read tiled: 300 at head dim 192; a head dim padded: 20 on 77 keys) and
-  the Mosaic forward where it reads them in place (197 tokens at head dim
-  64, head dims 72 and 40 in column parts, 128 and 80 in parts at lengths
-  off 8); the Triton backward where the
-  Mosaic backward would copy (a length off 8, a head dim off 16)."""
+  8 read tiled: 300 at head dim 192; a head dim padded: 20) and the Mosaic
+  forward where it reads them in place (197 tokens at head dim 64, head
+  dims 72 and 40 in column parts, 128 and 80 in parts at lengths off 8);
+  the Triton backward after a Triton forward, up to
+  `config.TRITON_BACKWARD_MAX_KV_LEN` keys, and where the Mosaic backward
+  would pad head dims (20), the Mosaic one elsewhere (it reads any length
+  and head dim 72 in place)."""
   text = _lower_grad("pallas", shape, is_causal=causal)
   assert ("flash_attention_forward_mosaic" in text) == (forward == "mosaic")
   names = MOSAIC_BACKWARD if backward == "mosaic" else TRITON_BACKWARD
@@ -1069,20 +1067,25 @@ def _kernel_operands(text, kernel):
   return re.findall(r"tensor<([0-9x]+)x(?:bf16|f16)>", call)
 
 
-@pytest.mark.parametrize("head_dim, value_head_dim, kernel_dim, forward_dim", [
-    (80, 80, 80, 80), (72, 72, 80, 72), (20, 20, 32, 32),
-    (192, 128, 192, 192), (128, 64, 128, 128), (64, 128, 128, 128)])
-def test_head_dims_run_at_a_multiple_of_16(head_dim, value_head_dim,
-                                           kernel_dim, forward_dim):
-  """Q, K and V reach the backward kernels with `config.kernel_head_dim`
-  columns (a multiple of 16: zero columns added only where the head dims
-  are not, or differ) and the forward with those or, in column parts
-  (`tiles.Columns`: 72), their own; the gradients come back at the
-  inputs' own head dims."""
+@pytest.mark.parametrize(
+    "head_dim, value_head_dim, kv_len, kernel_dim, forward_dim, backward_dim",
+    [(80, 80, 300, 80, 80, 80), (72, 72, 300, 80, 72, 72),
+     (72, 72, 2000, 80, 72, 80), (20, 20, 300, 32, 32, 32),
+     (192, 128, 300, 192, 192, 192), (128, 64, 300, 128, 128, 128),
+     (64, 128, 300, 128, 128, 128)])
+def test_head_dims_run_at_a_multiple_of_16(head_dim, value_head_dim, kv_len,
+                                           kernel_dim, forward_dim,
+                                           backward_dim):
+  """Q, K and V reach the kernels with their own head dims where the
+  column parts read them in place (`tiles.Columns`: 72 in the forward, and
+  in the backward up to `config.BACKWARD_PARTS_MAX_KV_LEN` keys), else with
+  `config.kernel_head_dim` columns (a multiple of 16: zero columns added
+  only where the head dims are not, or differ); the gradients come back at
+  the inputs' own head dims."""
   assert config.kernel_head_dim(head_dim, value_head_dim) == kernel_dim
   q = jax.ShapeDtypeStruct((1, 256, 4, head_dim), jnp.bfloat16)
-  k = jax.ShapeDtypeStruct((1, 300, 2, head_dim), jnp.bfloat16)
-  v = jax.ShapeDtypeStruct((1, 300, 2, value_head_dim), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, kv_len, 2, head_dim), jnp.bfloat16)
+  v = jax.ShapeDtypeStruct((1, kv_len, 2, value_head_dim), jnp.bfloat16)
 
   def loss(q, k, v):
     return jnp.sum(jax_flash.flash_attention(
@@ -1094,7 +1097,7 @@ def test_head_dims_run_at_a_multiple_of_16(head_dim, value_head_dim,
     text = traced.lower(lowering_platforms=("cuda",)).as_text()
   assert [g.shape for g in traced.out_info] == [q.shape, k.shape, v.shape]
   for kernel, dim in (("flash_attention_forward_mosaic", forward_dim),
-                      *((name, kernel_dim) for name in MOSAIC_BACKWARD)):
+                      *((name, backward_dim) for name in MOSAIC_BACKWARD)):
     operands = _kernel_operands(text, kernel)
     assert operands and all(o.endswith(f"x{dim}") for o in operands)
 

@@ -326,10 +326,15 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
     plgpu.barrier_arrive(q_free.at[ring])
     return carry
 
-  @pl.when(wg < COMPUTE_WGS)
-  def _consumer():
-    plgpu.set_max_registers(blocks.consumer_registers(COMPUTE_WGS),
-                            action="increase")
+  def release(n, carry):
+    """A step of a warpgroup whose key rows all lie at or past kv_len."""
+    ring = step_index(n)[2]
+    for ready, free in ((q_ready, q_free), (do_ready, do_free)):
+      plgpu.barrier_wait(ready.at[ring])
+      plgpu.barrier_arrive(free.at[ring])
+    return carry
+
+  def consumer():
     if split:
       pl.when(wg == 0)(load_kv)  # One copy, both warpgroups wait on it.
     else:
@@ -362,6 +367,19 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
       _store(tiles(k_own, [g * scores.scale for g in grads[:num_parts]],
                    dk_ref) + tiles(v_own, grads[num_parts:], dv_ref),
              index, dtype)
+
+  @pl.when(wg < COMPUTE_WGS)
+  def _():
+    plgpu.set_max_registers(blocks.consumer_registers(COMPUTE_WGS),
+                            action="increase")
+    if split or done is not None:  # Both warpgroups share their rows' work.
+      consumer()
+      return
+    # A warpgroup with no key rows (257 keys: the last CTA's second) only
+    # releases its slots, so the other's 64 rows run alone.
+    idle = kv_start >= kv_len
+    pl.when(idle)(lambda: lax.fori_loop(0, steps, release, None))
+    pl.when(~idle)(consumer)
 
 
 def _accumulate_dq(ds, k_smem2, dq_tile_ref, fused, wg, *, parity):
@@ -518,10 +536,15 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
     plgpu.barrier_arrive(k_free.at[ring])
     return carry
 
-  @pl.when(wg < wgs)
-  def _consumer():
-    plgpu.set_max_registers(blocks.consumer_registers(wgs),
-                            action="increase")
+  def release(j, carry):
+    """A step of a warpgroup whose query rows all lie at or past q_len."""
+    ring = lax.rem(j, stages)
+    for ready, free in ((k_ready, k_free), (v_ready, v_free)):
+      plgpu.barrier_wait(ready.at[ring])
+      plgpu.barrier_arrive(free.at[ring])
+    return carry
+
+  def consumer():
     for views, ref, ready in ((q_views, q_ref, q_ready.at[0, wg]),
                               (do_views, do_ref, q_ready.at[1, wg])):
       for (copy, _), cols in zip(views, part_columns):
@@ -544,6 +567,16 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
     _store([(copy.at[wg], mma.at[wg], part * scores.scale, dq_ref, cols)
             for (copy, mma), part, cols in zip(q_views, dq, part_columns)],
            (batch, rows, head), dtype)
+
+  @pl.when(wg < wgs)
+  def _():
+    plgpu.set_max_registers(blocks.consumer_registers(wgs),
+                            action="increase")
+    # A warpgroup with no query rows (257 queries: the last CTA's second)
+    # only releases its slots, so the other's 64 rows run alone.
+    idle = q_start >= q_ref.shape[1]
+    pl.when(idle)(lambda: lax.fori_loop(0, steps, release, None))
+    pl.when(~idle)(consumer)
 
 
 def backward_columns(dtype, head_dim: int, q_len: int, kv_len: int,
