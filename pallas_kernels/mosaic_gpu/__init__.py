@@ -4,12 +4,16 @@ and warp specialization.
 A forward kernel (`flash_fwd`) and a backward of two kernels (`flash_bwd`:
 dK/dV and dQ). What it takes is narrower than the Triton backend
 (`unsupported` says what, and the dispatch then runs Triton): bf16/fp16,
-head dims up to 256 and value's of its own (run at `config.kernel_head_dim`,
-a multiple of 16: Q, K and V padded with zero columns where they are not,
-but for the forward's column parts, `tiles.Columns`), any lengths (read
-in place, the last tiles reaching past the ends; XLA pads a length that
-is not a multiple of 8 only for tiles wider than a swizzle atom,
-`tiles.tma_rows`; the kernels mask keys past the length), causal masks,
+head dims up to 256 and value's of its own (in column parts one swizzle
+atom wide where a head dim is off a multiple of 16, `tiles.Columns`;
+else run at `config.kernel_head_dim`, a multiple of 16, Q, K and V padded
+with zero columns: a value head dim of its own, the forward's K/V tiles
+whose V cannot take the parts, a backward above
+`config.BACKWARD_PARTS_MAX_KV_LEN` keys), any lengths (read in place, the
+last tiles reaching past the ends, in column parts at a length off a
+multiple of 8 where tiles are wider than a swizzle atom; XLA pads such a
+length only where parts are not taken, `tiles.tma_rows`; the kernels
+mask keys past the length), causal masks,
 sliding windows, flex attention's mask_mods that close over no array, lengths and segment ids
 (the band and the tile-range tables of the shared mask description),
 soft-cap, ALiBi and score_mods (`Scores.logits2`), sinks (in each row's

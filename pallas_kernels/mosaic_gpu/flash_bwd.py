@@ -1,9 +1,13 @@
 """FlashAttention-2 backward (Dao 2023, Algorithm 2) for Hopper, in Pallas Mosaic GPU.
 
-Two kernels. Each CTA runs two consumer warpgroups and one TMA producer
-warpgroup (`plgpu.emit_pipeline_warp_specialized`: the producer streams tiles
-through `num_stages_bwd` shared-memory slots, each consumer releases a slot with
-its own arrival); both matmuls of a step are wgmma.
+Two kernels. Each CTA runs two consumer warpgroups (one in the dQ kernel
+above head dim 128) and a TMA producer warpgroup of its own, as the forward
+does: the producer streams tiles through `num_stages_bwd` shared-memory
+slots and refills a slot once each consumer has released it; the matmuls
+are wgmma. Tiles are held in the head dim's column parts (`tiles.Columns`,
+`backward_columns`), so Q, K, V and dO are read and the gradients written
+where they lie at any length; a consumer whose rows all lie past the end
+only releases its slots.
 
 * dK/dV: a CTA owns 2 * block_kv_dkv key rows of one (batch, KV head); each
   consumer keeps its block_kv_dkv rows of K and V in shared memory and dK, dV
