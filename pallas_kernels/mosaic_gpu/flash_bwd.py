@@ -110,6 +110,24 @@ def split_dkv(head_dim: int) -> bool:
   return head_dim > 128
 
 
+def _part_views(layout: Columns, head_dim: int, *buffer_groups):
+  """(views, columns): for each group of buffers (one a column part of
+  `layout`), each part's (copy, wgmma) views (`tiles.tile_views`); and
+  the parts' column indices of a ref with head_dim columns."""
+  untiled = all(layout.untiled)
+  views = [[tile_views(x, untiled) for x in group] for group in buffer_groups]
+  return views, [columns(start, width, head_dim)
+                 for start, width in layout.parts]
+
+
+def _release(ring, *barriers):
+  """Waits for each (ready, free) barrier pair's slot `ring` to be filled
+  and releases it: a ring step of a consumer with no rows of its own."""
+  for ready, free in barriers:
+    plgpu.barrier_wait(ready.at[ring])
+    plgpu.barrier_arrive(free.at[ring])
+
+
 def _parts(views, slot):
   """The wgmma views of each column part's tile in `slot`."""
   return [mma.at[slot] for _, mma in views]
@@ -162,13 +180,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
   kv_ready, q_ready, do_ready = scratch["ready"]
   q_free, do_free = scratch["free"]
   done, fused = scratch.get("done"), scratch.get("fused")
-  untiled = all(layout.untiled)
-  k_views, v_views, q_views, do_views = (
-      [tile_views(x, untiled) for x in buffers]
-      for buffers in (k_buffers, v_buffers, q_buffers, do_buffers))
-  head_dim = q_ref.shape[3]
-  part_columns = [columns(start, width, head_dim)
-                  for start, width in layout.parts]
+  (k_views, v_views, q_views, do_views), part_columns = _part_views(
+      layout, q_ref.shape[3], k_buffers, v_buffers, q_buffers, do_buffers)
   num_parts = len(layout.parts)
   bq, bkv = blocks.block_q_dkv, blocks.block_kv_dkv
   stages = blocks.num_stages_bwd
@@ -332,10 +345,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
 
   def release(n, carry):
     """A step of a warpgroup whose key rows all lie at or past kv_len."""
-    ring = step_index(n)[2]
-    for ready, free in ((q_ready, q_free), (do_ready, do_free)):
-      plgpu.barrier_wait(ready.at[ring])
-      plgpu.barrier_arrive(free.at[ring])
+    _release(step_index(n)[2], (q_ready, q_free), (do_ready, do_free))
     return carry
 
   def consumer():
@@ -449,13 +459,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
   q_buffers, do_buffers, k_buffers, v_buffers = scratch["buffers"]
   q_ready, k_ready, v_ready = scratch["ready"]
   k_free, v_free = scratch["free"]
-  untiled = all(layout.untiled)
-  q_views, do_views, k_views, v_views = (
-      [tile_views(x, untiled) for x in buffers]
-      for buffers in (q_buffers, do_buffers, k_buffers, v_buffers))
-  head_dim = q_ref.shape[3]
-  part_columns = [columns(start, width, head_dim)
-                  for start, width in layout.parts]
+  (q_views, do_views, k_views, v_views), part_columns = _part_views(
+      layout, q_ref.shape[3], q_buffers, do_buffers, k_buffers, v_buffers)
   num_parts = len(layout.parts)
   wgs = dq_warpgroups(layout.width)
   bq, bkv = blocks.block_q_dq, blocks.block_kv_dq
@@ -542,10 +547,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
 
   def release(j, carry):
     """A step of a warpgroup whose query rows all lie at or past q_len."""
-    ring = lax.rem(j, stages)
-    for ready, free in ((k_ready, k_free), (v_ready, v_free)):
-      plgpu.barrier_wait(ready.at[ring])
-      plgpu.barrier_arrive(free.at[ring])
+    _release(lax.rem(j, stages), (k_ready, k_free), (v_ready, v_free))
     return carry
 
   def consumer():
