@@ -64,12 +64,14 @@ def _spec(x) -> jax.ShapeDtypeStruct:
 def keepable(cfg) -> bool:
   """Whether a call's programs may be stored: a cache to store in, one
   device (no partitioning), the machine's own (no abstract device to
-  compile for), and no user functions in its mask or scores (their repr
-  names an address)."""
+  compile for), no user functions in its mask or scores (their repr
+  names an address), and no collectives over a shard_map's axis
+  (`sequence_axis`)."""
   mesh = jax.sharding.get_abstract_mesh()
   return (_folder() is not None and jax.device_count() == 1
           and getattr(mesh, "abstract_device", None) is None
-          and cfg.mask.mod is None and cfg.scores.mod is None)
+          and cfg.mask.mod is None and cfg.scores.mod is None
+          and cfg.sequence_axis is None)
 
 
 def call(jitted, static, *args):

@@ -54,6 +54,10 @@ class Config:
   version: int
   # Sequence-sharded inputs: `_sharding.STRATEGIES`.
   context_parallel: str = "auto"
+  # Inside a shard_map, the mesh axis (or axes) whose devices hold the
+  # sequence in chunks, run by `context_parallel`'s ring or all_gather
+  # (`_sharding`'s `on_axis`); None: the arrays are the call's.
+  sequence_axis: object = None
 
 
 SECOND_ORDER = (
@@ -198,11 +202,13 @@ def _partitioned(operands: Operands, cfg: Config) -> bool:
   lowers ahead of time for a GPU that is not present.) An FP8 call's
   shards carry their e4m3 values (`Operands.fp8_q`, ...).
   """
-  return (jax.device_count() > 1
+  return (jax.device_count() > 1 and cfg.sequence_axis is None
           and _sharding.splittable(operands, cfg.mask, cfg.scores))
 
 
 def _forward(q, k, v, operands: Operands, cfg: Config):
+  if cfg.sequence_axis is not None:
+    return _sharded_forward.on_axis(q, k, v, operands, cfg)
   if _partitioned(operands, cfg):
     return _sharded_forward(q, k, v, operands, cfg)
   return _backend_forward(q, k, v, operands, cfg)
@@ -213,6 +219,9 @@ def _backward(cfg: Config, residuals, cotangents):
   q, k, v, operands, o, lse = residuals
   do, dlse = cotangents
   do = do.astype(q.dtype)
+  if cfg.sequence_axis is not None:
+    return _sharded_backward.on_axis(q, k, v, operands, o, lse, do, dlse,
+                                     cfg)
   if _partitioned(operands, cfg):
     return _sharded_backward(q, k, v, operands, o, lse, do, dlse, cfg)
   return _local_backward(q, k, v, operands, o, lse, do, dlse, cfg)
@@ -462,6 +471,12 @@ def _split(args, tree):
 
 
 def _tangent_value(*args, cfg, tree):
+  if cfg.sequence_axis is not None:
+    raise NotImplementedError(
+        f"forward-mode derivatives (jvp) of flash_attention with "
+        f"sequence_axis and context_parallel={cfg.context_parallel!r}: its "
+        f"tangent is per device; reverse mode (grad, vjp) runs, and "
+        f"context_parallel='all_to_all' takes jvp too")
   (q, k, v, leaves, _, _), tangents = _split(args, tree)
   return _tangent_jit(cfg, tree)(q, k, v, leaves, tangents)
 

@@ -1,11 +1,15 @@
 """`flash_attention(..., sequence_axis=name)` inside `jax.shard_map`: each
 device holds a contiguous chunk of the sequences; the call is the whole
-sequence's attention, by all_to_all (DeepSpeed-Ulysses): Q, K and V
-exchange their sequence chunks for the whole sequence of 1 / P of the
-heads, each device attends on those heads (the attention primitive, per
-device whole), and the output goes back to sequence chunks. Every step is
-a JAX collective or array op, so gradients, vmap and shard_map's checks
-of varying values follow from JAX's own rules."""
+sequence's attention. By default by all_to_all (DeepSpeed-Ulysses): Q, K
+and V exchange their sequence chunks for the whole sequence of 1 / P of
+the heads, each device attends on those heads (the attention primitive,
+per device whole), and the output goes back to sequence chunks. Every step
+is a JAX collective or array op, so gradients, vmap and shard_map's checks
+of varying values follow from JAX's own rules. With context_parallel
+"ring" or "all_gather" the primitive itself runs that strategy's
+per-device function on the chunks, the code a sequence-sharded call under
+jit runs (`_sharding`), its collectives over the axis inside the
+primitive's lowering."""
 from __future__ import annotations
 
 import functools
@@ -54,10 +58,30 @@ def attend(attention, axis, query, key, value, bias, mask, *,
   whole sequence of this device's heads, from and to sequence chunks over
   `axis` (`flash_attention`'s `sequence_axis`)."""
   p = _axis_size(axis)
+  if context_parallel in ("ring", "all_gather"):
+    for name in ("query_seq_lengths", "key_value_seq_lengths"):
+      if options.get(name) is not None:
+        raise ValueError(
+            f"{name} with sequence_axis and context_parallel="
+            f"{context_parallel!r}: lengths would count this chunk's "
+            f"positions; pass segment ids, or context_parallel="
+            f"'all_to_all'")
+    for name, x in (("bias", bias), ("mask", mask)):
+      if x is not None:
+        raise ValueError(
+            f"{name} with sequence_axis and context_parallel="
+            f"{context_parallel!r}: not taken there; context_parallel="
+            f"'all_to_all' takes it")
+    return attention(
+        query, key, value, bias, mask, head_offset=None, sequence_axis=axis,
+        context_parallel=context_parallel, segment_ids=segment_ids,
+        alibi_slopes=alibi_slopes, sinks=sinks, descale=descale,
+        return_residual=return_residual, **options)
   if context_parallel not in ("auto", "all_to_all"):
     raise ValueError(
         f"context_parallel={context_parallel!r} with sequence_axis: inside "
-        f"shard_map the sequence runs all_to_all ('auto' or 'all_to_all')")
+        f"shard_map the sequence runs 'all_to_all' ('auto'), 'ring' or "
+        f"'all_gather'")
   if query.ndim not in (3, 4) or key.ndim != query.ndim:
     raise ValueError(
         f"sequence_axis: query [B, T, N, H] or [T, N, H] and key of the same "

@@ -716,6 +716,25 @@ _FWD_OUT = ("b t n v", "b n t")
 _BWD_IN = ("b t n v", "b n t", "b t n v", "b n t")
 
 
+def _on_axis(lowerings, cfg, arrays, refit_why, refused):
+  """Inside a shard_map whose axis `cfg.sequence_axis` holds the sequence
+  in contiguous chunks (`arrays`: q, k, v chunks, then the rest as the
+  per-device functions take them): `cfg.context_parallel`'s per-device
+  function (ring or all_gather, `lowerings`), planned as `_plan` plans a
+  call sharded along that axis."""
+  axis = cfg.sequence_axis
+  mesh = jax.sharding.get_abstract_mesh()
+  p = lax.axis_size(axis)
+
+  def whole(x):  # The call's array, sharded along the sequence.
+    return jax.ShapeDtypeStruct(
+        (x.shape[0], x.shape[1] * p, *x.shape[2:]), x.dtype,
+        sharding=NamedSharding(mesh, P(None, axis, None, None)))
+  split = _plan(mesh, [whole(x) for x in arrays[:3]], cfg, refit_why,
+                refused)
+  return lowerings[split.strategy](cfg, split, p)(*arrays)
+
+
 def sharded_forward(forward, chunk_forward, ring_forward, refit_why):
   """forward(q, k, v, operands, cfg) -> (o, lse), split over batch, heads
   and the sequence. chunk_forward(q, k, v, operands, cfg): the same for
@@ -728,18 +747,15 @@ def sharded_forward(forward, chunk_forward, ring_forward, refit_why):
 
   def plain_ring(q, k, v, seq, p, cfg):
     return ring_forward(q, k, v, Operands(), seq, p, cfg)
+  plain_lowerings = {
+      "all_gather": _gather_lowering(plain_chunk, _QKV, _FWD_OUT),
+      "ring": _ring_lowering(plain_ring, _QKV, _FWD_OUT)}
   plain = _define(
-      lambda q, k, v, cfg: forward(q, k, v, Operands(), cfg), _FWD_RULE, {
-          "all_gather": _gather_lowering(plain_chunk, _QKV, _FWD_OUT),
-          "ring": _ring_lowering(plain_ring, _QKV, _FWD_OUT)},
-      refit_why, ())
+      lambda q, k, v, cfg: forward(q, k, v, Operands(), cfg), _FWD_RULE,
+      plain_lowerings, refit_why, ())
 
   @functools.cache
-  def with_operands(tree, factors, refused):
-    def fn(*args):
-      q, k, v, *leaves, cfg = args
-      return forward(q, k, v, jax.tree.unflatten(tree, leaves), cfg)
-
+  def operand_lowerings(tree, factors):
     def chunk(*args):
       q, k, v, *leaves, offsets, cfg = args
       operands = _at_offsets(jax.tree.unflatten(tree, leaves), offsets, q, k)
@@ -750,10 +766,18 @@ def sharded_forward(forward, chunk_forward, ring_forward, refit_why):
       return ring_forward(q, k, v, jax.tree.unflatten(tree, leaves), seq, p,
                           cfg)
     in_factors = _QKV + factors
+    return in_factors, {
+        "all_gather": _gather_lowering(chunk, in_factors, _FWD_OUT),
+        "ring": _ring_lowering(ring, in_factors, _FWD_OUT)}
+
+  @functools.cache
+  def with_operands(tree, factors, refused):
+    def fn(*args):
+      q, k, v, *leaves, cfg = args
+      return forward(q, k, v, jax.tree.unflatten(tree, leaves), cfg)
+    in_factors, lowerings = operand_lowerings(tree, factors)
     return _split_with_operands(
-        fn, in_factors, _FWD_OUT, dict(refused), refit_why, {
-            "all_gather": _gather_lowering(chunk, in_factors, _FWD_OUT),
-            "ring": _ring_lowering(ring, in_factors, _FWD_OUT)},
+        fn, in_factors, _FWD_OUT, dict(refused), refit_why, lowerings,
         _seed_index(tree))
 
   def call(q, k, v, operands: Operands, cfg):
@@ -763,6 +787,16 @@ def sharded_forward(forward, chunk_forward, ring_forward, refit_why):
     op = with_operands(tree, operand_factors(operands, q, k),
                        tuple(_refused(operands).items()))
     return op(q, k, v, *leaves, cfg)
+
+  def on_axis(q, k, v, operands: Operands, cfg):
+    """The same on sequence chunks inside a shard_map (`_on_axis`)."""
+    if operands.empty:
+      return _on_axis(plain_lowerings, cfg, (q, k, v), refit_why, {})
+    leaves, tree = jax.tree.flatten(operands)
+    _, lowerings = operand_lowerings(tree, operand_factors(operands, q, k))
+    return _on_axis(lowerings, cfg, (q, k, v, *leaves), refit_why,
+                    _refused(operands))
+  call.on_axis = on_axis
   return call
 
 
@@ -781,43 +815,55 @@ def sharded_backward(backward, chunk_backward, ring_backward, refit_why):
   def plain_ring(q, k, v, o, lse, do, dlse, seq, p, cfg):
     return ring_backward(q, k, v, Operands(), o, lse, do, dlse, seq, p,
                          cfg)[:3]
-  plain = _define(without_operands, _BWD_RULE, {
+  plain_lowerings = {
       "all_gather": _gather_lowering(plain_chunk, _QKV + _BWD_IN, _QKV),
-      "ring": _ring_lowering(plain_ring, _QKV + _BWD_IN, _QKV)}, refit_why,
-      (1, 2))
+      "ring": _ring_lowering(plain_ring, _QKV + _BWD_IN, _QKV)}
+  plain = _define(without_operands, _BWD_RULE, plain_lowerings, refit_why,
+                  (1, 2))
+
+  def chosen(grads, diff):
+    flat = jax.tree.leaves(dataclasses.replace(grads, q_offsets=None))
+    return tuple(flat[i] for i in diff)
 
   @functools.cache
-  def with_operands(tree, factors, diff, refused):
-    def chosen(grads):
-      flat = jax.tree.leaves(dataclasses.replace(grads, q_offsets=None))
-      return tuple(flat[i] for i in diff)
-
-    def fn(*args):
-      q, k, v, *leaves, o, lse, do, dlse, cfg = args
-      dq, dk, dv, grads = backward(q, k, v, jax.tree.unflatten(tree, leaves),
-                                   o, lse, do, dlse, cfg)
-      return (dq, dk, dv) + chosen(grads)
-
+  def operand_lowerings(tree, factors, diff):
     def chunk(*args):
       q, k, v, *leaves, o, lse, do, dlse, offsets, cfg = args
       operands = _at_offsets(jax.tree.unflatten(tree, leaves), offsets, q, k)
       dq, dk, dv, grads = chunk_backward(q, k, v, operands, o, lse, do,
                                          dlse, cfg)
-      return (dq, dk, dv) + chosen(grads)
+      return (dq, dk, dv) + chosen(grads, diff)
 
     def ring(*args):
       q, k, v, *leaves, o, lse, do, dlse, seq, p, cfg = args
       dq, dk, dv, grads = ring_backward(q, k, v,
                                         jax.tree.unflatten(tree, leaves), o,
                                         lse, do, dlse, seq, p, cfg)
-      return (dq, dk, dv) + chosen(grads)
+      return (dq, dk, dv) + chosen(grads, diff)
     in_factors = _QKV + factors + _BWD_IN
     out_factors = _QKV + tuple(factors[i] for i in diff)
+    return in_factors, out_factors, {
+        "all_gather": _gather_lowering(chunk, in_factors, out_factors),
+        "ring": _ring_lowering(ring, in_factors, out_factors)}
+
+  @functools.cache
+  def with_operands(tree, factors, diff, refused):
+    def fn(*args):
+      q, k, v, *leaves, o, lse, do, dlse, cfg = args
+      dq, dk, dv, grads = backward(q, k, v, jax.tree.unflatten(tree, leaves),
+                                   o, lse, do, dlse, cfg)
+      return (dq, dk, dv) + chosen(grads, diff)
+    in_factors, out_factors, lowerings = operand_lowerings(tree, factors,
+                                                           diff)
     return _split_with_operands(
-        fn, in_factors, out_factors, dict(refused), refit_why, {
-            "all_gather": _gather_lowering(chunk, in_factors, out_factors),
-            "ring": _ring_lowering(ring, in_factors, out_factors)},
+        fn, in_factors, out_factors, dict(refused), refit_why, lowerings,
         _seed_index(tree))
+
+  def with_grads(leaves, tree, diff, diff_grads):
+    grads = [jnp.zeros_like(x) for x in leaves]
+    for i, g in zip(diff, diff_grads):
+      grads[i] = g
+    return jax.tree.unflatten(tree, grads)
 
   def call(q, k, v, operands: Operands, o, lse, do, dlse, cfg):
     if operands.empty:
@@ -827,8 +873,20 @@ def sharded_backward(backward, chunk_backward, ring_backward, refit_why):
     op = with_operands(tree, operand_factors(operands, q, k), diff,
                        tuple(_refused(operands).items()))
     dq, dk, dv, *diff_grads = op(q, k, v, *leaves, o, lse, do, dlse, cfg)
-    grads = [jnp.zeros_like(x) for x in leaves]
-    for i, g in zip(diff, diff_grads):
-      grads[i] = g
-    return dq, dk, dv, jax.tree.unflatten(tree, grads)
+    return dq, dk, dv, with_grads(leaves, tree, diff, diff_grads)
+
+  def on_axis(q, k, v, operands: Operands, o, lse, do, dlse, cfg):
+    """The same on sequence chunks inside a shard_map (`_on_axis`)."""
+    if operands.empty:
+      return (*_on_axis(plain_lowerings, cfg, (q, k, v, o, lse, do, dlse),
+                        refit_why, {}), operands)
+    leaves, tree = jax.tree.flatten(operands)
+    diff = differentiable_leaves(tree)
+    _, _, lowerings = operand_lowerings(
+        tree, operand_factors(operands, q, k), diff)
+    dq, dk, dv, *diff_grads = _on_axis(
+        lowerings, cfg, (q, k, v, *leaves, o, lse, do, dlse), refit_why,
+        _refused(operands))
+    return dq, dk, dv, with_grads(leaves, tree, diff, diff_grads)
+  call.on_axis = on_axis
   return call

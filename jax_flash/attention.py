@@ -19,12 +19,12 @@ from jax_flash.spec.scores import Scores
 
 def config(plan: _dispatch.Plan, block_sizes, problem: Problem, dtype,
            mask: Mask, scores: Scores, *, is_causal: bool = False,
-           version: int = 2,
-           context_parallel: str = "auto") -> _primitive.Config:
+           version: int = 2, context_parallel: str = "auto",
+           sequence_axis=None) -> _primitive.Config:
   """The static part of one call: its plan, mask, scores and tiles."""
   return _primitive.Config(
       plan=plan, mask=mask, scores=scores, version=version,
-      context_parallel=context_parallel,
+      context_parallel=context_parallel, sequence_axis=sequence_axis,
       configs=_dispatch.configure(plan, block_sizes, problem, dtype,
                                   is_causal=is_causal, version=version,
                                   scores=scores, mask=mask))
@@ -250,10 +250,11 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
       axis's P devices; the call is then the whole sequence's attention
       (context parallelism: all_to_all, heads exchanged for the sequence;
       N divisible by P, key/value heads repeated up to a multiple of P
-      where K is not). Segment ids and a bias's or mask's query rows are
-      chunks as the query is (their keys whole); per-head arrays, lengths
-      and dropout are the whole call's. Output (and logsumexp) chunks
-      like the query's.
+      where K is not; or with context_parallel "ring" or "all_gather"
+      that strategy, without a bias, a mask, lengths or jvp). Segment ids
+      and a bias's or mask's query rows are chunks as the query is (their
+      keys whole); per-head arrays, lengths and dropout are the whole
+      call's. Output (and logsumexp) chunks like the query's.
 
   Returns:
     out: like query, in query.dtype; or `(out, logsumexp)`.
@@ -291,10 +292,12 @@ def _attention(query, key, value, bias, mask, *, scale, is_causal,
                segment_ids, logits_soft_cap, alibi_slopes, dropout_rate,
                dropout_rng, dropout_broadcast, sinks, return_residual,
                implementation, block_sizes, version, fp8, descale, out_dtype,
-               context_parallel, head_offset):
+               context_parallel, head_offset, sequence_axis=None):
   """`flash_attention` on one device's arrays; `head_offset` (traced int or
   None): the place of its first query head among the whole call's, where
-  dropout's keep bits are drawn (`_sequence_axis`)."""
+  dropout's keep bits are drawn (`_sequence_axis`); `sequence_axis`: the
+  arrays are chunks of the sequence over that shard_map axis, run by the
+  ring or all_gather `context_parallel` names (`_sequence_axis`)."""
   query, scale, descale = _fold_scale(query, scale, descale)
   query, key, value, out_dtype, fp8_operands = _fp8_inputs(
       query, key, value, fp8, descale, out_dtype)
@@ -327,7 +330,7 @@ def _attention(query, key, value, bias, mask, *, scale, is_causal,
     query, key, value = query[None], key[None], value[None]
   cfg = config(plan, block_sizes, p, query.dtype, spec.mask, spec.scores,
                is_causal=is_causal, version=version,
-               context_parallel=context_parallel)
+               context_parallel=context_parallel, sequence_axis=sequence_axis)
   out, lse = flash_call(query, key, value, spec.operands, cfg)
   lse = lse.transpose(0, 2, 1)
   if p.unbatched:

@@ -559,8 +559,8 @@ def sequence_axis():
     assert hlo.count("all-gather(") == ("segment_ids" in chunked) + (
         "mask" in chunked), hlo.count("all-gather(")
   bad = {"sequence_axis='nope' names no axis": dict(sequence_axis="nope"),
-         "context_parallel='ring' with sequence_axis":
-             dict(sequence_axis="sp", context_parallel="ring")}
+         "context_parallel='ring_all_to_all' with sequence_axis":
+             dict(sequence_axis="sp", context_parallel="ring_all_to_all")}
   for match, kw in bad.items():
     try:
       jax.jit(jax.shard_map(
@@ -581,6 +581,112 @@ def sequence_axis():
     raise AssertionError("no error for 6 heads on 4 devices")
   _modules_on_sequence_chunks(mesh)
   print("every sequence_axis case matches one device")
+
+
+def _gathered_shapes(hlo):
+  """The result shapes of a compiled program's all-gathers."""
+  return re.findall(r"= \w+\[([\d,]+)\][^ ]* all-gather\(", hlo)
+
+
+def sequence_axis_strategies():
+  """flash_attention(..., sequence_axis="sp", context_parallel="ring" or
+  "all_gather") inside a shard_map (its checks of varying values on) over
+  4 devices of sequence chunks: the strategy's per-device function inside
+  the primitive, output, logsumexp and gradients within float32's
+  tolerance of the whole call on one device; a ring's program gathers
+  nothing (K/V chunks pass by collective-permute), all_gather's gathers K
+  and V (and key ids) but never Q; what a strategy does not take named."""
+  mesh = jax.make_mesh((2, 4), ("data", "sp"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  b, t, n, h = 2, 64, 8, 32
+  keys = jax.random.split(jax.random.key(1), 8)
+  ids = jnp.sort(jax.random.randint(keys[4], (b, t), 0, 3), axis=1)
+  cases = {  # name: (strategy, KV heads, options, per-chunk arrays)
+      "ring_causal_gqa": ("ring", 2, dict(is_causal=True), {}),
+      "ring_segments_sinks_dropout_soft_cap": ("ring", 8, dict(
+          sinks=jnp.linspace(-1.0, 1.0, n), dropout_rate=0.2,
+          dropout_rng=jax.random.key(3), logits_soft_cap=20.0),
+                                               dict(segment_ids=ids)),
+      "ring_causal_window": ("ring", 4, dict(local_window_size=(20, 0)),
+                             {}),
+      "all_gather_causal_gqa": ("all_gather", 2, dict(is_causal=True), {}),
+      "all_gather_alibi_window_soft_cap": ("all_gather", 4, dict(
+          alibi_slopes=jnp.linspace(0.01, 0.1, n), logits_soft_cap=20.0,
+          local_window_size=(20, 5)), {}),
+      "all_gather_segments_dropout_causal": ("all_gather", 8, dict(
+          is_causal=True, dropout_rate=0.2, dropout_rng=jax.random.key(4)),
+                                             dict(segment_ids=ids)),
+      "all_gather_fp8_causal_mqa": ("all_gather", 1, dict(
+          is_causal=True, fp8=True), {}),
+  }
+  for name, (strategy, kv_heads, options, chunked) in cases.items():
+    q = jax.random.normal(keys[0], (b, t, n, h))
+    k = jax.random.normal(keys[1], (b, t, kv_heads, h))
+    v = jax.random.normal(keys[2], (b, t, kv_heads, h))
+    do = jax.random.normal(keys[3], (b, t, n, h))
+    call = lambda q, k, v, c, **kw: jax_flash.flash_attention(
+        q, k, v, implementation="xla", **options, **c, **kw)
+    specs = jax.tree.map(
+        lambda x: P(None, None, "sp") if x.ndim == 4 else P(None, "sp"),
+        chunked)
+    local = jax.shard_map(
+        lambda q, k, v, c: call(q, k, v, c, sequence_axis="sp",
+                                context_parallel=strategy,
+                                return_residual=True),
+        mesh=mesh, in_specs=(P(None, "sp"),) * 3 + (specs,),
+        out_specs=(P(None, "sp"),) * 2)
+    want, want_lse = jax.jit(lambda q, k, v: call(
+        q, k, v, chunked, return_residual=True))(q, k, v)
+    got, got_lse = jax.jit(local)(q, k, v, chunked)
+    loss = lambda f: jax.jit(jax.grad(
+        lambda q, k, v: jnp.sum(f(q, k, v) * do), argnums=(0, 1, 2)))
+    grads = loss(lambda q, k, v: call(q, k, v, chunked))(q, k, v)
+    grads_s = loss(lambda q, k, v: local(q, k, v, chunked)[0])(q, k, v)
+    errors = [relative_error(a, w) for a, w in zip(grads_s, grads)]
+    out_errors = [relative_error(got, want), relative_error(got_lse,
+                                                            want_lse)]
+    hlo = loss(lambda q, k, v: local(q, k, v, chunked)[0]).lower(
+        q, k, v).compile().as_text()
+    gathered = _gathered_shapes(hlo)
+    print(f"sequence_axis {name}: all-gathers={gathered} "
+          f"collective-permutes={hlo.count('collective-permute')} "
+          f"out, lse errors={out_errors} grad errors={errors}")
+    bound = tolerance(jnp.float32)
+    assert max(out_errors) <= bound.out and max(errors) <= bound.grad, (
+        out_errors, errors)
+    if strategy == "ring":
+      assert not gathered and hlo.count("collective-permute") > 0, gathered
+    else:  # K and V whole (the backward's too), no Q.
+      assert [g for g in gathered if g.count(",") == 3] == [
+          f"{b},{t},{kv_heads},{h}"] * 2, gathered
+  bad = {"ring runs no ['alibi_slopes']": (
+             "ring", dict(alibi_slopes=jnp.ones((n,)))),
+         "key_value_seq_lengths with sequence_axis": (
+             "all_gather", dict(key_value_seq_lengths=jnp.array([9, 64]))),
+         "bias with sequence_axis": (
+             "all_gather", dict(bias=jnp.ones((b, 1, t // 4, t))))}
+  q = jnp.ones((b, t, n, h))
+  for match, (strategy, kw) in bad.items():
+    try:
+      jax.jit(jax.shard_map(
+          lambda q: jax_flash.flash_attention(
+              q, q, q, sequence_axis="sp", context_parallel=strategy, **kw),
+          mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp")))(q)
+    except ValueError as e:
+      assert match in str(e), e
+    else:
+      raise AssertionError(f"no error for {strategy} {kw}")
+  ring = jax.shard_map(
+      lambda q: jax_flash.flash_attention(q, q, q, sequence_axis="sp",
+                                          context_parallel="ring"),
+      mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))
+  try:
+    jax.jit(lambda q: jax.jvp(ring, (q,), (q,)))(q)
+  except NotImplementedError as e:
+    assert "forward-mode" in str(e), e
+  else:
+    raise AssertionError("no error for jvp of a ring on an axis")
+  print("every sequence_axis strategy case matches one device")
 
 
 def _modules_on_sequence_chunks(mesh):
@@ -618,7 +724,9 @@ def _modules_on_sequence_chunks(mesh):
 
 
 if __name__ == "__main__":
-  if sys.argv[1] == "sequence_axis":
+  if sys.argv[1] == "sequence_axis_strategies":
+    sequence_axis_strategies()
+  elif sys.argv[1] == "sequence_axis":
     sequence_axis()
   elif sys.argv[1] == "context_parallel":
     context_parallel()

@@ -46,6 +46,16 @@ def test_sequence_axis_inside_shard_map_matches_one_device():
   assert "every sequence_axis case matches one device" in out
 
 
+def test_sequence_axis_ring_and_all_gather_match_one_device():
+  """`sequence_axis` with context_parallel "ring" or "all_gather": every
+  case of `sharded_run.sequence_axis_strategies` ran and matched one
+  device, with the collectives each strategy promises."""
+  out = _run("sequence_axis_strategies")
+  assert sum(line.startswith("sequence_axis ")
+             for line in out.splitlines()) == 7, out
+  assert "every sequence_axis strategy case matches one device" in out
+
+
 def test_operands_split_over_batch_and_heads():
   assert "every case matches one device" in _run("operands")
 
