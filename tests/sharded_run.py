@@ -2,6 +2,7 @@
 import os
 import re
 import sys
+import typing
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8")
@@ -491,6 +492,44 @@ def _all_gather_structured_mask(mesh, seq, bound):
     assert errors[0] <= bound.out and max(errors[1:]) <= bound.grad, errors
 
 
+class _OnChunks(typing.NamedTuple):
+  local: object  # The shard_map'd call: (q, k, v, chunked) -> (out, lse).
+  grad: object  # Jitted gradients of sum(out * dO) through `local`.
+  args: tuple  # (q, k, v, chunked)
+  results: tuple  # ((out, lse) chunked, (out, lse) whole, grad errors)
+
+
+def _on_chunks(mesh, keys, shape, options, chunked, **strategy):
+  """One call of `options` on random inputs of `shape` (B, T, N, K, H) and
+  the per-chunk arrays `chunked`: inside a shard_map over "sp" with
+  sequence_axis (and `strategy`'s keywords) and as the whole call on one
+  device, with the relative errors of the first's gradients."""
+  b, t, n, kv_heads, h = shape
+  q = jax.random.normal(keys[0], (b, t, n, h))
+  k = jax.random.normal(keys[1], (b, t, kv_heads, h))
+  v = jax.random.normal(keys[2], (b, t, kv_heads, h))
+  do = jax.random.normal(keys[3], (b, t, n, h))
+  call = lambda q, k, v, c, **kw: jax_flash.flash_attention(
+      q, k, v, implementation="xla", **options, **c, **kw)
+  specs = jax.tree.map(
+      lambda x: P(None, None, "sp") if x.ndim == 4 else P(None, "sp"),
+      chunked)
+  local = jax.shard_map(
+      lambda q, k, v, c: call(q, k, v, c, sequence_axis="sp",
+                              return_residual=True, **strategy),
+      mesh=mesh, in_specs=(P(None, "sp"),) * 3 + (specs,),
+      out_specs=(P(None, "sp"),) * 2)
+  whole = jax.jit(lambda q, k, v: call(q, k, v, chunked,
+                                       return_residual=True))(q, k, v)
+  loss = lambda f: jax.jit(jax.grad(
+      lambda q, k, v: jnp.sum(f(q, k, v) * do), argnums=(0, 1, 2)))
+  grad = loss(lambda q, k, v: local(q, k, v, chunked)[0])
+  grads = loss(lambda q, k, v: call(q, k, v, chunked))(q, k, v)
+  errors = [relative_error(a, w) for a, w in zip(grad(q, k, v), grads)]
+  return _OnChunks(local, grad, (q, k, v, chunked),
+                   (jax.jit(local)(q, k, v, chunked), whole, errors))
+
+
 def sequence_axis():
   """flash_attention(..., sequence_axis="sp") inside a shard_map (its
   checks of varying values on) over 4 devices of sequence chunks: every
@@ -522,29 +561,9 @@ def sequence_axis():
                           dict(mask=mask)),
   }
   for name, (kv_heads, options, chunked) in cases.items():
-    q = jax.random.normal(keys[0], (b, t, n, h))
-    k = jax.random.normal(keys[1], (b, t, kv_heads, h))
-    v = jax.random.normal(keys[2], (b, t, kv_heads, h))
-    do = jax.random.normal(keys[3], (b, t, n, h))
-    call = lambda q, k, v, c, **kw: jax_flash.flash_attention(
-        q, k, v, implementation="xla", **options, **c, **kw)
-    specs = jax.tree.map(
-        lambda x: P(None, None, "sp") if x.ndim == 4 else P(None, "sp"),
-        chunked)
-    local = jax.shard_map(
-        lambda q, k, v, c: call(q, k, v, c, sequence_axis="sp",
-                                return_residual=True),
-        mesh=mesh, in_specs=(P(None, "sp"),) * 3 + (specs,),
-        out_specs=(P(None, "sp"),) * 2)
-    want, want_lse = jax.jit(lambda q, k, v: call(
-        q, k, v, chunked, return_residual=True))(q, k, v)
-    got, got_lse = jax.jit(local)(q, k, v, chunked)
-    loss = lambda f: jax.jit(jax.grad(
-        lambda q, k, v: jnp.sum(f(q, k, v) * do), argnums=(0, 1, 2)))
-    grads = loss(lambda q, k, v: call(q, k, v, chunked))(q, k, v)
-    grads_s = loss(lambda q, k, v: local(q, k, v, chunked)[0])(q, k, v)
-    errors = [relative_error(a, w) for a, w in zip(grads_s, grads)]
-    hlo = jax.jit(local).lower(q, k, v, chunked).compile().as_text()
+    run = _on_chunks(mesh, keys, (b, t, n, kv_heads, h), options, chunked)
+    (got, got_lse), (want, want_lse), errors = run.results
+    hlo = jax.jit(run.local).lower(*run.args).compile().as_text()
     finite = jnp.isfinite(want_lse)  # -inf past a query length.
     np.testing.assert_array_equal(jnp.isfinite(got_lse), finite)
     out_errors = [relative_error(got, want), relative_error(
@@ -558,6 +577,7 @@ def sequence_axis():
     assert hlo.count("all-to-all(") >= 4
     assert hlo.count("all-gather(") == ("segment_ids" in chunked) + (
         "mask" in chunked), hlo.count("all-gather(")
+  q = run.args[0]
   bad = {"sequence_axis='nope' names no axis": dict(sequence_axis="nope"),
          "context_parallel='ring_all_to_all' with sequence_axis":
              dict(sequence_axis="sp", context_parallel="ring_all_to_all")}
@@ -620,33 +640,12 @@ def sequence_axis_strategies():
           is_causal=True, fp8=True), {}),
   }
   for name, (strategy, kv_heads, options, chunked) in cases.items():
-    q = jax.random.normal(keys[0], (b, t, n, h))
-    k = jax.random.normal(keys[1], (b, t, kv_heads, h))
-    v = jax.random.normal(keys[2], (b, t, kv_heads, h))
-    do = jax.random.normal(keys[3], (b, t, n, h))
-    call = lambda q, k, v, c, **kw: jax_flash.flash_attention(
-        q, k, v, implementation="xla", **options, **c, **kw)
-    specs = jax.tree.map(
-        lambda x: P(None, None, "sp") if x.ndim == 4 else P(None, "sp"),
-        chunked)
-    local = jax.shard_map(
-        lambda q, k, v, c: call(q, k, v, c, sequence_axis="sp",
-                                context_parallel=strategy,
-                                return_residual=True),
-        mesh=mesh, in_specs=(P(None, "sp"),) * 3 + (specs,),
-        out_specs=(P(None, "sp"),) * 2)
-    want, want_lse = jax.jit(lambda q, k, v: call(
-        q, k, v, chunked, return_residual=True))(q, k, v)
-    got, got_lse = jax.jit(local)(q, k, v, chunked)
-    loss = lambda f: jax.jit(jax.grad(
-        lambda q, k, v: jnp.sum(f(q, k, v) * do), argnums=(0, 1, 2)))
-    grads = loss(lambda q, k, v: call(q, k, v, chunked))(q, k, v)
-    grads_s = loss(lambda q, k, v: local(q, k, v, chunked)[0])(q, k, v)
-    errors = [relative_error(a, w) for a, w in zip(grads_s, grads)]
+    run = _on_chunks(mesh, keys, (b, t, n, kv_heads, h), options, chunked,
+                     context_parallel=strategy)
+    (got, got_lse), (want, want_lse), errors = run.results
     out_errors = [relative_error(got, want), relative_error(got_lse,
                                                             want_lse)]
-    hlo = loss(lambda q, k, v: local(q, k, v, chunked)[0]).lower(
-        q, k, v).compile().as_text()
+    hlo = run.grad.lower(*run.args[:3]).compile().as_text()
     gathered = _gathered_shapes(hlo)
     print(f"sequence_axis {name}: all-gathers={gathered} "
           f"collective-permutes={hlo.count('collective-permute')} "
