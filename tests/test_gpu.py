@@ -200,6 +200,17 @@ MOSAIC_OPTIONS = {
         Case(1, 512, 600, 4, 2, 256, "bfloat16", True),
         dict(segment_ids=(_packed(1, 512, 3, 2), _packed(1, 600, 3, 3)),
              key_value_seq_lengths=jnp.array([550]))),
+    # The backward's last streamed tile on part of its rows
+    # (`tiles.tail_rows`): dQ's 128-row K/V tiles on 64 of 300 % 128 keys;
+    # at head dim 40 (parts 32 + 16), dK/dV's Q/dO tiles on 32 of 200 % 64
+    # queries and dQ's on 96 of 330 % 128 keys.
+    "tail_segments_dropout_h64": (
+        Case(2, 257, 300, 4, 2, 64, "bfloat16", True),
+        dict(segment_ids=(_packed(2, 257, 3, 5), _packed(2, 300, 3, 6)),
+             dropout_rate=0.2, dropout_rng=jax.random.key(21))),
+    "tail_dense_mask_soft_cap_h40": (
+        Case(1, 200, 330, 4, 4, 40, "float16", False),
+        dict(mask=_random_mask((1, 4, 200, 330), 22), logits_soft_cap=20.0)),
 }
 
 

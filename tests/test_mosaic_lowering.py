@@ -140,6 +140,27 @@ def test_column_parts_of_a_head_dim(head_dim, block_kv, parts):
     assert layout.untiled == (True, True)
 
 
+@pytest.mark.parametrize("head_dim, length, contraction", [
+    (128, 256, 64), (64, 257, 64), (80, 256, 16), (80, 257, 64),
+    (40, 77, 32), (32, 256, 32), (24, 256, 32)])
+def test_a_matmul_over_tile_rows_takes_them_by_its_swizzle(head_dim, length,
+                                                           contraction):
+  """wgmma's K group is its operand's swizzle in elements: 128-byte rows
+  take 64 rows at a time, 64-byte rows 32, 160-byte rows (head dim 80 in
+  one part, 32-byte swizzle) 16; the widest part decides."""
+  layout = tiles.Columns.of(jnp.bfloat16, head_dim, 128, length, length)
+  assert layout.contraction_rows(jnp.bfloat16) == contraction
+
+
+@pytest.mark.parametrize("length, block, multiple, rows", [
+    (257, 128, 64, 64), (300, 128, 64, 64), (257, 64, 64, 64),
+    (256, 128, 64, 128), (330, 128, 32, 96), (200, 64, 32, 32),
+    (77, 128, 16, 80), (1, 64, 16, 16), (64, 64, 64, 64)])
+def test_last_streamed_tile_computes_rows_up_to_the_length(length, block,
+                                                           multiple, rows):
+  assert tiles.tail_rows(length, block, multiple) == rows
+
+
 @pytest.mark.parametrize("head_dim, block_kv, lengths, parts", [
     (80, 320, (257, 257), ((0, 64), (64, 16))),
     (128, 128, (448, 1500), ((0, 64), (64, 64))),

@@ -64,7 +64,8 @@ from pallas_kernels.mosaic_gpu.tiles import (COL, COMPUTE_WGS, ROW, Columns,
                                              logits2, needs_positions,
                                              pad_ids, range_table,
                                              smem_transforms, split_refs,
-                                             table_ranges, tile_buffer,
+                                             table_ranges, tail_rows,
+                                             tile_buffer,
                                              tile_views, tma_rows, visible)
 
 
@@ -128,9 +129,23 @@ def _release(ring, *barriers):
     plgpu.barrier_arrive(free.at[ring])
 
 
-def _parts(views, slot):
-  """The wgmma views of each column part's tile in `slot`."""
-  return [mma.at[slot] for _, mma in views]
+def _parts(views, slot, rows=None):
+  """The wgmma views of each column part's tile in `slot` (its first
+  `rows` rows, or all)."""
+  return [mma.at[slot] if rows is None else mma.at[slot, pl.ds(0, rows)]
+          for _, mma in views]
+
+
+def _with_tail(step, on_last, block: int, tail: int, n, carry, **kwargs):
+  """Ring step n of a consumer streaming `block`-row tiles: `step(n, carry,
+  width=...)` on every row, or on the first `tail` rows (`tail_rows`) of
+  the sequence's last tile, where `on_last(n)`."""
+  if tail == block:
+    return step(n, carry, width=block, **kwargs)
+  last = on_last(n)
+  pl.when(last)(lambda: step(n, carry, width=tail, **kwargs))
+  pl.when(~last)(lambda: step(n, carry, width=block, **kwargs))
+  return carry
 
 
 def _store(tiles, index, dtype):
@@ -198,6 +213,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
       batch, lax.axis_index("kv_seq"))
   coords = needs_positions(mask, scores)
   last_tile = cdiv(q_len, bq) - 1
+  # The last Q/dO tile's rows computed on (`fused_dq` adds whole tiles).
+  tail = bq if fused is not None else tail_rows(
+      q_len, bq, layout.contraction_rows(dtype))
   # One step at least: keys no query sees get a fully masked tile (P = 0),
   # so their dK/dV are written as zeros by the same code.
   steps = jnp.maximum(hi - lo, 1) * group  # (query tile, head of the group)
@@ -251,18 +269,20 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
   def accumulators():
     return [plgpu.ACC((bkv, width), jnp.float32) for _, width in layout.parts]
 
-  def step(n, carry, accs, kv_ids):
+  def step(n, carry, accs, kv_ids, width):
+    """Step n on the first `width` rows of its Q/dO tile (`tail_rows`)."""
     i, g, ring = step_index(n)
-    shape = (bkv, bq)
+    shape = (bkv, width)
     head = first_head + g
-    q_smems, do_smems = _parts(q_views, ring), _parts(do_views, ring)
+    q_smems, do_smems = (_parts(views, ring, width)
+                         for views in (q_views, do_views))
     plgpu.barrier_wait(q_ready.at[ring])
 
     def scores_t(acc):
       for (_, k_smem), q_smem in zip(k_own, q_smems):
         plgpu.wgmma(acc, k_smem, q_smem.T)
-      lse = plgpu.load(lse_smem2.at[ring], layout=COL)
-      delta = plgpu.load(delta_smem2.at[ring], layout=COL)
+      lse, delta = (plgpu.load(x.at[ring, pl.ds(0, width)], layout=COL)
+                    for x in (lse_smem2, delta_smem2))
       return acc[...], lse, delta
     s, lse, delta = pl.run_scoped(scores_t, plgpu.ACC(shape, jnp.float32))
     def positions():  # Transposed: queries across, keys down.
@@ -270,7 +290,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
     rows_cols = positions() if coords else None
     ids = {}
     if mask.has_ids:
-      q_ids = load_ids(q_ids_ref, batch, q_tile(i) * bq, bq, COL)
+      q_ids = load_ids(q_ids_ref, batch, q_tile(i) * bq, width, COL)
       ids = dict(q_ids=lax.broadcast_in_dim(q_ids, shape, [1]),
                  kv_ids=lax.broadcast_in_dim(kv_ids, shape, [0]))
     tile = lo + i
@@ -278,7 +298,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
         s, lax.broadcast_in_dim(lse, shape, [1]),
         (tile < full_lo) | (tile >= full_hi), mask=mask, scores=scores,
         kv_len=kv_len, positions=positions, rows_cols=rows_cols, ids=ids,
-        pair=(rows, pl.ds(q_tile(i) * bq, bq)),  # Keys down, queries across.
+        pair=(rows, pl.ds(q_tile(i) * bq, width)),  # Keys down, queries across.
         refs=(slopes_ref, bias_ref, dense_ref), batch=batch, head=head)
 
     def drop(x):  # P^T or dP^T with dropout (the forward's bits).
@@ -358,8 +378,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
     plgpu.barrier_wait(kv_ready.at[1, slot])
 
     def run(*accs):
-      lax.fori_loop(0, steps, functools.partial(step, accs=accs,
-                                                kv_ids=kv_ids), None)
+      lax.fori_loop(0, steps, functools.partial(
+          _with_tail, step, lambda n: q_tile(step_index(n)[0]) == last_tile,
+          bq, tail, accs=accs, kv_ids=kv_ids), None)
       return [acc[...] for acc in accs]
     grads = pl.run_scoped(run, *accumulators() * (1 if split else 2))
     # Both read the other's K or V (above head dim 128, or `fused_dq`'s
@@ -501,14 +522,16 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
                                   ready.at[ring])
     await_last_releases(steps, stages, k_free, v_free)
 
-  def step(j, carry, dq_accs, lse, delta, q_ids):
+  def step(j, carry, dq_accs, lse, delta, q_ids, width):
+    """Step j on the first `width` rows of its K/V tile (`tail_rows`)."""
     ring = lax.rem(j, stages)
-    k_smems, v_smems = _parts(k_views, ring), _parts(v_views, ring)
+    k_smems, v_smems = (_parts(views, ring, width)
+                        for views in (k_views, v_views))
     q_smems, do_smems = _parts(q_views, wg), _parts(do_views, wg)
-    shape = (bq, bkv)
+    shape = (bq, width)
     ids = {}
     if mask.has_ids:
-      kv_ids = load_ids(kv_ids_ref, batch, kv_tile(j) * bkv, bkv, COL)
+      kv_ids = load_ids(kv_ids_ref, batch, kv_tile(j) * bkv, width, COL)
       ids = dict(q_ids=lax.broadcast_in_dim(q_ids, shape, [0]),
                  kv_ids=lax.broadcast_in_dim(kv_ids, shape, [1]))
 
@@ -529,7 +552,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
           s, lax.broadcast_in_dim(lse, shape, [0]),
           (tile < full_lo) | (tile >= full_hi), mask=mask, scores=scores,
           kv_len=kv_len, positions=positions, rows_cols=rows_cols, ids=ids,
-          pair=(rows, pl.ds(kv_tile(j) * bkv, bkv)),
+          pair=(rows, pl.ds(kv_tile(j) * bkv, width)),
           refs=(slopes_ref, bias_ref, dense_ref), batch=batch, head=head)
       # P times the scores' derivative, all dS needs of P and aux.
       return scores.dqk(p, aux), dp_acc[...]
@@ -566,7 +589,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
 
     def run(*dq_accs):
       lax.fori_loop(0, steps, functools.partial(
-          step, dq_accs=dq_accs, lse=lse, delta=delta, q_ids=q_ids), None)
+          _with_tail, step, lambda j: kv_tile(j) == last_tile, bkv,
+          tail_rows(kv_len, bkv, layout.contraction_rows(dtype)),
+          dq_accs=dq_accs, lse=lse, delta=delta,
+          q_ids=q_ids), None)
       return [acc[...] for acc in dq_accs]
     dq = pl.run_scoped(run, *[plgpu.ACC((bq, width), jnp.float32)
                               for _, width in layout.parts])

@@ -9,7 +9,8 @@ a mask_mod's or the ids' table), tiles of a per-(query, key) operand
 (`visible`) and the online softmax's step (`online_softmax`), ids
 (`load_ids`, `pad_ids`), dropout (`needs_positions`, `dropped`), the
 kernels' refs split into inputs, extras and outputs (`split_refs`), the
-rows of a sequence array (`tma_rows`; `one_atom_wide`, `tile_buffer`,
+rows of a sequence array (`tma_rows`; `tail_rows`, the rows of a streamed
+sequence's last tile; `one_atom_wide`, `tile_buffer`,
 `tile_views`: untiled copies of tiles one swizzle atom wide), a head
 dim's column parts (`Columns`, `columns`), and a producer's wait on the
 last releases of its ring (`await_last_releases`). Built on the
@@ -63,6 +64,16 @@ def tma_rows(length: int, whole_atoms: bool = False) -> int:
   with `whole_atoms` (`one_atom_wide`: the tiles are copied untiled,
   `tile_buffer`) it needs none."""
   return length if whole_atoms else round_up(length, 8)
+
+
+def tail_rows(length: int, block: int, multiple: int) -> int:
+  """Rows of the last `block`-row tile of a sequence of `length` that a
+  consumer streaming those tiles computes on: the rows up to the length
+  rounded up to `multiple` (`Columns.contraction_rows`: a matmul over the
+  tile's rows takes them in groups of its swizzle's elements), so that
+  257 keys in 128-row tiles take 256 + 64 rows, not 384. The tile's TMA
+  copy still covers `block` rows (zeros past the length)."""
+  return min(block, round_up(length % block or block, multiple))
 
 
 def smem_transforms(dtype, minor_dim: int, rows: int | None = None):
@@ -131,6 +142,11 @@ class Columns:
     if not all(one_atom_wide(dtype, w, block_kv) for _, w in parts):
       return None
     return cls(tuple(parts), (True, True))
+
+  def contraction_rows(self, dtype) -> int:
+    """The rows a wgmma over these tiles' rows takes at a time (its K
+    group: the widest part's swizzle in elements, `smem_transforms`)."""
+    return max(smem_transforms(dtype, w)[0].tiling[1] for _, w in self.parts)
 
   @property
   def width(self) -> int:
