@@ -4,7 +4,7 @@ the backward's D = rowsum(dO * O), layout changes), per model shape and
 implementation.
 
     PYTHONPATH=. python benchmarks/call_profile.py [--shapes dit_xl2 ...] \
-        [--impls flash mosaic triton cudnn] [--out DIR]
+        [--impls flash mosaic triton cudnn] [--lengths 256 257] [--out DIR]
 
 For each (shape, implementation, forward or forward+backward): the call's
 time as `jax_flash.benchmark` measures it (back-to-back jitted calls), then
@@ -17,6 +17,7 @@ then a table to DIR/call_profile.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -114,13 +115,19 @@ def main():
                                "xla"])
   parser.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"],
                       choices=["fwd", "bwd", "fwd+bwd"])
+  parser.add_argument("--lengths", nargs="+", type=int, default=None,
+                      help="run each shape with queries and keys of each "
+                      "of these lengths instead of its own")
   parser.add_argument("--calls", type=int, default=10)
   parser.add_argument("--out", default="call_profile_out")
   args = parser.parse_args()
   os.makedirs(args.out, exist_ok=True)
   rows = []
-  for shape in args.shapes:
-    m = SHAPES[shape]
+  shapes = [SHAPES[name] for name in args.shapes]
+  if args.lengths:
+    shapes = [dataclasses.replace(m, name=f"{m.name}@{n}", q_len=n, kv_len=n)
+              for m in shapes for n in args.lengths]
+  for m in shapes:
     fns = impls(m)
     for name in args.impls:
       for mode in args.modes:
