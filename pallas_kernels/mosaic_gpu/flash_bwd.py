@@ -7,7 +7,9 @@ slots and refills a slot once each consumer has released it; the matmuls
 are wgmma. Tiles are held in the head dim's column parts (`tiles.Columns`,
 `backward_columns`), so Q, K, V and dO are read and the gradients written
 where they lie at any length; a consumer whose rows all lie past the end
-only releases its slots.
+only releases its slots, and one streaming the sequence's last tile runs
+it on the rows up to the end, in the matmuls' groups of rows
+(`tiles.tail_rows`: 257 keys take 320 rows in 128-row tiles, not 384).
 
 * dK/dV: a CTA owns 2 * block_kv_dkv key rows of one (batch, KV head); each
   consumer keeps its block_kv_dkv rows of K and V in shared memory and dK, dV
