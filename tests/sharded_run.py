@@ -281,19 +281,9 @@ def _fp8_context_parallel(mesh, seq, bound):
     raise AssertionError("ring ran an fp8 call")
 
 
-def operands():
-  """Calls with optional operands (ids, lengths, sinks, ALiBi, a bias and
-  a dense mask, flex's tile kinds, dropout) on inputs sharded over batch
-  ("data") and heads ("model"): each device runs its shard, every operand
-  split along its own batch and head dims (none gathered), gradients of
-  operands that broadcast over a split summed across it; results as on
-  one device, dropout's keep bits too (its seed shifted to each device's
-  place). Sequence-sharded ("model"), all_to_all with ids, ALiBi, sinks,
-  dropout, a dense mask and a bias (per head, or shared: its gradient
-  summed and cut back to chunks), all_gather with ids, ALiBi, sinks, a
-  bias, dropout and a dense mask, ring with ids, sinks and dropout. (A mod
-  reading the batch or head index keeps the call whole:
-  tests/test_sharding.py finds such mods.)"""
+def _operand_setup():
+  """The mesh (2 x 4: "data", "model"), shardings and optional operands
+  `operands` and `operands_by_strategy` share."""
   mesh = jax.make_mesh((2, 4), ("data", "model"),
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
   bound = tolerance(jnp.float32)
@@ -309,7 +299,30 @@ def operands():
                                        None, None, t, t)
   heads = NamedSharding(mesh, P("data", None, "model", None))
   seq = NamedSharding(mesh, P("data", "model"))
+  sinks = jnp.linspace(-1.0, 1.0, n)
+  return dict(mesh=mesh, bound=bound, b=b, t=t, n=n, h=h, q=q, k=k, v=v,
+              do=do, keys=keys, segments=segments, full_bias=full_bias,
+              dense=dense, per_head=per_head, shared_bias=shared_bias,
+              causal=causal, heads=heads, seq=seq, sinks=sinks)
 
+
+def operands():
+  """Calls with optional operands (ids, lengths, sinks, ALiBi, a bias and
+  a dense mask, flex's tile kinds, dropout) on inputs sharded over batch
+  ("data") and heads ("model"): each device runs its shard, every operand
+  split along its own batch and head dims (none gathered), gradients of
+  operands that broadcast over a split summed across it; results as on
+  one device, dropout's keep bits too (its seed shifted to each device's
+  place). Sequence-sharded ("model"), all_to_all with ids, ALiBi, sinks,
+  dropout, a dense mask and a bias (per head, or shared: its gradient
+  summed and cut back to chunks). (A mod reading the batch or head index
+  keeps the call whole: tests/test_sharding.py finds such mods.)"""
+  env = _operand_setup()
+  (mesh, bound, b, n, q, k, v, do, segments, full_bias, dense, per_head,
+   shared_bias, causal, heads, seq, sinks) = (env[name] for name in (
+       "mesh", "bound", "b", "n", "q", "k", "v", "do", "segments",
+       "full_bias", "dense", "per_head", "shared_bias", "causal", "heads",
+       "seq", "sinks"))
   def call(options):
     return lambda q, k, v, x: jax_flash.flash_attention(
         q, k, v, implementation="interpret", **options(x))
@@ -317,7 +330,6 @@ def operands():
       is_causal=True, segment_ids=segments, sinks=x,
       alibi_slopes=jnp.linspace(0.01, 0.3, b * n).reshape(b, n),
       dropout_rate=0.3, dropout_rng=jax.random.key(5)))
-  sinks = jnp.linspace(-1.0, 1.0, n)
   cases = [  # (name, fn(q, k, v, x), x (differentiated), q/k/v's sharding,
              #  x's spec, whether no [.., .., .., ..] array is gathered)
       ("segments_sinks_alibi_dropout", segments_sinks_alibi_dropout, sinks,
@@ -376,6 +388,19 @@ def operands():
     assert (not tensors) == split, (name, gathered)
     if sharding is seq:
       assert (hlo.count("all-to-all(") > 0) == split, name
+  print("operands: every case matches one device")
+
+
+def operands_by_strategy():
+  """Sequence-sharded calls with optional operands, each strategy named:
+  all_gather with ids, ALiBi, sinks, a bias, dropout and a dense mask,
+  ring with ids, sinks and dropout; results as on one device, with the
+  collectives each strategy promises."""
+  env = _operand_setup()
+  mesh, bound, b, t, n, h, keys, segments, dense, per_head, seq, sinks = (
+      env[name] for name in ("mesh", "bound", "b", "t", "n", "h", "keys",
+                             "segments", "dense", "per_head", "seq",
+                             "sinks"))
   # all_gather with ids, ALiBi and sinks: 2 KV heads, which all_to_all
   # cannot split over the sequence's 4 devices; named (causal: balanced
   # halves) and chosen by "auto". Ring with ids and sinks (no ALiBi: a
@@ -463,7 +488,7 @@ def operands():
       assert why in str(e), str(e)
     else:
       raise AssertionError(f"{strategy} ran with segment ids and {options}")
-  print("operands: every case matches one device")
+  print("operands by strategy: every case matches one device")
 
 
 def _all_gather_structured_mask(mesh, seq, bound):
@@ -731,5 +756,7 @@ if __name__ == "__main__":
     context_parallel()
   elif sys.argv[1] == "operands":
     operands()
+  elif sys.argv[1] == "operands_by_strategy":
+    operands_by_strategy()
   else:
     main(int(sys.argv[1]))

@@ -57,7 +57,12 @@ def test_sequence_axis_ring_and_all_gather_match_one_device():
 
 
 def test_operands_split_over_batch_and_heads():
-  assert "every case matches one device" in _run("operands")
+  assert "operands: every case matches one device" in _run("operands")
+
+
+def test_operands_under_each_sequence_strategy():
+  assert ("operands by strategy: every case matches one device" in
+          _run("operands_by_strategy"))
 
 
 def test_mods_reading_the_batch_or_head_index_are_found():
