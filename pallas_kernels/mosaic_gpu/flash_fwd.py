@@ -52,8 +52,8 @@ from pallas_kernels.mosaic_gpu.tiles import (COL, COMPUTE_WGS, ROW, Columns,
                                              online_softmax, pad_ids,
                                              range_table, smem_transforms,
                                              split_refs, table_ranges,
-                                             tile_buffer, tile_views,
-                                             tma_rows, visible)
+                                             tail_rows, tile_buffer,
+                                             tile_views, tma_rows, visible)
 
 # Hardware barrier ids of the consumers' schedule with `named_barriers`,
 # [warpgroup waiting][parity of its wait]: Mosaic GPU itself uses 0 (the
@@ -267,6 +267,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
   k_ready, v_ready, q_ready = ready
   k_free, v_free = free
   block_q, block_kv, stages = blocks.block_q, blocks.block_kv, blocks.num_stages
+  # The rows of the last key tile run (`tail_rows`; FP8's V^T tiles whole).
+  last_kv_tile = -(-kv_len // block_kv) - 1
+  tail = block_kv if fp8 else tail_rows(
+      kv_len, block_kv, layout.contraction_rows(q_ref.dtype, block_kv))
   q_buffers = blocks.q_buffers(layout.width)
   dtype = o_ref.dtype
   wg = lax.axis_index("wg")
@@ -366,7 +370,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
     def slot_of(j):
       return lax.rem(base + j - first, stages)
 
-    def step(j, carry, *, masked: bool):
+    def step(j, carry, *, masked: bool, width: int = block_kv):
+      """Key tile j on its first `width` rows (`tail_rows`)."""
       acc, m, l = carry
       slot = slot_of(j)
       with jax.named_scope("k_wait"):
@@ -374,19 +379,19 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
 
       def qk(acc_ref):
         for q_smem, (_, k_smem) in zip(q_smems, k_views):
-          plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
+          plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot, pl.ds(0, width)].T)
         schedule.both(0)
         return acc_ref[...]
-      s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+      s = pl.run_scoped(qk, plgpu.ACC((block_q, width), jnp.float32))
       plgpu.barrier_arrive(k_free.at[slot])
       rows = cols = None
       if masked or coords:
-        shape = (block_q, block_kv)
+        shape = (block_q, width)
         rows = q_start + plgpu.broadcasted_iota(jnp.int32, shape, 0,
                                                 layout=plgpu.Layout.WGMMA)
         cols = j * block_kv + plgpu.broadcasted_iota(
             jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-      tile = (pl.ds(q_start, block_q), pl.ds(j * block_kv, block_kv))
+      tile = (pl.ds(q_start, block_q), pl.ds(j * block_kv, width))
       # Base-2 logits s * c (c > 0; `factored_logits2`).
       positions = (rows if rows is None or offsets_ref is None else
                    rows + q_offset)  # What ALiBi and a score_mod see.
@@ -397,7 +402,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
       if masked:
         ids = {}
         if mask.has_ids:
-          kv_ids = load_ids(kv_ids_ref, batch, j * block_kv, block_kv, COL)
+          kv_ids = load_ids(kv_ids_ref, batch, j * block_kv, width, COL)
           ids = dict(q_ids=lax.broadcast_in_dim(q_ids, shape, [0]),
                      kv_ids=lax.broadcast_in_dim(kv_ids, shape, [1]))
         ok = visible(mask, rows, cols, kv_len, dense_ref=dense_ref, pair=tile,
@@ -418,8 +423,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
       schedule.wait(1)  # The tensor cores are ours again.
       def pv(acc_refs):
         for acc_ref, (_, v_smem) in zip(acc_refs, v_views):
-          plgpu.wgmma(acc_ref, p16,
-                      v_smem.at[slot].T if fp8 else v_smem.at[slot])
+          plgpu.wgmma(acc_ref, p16, v_smem.at[slot].T if fp8 else
+                      v_smem.at[slot, pl.ds(0, width)])
       acc = pl.run_state(pv)(tuple(plgpu.ACC.init(a) for a in acc))
       plgpu.barrier_arrive(v_free.at[slot])
       return acc, m_new, l
@@ -440,8 +445,15 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
       for start, stop, masked in ((lo, full_lo, True),
                                   (full_lo, full_hi, False),
                                   (full_hi, hi, True)):
-        carry = lax.fori_loop(start, stop,
+        # The last key tile (always masked where keys end inside it) on
+        # its first `tail` rows: a loop of none or one step after the rest.
+        end = (stop if not masked or tail == block_kv else
+               jnp.minimum(jnp.maximum(start, last_kv_tile), stop))
+        carry = lax.fori_loop(start, end,
                               functools.partial(step, masked=masked), carry)
+        if end is not stop:
+          carry = lax.fori_loop(end, stop, functools.partial(
+              step, masked=True, width=tail), carry)
       acc, m, l = lax.fori_loop(hi, steps, release, carry)
       pl.when(wg == 0)(functools.partial(schedule.both, 0))
 

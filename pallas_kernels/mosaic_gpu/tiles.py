@@ -143,10 +143,12 @@ class Columns:
       return None
     return cls(tuple(parts), (True, True))
 
-  def contraction_rows(self, dtype) -> int:
+  def contraction_rows(self, dtype, rows: int | None = None) -> int:
     """The rows a wgmma over these tiles' rows takes at a time (its K
-    group: the widest part's swizzle in elements, `smem_transforms`)."""
-    return max(smem_transforms(dtype, w)[0].tiling[1] for _, w in self.parts)
+    group: the widest part's swizzle in elements, `smem_transforms`; with
+    `rows`, that of V's tiles of so many rows)."""
+    return max(smem_transforms(dtype, w, rows)[0].tiling[1]
+               for _, w in self.parts)
 
   @property
   def width(self) -> int:
