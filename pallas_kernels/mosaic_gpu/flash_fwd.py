@@ -226,7 +226,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
   last key tile past S): TMA reads zeros there and drops the stores of O's
   rows past T (`tma_rows`); a consumer whose rows all lie at or past q_len
   (the call's T) only releases its tiles, so the other one's 64 rows run
-  alone (257 tokens: the last query tile's second warpgroup). `layout`:
+  alone (257 tokens: the last query tile's second warpgroup), and the
+  last key tile runs on the rows up to kv_len in V's groups of rows
+  (`tail_rows`: 257 keys in 256-row tiles take 256 + 64). `layout`:
   the head dim's column parts, each with tiles of its own, and whether
   they are copied untiled
   (`tiles.Columns`); the last part may reach past H. extra_refs
