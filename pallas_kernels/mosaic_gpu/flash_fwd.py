@@ -40,7 +40,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax_flash.spec import fp8 as fp8_lib
 from jax_flash.spec import softmax
 from jax_flash.spec.device import num_multiprocessors
-from jax_flash.spec.mask import Mask, kv_block_ranges
+from jax_flash.spec.mask import Mask, cdiv, kv_block_ranges
 from jax_flash.spec.operands import Operands
 from jax_flash.spec.padding import pad_pairs, pad_to, round_up
 from jax_flash.spec.scores import Scores
@@ -270,7 +270,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
   k_free, v_free = free
   block_q, block_kv, stages = blocks.block_q, blocks.block_kv, blocks.num_stages
   # The rows of the last key tile run (`tail_rows`; FP8's V^T tiles whole).
-  last_kv_tile = -(-kv_len // block_kv) - 1
+  last_kv_tile = cdiv(kv_len, block_kv) - 1
   tail = block_kv if fp8 else tail_rows(
       kv_len, block_kv, layout.contraction_rows(q_ref.dtype, block_kv))
   q_buffers = blocks.q_buffers(layout.width)
