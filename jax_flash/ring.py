@@ -22,6 +22,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jax_flash import _dispatch
+from jax_flash._sharding import moved
 from jax_flash.spec import checks, dropout, softmax
 from jax_flash.spec.mask import Mask
 from jax_flash.spec.operands import Operands
@@ -188,16 +189,21 @@ def _half(x, half):
   return x[:, half * n:(half + 1) * n]
 
 
-def _set_half(x, half, value):
-  if half is None:
-    return value
-  n = x.shape[1] // 2
-  return lax.dynamic_update_slice_in_dim(x, value, half * n, axis=1)
+def _halves(ring: _Ring):
+  """The halves a device's chunk is cut into: the zigzag's two, else one."""
+  return [0, 1] if ring.zigzag else [None]
+
+
+def _parts(x, ring: _Ring):
+  """x [B, L, ...] as a tuple of its halves (`_halves`). Arrays that travel
+  the ring are carried so, each half sent on its own: a device holds one
+  half in flight beside what it keeps, not a whole chunk."""
+  return tuple(_half(x, h) for h in _halves(ring))
 
 
 def _rotate(ring: _Ring, *xs):
   perm = [(j, (j + 1) % ring.size) for j in range(ring.size)]
-  return tuple(lax.ppermute(x, ring.axis, perm) for x in xs)
+  return tuple(moved(lax.ppermute, x, ring.axis, perm) for x in xs)
 
 
 def _ids_half(q_ids, kv_ids, qh, kh):
@@ -211,7 +217,7 @@ def _ring_forward(q, k, v, q_ids, kv_ids, sinks, ring: _Ring, seed=None):
   step's buffers live at a time), each pair's partial merged into the
   running (o, lse) of its query half by their logsumexps. `seed`:
   dropout's (int32 [4]), drawn at each pair's place in the sequence."""
-  halves = [0, 1] if ring.zigzag else [None]
+  halves = _halves(ring)
   b, _, n, _ = q.shape
   rows = q.shape[1] // len(halves)
   steps = _steps(ring, q.shape[1])
@@ -220,7 +226,7 @@ def _ring_forward(q, k, v, q_ids, kv_ids, sinks, ring: _Ring, seed=None):
     acc = dict(zip(halves, acc))
     for qh, kh, kind in _pairs(ring, step):
       o, part_lse = _pair_forward(
-          kind, _half(q, qh), _half(k, kh), _half(v, kh),
+          kind, _half(q, qh), k[halves.index(kh)], v[halves.index(kh)],
           _ids_half(q_ids, kv_ids, qh, kh), _offsets(q, step),
           _pair_seed(seed, ring, step, qh, kh, q.shape[1]), ring)
       o = o.transpose(0, 2, 1, 3).astype(jnp.float32)  # [B, N, T, H]
@@ -231,15 +237,16 @@ def _ring_forward(q, k, v, q_ids, kv_ids, sinks, ring: _Ring, seed=None):
   def step_and_rotate(step, carry):  # Segment ids travel with their keys.
     k, v, kv_ids, acc = carry
     acc = pairs(step, k, v, kv_ids, acc)
-    k, v = _rotate(ring, k, v)
+    k, v = _rotate(ring, *k), _rotate(ring, *v)
     if kv_ids is not None:
       (kv_ids,) = _rotate(ring, kv_ids)
     return k, v, kv_ids, acc
 
   empty = (jnp.zeros((b, n, rows, v.shape[-1]), jnp.float32),
            jnp.full((b, n, rows), -jnp.inf, jnp.float32))
-  k, v, kv_ids, acc = lax.fori_loop(0, steps - 1, step_and_rotate,
-                                    (k, v, kv_ids, (empty,) * len(halves)))
+  k, v, kv_ids, acc = lax.fori_loop(
+      0, steps - 1, step_and_rotate,
+      (_parts(k, ring), _parts(v, ring), kv_ids, (empty,) * len(halves)))
   acc = pairs(steps - 1, k, v, kv_ids, acc)  # The last: no rotation.
   out, lse = [], []
   for merged, merged_lse in acc:
@@ -263,13 +270,13 @@ def _ring_fwd(q, k, v, q_ids, kv_ids, sinks, seed, ring):
 
 def _ring_backward(q, k, v, q_ids, kv_ids, out, lse, do, dlse,
                    ring: _Ring, seed=None):
-  """(dq, dk, dv) of this device's chunks: the pairs' gradients, dK/dV
-  travelling with their keys (after P moves they are home again; a
-  windowed ring's, after fewer, are sent home)."""
+  """(dq, dk, dv) of this device's chunks: the pairs' gradients, float32
+  dK/dV travelling with their keys as halves (`_parts`; after P moves
+  they are home again; a windowed ring's, after fewer, are sent home)."""
   do = do.astype(q.dtype)
-  dq = jnp.zeros(q.shape, jnp.float32)
-  dk = jnp.zeros(k.shape, jnp.float32)
-  dv = jnp.zeros(v.shape, jnp.float32)
+  halves = _halves(ring)
+  zeros = lambda x: tuple(jnp.zeros(y.shape, jnp.float32)
+                          for y in _parts(x, ring))
 
   def lse_half(x, qh):
     n = x.shape[-1] // 2
@@ -277,23 +284,27 @@ def _ring_backward(q, k, v, q_ids, kv_ids, out, lse, do, dlse,
 
   def step(i, carry):  # One step's buffers live at a time.
     k, v, kv_ids, dq, dk, dv = carry
+    dq, dk, dv = list(dq), list(dk), list(dv)
     for qh, kh, kind in _pairs(ring, i):
       g_q, g_k, g_v = _pair_backward(
-          kind, _half(q, qh), _half(k, kh), _half(v, kh),
+          kind, _half(q, qh), k[halves.index(kh)], v[halves.index(kh)],
           _ids_half(q_ids, kv_ids, qh, kh), _offsets(q, i),
           _pair_seed(seed, ring, i, qh, kh, q.shape[1]), _half(out, qh),
           lse_half(lse, qh), _half(do, qh), lse_half(dlse, qh), ring)
-      dq = _set_half(dq, qh, _half(dq, qh) + g_q)
-      dk = _set_half(dk, kh, _half(dk, kh) + g_k)
-      dv = _set_half(dv, kh, _half(dv, kh) + g_v)
-    k, v, dk, dv = _rotate(ring, k, v, dk, dv)
+      a, b = halves.index(qh), halves.index(kh)
+      dq[a] = dq[a] + g_q
+      dk[b] = dk[b] + g_k
+      dv[b] = dv[b] + g_v
+    k, v, dk, dv = (_rotate(ring, *x) for x in (k, v, dk, dv))
     if kv_ids is not None:
       (kv_ids,) = _rotate(ring, kv_ids)
-    return k, v, kv_ids, dq, dk, dv
+    return k, v, kv_ids, tuple(dq), dk, dv
 
   steps = _steps(ring, q.shape[1])
-  _, _, _, dq, dk, dv = lax.fori_loop(0, steps, step,
-                                      (k, v, kv_ids, dq, dk, dv))
+  _, _, _, dq, dk, dv = lax.fori_loop(
+      0, steps, step, (_parts(k, ring), _parts(v, ring), kv_ids, zeros(q),
+                       zeros(k), zeros(v)))
+  dq, dk, dv = (jnp.concatenate(x, axis=1) for x in (dq, dk, dv))
   if steps % ring.size:  # dK/dV are `steps` devices past their keys' home.
     home = [(j, (j - steps) % ring.size) for j in range(ring.size)]
     dk, dv = (lax.ppermute(x, ring.axis, home) for x in (dk, dv))

@@ -747,6 +747,51 @@ def _modules_on_sequence_chunks(mesh):
       nnx_error, linen_error)
 
 
+def memory_per_device():
+  """A causal forward+backward sharded along the sequence over P = 2, 4 and
+  8 devices (bf16, 8 heads of 64, 8192 tokens): a device's arguments and
+  outputs are one device's / P, and its temporaries (XLA's
+  compiled memory) fall as 1 / P with ring and all_to_all, the strategies
+  that hold chunks of the keys (all_gather holds them whole)."""
+  tokens, heads, head_dim = 8192, 8, 64
+
+  def memory(strategy, p):
+    sharding, options = None, {}
+    if p > 1:
+      mesh = jax.sharding.Mesh(np.array(jax.devices()[:p]), ("sp",),
+                               axis_types=(jax.sharding.AxisType.Auto,))
+      sharding = NamedSharding(mesh, P(None, "sp"))
+      options = dict(context_parallel=strategy)
+    x = jax.ShapeDtypeStruct((1, tokens, heads, head_dim), jnp.bfloat16,
+                             sharding=sharding)
+
+    def loss(q, k, v):
+      out = jax_flash.flash_attention(q, k, v, is_causal=True,
+                                      implementation="xla", **options)
+      return jnp.sum(out.astype(jnp.float32))
+
+    m = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(
+        x, x, x).compile().memory_analysis()
+    return (m.argument_size_in_bytes + m.output_size_in_bytes,
+            m.temp_size_in_bytes)
+
+  one_io, one_temp = memory(None, 1)
+  for strategy in ("ring", "all_to_all"):
+    temps = {}
+    for p in (2, 4, 8):
+      io, temps[p] = memory(strategy, p)
+      print(f"memory {strategy} P={p}: arguments and outputs "
+            f"{io / 2**20:.1f} MiB, temporaries {temps[p] / 2**20:.1f} MiB "
+            f"({temps[p] * p / one_temp:.2f}x one device's / P)")
+      # (Up to the few bytes of the output tuple's table.)
+      assert abs(io * p - one_io) < 2**10 * p, (strategy, p, io, one_io)
+      # Within 25% of 1 / P: the share of a chunk that moves, (P - 1) / P,
+      # grows with P (whole keys, as all_gather holds, would be 4x at 8).
+      assert temps[p] * p <= 1.25 * temps[2] * 2, (strategy, temps)
+    assert temps[8] < one_temp / 2, (strategy, temps, one_temp)
+  print("memory: a device's share falls as 1 / P")
+
+
 if __name__ == "__main__":
   if sys.argv[1] == "sequence_axis_strategies":
     sequence_axis_strategies()
@@ -758,5 +803,7 @@ if __name__ == "__main__":
     operands()
   elif sys.argv[1] == "operands_by_strategy":
     operands_by_strategy()
+  elif sys.argv[1] == "memory_per_device":
+    memory_per_device()
   else:
     main(int(sys.argv[1]))

@@ -65,6 +65,13 @@ def test_operands_under_each_sequence_strategy():
           _run("operands_by_strategy"))
 
 
+def test_sequence_sharded_memory_falls_as_one_over_devices():
+  """`sharded_run.memory_per_device`: a device's compiled memory of a
+  sequence-sharded causal forward+backward over 2, 4 and 8 devices."""
+  out = _run("memory_per_device")
+  assert "memory: a device's share falls as 1 / P" in out, out
+
+
 def test_mods_reading_the_batch_or_head_index_are_found():
   """A mask_mod or score_mod that reads its batch or head index keeps a
   call whole on several devices (a shard would count them from its
