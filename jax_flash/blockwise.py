@@ -219,6 +219,17 @@ def _blocks(x, num: int, size: int, kh: int):
   return x.reshape(b, num, size, kh, n // kh, h).transpose(1, 0, 2, 3, 4, 5)
 
 
+def _scan(f, init, xs):
+  """lax.scan(f, init, xs), or f called once on a single block: XLA's CPU
+  compiler (jax 0.11.2) can hang inlining a loop of one trip in a
+  program that custom_partitioning assembled (an all_to_all call's
+  forward at 128 tokens or fewer)."""
+  if jax.tree.leaves(xs)[0].shape[0] != 1:
+    return lax.scan(f, init, xs)
+  carry, ys = f(init, jax.tree.map(lambda x: x[0], xs))
+  return carry, jax.tree.map(lambda y: y[None], ys)
+
+
 def forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
             config: BlockSizes):
   """q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv] -> (o [B, T, N, Hv] in
@@ -263,7 +274,8 @@ def forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
             lse.reshape(b, kh, g, p.block_q))
 
   qs = _blocks(pad_to(q, 1, tp), p.num_q_blocks, p.block_q, kh)
-  o, lse = lax.map(q_block, (jnp.arange(p.num_q_blocks), qs))
+  _, (o, lse) = _scan(lambda _, x: (None, q_block(x)), None,
+                      (jnp.arange(p.num_q_blocks), qs))
   # [nq, B, K, G, bq, (H)] -> [B, T, N, H] and [B, N, T].
   o = o.transpose(1, 0, 4, 2, 3, 5).reshape(b, tp, n, hv)[:, :t]
   lse = lse.transpose(1, 2, 3, 0, 4).reshape(b, n, tp)[..., :t]
@@ -358,7 +370,7 @@ def backward(q, k, v, operands: Operands, o, lse, do, dlse, *, mask: Mask,
   dbias0 = None if bias_shape is None else jnp.zeros(bias_shape, jnp.float32)
   dconsts0 = [jnp.zeros(c.shape, jnp.float32)
               for c, t in zip(consts, trained) if t]
-  (dk, dv, dbias, dconsts), dq = lax.scan(
+  (dk, dv, dbias, dconsts), dq = _scan(
       q_block, (dk0, dv0, dbias0, dconsts0),
       (jnp.arange(p.num_q_blocks), split(q), split(do), stats(lse2),
        stats(pad_to(delta, 2, tp)),

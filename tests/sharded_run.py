@@ -241,6 +241,25 @@ def context_parallel():
   print("context_parallel: every case matches one device")
 
 
+def all_to_all_forward_one_block():
+  """A forward alone over sequence chunks whose whole sequence is one
+  block of the blockwise path: XLA's CPU compiler (jax 0.11.2) hung
+  inlining its one-trip loop in the program custom_partitioning builds
+  (in a fresh process: the first compile). It compiles and matches one
+  device."""
+  mesh = jax.make_mesh((2, 4), ("data", "model"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  q, k, v, _ = random_inputs(2, 128, 128, 8, 4, 32, jnp.float32, seed=3)
+  forward = jax.jit(lambda q, k, v: jax_flash.flash_attention(
+      q, k, v, is_causal=True, context_parallel="all_to_all"))
+  chunks = NamedSharding(mesh, P(None, "model"))
+  error = relative_error(
+      forward(*(jax.device_put(x, chunks) for x in (q, k, v))),
+      forward(q, k, v))
+  print(f"all_to_all forward alone at 128 tokens: error={error}")
+  assert error <= tolerance(jnp.float32).out, error
+
+
 def _fp8_context_parallel(mesh, seq, bound):
   """fp8=True sequence-sharded: its e4m3 operands (`Operands.fp8_q`, ...)
   split with the queries and keys (all_gather, all_to_all; on the CPU the
@@ -805,5 +824,7 @@ if __name__ == "__main__":
     operands_by_strategy()
   elif sys.argv[1] == "memory_per_device":
     memory_per_device()
+  elif sys.argv[1] == "all_to_all_forward_one_block":
+    all_to_all_forward_one_block()
   else:
     main(int(sys.argv[1]))

@@ -65,6 +65,12 @@ def test_operands_under_each_sequence_strategy():
           _run("operands_by_strategy"))
 
 
+def test_sequence_sharded_forward_of_one_block_compiles():
+  """`sharded_run.all_to_all_forward_one_block`, first in its process."""
+  out = _run("all_to_all_forward_one_block")
+  assert "all_to_all forward alone at 128 tokens" in out, out
+
+
 def test_sequence_sharded_memory_falls_as_one_over_devices():
   """`sharded_run.memory_per_device`: a device's compiled memory of a
   sequence-sharded causal forward+backward over 2, 4 and 8 devices."""
