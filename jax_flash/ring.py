@@ -196,8 +196,8 @@ def _halves(ring: _Ring):
 
 def _parts(x, ring: _Ring):
   """x [B, L, ...] as a tuple of its halves (`_halves`). Arrays that travel
-  the ring are carried so, each half sent on its own: a device holds one
-  half in flight beside what it keeps, not a whole chunk."""
+  the ring are carried so, each half sent on its own, so that what is in
+  flight beside what a device keeps need not be a whole chunk."""
   return tuple(_half(x, h) for h in _halves(ring))
 
 
