@@ -255,6 +255,20 @@ def moved(collective, x, *args, **kwargs):
   return lax.bitcast_convert_type(bits, x.dtype)
 
 
+def exchange(x, seq, split: int, concat: int):
+  """lax.all_to_all(x, seq, split, concat, tiled=True), its pieces moved
+  along a leading axis of their own (each piece one contiguous block, the
+  received blocks laid out where the concatenated axis wants them)."""
+  p = lax.axis_size(seq)
+  shape = x.shape
+  y = x.reshape(shape[:split] + (p, shape[split] // p) + shape[split + 1:])
+  y = moved(lax.all_to_all, jnp.moveaxis(y, split, 0), seq, 0, 0,
+            tiled=True)
+  y = jnp.moveaxis(y, 0, concat)  # Block j, from device j, before j + 1.
+  return y.reshape(y.shape[:concat] + (p * y.shape[concat + 1],)
+                   + y.shape[concat + 2:])
+
+
 def all_to_all(fn, seq):
   """fn(*arrays) -> arrays, each [B, L, N, H] or [B, N, L], run on the
   whole sequence of 1 / P of the heads (P: the size of mesh axes `seq`)
@@ -266,7 +280,7 @@ def all_to_all(fn, seq):
   def swap(x, to_heads: bool):
     length, heads = (1, 2) if x.ndim == 4 else (2, 1)
     split, concat = (heads, length) if to_heads else (length, heads)
-    return moved(lax.all_to_all, x, seq, split, concat, tiled=True)
+    return exchange(x, seq, split, concat)
 
   def run(*arrays):
     outs = fn(*(swap(x, True) for x in arrays))
@@ -565,7 +579,7 @@ def localize(x, factors: str, seq, p: int, to_heads: bool):
   heads = next((i for i, f in enumerate(names) if f in "nk"), None)
   if length is not None and heads is not None:
     split, concat = (heads, length) if to_heads else (length, heads)
-    return moved(lax.all_to_all, x, seq, split, concat, tiled=True)
+    return exchange(x, seq, split, concat)
   if length is not None:  # Back: a gradient's partial over these heads.
     if to_heads:
       return moved(lax.all_gather, x, seq, axis=length, tiled=True)
