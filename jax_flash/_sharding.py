@@ -303,8 +303,8 @@ def _to_zigzag(x, axis, seq, p):
   permutation, exactly when d is.)"""
   first, second = _zigzag_perms(p)
   h0, h1 = jnp.split(x, 2, axis)
-  a, b = moved(lax.ppermute, h0, seq, first), moved(lax.ppermute, h1, seq,
-                                                     second)
+  a = moved(lax.ppermute, h0, seq, first)
+  b = moved(lax.ppermute, h1, seq, second)
   even = lax.rem(lax.axis_index(seq), 2) == 0
   return jnp.where(even, a, b), jnp.where(even, b, a)
 
