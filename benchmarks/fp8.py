@@ -203,15 +203,17 @@ def error(head_dim, causal, seq_len, outliers):
 
 def _tile_round(x, tile):
   """x [B, N, T, S] float32 rounded to e4m3 with a power-of-two scale per
-  tile x tile block (the least at or above its max |x| / 448)."""
+  tile x tile block (the least at or above its max |x| / 448). The e4m3
+  values pass an optimization barrier, as in `fp8.quantize_p`: XLA on a GPU
+  would drop the round trip."""
   b, n, t, s = x.shape
   blocks = x.reshape(b, n, t // tile, tile, s // tile, tile)
   amax = jnp.max(jnp.abs(blocks), axis=(3, 5), keepdims=True)
   m, e = jnp.frexp(amax / fp8.E4M3_MAX)
   scale = jnp.where(amax > 0, jnp.ldexp(jnp.float32(1),
                                         jnp.where(m == 0.5, e - 1, e)), 1.0)
-  return ((blocks / scale).astype(fp8.E4M3).astype(jnp.float32)
-          * scale).reshape(x.shape)
+  x8 = jax.lax.optimization_barrier((blocks / scale).astype(fp8.E4M3))
+  return (x8.astype(jnp.float32) * scale).reshape(x.shape)
 
 
 # Which of the backward's matmuls take e4m3 operands (`backward_error`).
@@ -234,58 +236,60 @@ def backward_error(head_dim, seq_len, outliers, tile=128):
   dS^T Q with dS rounded with a scale per tile x tile block ("head": one
   per (batch, head), which needs dS's max before the matmuls). Beside:
   the gradients of exact attention on the rounded inputs (the rounding
-  alone)."""
-  keys = jax.random.split(jax.random.key(1), 4)
-  shape = (1, seq_len, 8, head_dim)
-  q, k, v, do = (jax.random.normal(kk, shape, jnp.float32) for kk in keys)
-  if outliers:
-    cols = jnp.ones(head_dim).at[jnp.array([3, 17])].set(20.0)
-    q, k = q * cols, k * cols / 4.5
-  exact = lambda q, k, v: jax_flash.reference_attention(q, k, v,
-                                                        is_causal=True)
+  alone). Matmuls in float32 (a GPU would round
+  them to TF32 by default, an error of its own)."""
+  with jax.default_matmul_precision("highest"):
+    keys = jax.random.split(jax.random.key(1), 4)
+    shape = (1, seq_len, 8, head_dim)
+    q, k, v, do = (jax.random.normal(kk, shape, jnp.float32) for kk in keys)
+    if outliers:
+      cols = jnp.ones(head_dim).at[jnp.array([3, 17])].set(20.0)
+      q, k = q * cols, k * cols / 4.5
+    exact = lambda q, k, v: jax_flash.reference_attention(q, k, v,
+                                                          is_causal=True)
 
-  def grads(f, *args):  # The arrays as arguments: XLA folds constants.
-    return jax.jit(jax.grad(lambda q, k, v, do: jnp.sum(f(q, k, v) * do),
-                            argnums=(0, 1, 2)))(*args, do)
-  want = grads(exact, q, k, v)
-  q8, k8, v8, do8 = (fp8.round_trip(x, 8) for x in (q, k, v, do))
-  row = dict(kind="backward_error", head_dim=head_dim, seq_len=seq_len,
-             outliers=outliers, tile=tile)
-  alone = grads(exact, q8, k8, v8)
-  print(json.dumps(dict(row, impl="rounding_alone", **{
-      f"d{n}": _rel(g, w) for n, g, w in zip("qkv", alone, want)})),
-        flush=True)
-  scale = head_dim ** -0.5
-  t = jnp.arange(seq_len)
-  visible = t[:, None] >= t[None, :]
+    def grads(f, *args):  # The arrays as arguments: XLA folds constants.
+      return jax.jit(jax.grad(lambda q, k, v, do: jnp.sum(f(q, k, v) * do),
+                              argnums=(0, 1, 2)))(*args, do)
+    want = grads(exact, q, k, v)
+    q8, k8, v8, do8 = (fp8.round_trip(x, 8) for x in (q, k, v, do))
+    row = dict(kind="backward_error", head_dim=head_dim, seq_len=seq_len,
+               outliers=outliers, tile=tile)
+    alone = grads(exact, q8, k8, v8)
+    print(json.dumps(dict(row, impl="rounding_alone", **{
+        f"d{n}": _rel(g, w) for n, g, w in zip("qkv", alone, want)})),
+          flush=True)
+    scale = head_dim ** -0.5
+    t = jnp.arange(seq_len)
+    visible = t[:, None] >= t[None, :]
 
-  @functools.partial(jax.jit, static_argnums=0)
-  def backward(parts, q8, k8, v8, do, do8):
-    bnth = lambda x: x.transpose(0, 2, 1, 3)  # [B, T, N, H] -> [B, N, T, H]
-    qh, kh, vh = bnth(q8), bnth(k8), bnth(v8)
-    s = jnp.where(visible, scale * qh @ kh.swapaxes(-1, -2), -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1)
-    o = p @ vh
-    dof = bnth(do)
-    delta = jnp.sum(dof * o, axis=-1, keepdims=True)
-    dov = bnth(do8) if {"dv", "dp"} & set(parts) else dof
-    p_in = (fp8.quantize_p(p) / fp8.E4M3_MAX if "dv" in parts else p)
-    dv = p_in.swapaxes(-1, -2) @ (dov if "dv" in parts else dof)
-    dp = (dov if "dp" in parts else dof) @ vh.swapaxes(-1, -2)
-    ds = p * (dp - delta)
-    if "dq" in parts:
-      ds = (_tile_round(ds, seq_len) if "head" in parts else
-            _tile_round(ds, tile))
-    dq = scale * ds @ kh
-    dk = scale * ds.swapaxes(-1, -2) @ qh
-    back = lambda x: x.transpose(0, 2, 1, 3)
-    return back(dq), back(dk), back(dv)
-  for name, parts in BACKWARD_VARIANTS.items():
-    got = backward(parts, q8, k8, v8, do, do8)
-    errs = {f"d{n}": _rel(g, w) for n, g, w in zip("qkv", got, want)}
-    ratios = {f"d{n}/alone": errs[f"d{n}"] / _rel(a, w)
-              for n, a, w in zip("qkv", alone, want)}
-    print(json.dumps(dict(row, impl=name, **errs, **ratios)), flush=True)
+    @functools.partial(jax.jit, static_argnums=0)
+    def backward(parts, q8, k8, v8, do, do8):
+      bnth = lambda x: x.transpose(0, 2, 1, 3)  # [B, T, N, H] -> [B, N, T, H]
+      qh, kh, vh = bnth(q8), bnth(k8), bnth(v8)
+      s = jnp.where(visible, scale * qh @ kh.swapaxes(-1, -2), -jnp.inf)
+      p = jax.nn.softmax(s, axis=-1)
+      o = p @ vh
+      dof = bnth(do)
+      delta = jnp.sum(dof * o, axis=-1, keepdims=True)
+      dov = bnth(do8) if {"dv", "dp"} & set(parts) else dof
+      p_in = (fp8.quantize_p(p) / fp8.E4M3_MAX if "dv" in parts else p)
+      dv = p_in.swapaxes(-1, -2) @ (dov if "dv" in parts else dof)
+      dp = (dov if "dp" in parts else dof) @ vh.swapaxes(-1, -2)
+      ds = p * (dp - delta)
+      if "dq" in parts:
+        ds = (_tile_round(ds, seq_len) if "head" in parts else
+              _tile_round(ds, tile))
+      dq = scale * ds @ kh
+      dk = scale * ds.swapaxes(-1, -2) @ qh
+      back = lambda x: x.transpose(0, 2, 1, 3)
+      return back(dq), back(dk), back(dv)
+    for name, parts in BACKWARD_VARIANTS.items():
+      got = backward(parts, q8, k8, v8, do, do8)
+      errs = {f"d{n}": _rel(g, w) for n, g, w in zip("qkv", got, want)}
+      ratios = {f"d{n}/alone": errs[f"d{n}"] / _rel(a, w)
+                for n, a, w in zip("qkv", alone, want)}
+      print(json.dumps(dict(row, impl=name, **errs, **ratios)), flush=True)
 
 
 def main():
