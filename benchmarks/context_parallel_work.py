@@ -28,8 +28,9 @@ import jax.numpy as jnp
 import jax_flash
 from jax_flash import _dispatch, _primitive, attention
 from jax_flash.benchmark import _measure, _time
-from jax_flash.spec import checks
+from jax_flash.spec import checks, softmax
 from jax_flash.spec.mask import Mask
+from jax_flash.spec.operands import Operands
 from jax_flash.spec.scores import Scores
 
 
@@ -90,11 +91,13 @@ def main():
     try:
       seconds = 0.0
       for off in offsets:
-        o, lse = fwd(qa, ka, va, off, cfg)
-        seconds += _time(lambda *a: fwd(*a, cfg), (qa, ka, va, off),
+        operands = Operands(q_offsets=off)
+        o, lse = fwd(qa, ka, va, operands, cfg)
+        seconds += _time(lambda *a: fwd(*a, cfg), (qa, ka, va, operands),
                          args.calls, args.repeats)
+        delta = softmax.backward_delta(o, do[:, :half])
         seconds += _time(lambda *a: bwd(*a, cfg),
-                         (qa, ka, va, off, o, lse, do[:, :half],
+                         (qa, ka, va, operands, delta, lse, do[:, :half],
                           jnp.zeros_like(lse)), args.calls, args.repeats)
       work = flops(p * chunk * chunk / 2, n) * 3.5
       rows["all_gather"] = dict(ms=seconds * 1e3,

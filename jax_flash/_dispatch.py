@@ -78,10 +78,10 @@ class XlaBackend:
     return blockwise.forward(q, k, v, operands, mask=mask, scores=scores,
                              config=config)
 
-  def backward(self, q, k, v, operands, o, lse, do, dlse, *, mask, scores,
-               config):
-    return blockwise.backward(q, k, v, operands, o, lse, do, dlse, mask=mask,
-                              scores=scores, config=config)
+  def backward(self, q, k, v, operands, delta, lse, do, dlse, *, mask,
+               scores, config):
+    return blockwise.backward(q, k, v, operands, delta, lse, do, dlse,
+                              mask=mask, scores=scores, config=config)
 
   def decode(self, q, k, v, kv_lengths, *, mask, scores, num_splits=None,
              page_table=None, sinks=None):
@@ -137,19 +137,19 @@ def configure(plan: Plan, block_sizes, problem: Problem, dtype, *,
                  gradients=tuple(one(b) for _, b in plan.gradients))
 
 
-def backward(plan: Plan, configs: Configs, q, k, v, operands: Operands, o,
-             lse, do, dlse, *, mask: Mask, scores: Scores):
+def backward(plan: Plan, configs: Configs, q, k, v, operands: Operands,
+             delta, lse, do, dlse, *, mask: Mask, scores: Scores):
   """(dq, dk, dv, operand gradients) of a call `plan` ran forward: the
   backward backend's, with each gradient it leaves out from the backend
   `plan.gradients` names (the same inputs and residuals; XLA drops the
   rest of that backward, unused)."""
   dq, dk, dv, grads = plan.backward.backward(
-      q, k, v, operands, o, lse, do, dlse, mask=mask, scores=scores,
+      q, k, v, operands, delta, lse, do, dlse, mask=mask, scores=scores,
       config=configs.backward)
   changes = {}
   for (name, backend), config in zip(plan.gradients, configs.gradients):
     changes[name] = getattr(backend.backward(
-        q, k, v, operands, o, lse, do, dlse, mask=mask, scores=scores,
+        q, k, v, operands, delta, lse, do, dlse, mask=mask, scores=scores,
         config=config)[3], name)
   return dq, dk, dv, dataclasses.replace(grads, **changes)
 

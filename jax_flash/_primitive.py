@@ -39,7 +39,7 @@ from jax_flash import _dispatch, _kernel_cache, _sharding, blockwise, ring
 from jax_flash.spec import softmax
 from jax_flash.spec.backend import differentiable_leaves
 from jax_flash.spec.checks import Problem, check_qkv, x64_scope
-from jax_flash.spec.mask import Mask
+from jax_flash.spec.mask import Mask, without_padding
 from jax_flash.spec.operands import Operands
 from jax_flash.spec.scores import Scores
 
@@ -77,13 +77,13 @@ def _backend_forward(q, k, v, operands: Operands, cfg: Config):
                                   version=cfg.version)
 
 
-def _local_backward(q, k, v, operands: Operands, o, lse, do, dlse,
+def _local_backward(q, k, v, operands: Operands, delta, lse, do, dlse,
                     cfg: Config):
   """(dq, dk, dv, the operands' gradients) of one device's call: the
   plan's backward; of the operands only the bias, the sinks and a
   score_mod's arrays get a gradient (the rest zeros)."""
   dq, dk, dv, grads = _dispatch.backward(
-      cfg.plan, cfg.configs, q, k, v, operands, o, lse, do, dlse,
+      cfg.plan, cfg.configs, q, k, v, operands, delta, lse, do, dlse,
       mask=cfg.mask, scores=cfg.scores)
   # Ids, the dense mask, the ALiBi slopes, the seed, the tile kinds and the
   # mask_mod's arrays get no gradient; the plan's backends give the bias's
@@ -95,7 +95,7 @@ def _local_backward(q, k, v, operands: Operands, o, lse, do, dlse,
                                        **{name: getattr(grads, name)})
   if operands.sinks is not None:
     d_operands = dataclasses.replace(
-        d_operands, sinks=_sink_gradient(operands.sinks, o, lse, do, dlse))
+        d_operands, sinks=_sink_gradient(operands.sinks, delta, lse))
   return dq, dk, dv, d_operands
 
 
@@ -139,9 +139,9 @@ def _chunk_forward(q, k, v, operands: Operands, cfg: Config):
   return _backend_forward(q, k, v, operands, _chunk_config(cfg, q, k, v))
 
 
-def _chunk_backward(q, k, v, operands: Operands, o, lse, do, dlse,
+def _chunk_backward(q, k, v, operands: Operands, delta, lse, do, dlse,
                     cfg: Config):
-  return _local_backward(q, k, v, operands, o, lse, do, dlse,
+  return _local_backward(q, k, v, operands, delta, lse, do, dlse,
                          _chunk_config(cfg, q, k, v))
 
 
@@ -170,18 +170,18 @@ def _ring_forward(q, k, v, operands: Operands, seq, size, cfg: Config):
                             operands.dropout_seed)
 
 
-def _ring_backward(q, k, v, operands: Operands, o, lse, do, dlse, seq, size,
-                   cfg: Config):
+def _ring_backward(q, k, v, operands: Operands, delta, lse, do, dlse, seq,
+                   size, cfg: Config):
   """(dq, dk, dv, the operands' gradients: the sinks' over this device's
   queries, zeros for the ids)."""
   dq, dk, dv = ring._ring_backward(q, k, v, operands.q_ids, operands.kv_ids,
-                                   o, lse, do, dlse,
+                                   delta, lse, do,
                                    _ring_of(cfg, q, k, v, seq, size),
                                    operands.dropout_seed)
   d_operands = jax.tree.map(jnp.zeros_like, operands)
   if operands.sinks is not None:
     d_operands = dataclasses.replace(
-        d_operands, sinks=_sink_gradient(operands.sinks, o, lse, do, dlse))
+        d_operands, sinks=_sink_gradient(operands.sinks, delta, lse))
   return dq, dk, dv, d_operands
 
 
@@ -215,23 +215,30 @@ def _forward(q, k, v, operands: Operands, cfg: Config):
 
 
 def _backward(cfg: Config, residuals, cotangents):
-  """(dq, dk, dv, operands' cotangents) from the plan's backward."""
+  """(dq, dk, dv, operands' cotangents) from the plan's backward. D =
+  rowsum(dO * O) - dlse is formed here, once, where O lies (a query row's
+  own: no communication when the sequence is split), and the backward
+  reads D in O's place: a sequence-sharded backward moves D, not O. Rows
+  past a length give D from zeroed O and dO (padding may hold anything)."""
   q, k, v, operands, o, lse = residuals
   do, dlse = cotangents
   do = do.astype(q.dtype)
+  (o_rows, do_rows), _ = without_padding(cfg.mask, operands.q_ids,
+                                         operands.kv_ids, (o, do))
+  delta = softmax.backward_delta(o_rows, do_rows, dlse)
   if cfg.sequence_axis is not None:
-    return _sharded_backward.on_axis(q, k, v, operands, o, lse, do, dlse,
-                                     cfg)
+    return _sharded_backward.on_axis(q, k, v, operands, delta, lse, do,
+                                     dlse, cfg)
   if _partitioned(operands, cfg):
-    return _sharded_backward(q, k, v, operands, o, lse, do, dlse, cfg)
-  return _local_backward(q, k, v, operands, o, lse, do, dlse, cfg)
+    return _sharded_backward(q, k, v, operands, delta, lse, do, dlse, cfg)
+  return _local_backward(q, k, v, operands, delta, lse, do, dlse, cfg)
 
 
-def _sink_gradient(sinks, o, lse, do, dlse):
+def _sink_gradient(sinks, delta, lse):
   """dL/dsinks [N]. The sink's probability in row i is p_i = exp(sink - L_i),
-  and dL/dsink = -sum_i p_i (rowsum(dO_i * O_i) - dlse_i): the same D as the
-  backward's dS = P (dP - D), since dL/dL_i enters through it."""
-  delta = softmax.backward_delta(o, do, dlse)
+  and dL/dsink = -sum_i p_i (rowsum(dO_i * O_i) - dlse_i): the same D
+  (`delta`) as the backward's dS = P (dP - D), since dL/dL_i enters
+  through it."""
   p_sink = jnp.exp(sinks[None, :, None] - lse)
   return -jnp.sum(p_sink * delta, axis=(0, 2))
 

@@ -66,7 +66,8 @@ from jax_flash.spec.scores import Scores
 # Shardy rules: b batch, t/s query/key length, n/k query/kv heads, h head
 # dim of query/key, v head dim of value/output.
 _FWD_RULE = "b t n h, b s k h, b s k v -> b t n v, b n t"
-_BWD_RULE = ("b t n h, b s k h, b s k v, b t n v, b n t, b t n v, b n t "
+# The backward reads D = rowsum(dO * O) - dlse ([B, N, T]) in O's place.
+_BWD_RULE = ("b t n h, b s k h, b s k v, b n t, b n t, b t n v, b n t "
              "-> b t n h, b s k h, b s k v")
 _WHOLE = ("h", "v")  # Never split inside one call.
 STRATEGIES = ("auto", "all_to_all", "all_gather", "ring", "ring_all_to_all")
@@ -740,7 +741,7 @@ def _seed_index(tree):
 
 _QKV = ("b t n h", "b s k h", "b s k v")
 _FWD_OUT = ("b t n v", "b n t")
-_BWD_IN = ("b t n v", "b n t", "b t n v", "b n t")
+_BWD_IN = ("b n t", "b n t", "b t n v", "b n t")  # delta, lse, do, dlse
 
 
 def _on_axis(lowerings, cfg, arrays, refit_why, refused):
@@ -828,19 +829,20 @@ def sharded_forward(forward, chunk_forward, ring_forward, refit_why):
 
 
 def sharded_backward(backward, chunk_backward, ring_backward, refit_why):
-  """backward(q, k, v, operands, o, lse, do, dlse, cfg) -> (dq, dk, dv,
-  the operands' gradients), likewise; chunk_backward(q, k, v, operands, o,
-  lse, do, dlse, cfg) the same at `operands.q_offsets`; ring_backward(q,
-  k, v, operands, o, lse, do, dlse, seq, p, cfg) the ring's."""
-  def without_operands(q, k, v, o, lse, do, dlse, cfg):
-    return backward(q, k, v, Operands(), o, lse, do, dlse, cfg)[:3]
+  """backward(q, k, v, operands, delta, lse, do, dlse, cfg) -> (dq, dk, dv,
+  the operands' gradients), likewise (delta: D = rowsum(dO * O) - dlse,
+  [B, N, T]); chunk_backward(q, k, v, operands, delta, lse, do, dlse, cfg)
+  the same at `operands.q_offsets`; ring_backward(q, k, v, operands,
+  delta, lse, do, dlse, seq, p, cfg) the ring's."""
+  def without_operands(q, k, v, delta, lse, do, dlse, cfg):
+    return backward(q, k, v, Operands(), delta, lse, do, dlse, cfg)[:3]
 
-  def plain_chunk(q, k, v, o, lse, do, dlse, offsets, cfg):
-    return chunk_backward(q, k, v, Operands(q_offsets=offsets), o, lse, do,
+  def plain_chunk(q, k, v, delta, lse, do, dlse, offsets, cfg):
+    return chunk_backward(q, k, v, Operands(q_offsets=offsets), delta, lse, do,
                           dlse, cfg)[:3]
 
-  def plain_ring(q, k, v, o, lse, do, dlse, seq, p, cfg):
-    return ring_backward(q, k, v, Operands(), o, lse, do, dlse, seq, p,
+  def plain_ring(q, k, v, delta, lse, do, dlse, seq, p, cfg):
+    return ring_backward(q, k, v, Operands(), delta, lse, do, dlse, seq, p,
                          cfg)[:3]
   plain_lowerings = {
       "all_gather": _gather_lowering(plain_chunk, _QKV + _BWD_IN, _QKV),
@@ -855,17 +857,17 @@ def sharded_backward(backward, chunk_backward, ring_backward, refit_why):
   @functools.cache
   def operand_lowerings(tree, factors, diff):
     def chunk(*args):
-      q, k, v, *leaves, o, lse, do, dlse, offsets, cfg = args
+      q, k, v, *leaves, delta, lse, do, dlse, offsets, cfg = args
       operands = _at_offsets(jax.tree.unflatten(tree, leaves), offsets, q, k)
-      dq, dk, dv, grads = chunk_backward(q, k, v, operands, o, lse, do,
+      dq, dk, dv, grads = chunk_backward(q, k, v, operands, delta, lse, do,
                                          dlse, cfg)
       return (dq, dk, dv) + chosen(grads, diff)
 
     def ring(*args):
-      q, k, v, *leaves, o, lse, do, dlse, seq, p, cfg = args
+      q, k, v, *leaves, delta, lse, do, dlse, seq, p, cfg = args
       dq, dk, dv, grads = ring_backward(q, k, v,
-                                        jax.tree.unflatten(tree, leaves), o,
-                                        lse, do, dlse, seq, p, cfg)
+                                        jax.tree.unflatten(tree, leaves),
+                                        delta, lse, do, dlse, seq, p, cfg)
       return (dq, dk, dv) + chosen(grads, diff)
     in_factors = _QKV + factors + _BWD_IN
     out_factors = _QKV + tuple(factors[i] for i in diff)
@@ -876,9 +878,9 @@ def sharded_backward(backward, chunk_backward, ring_backward, refit_why):
   @functools.cache
   def with_operands(tree, factors, diff, refused):
     def fn(*args):
-      q, k, v, *leaves, o, lse, do, dlse, cfg = args
+      q, k, v, *leaves, delta, lse, do, dlse, cfg = args
       dq, dk, dv, grads = backward(q, k, v, jax.tree.unflatten(tree, leaves),
-                                   o, lse, do, dlse, cfg)
+                                   delta, lse, do, dlse, cfg)
       return (dq, dk, dv) + chosen(grads, diff)
     in_factors, out_factors, lowerings = operand_lowerings(tree, factors,
                                                            diff)
@@ -892,27 +894,27 @@ def sharded_backward(backward, chunk_backward, ring_backward, refit_why):
       grads[i] = g
     return jax.tree.unflatten(tree, grads)
 
-  def call(q, k, v, operands: Operands, o, lse, do, dlse, cfg):
+  def call(q, k, v, operands: Operands, delta, lse, do, dlse, cfg):
     if operands.empty:
-      return (*plain(q, k, v, o, lse, do, dlse, cfg), operands)
+      return (*plain(q, k, v, delta, lse, do, dlse, cfg), operands)
     leaves, tree = jax.tree.flatten(operands)
     diff = differentiable_leaves(tree)
     op = with_operands(tree, operand_factors(operands, q, k), diff,
                        tuple(_refused(operands).items()))
-    dq, dk, dv, *diff_grads = op(q, k, v, *leaves, o, lse, do, dlse, cfg)
+    dq, dk, dv, *diff_grads = op(q, k, v, *leaves, delta, lse, do, dlse, cfg)
     return dq, dk, dv, with_grads(leaves, tree, diff, diff_grads)
 
-  def on_axis(q, k, v, operands: Operands, o, lse, do, dlse, cfg):
+  def on_axis(q, k, v, operands: Operands, delta, lse, do, dlse, cfg):
     """The same on sequence chunks inside a shard_map (`_on_axis`)."""
     if operands.empty:
-      return (*_on_axis(plain_lowerings, cfg, (q, k, v, o, lse, do, dlse),
+      return (*_on_axis(plain_lowerings, cfg, (q, k, v, delta, lse, do, dlse),
                         refit_why, {}), operands)
     leaves, tree = jax.tree.flatten(operands)
     diff = differentiable_leaves(tree)
     _, _, lowerings = operand_lowerings(
         tree, operand_factors(operands, q, k), diff)
     dq, dk, dv, *diff_grads = _on_axis(
-        lowerings, cfg, (q, k, v, *leaves, o, lse, do, dlse), refit_why,
+        lowerings, cfg, (q, k, v, *leaves, delta, lse, do, dlse), refit_why,
         _refused(operands))
     return dq, dk, dv, with_grads(leaves, tree, diff, diff_grads)
   call.on_axis = on_axis

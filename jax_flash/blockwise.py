@@ -282,11 +282,11 @@ def forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
   return o, lse
 
 
-def backward(q, k, v, operands: Operands, o, lse, do, dlse, *, mask: Mask,
-             scores: Scores, config: BlockSizes):
+def backward(q, k, v, operands: Operands, delta, lse, do, dlse, *,
+             mask: Mask, scores: Scores, config: BlockSizes):
   """(dq, dk, dv, Operands of the operands' gradients: bias, and the arrays
-  a score_mod closes over; None where none) from the forward's o and
-  logsumexp."""
+  a score_mod closes over; None where none) from the forward's logsumexp
+  and D = rowsum(dO * O) - dlse (`delta`)."""
   p, tp, sp, ops = _setup(q, k, operands, mask, scores, config)
   b, t, n, h = q.shape
   kh, g = p.num_kv_heads, n // p.num_kv_heads
@@ -294,7 +294,6 @@ def backward(q, k, v, operands: Operands, o, lse, do, dlse, *, mask: Mask,
       mask, operands.q_ids, operands.kv_ids, (q, do), (k, v))
   k, v = pad_to(k, 1, sp), pad_to(v, 1, sp)
   lo, hi = _kv_ranges(p, ops)
-  delta = softmax.backward_delta(o, do, dlse)
   lse2 = softmax.backward_lse2(pad_to(lse, 2, tp, -jnp.inf))
 
   def stats(x):  # [B, N, Tp] -> [nq, B, K, G, bq]

@@ -108,26 +108,26 @@ def _pair_forward(kind, q, k, v, ids, offsets, seed, ring: _Ring):
   return lax.switch(kind, [run(full), run(causal), skip], q, k, v, ids)
 
 
-def _pair_backward(kind, q, k, v, ids, offsets, seed, o, lse, do, dlse,
+def _pair_backward(kind, q, k, v, ids, offsets, seed, delta, lse, do,
                    ring: _Ring):
-  """Float32 (dq, dk, dv) of one pair, from the merged o and lse (and
-  their cotangents do, dlse)."""
+  """Float32 (dq, dk, dv) of one pair, from the merged lse, dO and D =
+  rowsum(dO * O) - dlse of the merged O (`delta`)."""
   def run(mask):
     plan, configs = _plan_of(ring, mask)
 
-    def f(q, k, v, ids, o, lse, do, dlse):
+    def f(q, k, v, ids, delta, lse, do):
       dq, dk, dv, _ = plan.backward.backward(
-          q, k, v, _pair_operands(mask, ids, offsets, seed), o, lse, do,
-          dlse, mask=mask, scores=ring.scores, config=configs.backward)
+          q, k, v, _pair_operands(mask, ids, offsets, seed), delta, lse, do,
+          None, mask=mask, scores=ring.scores, config=configs.backward)
       return tuple(x.astype(jnp.float32) for x in (dq, dk, dv))
     return f
 
-  def skip(q, k, v, ids, o, lse, do, dlse):
+  def skip(q, k, v, ids, delta, lse, do):
     return tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
 
   full, causal = _masks(ids, ring)
-  return lax.switch(kind, [run(full), run(causal), skip], q, k, v, ids, o,
-                    lse, do, dlse)
+  return lax.switch(kind, [run(full), run(causal), skip], q, k, v, ids,
+                    delta, lse, do)
 
 
 def _offsets(q, step):
@@ -268,9 +268,10 @@ def _ring_fwd(q, k, v, q_ids, kv_ids, sinks, seed, ring):
   return out, (q, k, v, q_ids, kv_ids, sinks, seed, out, lse)
 
 
-def _ring_backward(q, k, v, q_ids, kv_ids, out, lse, do, dlse,
-                   ring: _Ring, seed=None):
-  """(dq, dk, dv) of this device's chunks: the pairs' gradients, float32
+def _ring_backward(q, k, v, q_ids, kv_ids, delta, lse, do, ring: _Ring,
+                   seed=None):
+  """(dq, dk, dv) of this device's chunks from its lse, dO and D =
+  rowsum(dO * O) - dlse (`delta`): the pairs' gradients, float32
   dK/dV travelling with their keys as halves (`_parts`; after P moves
   they are home again; a windowed ring's, after fewer, are sent home)."""
   do = do.astype(q.dtype)
@@ -289,8 +290,8 @@ def _ring_backward(q, k, v, q_ids, kv_ids, out, lse, do, dlse,
       g_q, g_k, g_v = _pair_backward(
           kind, _half(q, qh), k[halves.index(kh)], v[halves.index(kh)],
           _ids_half(q_ids, kv_ids, qh, kh), _offsets(q, i),
-          _pair_seed(seed, ring, i, qh, kh, q.shape[1]), _half(out, qh),
-          lse_half(lse, qh), _half(do, qh), lse_half(dlse, qh), ring)
+          _pair_seed(seed, ring, i, qh, kh, q.shape[1]),
+          lse_half(delta, qh), lse_half(lse, qh), _half(do, qh), ring)
       a, b = halves.index(qh), halves.index(kh)
       dq[a] = dq[a] + g_q
       dk[b] = dk[b] + g_k
@@ -315,11 +316,11 @@ def _ring_bwd(ring, residuals, do):
   q, k, v, q_ids, kv_ids, sinks, seed, out, lse = residuals
   ids_cotangents = (None if q_ids is None else jnp.zeros_like(q_ids),
                     None if kv_ids is None else jnp.zeros_like(kv_ids))
-  dq, dk, dv = _ring_backward(q, k, v, q_ids, kv_ids, out, lse, do,
-                              jnp.zeros_like(lse), ring, seed)
+  delta = softmax.backward_delta(out, do.astype(q.dtype))
+  dq, dk, dv = _ring_backward(q, k, v, q_ids, kv_ids, delta, lse, do, ring,
+                              seed)
   dsinks = None
   if sinks is not None:  # The sink's gradient from this device's queries.
-    delta = softmax.backward_delta(out, do.astype(q.dtype))
     dsinks = -jnp.sum(jnp.exp(sinks[None, :, None] - lse) * delta,
                       axis=(0, 2))
   return (dq, dk, dv, *ids_cotangents, dsinks,

@@ -92,12 +92,15 @@ class Backend(Protocol):
     q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv]."""
 
   def backward(self, q: jax.Array, k: jax.Array, v: jax.Array,
-               operands: Operands, o: jax.Array, lse: jax.Array,
+               operands: Operands, delta: jax.Array, lse: jax.Array,
                do: jax.Array, dlse: jax.Array, *, mask: Mask, scores: Scores,
                config: Any) -> tuple[jax.Array, jax.Array, jax.Array,
                                      Operands]:
     """(dq, dk, dv, Operands of the operand gradients it gives, None for
-    the rest) from the forward's o and lse and their cotangents do, dlse."""
+    the rest) from the forward's lse, the cotangents do (of o) and dlse,
+    and delta = rowsum(do * o) - dlse, float32 [B, N, T]
+    (`softmax.backward_delta`, computed once by the caller: the forward's
+    o itself is not needed)."""
 
   def decode(self, q: jax.Array, k: jax.Array, v: jax.Array,
              kv_lengths: jax.Array, *, mask: Mask, scores: Scores,

@@ -141,7 +141,7 @@ def _fp8_unsupported(problem: Problem, mask: Mask, scores: Scores,
 
 
 def _pad_heads(q, k, v, *rest):
-  """q, k, v (and o, dO in `rest`, value's head dim) with zero columns up
+  """q, k, v (and dO in `rest`, value's head dim) with zero columns up
   to `config.kernel_head_dim`: zeros add nothing to the logits, and V's
   give zero output columns, cut off after the kernels."""
   size = config.kernel_head_dim(q.shape[-1], v.shape[-1])
@@ -356,7 +356,7 @@ class MosaicGpuBackend:
               "transposed (a copy of it every step)")
     return None
 
-  def backward(self, q, k, v, operands: Operands, o, lse, do, dlse, *,
+  def backward(self, q, k, v, operands: Operands, delta, lse, do, dlse, *,
                mask: Mask, scores: Scores, config: BlockSizes):
     """(dq, dk, dv, Operands()): no operand's gradient (the dispatch takes
     a bias's from a backend that gives it; no arrays a score_mod closes
@@ -365,10 +365,10 @@ class MosaicGpuBackend:
     values, P unrounded, as the blockwise backward takes it."""
     if scores.fp8:
       dtype = q.dtype
-      q, k, v, o, do = (x.astype(jnp.bfloat16) for x in (q, k, v, o, do))
+      q, k, v, do = (x.astype(jnp.bfloat16) for x in (q, k, v, do))
       scores = dataclasses.replace(scores, fp8=False)
       dq, dk, dv, grads = self.backward(
-          q, k, v, operands, o, lse, do, dlse, mask=mask, scores=scores,
+          q, k, v, operands, delta, lse, do, dlse, mask=mask, scores=scores,
           config=config)
       return dq.astype(dtype), dk.astype(dtype), dv.astype(dtype), grads
     (q, do), (k, v) = without_padding(mask, operands.q_ids, operands.kv_ids,
@@ -379,8 +379,8 @@ class MosaicGpuBackend:
                       head_dim=head_dim, unbatched=False,
                       value_head_dim=value_dim)
     if _backward_pads(problem, q.dtype, config):
-      q, k, v, o, do = _pad_heads(q, k, v, o, do)
-    dq, dk, dv = flash_backward(q, k, v, operands, o, lse, do, dlse,
-                                mask=mask, scores=scores, block_sizes=config)
+      q, k, v, do = _pad_heads(q, k, v, do)
+    dq, dk, dv = flash_backward(q, k, v, operands, delta, lse, do, mask=mask,
+                                scores=scores, block_sizes=config)
     return (dq[..., :head_dim], dk[..., :head_dim], dv[..., :value_dim],
             Operands())

@@ -29,7 +29,7 @@ the predicate (hidden pairs get P = 0). Scores go through the shared
 `Scores.factored_logits2` and their derivative through `Scores.dqk`
 (soft-cap, ALiBi, a score_mod); dropout scales P^T in dV and dP with the
 forward's keep bits (`dropout.dropped`). D = rowsum(dO * O) - dlse
-(`softmax.backward_delta`) and the
+(`softmax.backward_delta`, the caller's) and the
 logsumexp in base 2 come from XLA (a row that sees no key gets L = +inf, so
 its P is 0, never NaN). Every gradient is written once, by one CTA, in a
 fixed order: bitwise deterministic.
@@ -630,16 +630,17 @@ def backward_columns(dtype, head_dim: int, q_len: int, kv_len: int,
   return Columns.of(dtype, head_dim, 64, q_len, kv_len)
 
 
-def flash_backward(q, k, v, operands: Operands, o, lse, do, dlse, *,
+def flash_backward(q, k, v, operands: Operands, delta, lse, do, *,
                    mask: Mask, scores: Scores, block_sizes: BlockSizes):
-  """(dq, dk, dv) of the forward's o and lse (natural log, [B, N, T]).
+  """(dq, dk, dv) from the forward's lse (natural log, [B, N, T]), dO and
+  D = rowsum(dO * O) - dlse (`delta`, float32 [B, N, T]).
 
   `operands` (`jax_flash.spec.operands`): those the call has, as the
   forward reads them (the dropout's keep bits scale P in dV and dP; a
   bias's gradient is not computed here; sinks and query offsets are not
   read: the sinks' share is in L).
 
-  q/o/do [B, T, N, H], k/v [B, S, K, H] (K divides N), bf16 or fp16, H
+  q/do [B, T, N, H], k/v [B, S, K, H] (K divides N), bf16 or fp16, H
   where `backward_columns` takes it (the backend pads others to a multiple
   of 16), any T and S: the kernels read Q, dO, K and V and write the
   gradients where they lie, in tiles that may reach past the last row and
@@ -658,9 +659,9 @@ def flash_backward(q, k, v, operands: Operands, o, lse, do, dlse, *,
   # The kernels' tiles cover tp queries and sp keys (L, D, ids and per-pair
   # operands are padded to them).
   tp, sp = round_up(q_len, q_rows), round_up(kv_len, kv_rows)
-  # D = rowsum(dO * O) - dlse; L in base 2, +inf for rows that see no key
-  # (lse = -inf) and for padding, so P = exp2(S - L) is 0 there, never NaN.
-  delta = pad_to(softmax.backward_delta(o, do, dlse), 2, tp)
+  # L in base 2, +inf for rows that see no key (lse = -inf) and for
+  # padding, so P = exp2(S - L) is 0 there, never NaN.
+  delta = pad_to(delta, 2, tp)
   lse2 = pad_to(jnp.where(lse == -jnp.inf, jnp.inf, lse * softmax.LOG2E), 2,
                 tp, jnp.inf)
   untiled = all(layout.untiled)

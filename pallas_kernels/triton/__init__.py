@@ -98,11 +98,11 @@ class TritonBackend:
     return forward(q, k, v, operands, scores=scores, mask=mask,
                    block_sizes=config, interpret=self.interpret)
 
-  def backward(self, q, k, v, operands: Operands, o, lse, do, dlse, *,
+  def backward(self, q, k, v, operands: Operands, delta, lse, do, dlse, *,
                mask: Mask, scores: Scores, config: BlockSizes):
     """(dq, dk, dv, Operands(bias=dbias or None))."""
     dq, dk, dv, dbias = flash_backward(
-        q, k, v, operands, o, lse, do, dlse, scores=scores, mask=mask,
+        q, k, v, operands, delta, lse, do, dlse, scores=scores, mask=mask,
         block_sizes=config, interpret=self.interpret)
     if dbias is not None:
       dbias = dbias.astype(operands.bias.dtype)

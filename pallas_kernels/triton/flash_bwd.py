@@ -276,14 +276,16 @@ def dkdv_splits(programs: int, q_tiles: int, multiprocessors: int) -> int:
   return max(1, min(wanted, q_tiles // DKDV_MIN_RUN))
 
 
-def flash_backward(q, k, v, operands: Operands, o, lse, do, dlse, *,
+def flash_backward(q, k, v, operands: Operands, delta, lse, do, dlse, *,
                    scores: Scores, mask: Mask, block_sizes: BlockSizes,
                    interpret: bool = False):
   """Gradients of the forward with respect to q, k, v (and the bias).
 
   Args:
-    q: [B, T, N, H]; k: [B, S, K, H]; v: [B, S, K, Hv]; o, do: [B, T, N, Hv].
+    q: [B, T, N, H]; k: [B, S, K, H]; v: [B, S, K, Hv]; do: [B, T, N, Hv].
     operands: the optional arrays of the forward.
+    delta: D = rowsum(dO * O) - dlse, float32 [B, N, T]
+      (`softmax.backward_delta`).
     lse: [B, N, T] the forward's natural-log logsumexp; dlse: its cotangent
       (zeros unless the caller used the logsumexp).
   Returns:
@@ -296,7 +298,6 @@ def flash_backward(q, k, v, operands: Operands, o, lse, do, dlse, *,
   group = num_heads // num_kv_heads
   value_head_dim = v.shape[-1]
   hp, hvp = padded_head_dim(head_dim), padded_head_dim(value_head_dim)
-  delta = softmax.backward_delta(o, do, dlse)
   static = dict(scores=scores, mask=mask, head_dim=head_dim,
                 value_head_dim=value_head_dim)
   compiler_params = plgpu.CompilerParams(
