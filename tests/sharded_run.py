@@ -205,6 +205,12 @@ def context_parallel():
                   "all_to_all" if kv_heads % 4 == 0 else "all_gather")
     assert (hlo.count("all-to-all(") > 0) == (
         strategy in ("all_to_all", "ring_all_to_all"))
+    if strategy == "all_to_all":
+      # Head-sized exchanges: Q, K, V in and O out, then Q, K, V, dO in and
+      # dQ, dK, dV out; D = rowsum(dO * O) travels in O's place.
+      moved = [re.search(r"\w+\[[\d,]*\]", line.split("=", 1)[1])[0]
+               for line in hlo.splitlines() if " all-to-all(" in line]
+      assert sum(x.endswith(f",{h}]") for x in moved) == 11, moved
     # Only K and V are gathered ([1, S, kv heads, H]), and only by
     # all_gather when the keys are sharded.
     want = [f"f32[1,{s},{kv_heads},{h}]"] * 4 if (
