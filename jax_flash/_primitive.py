@@ -95,7 +95,7 @@ def _local_backward(q, k, v, operands: Operands, delta, lse, do, dlse,
                                        **{name: getattr(grads, name)})
   if operands.sinks is not None:
     d_operands = dataclasses.replace(
-        d_operands, sinks=_sink_gradient(operands.sinks, delta, lse))
+        d_operands, sinks=softmax.sink_gradient(operands.sinks, delta, lse))
   return dq, dk, dv, d_operands
 
 
@@ -182,7 +182,7 @@ def _ring_backward(q, k, v, operands: Operands, delta, lse, do, dlse, seq,
   d_operands = jax.tree.map(jnp.zeros_like, operands)
   if operands.sinks is not None:
     d_operands = dataclasses.replace(
-        d_operands, sinks=_sink_gradient(operands.sinks, delta, lse))
+        d_operands, sinks=softmax.sink_gradient(operands.sinks, delta, lse))
   return dq, dk, dv, d_operands
 
 
@@ -233,15 +233,6 @@ def _backward(cfg: Config, residuals, cotangents):
   if _partitioned(operands, cfg):
     return _sharded_backward(q, k, v, operands, delta, lse, do, dlse, cfg)
   return _local_backward(q, k, v, operands, delta, lse, do, dlse, cfg)
-
-
-def _sink_gradient(sinks, delta, lse):
-  """dL/dsinks [N]. The sink's probability in row i is p_i = exp(sink - L_i),
-  and dL/dsink = -sum_i p_i (rowsum(dO_i * O_i) - dlse_i): the same D
-  (`delta`) as the backward's dS = P (dP - D), since dL/dL_i enters
-  through it."""
-  p_sink = jnp.exp(sinks[None, :, None] - lse)
-  return -jnp.sum(p_sink * delta, axis=(0, 2))
 
 
 # One `jax.jit` per distinct call: JAX traces each once per process (its

@@ -321,8 +321,7 @@ def _ring_bwd(ring, residuals, do):
                               seed)
   dsinks = None
   if sinks is not None:  # The sink's gradient from this device's queries.
-    dsinks = -jnp.sum(jnp.exp(sinks[None, :, None] - lse) * delta,
-                      axis=(0, 2))
+    dsinks = softmax.sink_gradient(sinks, delta, lse)
   return (dq, dk, dv, *ids_cotangents, dsinks,
           None if seed is None else jnp.zeros_like(seed))
 

@@ -102,6 +102,14 @@ def with_sink(o, lse, sink):
   return o * jnp.exp(lse - lse_new)[..., None], lse_new
 
 
+def sink_gradient(sinks, delta, lse):
+  """dL/dsinks [N] from lse [B, N, T] and D = rowsum(dO * O) - dlse
+  (`backward_delta`). The sink's probability in row i is p_i = exp(sink -
+  L_i), and dL/dsink = -sum_i p_i D_i: the backward's D, since dL/dL_i
+  enters through it."""
+  return -jnp.sum(jnp.exp(sinks[None, :, None] - lse) * delta, axis=(0, 2))
+
+
 def update_v1(m_prev, l_prev, s):
   """FlashAttention-1 step: block statistics, then the merge.
 
