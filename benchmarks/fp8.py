@@ -8,7 +8,8 @@ from `--tokens` and `--hidden`, as `jax_flash.benchmark`): ms and TFLOP/s of
 jitted calls forward, backward and forward+backward for "bf16" (the
 default dispatch on bf16 inputs), "fp8" (the same with fp8=True: on an
 H100/H200 the Mosaic FP8 forward and the bf16 backward on the rounded
-values), "fp8_e4m3" (forward only: float8 inputs quantized beforehand,
+values), "fp8_bwd8" (the same on the Mosaic kernels with their FP8
+backward, `MosaicBlockSizes.fp8_backward`), "fp8_e4m3" (forward only: float8 inputs quantized beforehand,
 with descale), "cudnn" (jax.nn, bf16) and, forward only, "cudnn_fp8" (cuDNN's
 FP8 attention through jax's private `fused_attention_stablehlo` API, the
 inputs rounded with one scale a tensor, its output e4m3 with V's scale).
@@ -65,6 +66,29 @@ def cudnn_fp8(causal):
   return f
 
 
+def fp8_backward(causal):
+  """fp8=True on the Mosaic kernels with the FP8 backward
+  (`MosaicBlockSizes.fp8_backward`) as f(q, k, v), at the tiles the
+  default gives the call otherwise."""
+  from jax_flash.spec.checks import Problem
+  from jax_flash.spec.mask import Mask
+  from jax_flash.spec.scores import Scores
+  from pallas_kernels.mosaic_gpu import MosaicGpuBackend
+
+  def f(q, k, v):
+    b, t, n, h = q.shape
+    problem = Problem(batch=b, q_len=t, kv_len=k.shape[1], num_heads=n,
+                      num_kv_heads=k.shape[2], head_dim=h, unbatched=False)
+    blocks = MosaicGpuBackend().config(
+        None, problem, q.dtype, is_causal=causal,
+        scores=Scores(scale=h ** -0.5, fp8="amax"), mask=Mask(
+            is_causal=causal))
+    return jax_flash.flash_attention(
+        q, k, v, is_causal=causal, fp8=True, implementation="mosaic",
+        block_sizes=dataclasses.replace(blocks, fp8_backward=True))
+  return f
+
+
 def _inputs(head_dim, causal, seq_len, tokens, hidden):
   """bf16 q, k, v, dO [B, L, N, H] (batch and heads from `tokens` and
   `hidden`) and the forward's FLOPs."""
@@ -89,6 +113,7 @@ def speed(head_dim, causal, seq_len, tokens, hidden, calls, repeats):
       "cudnn": lambda q, k, v: jax.nn.dot_product_attention(
           q, k, v, is_causal=causal, implementation="cudnn"),
       "cudnn_fp8": cudnn_fp8(causal),
+      "fp8_bwd8": fp8_backward(causal),
   }
   # Inputs the caller quantized (forward only): float8 with descale.
   descale = tuple(fp8.scales(x, heads) for x in (q, k, v))
@@ -177,6 +202,7 @@ def error(head_dim, causal, seq_len, outliers):
       q, k, v, is_causal=causal, fp8=True),
            "fp8_rotate": lambda q, k, v: jax_flash.flash_attention(
                q, k, v, is_causal=causal, fp8="rotate"),
+           "fp8_bwd8": fp8_backward(causal),
            "bf16": lambda q, k, v: jax_flash.flash_attention(
                q, k, v, is_causal=causal),
            "rounding_alone": rounded}

@@ -2,6 +2,8 @@
 blockwise path: its error against float32 attention on the unquantized
 inputs, next to the error that rounding the inputs alone causes, and its
 arguments' checks."""
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -330,3 +332,37 @@ def test_mosaic_fp8_forward_with_a_traced_scale():
   assert _rel(out, calls["xla"](q, k, v, scale)) < 0.05
   assert _rel(out, exact) < 0.08
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, causal, outliers", [
+    ((2, 1000, 1003, 8, 2, 128), True, False),
+    ((1, 512, 777, 4, 4, 64), False, False),
+    ((1, 2048, 2048, 8, 8, 128), True, True)])
+def test_mosaic_fp8_backward_is_as_close_as_the_rounding(shape, causal,
+                                                         outliers):
+  """The Mosaic FP8 backward (`MosaicBlockSizes.fp8_backward`: every
+  matmul in e4m3; H200): gradients within the bounds of
+  `_check_against_rounding`, finite where rows of dS^T are all but zero
+  (outliers at 2048 tokens: keys whose dS^T rows lie far below e4m3's
+  range), and bitwise the same from one run to the next."""
+  if "H200" not in jax.devices()[0].device_kind:
+    pytest.skip("not an H200")
+  q, k, v, do = random_inputs(*shape, jnp.bfloat16)
+  if outliers:
+    q, k = _outliers(q, k)
+  blocks = jax_flash.MosaicBlockSizes(fp8_backward=True)
+  ours = lambda q, k, v: jax_flash.flash_attention(
+      q, k, v, is_causal=causal, fp8=True, implementation="mosaic",
+      block_sizes=blocks)
+  grad = jax.jit(lambda *a: _grads(ours, *a))
+  hlo = grad.lower(q, k, v, do).as_text()
+  assert "flash_attention_dkv_mosaic" in hlo
+  # Q^T and dO^T, [B, N, H, T'] in e4m3, for the dK/dV kernel.
+  b, _, n, h = q.shape
+  assert re.search(rf"tensor<{b}x{n}x{h}x\d+xf8E4M3FN>", hlo)
+  _check_against_rounding(ours, q, k, v, do, causal)
+  first, second = grad(q, k, v, do), grad(q, k, v, do)
+  for a, b_ in zip(first, second):
+    assert bool(jnp.all(jnp.isfinite(a.astype(jnp.float32))))
+    assert bool(jnp.all(a == b_))

@@ -1206,3 +1206,21 @@ def test_fp8_true_quantizes_each_input_once():
   assert text.count("stablehlo.reduce") == 3
   assert len(re.findall(r"stablehlo.convert.*-> tensor<[0-9x]*xf8E4M3FN>",
                         text)) == 3
+
+
+@pytest.mark.parametrize("head_dim, causal", [(64, False), (128, True),
+                                              (128, False)])
+def test_fp8_backward_lowers_in_e4m3(head_dim, causal):
+  """`MosaicBlockSizes.fp8_backward`: both backward kernels on e4m3 tiles,
+  with Q^T and dO^T ([B, N, H, T'], e4m3) made for the dK/dV kernel and
+  K^T ([B, K, H, S']) for the dQ kernel, beside the forward's V^T;
+  without it, only V^T."""
+  shape = (2, 256, 520, 8, 2, head_dim)
+  transposed = re.compile(rf"tensor<2x(8|2)x{head_dim}x\d+xf8E4M3FN>")
+  for on in (True, False):
+    text = _lower_grad("mosaic", shape, is_causal=causal, fp8=True,
+                       block_sizes=jax_flash.MosaicBlockSizes(
+                           fp8_backward=on))
+    assert all(name in text for name in MOSAIC_BACKWARD)
+    heads = {m.group(1) for m in transposed.finditer(text)}
+    assert heads == ({"8", "2"} if on else {"2"})

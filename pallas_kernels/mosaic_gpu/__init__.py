@@ -53,7 +53,7 @@ from jax_flash.spec.problem import decode_as_forward
 from jax_flash.spec.scores import Scores
 from pallas_kernels.mosaic_gpu import config
 from pallas_kernels.mosaic_gpu import flash_decode
-from pallas_kernels.mosaic_gpu.config import BlockSizes
+from pallas_kernels.mosaic_gpu.config import FP8_BACKWARD_HEAD_DIMS, BlockSizes
 from pallas_kernels.mosaic_gpu.flash_bwd import (backward_columns,
                                                  flash_backward)
 from pallas_kernels.mosaic_gpu.flash_fwd import flash_forward, fp8_operands
@@ -360,9 +360,20 @@ class MosaicGpuBackend:
                mask: Mask, scores: Scores, config: BlockSizes):
     """(dq, dk, dv, Operands()): no operand's gradient (the dispatch takes
     a bias's from a backend that gives it; no arrays a score_mod closes
-    over, see `unsupported`). FP8 calls (values on e4m3's grid times a
-    power-of-two scale, exact in bf16) run the bf16 kernels on those
-    values, P unrounded, as the blockwise backward takes it."""
+    over, see `unsupported`). FP8 calls with `BlockSizes.fp8_backward` at
+    head dims `config.FP8_BACKWARD_HEAD_DIMS` run every matmul in e4m3 on
+    the call's e4m3 values and dO quantized as they are (`flash_bwd`);
+    others (values
+    on e4m3's grid times a power-of-two scale, exact in bf16) the bf16
+    kernels on those values, P unrounded, as the blockwise backward takes
+    it."""
+    if (scores.fp8 and config.fp8_backward and operands.fp8_q is not None
+        and not config.fused_dq and q.shape[-1] in FP8_BACKWARD_HEAD_DIMS):
+      dq, dk, dv = flash_backward(q, k, v, operands, delta, lse,
+                                  do.astype(jnp.float32), mask=mask,
+                                  scores=scores, block_sizes=config)
+      return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
+              Operands())
     if scores.fp8:
       dtype = q.dtype
       q, k, v, do = (x.astype(jnp.bfloat16) for x in (q, k, v, do))

@@ -15,6 +15,10 @@ DTYPES = ("bfloat16", "float16")
 # the 64- or 128-byte swizzle P's e4m3 tiles need), measured on the H200
 # at 8k tokens (benchmarks/NOTES.md, "FP8 tiles").
 FP8_BLOCK_KV = {64: (128, 128), 128: (128, 256), 256: (64, 64)}
+# Head dims of the FP8 backward (e4m3 wgmma in both kernels; head dim 256
+# runs the bf16 kernels on the rounded values: its dK/dV kernel splits dK
+# and dV between warpgroups).
+FP8_BACKWARD_HEAD_DIMS = (64, 128)
 # Head dims a call may have (of query/key and of value): up to wgmma's
 # N <= 256. The kernels run at `kernel_head_dim`: a multiple of 16 (bf16
 # rows of 32 bytes, the narrowest swizzle TMA and wgmma take), at least 32.
@@ -169,6 +173,11 @@ class BlockSizes:
   start), items query tiles fastest so that a round's CTAs share K/V in
   L2 (`flash_fwd.persistent_order`): on by default for calls without a
   mask other than causality up to PERSISTENT_MAX_HEAD_DIM (`get_default`).
+  `fp8_backward` (fp8=True calls at FP8_BACKWARD_HEAD_DIMS): the
+  backward's five matmuls in e4m3 wgmma (`flash_bwd`), where by default
+  the bf16 kernels run on the rounded values; opt-in: on the H200 it is
+  not faster than those at 8k tokens, and its gradients lie further from
+  float32 (benchmarks/NOTES.md, "the Mosaic FP8 backward").
   Every `head_dim` here is the kernels' (`kernel_head_dim`).
   """
   block_q: int = 64
@@ -184,6 +193,7 @@ class BlockSizes:
   dv_before_ds: bool = False
   fused_dq: bool = False
   persistent: bool = False
+  fp8_backward: bool = False
 
   def __post_init__(self):
     for name in ("block_q", "block_q_dkv", "block_kv_dkv", "block_q_dq",
@@ -198,10 +208,14 @@ class BlockSizes:
     check_block_field(self, "producer_registers",
                       lambda x: 24 <= x <= 128 and x % 8 == 0,
                       "a multiple of 8 in [24, 128]")
-    for name in ("named_barriers", "dv_before_ds", "fused_dq", "persistent"):
+    for name in ("named_barriers", "dv_before_ds", "fused_dq", "persistent",
+                 "fp8_backward"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"block_sizes.{name}={getattr(self, name)!r} must "
                          f"be a bool")
+    if self.fp8_backward and self.fused_dq:
+      raise ValueError("block_sizes.fp8_backward=True needs fused_dq=False "
+                       "(the FP8 backward has its own dQ kernel)")
     if self.persistent and self.named_barriers:
       raise ValueError("block_sizes.persistent=True needs "
                        "named_barriers=False (the hardware barriers' "

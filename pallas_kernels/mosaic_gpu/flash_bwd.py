@@ -51,6 +51,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jax_flash.spec import fp8 as fp8_lib
 from jax_flash.spec import softmax
 from jax_flash.spec.mask import Mask, cdiv, kv_block_ranges, q_block_ranges
 from jax_flash.spec.operands import Operands
@@ -85,7 +86,7 @@ def _iota(shape, dim):
 
 def _probabilities(s, lse, masked, *, mask: Mask, scores: Scores,
                    kv_len: int, positions, rows_cols, ids, pair, refs, batch,
-                   head):
+                   head, c_scale=None):
   """(P, aux) of a raw score tile `s`: P = 2**(s2 - lse) with s2 its base-2
   logits (`Scores.factored_logits2`, with the bias tile `pair` of bias_ref:
   for plain scores one FMA a pair) and lse the base-2 logsumexp broadcast to
@@ -93,12 +94,15 @@ def _probabilities(s, lse, masked, *, mask: Mask, scores: Scores,
   pairs where `masked` (traced: a boundary tile): the mask description's
   predicate and the dense mask's tile. refs: (slopes_ref, bias_ref,
   dense_ref), each None when absent; rows_cols: the tile's positions or
-  None (then `positions()` computes them for the predicate)."""
+  None (then `positions()` computes them for the predicate); c_scale, a
+  factor of the logits (FP8: Q's and K's scales) or None."""
   slopes_ref, bias_ref, dense_ref = refs
   s, c, aux = logits2(
       scores, s, *(rows_cols or (None, None)),
       slope=None if slopes_ref is None else slopes_ref[batch, head],
       bias_ref=bias_ref, pair=pair, batch=batch, head=head)
+  if c_scale is not None:
+    c = c * c_scale
   p = jnp.exp2(s * c - lse)
 
   def hidden():
@@ -164,11 +168,45 @@ def _store(tiles, index, dtype):
   plgpu.wait_smem_to_gmem(0)
 
 
+def _zeros(shape, layout=plgpu.Layout.WGMMA):
+  return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), layout)
+
+
+# Rows of dS whose largest |dS| is below this are stored as zeros: 448 over
+# a smaller maximum could overflow float32 (and 0 times it be NaN).
+_DS_FLOOR = 2.0 ** -100
+
+
+def _quantize_ds(ds, m, ds_smem):
+  """FP8's dS tile (float32 [rows, cols], an accumulator's layout) into
+  ds_smem as e4m3 values of dS * 448 / m_new, m_new the running maximum of
+  each row's |dS| (m: the rows' maximum before this tile, 0 at first);
+  returns (m_new, alpha = m / m_new), by which the caller rescales the rows
+  of the accumulator this tile's product adds to (the online softmax's
+  trick: the accumulator then holds the sum at the scale m_new / 448)."""
+  m_new = jnp.maximum(m, jnp.abs(ds).max(axis=1))
+  positive = m_new > _DS_FLOOR
+  alpha = jnp.where(positive, m / m_new, 1.0)
+  inverse = jnp.where(positive, fp8_lib.E4M3_MAX / m_new, 0.0)
+  ds_smem[...] = (ds * lax.broadcast_in_dim(inverse, ds.shape, [0])).astype(
+      fp8_lib.E4M3)
+  plgpu.commit_smem()
+  return m_new, alpha
+
+
+def _fp8_product(acc, alpha, a_smem, b_smem):
+  """acc * alpha (per row) + a_smem @ b_smem, by wgmma on e4m3 tiles."""
+  def product(refs):
+    plgpu.wgmma(refs[0], a_smem, b_smem)
+  acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+  return pl.run_state(product)((plgpu.ACC.init(acc),))[0]
+
+
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
                 slopes_ref, q_ids_ref, kv_ids_ref, seed_ref, dense_ref,
-                bias_ref, dq_ref, dk_ref, dv_ref, scratch, *, mask: Mask,
-                scores: Scores, blocks: BlockSizes, group: int, kv_len: int,
-                layout: Columns):
+                bias_ref, dq_ref, qt_ref, dot_ref, scales_ref, dk_ref, dv_ref,
+                scratch, *, mask: Mask, scores: Scores, blocks: BlockSizes,
+                group: int, kv_len: int, layout: Columns, fp8: bool):
   """q/do [B, T, N, H], k/v and dk/dv [B, S, K, H], lse/delta [B, N, T']
   (T' >= T: whole tiles); keys at or past kv_len (<= S: XLA's padding) are
   masked, tiles past T or S read zeros and store nothing there. Each None when
@@ -191,12 +229,20 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
   registers a thread, so the CTA owns block_kv_dkv key rows that both
   warpgroups share (one K/V copy in shared memory): warpgroup 0 accumulates
   dV, warpgroup 1 dK, each recomputing S^T (5 matmuls a step instead of 4).
+
+  With `fp8` (head dims up to 128, whole tiles): Q, K, V and dO are e4m3,
+  qt_ref/dot_ref hold Q and dO transposed, [B, N, H, T'] (streamed beside
+  Q and dO: dV and dK contract over queries, and FP8 wgmma takes only
+  K-major operands), scales_ref [B, K, 5] (`fp8_scales`); dK and dV are
+  carried as values (their rows rescale) and staged for the store in
+  scratch's `fp8` buffers, with each warpgroup's e4m3 P^T and dS^T.
   """
   (k_buffers, v_buffers, q_buffers, do_buffers, lse_smem2,
    delta_smem2) = scratch["buffers"]
   kv_ready, q_ready, do_ready = scratch["ready"]
   q_free, do_free = scratch["free"]
   done, fused = scratch.get("done"), scratch.get("fused")
+  fp8_smem = scratch.get("fp8")
   (k_views, v_views, q_views, do_views), part_columns = _part_views(
       layout, q_ref.shape[3], k_buffers, v_buffers, q_buffers, do_buffers)
   num_parts = len(layout.parts)
@@ -215,8 +261,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
       batch, lax.axis_index("kv_seq"))
   coords = needs_positions(mask, scores)
   last_tile = cdiv(q_len, bq) - 1
-  # The last Q/dO tile's rows computed on (`fused_dq` adds whole tiles).
-  tail = bq if fused is not None else tail_rows(
+  # The last Q/dO tile's rows computed on (`fused_dq` and FP8: whole tiles).
+  tail = bq if fused is not None or fp8 else tail_rows(
       q_len, bq, layout.contraction_rows(dtype))
   # One step at least: keys no query sees get a fully masked tile (P = 0),
   # so their dK/dV are written as zeros by the same code.
@@ -249,6 +295,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
       for (copy, _), cols in zip(q_views, part_columns):
         plgpu.copy_gmem_to_smem(q_ref.at[(*tile, cols)], copy.at[ring],
                                 q_ready.at[ring])
+      if fp8:
+        plgpu.copy_gmem_to_smem(qt_ref.at[tile[0], tile[2], :, tile[1]],
+                                fp8_smem["qt"].at[ring], q_ready.at[ring])
       for ref, smem in ((lse_ref, lse_smem2), (delta_ref, delta_smem2)):
         plgpu.copy_gmem_to_smem(ref.at[batch, first_head + g, tile[1]],
                                 smem.at[ring], q_ready.at[ring])
@@ -259,6 +308,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
       for (copy, _), cols in zip(do_views, part_columns):
         plgpu.copy_gmem_to_smem(do_ref.at[(*tile, cols)], copy.at[ring],
                                 do_ready.at[ring])
+      if fp8:
+        plgpu.copy_gmem_to_smem(dot_ref.at[tile[0], tile[2], :, tile[1]],
+                                fp8_smem["dot"].at[ring], do_ready.at[ring])
     await_last_releases(steps, stages, q_free, do_free)
 
   def load_kv():
@@ -270,6 +322,28 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
 
   def accumulators():
     return [plgpu.ACC((bkv, width), jnp.float32) for _, width in layout.parts]
+
+  def fp8_products(carry, dv_acc, p, delta, ring, do_smem):
+    """FP8's dV += P^T dO (into dv_acc, running while dS^T forms), dP^T = V
+    dO^T, dS^T and dK += dS^T Q for one step, on carry (dK, the running row
+    maxima of |dS^T|)."""
+    dk, m = carry
+    pt_smem, ds_smem = fp8_smem["p"].at[wg], fp8_smem["ds"].at[wg]
+    pt_smem[...] = (p * fp8_lib.E4M3_MAX).astype(fp8_lib.E4M3)
+    plgpu.commit_smem()
+    plgpu.barrier_wait(do_ready.at[ring])
+
+    def dp_dv(acc):
+      plgpu.wgmma(acc, v_own[0][1], do_smem.T)
+      plgpu.wgmma(dv_acc, pt_smem, fp8_smem["dot"].at[ring].T)
+      return plgpu.wgmma_accumulator_load(acc, wait_n=1)  # dV runs.
+    dp = pl.run_scoped(dp_dv, plgpu.ACC(p.shape, jnp.float32))
+    ds = p * (dp * scales_ref[batch, kv_head, 1] - delta)
+    m, alpha = _quantize_ds(ds, m, ds_smem)
+    dk = _fp8_product(dk, alpha, ds_smem, fp8_smem["qt"].at[ring].T)
+    plgpu.barrier_arrive(do_free.at[ring])  # dV's matmul is done too.
+    plgpu.barrier_arrive(q_free.at[ring])
+    return dk, m
 
   def step(n, carry, accs, kv_ids, width):
     """Step n on the first `width` rows of its Q/dO tile (`tail_rows`)."""
@@ -301,7 +375,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
         (tile < full_lo) | (tile >= full_hi), mask=mask, scores=scores,
         kv_len=kv_len, positions=positions, rows_cols=rows_cols, ids=ids,
         pair=(rows, pl.ds(q_tile(i) * bq, width)),  # Keys down, queries across.
-        refs=(slopes_ref, bias_ref, dense_ref), batch=batch, head=head)
+        refs=(slopes_ref, bias_ref, dense_ref), batch=batch, head=head,
+        c_scale=scales_ref[batch, kv_head, 0] if fp8 else None)
+    if fp8:
+      return fp8_products(carry, accs[0], p,
+                          lax.broadcast_in_dim(delta, shape, [1]), ring,
+                          do_smems[0])
 
     def drop(x):  # P^T or dP^T with dropout (the forward's bits).
       return dropped(x, scores, seed_ref, batch, head, *(rows_cols or
@@ -379,11 +458,26 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
     plgpu.barrier_wait(kv_ready.at[0, slot])
     plgpu.barrier_wait(kv_ready.at[1, slot])
 
-    def run(*accs):
-      lax.fori_loop(0, steps, functools.partial(
+    def run(*accs, carry=None):
+      carry = lax.fori_loop(0, steps, functools.partial(
           _with_tail, step, lambda n: q_tile(step_index(n)[0]) == last_tile,
-          bq, tail, accs=accs, kv_ids=kv_ids), None)
-      return [acc[...] for acc in accs]
+          bq, tail, accs=accs, kv_ids=kv_ids), carry)
+      return carry if fp8 else [acc[...] for acc in accs]
+    if fp8:  # The rows' scales: dS^T's (m / 448) and dO's for dV.
+      width = layout.width
+      def run_fp8(dv_acc):
+        dk, m = run(dv_acc, carry=(_zeros((bkv, width)),
+                                   _zeros((bkv,), ROW)))
+        return dk, m, dv_acc[...]
+      dk, m, dv = pl.run_scoped(run_fp8, plgpu.ACC((bkv, width), jnp.float32))
+      out = fp8_smem["out"]
+      dk = dk * lax.broadcast_in_dim(m * scales_ref[batch, kv_head, 3],
+                                     dk.shape, [0])
+      _store([(out.at[0, slot], out.at[0, slot], dk, dk_ref, part_columns[0]),
+              (out.at[1, slot], out.at[1, slot],
+               dv * scales_ref[batch, kv_head, 2], dv_ref, part_columns[0])],
+             (batch, rows, kv_head), dk_ref.dtype)
+      return
     grads = pl.run_scoped(run, *accumulators() * (1 if split else 2))
     # Both read the other's K or V (above head dim 128, or `fused_dq`'s
     # dS K): neither overwrites them before both are done.
@@ -466,8 +560,9 @@ def dq_warpgroups(head_dim: int) -> int:
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
                slopes_ref, q_ids_ref, kv_ids_ref, seed_ref, dense_ref,
-               bias_ref, dq_ref, scratch, *, mask: Mask, scores: Scores,
-               blocks: BlockSizes, group: int, kv_len: int, layout: Columns):
+               bias_ref, kt_ref, scales_ref, dq_ref, scratch, *, mask: Mask,
+               scores: Scores, blocks: BlockSizes, group: int, kv_len: int,
+               layout: Columns, fp8: bool):
   """q/do/dq [B, T, N, H], k/v [B, S, K, H], lse/delta [B, N, T'] (T' >=
   T: whole tiles); keys at or past kv_len (<= S: XLA's padding) are
   masked, tiles past T or S read zeros and store nothing there. Each None when absent:
@@ -478,8 +573,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
   the head dim's column parts (`tiles.Columns`, as `_dkv_kernel`'s). The
   last warpgroup streams K and V tiles through `num_stages_bwd` slots, each
   refilled once the consumers release it (K after dQ's matmul, V after
-  dP's)."""
+  dP's).
+
+  With `fp8` (as `_dkv_kernel`'s): kt_ref holds K transposed, [B, K, H,
+  S'] (for dQ += dS K), streamed beside K; dQ is carried as a value and
+  staged in scratch's `fp8` buffers, with each warpgroup's e4m3 dS."""
   q_buffers, do_buffers, k_buffers, v_buffers = scratch["buffers"]
+  fp8_smem = scratch.get("fp8")
   q_ready, k_ready, v_ready = scratch["ready"]
   k_free, v_free = scratch["free"]
   (q_views, do_views, k_views, v_views), part_columns = _part_views(
@@ -522,6 +622,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
         for (copy, _), cols in zip(views, part_columns):
           plgpu.copy_gmem_to_smem(ref.at[(*tile, cols)], copy.at[ring],
                                   ready.at[ring])
+        if fp8 and ref is k_ref:
+          plgpu.copy_gmem_to_smem(kt_ref.at[batch, kv_head, :, tile[1]],
+                                  fp8_smem["kt"].at[ring], ready.at[ring])
     await_last_releases(steps, stages, k_free, v_free)
 
   def step(j, carry, dq_accs, lse, delta, q_ids, width):
@@ -555,12 +658,22 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
           (tile < full_lo) | (tile >= full_hi), mask=mask, scores=scores,
           kv_len=kv_len, positions=positions, rows_cols=rows_cols, ids=ids,
           pair=(rows, pl.ds(kv_tile(j) * bkv, width)),
-          refs=(slopes_ref, bias_ref, dense_ref), batch=batch, head=head)
+          refs=(slopes_ref, bias_ref, dense_ref), batch=batch, head=head,
+          c_scale=scales_ref[batch, kv_head, 0] if fp8 else None)
       # P times the scores' derivative, all dS needs of P and aux.
       return scores.dqk(p, aux), dp_acc[...]
     pd, dp = pl.run_scoped(s_dp, plgpu.ACC(shape, jnp.float32),
                            plgpu.ACC(shape, jnp.float32))
     plgpu.barrier_arrive(v_free.at[ring])
+    if fp8:  # carry: dQ and the running row maxima of |dS|.
+      dq, m = carry
+      ds_smem = fp8_smem["ds"].at[wg]
+      m, alpha = _quantize_ds(
+          pd * (dp * scales_ref[batch, kv_head, 1]
+                - lax.broadcast_in_dim(delta, shape, [0])), m, ds_smem)
+      dq = _fp8_product(dq, alpha, ds_smem, fp8_smem["kt"].at[ring].T)
+      plgpu.barrier_arrive(k_free.at[ring])
+      return dq, m
     dp = dropped(dp, scores, seed_ref, batch, head,
                  *(rows_cols or (None, None)))
     ds = (pd * (dp - lax.broadcast_in_dim(delta, shape, [0]))).astype(dtype)
@@ -589,13 +702,21 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
     plgpu.barrier_wait(q_ready.at[0, wg])
     plgpu.barrier_wait(q_ready.at[1, wg])
 
-    def run(*dq_accs):
-      lax.fori_loop(0, steps, functools.partial(
+    def run(*dq_accs, carry=None):
+      carry = lax.fori_loop(0, steps, functools.partial(
           _with_tail, step, lambda j: kv_tile(j) == last_tile, bkv,
-          tail_rows(kv_len, bkv, layout.contraction_rows(dtype)),
+          bkv if fp8 else tail_rows(kv_len, bkv,
+                                    layout.contraction_rows(dtype)),
           dq_accs=dq_accs, lse=lse, delta=delta,
-          q_ids=q_ids), None)
-      return [acc[...] for acc in dq_accs]
+          q_ids=q_ids), carry)
+      return carry if fp8 else [acc[...] for acc in dq_accs]
+    if fp8:  # dS's row scales (m / 448), K's and the softmax scale.
+      dq, m = run(carry=(_zeros((bq, layout.width)), _zeros((bq,), ROW)))
+      out = fp8_smem["out"].at[wg]
+      _store([(out, out, dq * lax.broadcast_in_dim(
+          m * scales_ref[batch, kv_head, 4], dq.shape, [0]), dq_ref,
+               part_columns[0])], (batch, rows, head), dq_ref.dtype)
+      return
     dq = pl.run_scoped(run, *[plgpu.ACC((bq, width), jnp.float32)
                               for _, width in layout.parts])
     _store([(copy.at[wg], mma.at[wg], part * scores.scale, dq_ref, cols)
@@ -630,6 +751,28 @@ def backward_columns(dtype, head_dim: int, q_len: int, kv_len: int,
   return Columns.of(dtype, head_dim, 64, q_len, kv_len)
 
 
+def fp8_backward_operands(operands: Operands, do, softmax_scale: float,
+                          q_rows: int, kv_rows: int):
+  """(q8, k8, v8, do8, (qt8, dot8, kt8), scales) for the FP8 backward: the
+  call's e4m3 values (`Operands.fp8_q`, ...) and dO quantized as the
+  inputs are (`jax_flash.spec.fp8`), zero rows up to q_rows queries and
+  kv_rows keys; Q, dO and K transposed to [B, heads, H, rows]; scales
+  [B, K, 5] float32: Q's times K's (the logits), V's times dO's (dP), dO's
+  / 448 (dV from P * 448), Q's and K's times softmax_scale / 448 (dK and dQ
+  from dS * 448 over its row maxima)."""
+  num_kv_heads = operands.fp8_k.shape[2]
+  sq, sk, sv = (operands.fp8_scales[..., i] for i in range(3))
+  sdo = fp8_lib.scales(do, num_kv_heads)
+  do8 = fp8_lib.quantize(do, sdo, num_kv_heads)
+  q8, do8 = (pad_to(x, 1, q_rows) for x in (operands.fp8_q, do8))
+  k8, v8 = (pad_to(x, 1, kv_rows) for x in (operands.fp8_k, operands.fp8_v))
+  transposed = tuple(x.transpose(0, 2, 3, 1) for x in (q8, do8, k8))
+  scale = softmax_scale / fp8_lib.E4M3_MAX
+  scales = jnp.stack([sq * sk, sv * sdo, sdo / fp8_lib.E4M3_MAX, sq * scale,
+                      sk * scale], axis=-1).astype(jnp.float32)
+  return q8, k8, v8, do8, transposed, scales
+
+
 def flash_backward(q, k, v, operands: Operands, delta, lse, do, *,
                    mask: Mask, scores: Scores, block_sizes: BlockSizes):
   """(dq, dk, dv) from the forward's lse (natural log, [B, N, T]), dO and
@@ -646,12 +789,18 @@ def flash_backward(q, k, v, operands: Operands, delta, lse, do, *,
   gradients where they lie, in tiles that may reach past the last row and
   column (TMA reads zeros there, and L = +inf for those queries, so they
   add nothing; stores past the ends are dropped), and mask keys past S.
+  With `scores.fp8` (head dims 64 and 128, no fused_dq): the call's e4m3
+  values (`operands`) and dO quantized as they are
+  (`fp8_backward_operands`) in every matmul, whole tiles (XLA pads the
+  e4m3 arrays to them), gradients in bfloat16.
   GPU only (the interpreter cannot run a wgmma with a register operand);
   tests lower it for CUDA on the CPU.
   """
   q_len, kv_len = q.shape[1], k.shape[1]
   blocks = block_sizes
-  layout = backward_columns(q.dtype, q.shape[3], q_len, kv_len, blocks)
+  fp8 = bool(scores.fp8)
+  layout = (Columns(((0, q.shape[3]),), (False, False)) if fp8 else
+            backward_columns(q.dtype, q.shape[3], q_len, kv_len, blocks))
   widths = [w for _, w in layout.parts]
   split, wgs = split_dkv(layout.width), dq_warpgroups(layout.width)
   kv_rows = blocks.block_kv_dkv * (1 if split else COMPUTE_WGS)
@@ -665,16 +814,23 @@ def flash_backward(q, k, v, operands: Operands, delta, lse, do, *,
   lse2 = pad_to(jnp.where(lse == -jnp.inf, jnp.inf, lse * softmax.LOG2E), 2,
                 tp, jnp.inf)
   untiled = all(layout.untiled)
-  q, do = (pad_to(x.astype(q.dtype), 1, tma_rows(q_len, untiled))
-           for x in (q, do))
-  k, v = (pad_to(x, 1, tma_rows(kv_len, untiled)) for x in (k, v))
+  kv_cols = round_up(sp, blocks.block_kv_dq)  # Both kernels' key tiles.
+  out_dtype = jnp.dtype(jnp.bfloat16) if fp8 else q.dtype
+  qt8 = dot8 = kt8 = fp8_scales = None
+  if fp8:
+    q, k, v, do, (qt8, dot8, kt8), fp8_scales = fp8_backward_operands(
+        operands, do, scores.scale, tp, kv_cols)
+  else:
+    q, do = (pad_to(x.astype(q.dtype), 1, tma_rows(q_len, untiled))
+             for x in (q, do))
+    k, v = (pad_to(x, 1, tma_rows(kv_len, untiled)) for x in (k, v))
   batch, _, num_heads, _ = q.shape
   num_kv_heads = k.shape[2]
   group = num_heads // num_kv_heads
   dtype = q.dtype
   params = compiler_params()
   kernel_args = dict(mask=mask, scores=scores, blocks=blocks, group=group,
-                     kv_len=kv_len, layout=layout)
+                     kv_len=kv_len, layout=layout, fp8=fp8)
   stages = blocks.num_stages_bwd
 
   def buffers(lead, rows):
@@ -695,7 +851,6 @@ def flash_backward(q, k, v, operands: Operands, delta, lse, do, *,
 
   # Ids and per-pair operands padded once to both kernels' rows (the dK/dV
   # kernel reads the per-pair ones transposed).
-  kv_cols = round_up(sp, blocks.block_kv_dq)
   ids = pad_ids(operands.q_ids, operands.kv_ids, tp, kv_cols)
 
   def flat(refs, extras):
@@ -704,25 +859,44 @@ def flash_backward(q, k, v, operands: Operands, delta, lse, do, *,
     return inputs + extra_refs + outputs
 
   parts = len(widths)
+  width = layout.width
+  e4m3 = fp8_lib.E4M3
+
+  def fp8_tiles(shape, minor):
+    """An e4m3 tile buffer for wgmma, its minor dim `minor` wide."""
+    return plgpu.SMEM(shape, e4m3, transforms=smem_transforms(e4m3, minor))
+
+  def staging(shape):
+    """FP8's bfloat16 buffer that gradient tiles are stored through."""
+    return plgpu.SMEM(shape, out_dtype,
+                      transforms=smem_transforms(out_dtype, width))
+
   if not blocks.fused_dq:
     dq_rows, kv_tile = blocks.block_q_dq, blocks.block_kv_dq
     dq_extras = (tables(False), operands.alibi_slopes, *ids,
                  operands.dropout_seed,
                  *(pad_pairs(x, tp, kv_cols)
-                   for x in (operands.dense_mask, operands.bias)))
+                   for x in (operands.dense_mask, operands.bias)), kt8,
+                 fp8_scales)
+    dq_scratch = dict(
+        buffers=(buffers((wgs,), dq_rows), buffers((wgs,), dq_rows),
+                 buffers((stages,), kv_tile),
+                 buffers((stages,), kv_tile)),
+        # One arrival a column part's copy (and K's slot: K^T's with fp8).
+        ready=(plgpu.Barrier(num_arrivals=parts, num_barriers=(2, wgs)),
+               plgpu.Barrier(num_arrivals=parts + fp8, num_barriers=stages),
+               plgpu.Barrier(num_arrivals=parts, num_barriers=stages)),
+        free=(plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),) * 2)
+    if fp8:
+      dq_scratch["fp8"] = dict(
+          kt=fp8_tiles((stages, width, kv_tile), kv_tile),
+          ds=fp8_tiles((wgs, dq_rows, kv_tile), kv_tile),
+          out=staging((wgs, dq_rows, width)))
     dq = plgpu.kernel(
         lambda *refs, **scratch: _dq_kernel(
             *flat(refs, dq_extras), scratch, **kernel_args),
-        out_type=jax.ShapeDtypeStruct(q.shape, dtype),
-        scratch_types=dict(
-            buffers=(buffers((wgs,), dq_rows), buffers((wgs,), dq_rows),
-                     buffers((stages,), kv_tile),
-                     buffers((stages,), kv_tile)),
-            # One arrival a column part's copy.
-            ready=(plgpu.Barrier(num_arrivals=parts, num_barriers=(2, wgs)),
-                   plgpu.Barrier(num_arrivals=parts, num_barriers=stages),
-                   plgpu.Barrier(num_arrivals=parts, num_barriers=stages)),
-            free=(plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),) * 2),
+        out_type=jax.ShapeDtypeStruct(q.shape, out_dtype),
+        scratch_types=dq_scratch,
         grid=(num_heads, tp // (wgs * dq_rows), batch),
         grid_names=("heads", "q_seq", "batch"),
         num_threads=wgs + 1, thread_name="wg",
@@ -731,7 +905,7 @@ def flash_backward(q, k, v, operands: Operands, delta, lse, do, *,
 
   dkv_rows, copies = blocks.block_kv_dkv, 1 if split else COMPUTE_WGS
   bq_dkv = blocks.block_q_dkv
-  kv_out = jax.ShapeDtypeStruct(k.shape, k.dtype)
+  kv_out = jax.ShapeDtypeStruct(k.shape, out_dtype)
   # With `fused_dq` the dK/dV kernel adds dS K into float32 zeros in place
   # (a mutable array: the kernel's operand aliases it).
   assert not blocks.fused_dq or layout.width in FUSED_DQ_HEAD_DIMS, widths
@@ -741,16 +915,19 @@ def flash_backward(q, k, v, operands: Operands, delta, lse, do, *,
   dkv_extras = (tables(True), operands.alibi_slopes, *ids,
                 operands.dropout_seed,
                 *(pad_pairs(x, tp, kv_cols, transposed=True)
-                  for x in (operands.dense_mask, operands.bias)), dq_sum)
+                  for x in (operands.dense_mask, operands.bias)), dq_sum,
+                qt8, dot8, fp8_scales)
   scratch = dict(
       buffers=(buffers((copies,), dkv_rows), buffers((copies,), dkv_rows),
                buffers((stages,), bq_dkv), buffers((stages,), bq_dkv),
                plgpu.SMEM((stages, bq_dkv), jnp.float32),
                plgpu.SMEM((stages, bq_dkv), jnp.float32)),
-      # One arrival a column part's copy (and Q's slot: L's and D's).
+      # One arrival a column part's copy (and Q's slot: L's and D's; with
+      # fp8 each slot's transposed tile too).
       ready=(plgpu.Barrier(num_arrivals=parts, num_barriers=(2, copies)),
-             plgpu.Barrier(num_arrivals=parts + 2, num_barriers=stages),
-             plgpu.Barrier(num_arrivals=parts, num_barriers=stages)),
+             plgpu.Barrier(num_arrivals=parts + 2 + fp8,
+                           num_barriers=stages),
+             plgpu.Barrier(num_arrivals=parts + fp8, num_barriers=stages)),
       free=(plgpu.Barrier(num_arrivals=COMPUTE_WGS,
                           num_barriers=stages),) * 2)
   # Both warpgroups read K/V of the other's rows (head dims above 128, or
@@ -760,14 +937,21 @@ def flash_backward(q, k, v, operands: Operands, delta, lse, do, *,
               and fused_dq_columns(layout.width) < layout.width)
   if split or exchange:
     scratch["done"] = plgpu.Barrier(num_arrivals=COMPUTE_WGS)
+  if fp8:  # Q^T, dO^T; each warpgroup's P^T and dS^T; dK's, dV's staging.
+    scratch["fp8"] = dict(
+        qt=fp8_tiles((stages, width, bq_dkv), bq_dkv),
+        dot=fp8_tiles((stages, width, bq_dkv), bq_dkv),
+        p=fp8_tiles((COMPUTE_WGS, dkv_rows, bq_dkv), bq_dkv),
+        ds=fp8_tiles((COMPUTE_WGS, dkv_rows, bq_dkv), bq_dkv),
+        out=staging((2, copies, dkv_rows, width)))
   if blocks.fused_dq:
-    width = fused_dq_columns(layout.width)
+    dq_width = fused_dq_columns(layout.width)
     transforms = smem_transforms(dtype, bq_dkv)
     scratch["fused"] = dict(
         ds=plgpu.SMEM((2, COMPUTE_WGS, dkv_rows, bq_dkv), dtype,
                       transforms=transforms),
-        dq=plgpu.SMEM((COMPUTE_WGS, bq_dkv, width), jnp.float32,
-                      transforms=smem_transforms(jnp.float32, width)),
+        dq=plgpu.SMEM((COMPUTE_WGS, bq_dkv, dq_width), jnp.float32,
+                      transforms=smem_transforms(jnp.float32, dq_width)),
         **({"ds_ready": plgpu.Barrier(num_arrivals=COMPUTE_WGS)}
            if exchange else {}))
   dk, dv = plgpu.kernel(
