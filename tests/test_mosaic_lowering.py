@@ -756,6 +756,11 @@ def test_mosaic_block_sizes_are_validated():
     jax_flash.MosaicBlockSizes(named_barriers=1)
   with pytest.raises(ValueError, match="dv_before_ds=0 must be a bool"):
     jax_flash.MosaicBlockSizes(dv_before_ds=0)
+  with pytest.raises(ValueError, match="fp8_backward=1 must be a bool"):
+    jax_flash.MosaicBlockSizes(fp8_backward=1)
+  with pytest.raises(ValueError, match="fp8_backward=True needs "
+                     "fused_dq=False"):
+    jax_flash.MosaicBlockSizes(fp8_backward=True, fused_dq=True)
   with pytest.raises(ValueError, match="producer_registers=20 must be a "
                      "multiple of 8 in"):
     jax_flash.MosaicBlockSizes(producer_registers=20)

@@ -32,7 +32,8 @@ per-(batch, KV head) scales, `jax_flash.spec.fp8`) or float8 inputs with
 `descale`, causal or no mask, head dims `config.FP8_BLOCK_KV`: the
 forward in e4m3 on the call's e4m3 values (`flash_fwd`'s
 `fp8_operands`), the backward (fp8=True) the bf16 kernels' on the
-rounded values.
+rounded values, or with `BlockSizes.fp8_backward` at head dims
+`config.FP8_BACKWARD_HEAD_DIMS` the same kernels on e4m3 tiles.
 Everything it takes has run on an H200 (tests/test_gpu.py,
 test_flex.py, test_decode.py, test_fp8.py).
 """

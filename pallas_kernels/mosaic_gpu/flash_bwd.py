@@ -34,6 +34,14 @@ logsumexp in base 2 come from XLA (a row that sees no key gets L = +inf, so
 its P is 0, never NaN). Every gradient is written once, by one CTA, in a
 fixed order: bitwise deterministic.
 
+With `scores.fp8` (`BlockSizes.fp8_backward`, head dims 64 and 128) every
+matmul is an e4m3 wgmma on the call's e4m3 values and dO quantized as they
+are (`fp8_backward_operands`): FP8 wgmma takes only K-major operands, so the
+dK/dV kernel also streams Q^T and dO^T and the dQ kernel K^T (transposed by
+XLA); P^T enters dV as P * 448, and dS (dS^T) through shared memory as e4m3
+values of dS * 448 over its row's running maximum of |dS|, the dK or dQ
+accumulator rescaled when that maximum grows (`_quantize_ds`).
+
 With `BlockSizes.fused_dq` (head dims 64, 128; an option) the dK/dV kernel also
 forms dQ += dS K for each query tile it visits and adds it by TMA
 reduce-add into float32 zeros (`_accumulate_dq`), and the dQ kernel does
