@@ -283,9 +283,22 @@ def all_to_all(fn, seq):
     split, concat = (heads, length) if to_heads else (length, heads)
     return exchange(x, seq, split, concat)
 
+  def in_turn(arrays, to_heads: bool):
+    """The arrays swapped one after another (each exchange waits for the
+    one before it through an optimization barrier): XLA would otherwise
+    run every all-to-all first and hold all their received blocks at
+    once (benchmarks/NOTES.md, "all_to_all's exchanges in turn")."""
+    done = []
+    for x in arrays:
+      if done:
+        x, _ = lax.optimization_barrier((x, done[-1]))
+      done.append(swap(x, to_heads))
+    return done
+
   def run(*arrays):
-    outs = fn(*(swap(x, True) for x in arrays))
-    return jax.tree.map(lambda y: swap(y, False), outs)
+    outs = fn(*in_turn(arrays, True))
+    leaves, tree = jax.tree.flatten(outs)
+    return jax.tree.unflatten(tree, in_turn(leaves, False))
   return run
 
 
