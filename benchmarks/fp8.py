@@ -66,10 +66,10 @@ def cudnn_fp8(causal):
   return f
 
 
-def fp8_backward(causal):
+def fp8_backward(causal, **changes):
   """fp8=True on the Mosaic kernels with the FP8 backward
   (`MosaicBlockSizes.fp8_backward`) as f(q, k, v), at the tiles the
-  default gives the call otherwise."""
+  default gives the call otherwise, with `changes` (BlockSizes fields)."""
   from jax_flash.spec.checks import Problem
   from jax_flash.spec.mask import Mask
   from jax_flash.spec.scores import Scores
@@ -85,8 +85,33 @@ def fp8_backward(causal):
             is_causal=causal))
     return jax_flash.flash_attention(
         q, k, v, is_causal=causal, fp8=True, implementation="mosaic",
-        block_sizes=dataclasses.replace(blocks, fp8_backward=True))
+        block_sizes=dataclasses.replace(blocks, fp8_backward=True,
+                                        **changes))
   return f
+
+
+def backward_tiles(head_dim, causal, seq_len, tokens, hidden, calls,
+                   repeats, stages):
+  """The FP8 backward's tiles: ms of the fp8=True call's backward with the
+  FP8 backward kernels at `stages` pipeline stages and 64- or 128-row K/V
+  tiles in the dQ kernel, beside the default's (the bf16 kernels on the
+  rounded values)."""
+  q, k, v, do, flops = _inputs(head_dim, causal, seq_len, tokens, hidden)
+  rows = [("fp8", {}, lambda q, k, v: jax_flash.flash_attention(
+      q, k, v, is_causal=causal, fp8=True))]
+  for num_stages in stages:
+    for block_kv_dq in (64, 128):
+      changes = dict(num_stages_bwd=num_stages, block_kv_dq=block_kv_dq)
+      rows.append(("fp8_bwd8", changes, fp8_backward(causal, **changes)))
+  for name, changes, fn in rows:
+    row = dict(kind="backward_tiles", impl=name, head_dim=head_dim,
+               causal=causal, seq_len=seq_len, **changes)
+    try:
+      row.update(benchmark._measure(fn, "bwd", q, k, v, do, flops, calls,
+                                    repeats))
+    except Exception as e:  # Shared memory a variant lacks: say so.
+      row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    print(json.dumps(row), flush=True)
 
 
 def _inputs(head_dim, causal, seq_len, tokens, hidden):
@@ -328,7 +353,8 @@ def main():
   parser.add_argument("--calls", type=int, default=10)
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--parts", nargs="+", default=["speed", "error"],
-                      choices=["speed", "error", "tiles", "backward"])
+                      choices=["speed", "error", "tiles", "backward",
+                               "backward_tiles"])
   parser.add_argument("--block-kvs", type=int, nargs="+",
                       default=[64, 128, 192, 256])
   parser.add_argument("--stages", type=int, nargs="+", default=[2, 3])
@@ -337,6 +363,10 @@ def main():
     for causal in (True, False):
       tiles(head_dim, causal, args.seq_len, args.tokens, args.hidden,
             args.calls, args.repeats, args.block_kvs, args.stages)
+  for head_dim in args.head_dims if "backward_tiles" in args.parts else ():
+    for causal in (True, False):
+      backward_tiles(head_dim, causal, args.seq_len, args.tokens,
+                     args.hidden, args.calls, args.repeats, args.stages)
   for head_dim in args.head_dims if "speed" in args.parts else ():
     for causal in (True, False):
       speed(head_dim, causal, args.seq_len, args.tokens, args.hidden,
