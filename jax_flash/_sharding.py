@@ -270,6 +270,19 @@ def exchange(x, seq, split: int, concat: int):
                    + y.shape[concat + 2:])
 
 
+def in_turn(move, arrays):
+  """[move(x) for x in arrays], one after another: each move waits for the
+  one before's result through an optimization barrier. XLA would otherwise
+  run every collective first and hold all their received pieces at once
+  (benchmarks/NOTES.md, "all_to_all's exchanges in turn")."""
+  done = []
+  for x in arrays:
+    if done:
+      x, _ = lax.optimization_barrier((x, done[-1]))
+    done.append(move(x))
+  return done
+
+
 def all_to_all(fn, seq):
   """fn(*arrays) -> arrays, each [B, L, N, H] or [B, N, L], run on the
   whole sequence of 1 / P of the heads (P: the size of mesh axes `seq`)
@@ -283,22 +296,11 @@ def all_to_all(fn, seq):
     split, concat = (heads, length) if to_heads else (length, heads)
     return exchange(x, seq, split, concat)
 
-  def in_turn(arrays, to_heads: bool):
-    """The arrays swapped one after another (each exchange waits for the
-    one before it through an optimization barrier): XLA would otherwise
-    run every all-to-all first and hold all their received blocks at
-    once (benchmarks/NOTES.md, "all_to_all's exchanges in turn")."""
-    done = []
-    for x in arrays:
-      if done:
-        x, _ = lax.optimization_barrier((x, done[-1]))
-      done.append(swap(x, to_heads))
-    return done
-
   def run(*arrays):
-    outs = fn(*in_turn(arrays, True))
+    outs = fn(*in_turn(lambda x: swap(x, True), arrays))
     leaves, tree = jax.tree.flatten(outs)
-    return jax.tree.unflatten(tree, in_turn(leaves, False))
+    return jax.tree.unflatten(tree, in_turn(lambda y: swap(y, False),
+                                            leaves))
   return run
 
 
