@@ -1214,7 +1214,7 @@ def test_fp8_true_quantizes_each_input_once():
 
 
 @pytest.mark.parametrize("head_dim, causal", [(64, False), (128, True),
-                                              (128, False)])
+                                              (128, False), (256, True)])
 def test_fp8_backward_lowers_in_e4m3(head_dim, causal):
   """`MosaicBlockSizes.fp8_backward`: both backward kernels on e4m3 tiles,
   with Q^T and dO^T ([B, N, H, T'], e4m3) made for the dK/dV kernel and
@@ -1225,7 +1225,7 @@ def test_fp8_backward_lowers_in_e4m3(head_dim, causal):
   for on in (True, False):
     text = _lower_grad("mosaic", shape, is_causal=causal, fp8=True,
                        block_sizes=jax_flash.MosaicBlockSizes(
-                           fp8_backward=on))
+                           fp8_backward=on, block_kv=64))
     assert all(name in text for name in MOSAIC_BACKWARD)
     heads = {m.group(1) for m in transposed.finditer(text)}
     assert heads == ({"8", "2"} if on else {"2"})

@@ -15,10 +15,8 @@ DTYPES = ("bfloat16", "float16")
 # the 64- or 128-byte swizzle P's e4m3 tiles need), measured on the H200
 # at 8k tokens (benchmarks/NOTES.md, "FP8 tiles").
 FP8_BLOCK_KV = {64: (128, 128), 128: (128, 256), 256: (64, 64)}
-# Head dims of the FP8 backward (e4m3 wgmma in both kernels; head dim 256
-# runs the bf16 kernels on the rounded values: its dK/dV kernel splits dK
-# and dV between warpgroups).
-FP8_BACKWARD_HEAD_DIMS = (64, 128)
+# Head dims of the FP8 backward (e4m3 wgmma in both kernels).
+FP8_BACKWARD_HEAD_DIMS = (64, 128, 256)
 # Head dims a call may have (of query/key and of value): up to wgmma's
 # N <= 256. The kernels run at `kernel_head_dim`: a multiple of 16 (bf16
 # rows of 32 bytes, the narrowest swizzle TMA and wgmma take), at least 32.

@@ -34,7 +34,7 @@ logsumexp in base 2 come from XLA (a row that sees no key gets L = +inf, so
 its P is 0, never NaN). Every gradient is written once, by one CTA, in a
 fixed order: bitwise deterministic.
 
-With `scores.fp8` (`BlockSizes.fp8_backward`, head dims 64 and 128) every
+With `scores.fp8` (`BlockSizes.fp8_backward`, head dims 64, 128, 256) every
 matmul is an e4m3 wgmma on the call's e4m3 values and dO quantized as they
 are (`fp8_backward_operands`): FP8 wgmma takes only K-major operands, so the
 dK/dV kernel also streams Q^T and dO^T and the dQ kernel K^T (transposed by
@@ -203,10 +203,12 @@ def _quantize_ds(ds, m, ds_smem):
 
 
 def _fp8_product(acc, alpha, a_smem, b_smem):
-  """acc * alpha (per row) + a_smem @ b_smem, by wgmma on e4m3 tiles."""
+  """acc * alpha (per row; None: 1) + a_smem @ b_smem, by wgmma on e4m3
+  tiles."""
   def product(refs):
     plgpu.wgmma(refs[0], a_smem, b_smem)
-  acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+  if alpha is not None:
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
   return pl.run_state(product)((plgpu.ACC.init(acc),))[0]
 
 
@@ -238,12 +240,14 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
   warpgroups share (one K/V copy in shared memory): warpgroup 0 accumulates
   dV, warpgroup 1 dK, each recomputing S^T (5 matmuls a step instead of 4).
 
-  With `fp8` (head dims up to 128, whole tiles): Q, K, V and dO are e4m3,
-  qt_ref/dot_ref hold Q and dO transposed, [B, N, H, T'] (streamed beside
-  Q and dO: dV and dK contract over queries, and FP8 wgmma takes only
-  K-major operands), scales_ref [B, K, 5] (`fp8_scales`); dK and dV are
-  carried as values (their rows rescale) and staged for the store in
-  scratch's `fp8` buffers, with each warpgroup's e4m3 P^T and dS^T.
+  With `fp8` (whole tiles): Q, K, V and dO are e4m3, qt_ref/dot_ref hold
+  Q and dO transposed, [B, N, H, T'] (streamed beside Q and dO: dV and dK
+  contract over queries, and FP8 wgmma takes only K-major operands),
+  scales_ref [B, K, 5] (`fp8_backward_operands`); dK is carried as a
+  value (its rows rescale), and so is dV where the warpgroups split them;
+  scratch's `fp8` holds the Q^T/dO^T ring, whose memory stages dK and dV
+  for the store once both warpgroups are done, and each warpgroup's e4m3
+  P^T and dS^T.
   """
   (k_buffers, v_buffers, q_buffers, do_buffers, lse_smem2,
    delta_smem2) = scratch["buffers"]
@@ -251,6 +255,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
   q_free, do_free = scratch["free"]
   done, fused = scratch.get("done"), scratch.get("fused")
   fp8_smem = scratch.get("fp8")
+  if fp8:  # dK's and dV's staging shares the memory of the Q^T/dO^T ring.
+    (qt_smem, dot_smem), out_smem = fp8_smem["ring"]
   (k_views, v_views, q_views, do_views), part_columns = _part_views(
       layout, q_ref.shape[3], k_buffers, v_buffers, q_buffers, do_buffers)
   num_parts = len(layout.parts)
@@ -305,7 +311,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
                                 q_ready.at[ring])
       if fp8:
         plgpu.copy_gmem_to_smem(qt_ref.at[tile[0], tile[2], :, tile[1]],
-                                fp8_smem["qt"].at[ring], q_ready.at[ring])
+                                qt_smem.at[ring], q_ready.at[ring])
       for ref, smem in ((lse_ref, lse_smem2), (delta_ref, delta_smem2)):
         plgpu.copy_gmem_to_smem(ref.at[batch, first_head + g, tile[1]],
                                 smem.at[ring], q_ready.at[ring])
@@ -318,7 +324,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
                                 do_ready.at[ring])
       if fp8:
         plgpu.copy_gmem_to_smem(dot_ref.at[tile[0], tile[2], :, tile[1]],
-                                fp8_smem["dot"].at[ring], do_ready.at[ring])
+                                dot_smem.at[ring], do_ready.at[ring])
     await_last_releases(steps, stages, q_free, do_free)
 
   def load_kv():
@@ -343,15 +349,45 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
 
     def dp_dv(acc):
       plgpu.wgmma(acc, v_own[0][1], do_smem.T)
-      plgpu.wgmma(dv_acc, pt_smem, fp8_smem["dot"].at[ring].T)
+      plgpu.wgmma(dv_acc, pt_smem, dot_smem.at[ring].T)
       return plgpu.wgmma_accumulator_load(acc, wait_n=1)  # dV runs.
     dp = pl.run_scoped(dp_dv, plgpu.ACC(p.shape, jnp.float32))
     ds = p * (dp * scales_ref[batch, kv_head, 1] - delta)
     m, alpha = _quantize_ds(ds, m, ds_smem)
-    dk = _fp8_product(dk, alpha, ds_smem, fp8_smem["qt"].at[ring].T)
+    dk = _fp8_product(dk, alpha, ds_smem, qt_smem.at[ring].T)
     plgpu.barrier_arrive(do_free.at[ring])  # dV's matmul is done too.
     plgpu.barrier_arrive(q_free.at[ring])
     return dk, m
+
+  def fp8_split(carry, p, delta, ring, do_smem):
+    """`fp8_products` above head dim 128 (`split_dkv`), on carry (this
+    warpgroup's accumulator, the row maxima of |dS^T|): warpgroup 0 adds
+    P^T dO to dV's, warpgroup 1 forms dP^T and dS^T and adds dS^T Q to
+    dK's."""
+    def dv_part(carry):
+      acc, m = carry
+      pt_smem = fp8_smem["p"].at[wg]
+      pt_smem[...] = (p * fp8_lib.E4M3_MAX).astype(fp8_lib.E4M3)
+      plgpu.commit_smem()
+      plgpu.barrier_wait(do_ready.at[ring])
+      return _fp8_product(acc, None, pt_smem, dot_smem.at[ring].T), m
+
+    def dk_part(carry):
+      acc, m = carry
+      plgpu.barrier_wait(do_ready.at[ring])
+
+      def dp_t(dp_acc):
+        plgpu.wgmma(dp_acc, v_own[0][1], do_smem.T)
+        return dp_acc[...]
+      dp = pl.run_scoped(dp_t, plgpu.ACC(p.shape, jnp.float32))
+      ds_smem = fp8_smem["ds"].at[wg]
+      m, alpha = _quantize_ds(p * (dp * scales_ref[batch, kv_head, 1]
+                                   - delta), m, ds_smem)
+      return _fp8_product(acc, alpha, ds_smem, qt_smem.at[ring].T), m
+    carry = lax.cond(wg == 0, dv_part, dk_part, carry)
+    plgpu.barrier_arrive(do_free.at[ring])
+    plgpu.barrier_arrive(q_free.at[ring])
+    return carry
 
   def step(n, carry, accs, kv_ids, width):
     """Step n on the first `width` rows of its Q/dO tile (`tail_rows`)."""
@@ -386,9 +422,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
         refs=(slopes_ref, bias_ref, dense_ref), batch=batch, head=head,
         c_scale=scales_ref[batch, kv_head, 0] if fp8 else None)
     if fp8:
-      return fp8_products(carry, accs[0], p,
-                          lax.broadcast_in_dim(delta, shape, [1]), ring,
-                          do_smems[0])
+      delta = lax.broadcast_in_dim(delta, shape, [1])
+      if split:
+        return fp8_split(carry, p, delta, ring, do_smems[0])
+      return fp8_products(carry, accs[0], p, delta, ring, do_smems[0])
 
     def drop(x):  # P^T or dP^T with dropout (the forward's bits).
       return dropped(x, scores, seed_ref, batch, head, *(rows_cols or
@@ -473,18 +510,33 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
       return carry if fp8 else [acc[...] for acc in accs]
     if fp8:  # The rows' scales: dS^T's (m / 448) and dO's for dV.
       width = layout.width
-      def run_fp8(dv_acc):
-        dk, m = run(dv_acc, carry=(_zeros((bkv, width)),
-                                   _zeros((bkv,), ROW)))
-        return dk, m, dv_acc[...]
-      dk, m, dv = pl.run_scoped(run_fp8, plgpu.ACC((bkv, width), jnp.float32))
-      out = fp8_smem["out"]
-      dk = dk * lax.broadcast_in_dim(m * scales_ref[batch, kv_head, 3],
+      zeros = (_zeros((bkv, width)), _zeros((bkv,), ROW))
+      if split:  # One accumulator a warpgroup, carried: dV's or dK's.
+        acc, m = run(carry=zeros)
+        dk = dv = acc
+      else:
+        def run_fp8(dv_acc):
+          dk, m = run(dv_acc, carry=zeros)
+          return dk, m, dv_acc[...]
+        dk, m, dv = pl.run_scoped(run_fp8,
+                                  plgpu.ACC((bkv, width), jnp.float32))
+      _meet(done)  # Both are done with the ring the staging shares.
+      index = (batch, rows, kv_head)
+
+      def dk_tile():
+        scale = lax.broadcast_in_dim(m * scales_ref[batch, kv_head, 3],
                                      dk.shape, [0])
-      _store([(out.at[0, slot], out.at[0, slot], dk, dk_ref, part_columns[0]),
-              (out.at[1, slot], out.at[1, slot],
-               dv * scales_ref[batch, kv_head, 2], dv_ref, part_columns[0])],
-             (batch, rows, kv_head), dk_ref.dtype)
+        return (out_smem.at[0, slot], out_smem.at[0, slot], dk * scale,
+                dk_ref, part_columns[0])
+
+      def dv_tile():
+        return (out_smem.at[1, slot], out_smem.at[1, slot],
+                dv * scales_ref[batch, kv_head, 2], dv_ref, part_columns[0])
+      if split:
+        pl.when(wg == 0)(lambda: _store([dv_tile()], index, dv_ref.dtype))
+        pl.when(wg == 1)(lambda: _store([dk_tile()], index, dk_ref.dtype))
+      else:
+        _store([dk_tile(), dv_tile()], index, dk_ref.dtype)
       return
     grads = pl.run_scoped(run, *accumulators() * (1 if split else 2))
     # Both read the other's K or V (above head dim 128, or `fused_dq`'s
@@ -511,7 +563,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
   def _():
     plgpu.set_max_registers(blocks.consumer_registers(COMPUTE_WGS),
                             action="increase")
-    if split or done is not None:  # Both warpgroups share their rows' work.
+    if split or done is not None:  # Both warpgroups share their rows' work
+      # (or, with fp8, the memory dK's and dV's staging takes after it).
       consumer()
       return
     # A warpgroup with no key rows (257 keys: the last CTA's second) only
@@ -797,7 +850,7 @@ def flash_backward(q, k, v, operands: Operands, delta, lse, do, *,
   gradients where they lie, in tiles that may reach past the last row and
   column (TMA reads zeros there, and L = +inf for those queries, so they
   add nothing; stores past the ends are dropped), and mask keys past S.
-  With `scores.fp8` (head dims 64 and 128, no fused_dq): the call's e4m3
+  With `scores.fp8` (head dims 64, 128 and 256, no fused_dq): the call's e4m3
   values (`operands`) and dO quantized as they are
   (`fp8_backward_operands`) in every matmul, whole tiles (XLA pads the
   e4m3 arrays to them), gradients in bfloat16.
@@ -943,15 +996,17 @@ def flash_backward(q, k, v, operands: Operands, delta, lse, do, *,
   # through K/V's shared memory.
   exchange = (blocks.fused_dq
               and fused_dq_columns(layout.width) < layout.width)
-  if split or exchange:
+  if split or exchange or fp8:
     scratch["done"] = plgpu.Barrier(num_arrivals=COMPUTE_WGS)
-  if fp8:  # Q^T, dO^T; each warpgroup's P^T and dS^T; dK's, dV's staging.
+  if fp8:  # The Q^T and dO^T ring, whose memory dK's and dV's staging takes
+    # after the loop; each warpgroup's P^T and dS^T.
     scratch["fp8"] = dict(
-        qt=fp8_tiles((stages, width, bq_dkv), bq_dkv),
-        dot=fp8_tiles((stages, width, bq_dkv), bq_dkv),
+        ring=plgpu.RefUnion(
+            (fp8_tiles((stages, width, bq_dkv), bq_dkv),
+             fp8_tiles((stages, width, bq_dkv), bq_dkv)),
+            staging((2, copies, dkv_rows, width))),
         p=fp8_tiles((COMPUTE_WGS, dkv_rows, bq_dkv), bq_dkv),
-        ds=fp8_tiles((COMPUTE_WGS, dkv_rows, bq_dkv), bq_dkv),
-        out=staging((2, copies, dkv_rows, width)))
+        ds=fp8_tiles((COMPUTE_WGS, dkv_rows, bq_dkv), bq_dkv))
   if blocks.fused_dq:
     dq_width = fused_dq_columns(layout.width)
     transforms = smem_transforms(dtype, bq_dkv)
