@@ -261,8 +261,9 @@ def test_flax_modules_take_fp8():
     ((1, 300, 1000, 4, 2, 256), True, False)])
 def test_mosaic_fp8_forward_is_as_close_as_the_rounding(shape, causal,
                                                         outliers):
-  """The Mosaic FP8 forward (e4m3 wgmma; H200) with the bf16 backward on
-  the rounded values: output and gradients within the bounds the
+  """The Mosaic FP8 forward (e4m3 wgmma; H200) with the default backward
+  (the bf16 kernels on the rounded values; at head dim 256 the FP8
+  kernels): output and gradients within the bounds the
   blockwise path meets, and no further from the blockwise FP8 path's
   output than either is from float32 (P rounded against another running
   maximum). `outliers`: two feature columns of Q and K 20x the rest

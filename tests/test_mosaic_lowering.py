@@ -1219,7 +1219,7 @@ def test_fp8_backward_lowers_in_e4m3(head_dim, causal):
   """`MosaicBlockSizes.fp8_backward`: both backward kernels on e4m3 tiles,
   with Q^T and dO^T ([B, N, H, T'], e4m3) made for the dK/dV kernel and
   K^T ([B, K, H, S']) for the dQ kernel, beside the forward's V^T;
-  without it, only V^T."""
+  without it, only V^T; by default, the FP8 backward at head dim 256."""
   shape = (2, 256, 520, 8, 2, head_dim)
   transposed = re.compile(rf"tensor<2x(8|2)x{head_dim}x\d+xf8E4M3FN>")
   for on in (True, False):
@@ -1229,3 +1229,7 @@ def test_fp8_backward_lowers_in_e4m3(head_dim, causal):
     assert all(name in text for name in MOSAIC_BACKWARD)
     heads = {m.group(1) for m in transposed.finditer(text)}
     assert heads == ({"8", "2"} if on else {"2"})
+  # The default: the FP8 backward at head dim 256 only.
+  text = _lower_grad(None, shape, is_causal=causal, fp8=True)
+  heads = {m.group(1) for m in transposed.finditer(text)}
+  assert heads == ({"8", "2"} if head_dim == 256 else {"2"})

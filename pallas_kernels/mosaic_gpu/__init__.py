@@ -31,9 +31,9 @@ backward from the Triton kernels for a bias per (query, key) pair:
 per-(batch, KV head) scales, `jax_flash.spec.fp8`) or float8 inputs with
 `descale`, causal or no mask, head dims `config.FP8_BLOCK_KV`: the
 forward in e4m3 on the call's e4m3 values (`flash_fwd`'s
-`fp8_operands`), the backward (fp8=True) the bf16 kernels' on the
-rounded values, or with `BlockSizes.fp8_backward` at head dims
-`config.FP8_BACKWARD_HEAD_DIMS` the same kernels on e4m3 tiles.
+`fp8_operands`), the backward (fp8=True) the same kernels on e4m3 tiles
+(`BlockSizes.fp8_backward`: the default at head dim 256, an option at 64
+and 128) or the bf16 kernels on the rounded values.
 Everything it takes has run on an H200 (tests/test_gpu.py,
 test_flex.py, test_decode.py, test_fp8.py).
 """
@@ -274,6 +274,8 @@ class MosaicGpuBackend:
                  dataclasses.replace(blocks, block_kv=rows[0])]
         blocks = next((t for t in tiles if t.smem_bytes(
             head_dim, 1, fp8=True) <= config.SMEM_BYTES), tiles[-1])
+      if head_dim in config.FP8_BACKWARD_DEFAULT_HEAD_DIMS:
+        blocks = dataclasses.replace(blocks, fp8_backward=True)
     if fp8 and blocks.block_kv % 64:
       raise ValueError(f"block_sizes.block_kv must be a multiple of 64 with "
                        f"fp8, got {blocks.block_kv}")

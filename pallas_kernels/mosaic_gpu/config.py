@@ -15,8 +15,12 @@ DTYPES = ("bfloat16", "float16")
 # the 64- or 128-byte swizzle P's e4m3 tiles need), measured on the H200
 # at 8k tokens (benchmarks/NOTES.md, "FP8 tiles").
 FP8_BLOCK_KV = {64: (128, 128), 128: (128, 256), 256: (64, 64)}
-# Head dims of the FP8 backward (e4m3 wgmma in both kernels).
+# Head dims of the FP8 backward (e4m3 wgmma in both kernels), and those
+# where fp8=True takes it by default: faster than the bf16 kernels on the
+# rounded values only at 256 on the H200 (benchmarks/NOTES.md, "the Mosaic
+# FP8 backward at head dim 256").
 FP8_BACKWARD_HEAD_DIMS = (64, 128, 256)
+FP8_BACKWARD_DEFAULT_HEAD_DIMS = (256,)
 # Head dims a call may have (of query/key and of value): up to wgmma's
 # N <= 256. The kernels run at `kernel_head_dim`: a multiple of 16 (bf16
 # rows of 32 bytes, the narrowest swizzle TMA and wgmma take), at least 32.
@@ -172,10 +176,11 @@ class BlockSizes:
   L2 (`flash_fwd.persistent_order`): on by default for calls without a
   mask other than causality up to PERSISTENT_MAX_HEAD_DIM (`get_default`).
   `fp8_backward` (fp8=True calls at FP8_BACKWARD_HEAD_DIMS): the
-  backward's five matmuls in e4m3 wgmma (`flash_bwd`), where by default
-  the bf16 kernels run on the rounded values; opt-in: on the H200 it is
-  not faster than those at 8k tokens, and its gradients lie further from
-  float32 (benchmarks/NOTES.md, "the Mosaic FP8 backward").
+  backward's five matmuls in e4m3 wgmma (`flash_bwd`), where otherwise
+  the bf16 kernels run on the rounded values; the default at
+  FP8_BACKWARD_DEFAULT_HEAD_DIMS (256: 1.17-1.20x faster on the H200 at 8k
+  tokens), opt-in below (not faster there; gradients further from float32
+  either way: benchmarks/NOTES.md, "the Mosaic FP8 backward").
   Every `head_dim` here is the kernels' (`kernel_head_dim`).
   """
   block_q: int = 64
