@@ -177,6 +177,7 @@ def _store(tiles, index, dtype):
 
 
 def _zeros(shape, layout=plgpu.Layout.WGMMA):
+  """float32 zeros in a register layout (an accumulator's, or ROW)."""
   return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), layout)
 
 
