@@ -366,15 +366,14 @@ class MosaicGpuBackend:
     over, see `unsupported`). FP8 calls with `BlockSizes.fp8_backward` at
     head dims `config.FP8_BACKWARD_HEAD_DIMS` run every matmul in e4m3 on
     the call's e4m3 values and dO quantized as they are (`flash_bwd`);
-    others (values
-    on e4m3's grid times a power-of-two scale, exact in bf16) the bf16
-    kernels on those values, P unrounded, as the blockwise backward takes
-    it."""
+    other FP8 calls (values on e4m3's grid times a power-of-two scale,
+    exact in bf16) the bf16 kernels on those values, P unrounded, as the
+    blockwise backward takes it."""
     if (scores.fp8 and config.fp8_backward and operands.fp8_q is not None
-        and not config.fused_dq and q.shape[-1] in FP8_BACKWARD_HEAD_DIMS):
-      dq, dk, dv = flash_backward(q, k, v, operands, delta, lse,
-                                  do.astype(jnp.float32), mask=mask,
-                                  scores=scores, block_sizes=config)
+        and q.shape[-1] in FP8_BACKWARD_HEAD_DIMS):
+      dq, dk, dv = flash_backward(q, k, v, operands, delta, lse, do,
+                                  mask=mask, scores=scores,
+                                  block_sizes=config)
       return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
               Operands())
     if scores.fp8:
