@@ -1,7 +1,7 @@
 """FP8 (`fp8=True`) against our bf16 kernels and cuDNN's bf16: speed and error.
 
     PYTHONPATH=. python benchmarks/fp8.py [--seq-len 8192] \
-        [--head-dims 128 256] [--parts speed error tiles]
+        [--head-dims 128 256] [--parts speed error tiles exponentials]
 
 For each head dim and causality, at `--seq-len` tokens (batch and heads
 from `--tokens` and `--hidden`, as `jax_flash.benchmark`): ms and TFLOP/s of
@@ -209,6 +209,58 @@ def tiles(head_dim, causal, seq_len, tokens, hidden, calls, repeats,
     print(json.dumps(row), flush=True)
 
 
+def exponentials(head_dim, causal, seq_len, tokens, hidden, calls, repeats):
+  """What the forward step's exponentials cost: ms of the Mosaic FP8 kernel
+  alone on e4m3 inputs and of the bf16 kernel alone, at their default
+  tiles (not persistent), as they are and with no exponential at all (P =
+  the exponential's argument: wrong values, the time of a step whose
+  exponentials were free)."""
+  from jax_flash.spec.mask import Mask
+  from jax_flash.spec.scores import Scores
+  from pallas_kernels.mosaic_gpu import config, flash_fwd, tiles
+  q, k, v, do, flops = _inputs(head_dim, causal, seq_len, tokens, hidden)
+  heads = q.shape[2]
+  mask, scale = Mask(is_causal=causal), head_dim ** -0.5
+  parts = [fp8.rounded(x, heads) for x in (q, k, v)]
+  q8, k8, vt8, scales = flash_fwd.fp8_operands(Operands(**fp8.as_operands(
+      *(x8 for _, x8, _ in parts), [s for _, _, s in parts])))
+  for fp8_on in (True, False):
+    blocks = config.BlockSizes.get_default(head_dim, causal, kv_len=seq_len)
+    if fp8_on:
+      blocks = dataclasses.replace(
+          blocks, block_kv=config.FP8_BLOCK_KV[head_dim][not causal])
+
+    def f(q, k, v, blocks=blocks, fp8_on=fp8_on):
+      if fp8_on:
+        return flash_fwd.flash_forward(
+            q8, k8, vt8, Operands(), mask=mask,
+            scores=Scores(scale=scale, fp8="amax"), block_sizes=blocks,
+            fp8_scales=scales)[0]
+      return flash_fwd.flash_forward(q, k, v, Operands(), mask=mask,
+                                     scores=Scores(scale=scale),
+                                     block_sizes=blocks)[0]
+    for exponentials_on in (True, False):
+      row = dict(kind="exponentials",
+                 impl="fp8_kernel" if fp8_on else "bf16_kernel",
+                 head_dim=head_dim, causal=causal, seq_len=seq_len,
+                 block_kv=blocks.block_kv, exponentials=exponentials_on)
+      # Traced (in _measure) with online_softmax's exp2 patched out.
+      tiles.jnp = tiles.jnp if exponentials_on else _NoExp2()
+      try:
+        row.update(benchmark._measure(f, "fwd", q, k, v, do, flops, calls,
+                                      repeats))
+      finally:
+        tiles.jnp = jnp
+      print(json.dumps(row), flush=True)
+
+
+class _NoExp2:
+  """jax.numpy with exp2 the identity (`exponentials`' ablation)."""
+
+  def __getattr__(self, name):
+    return (lambda x: x) if name == "exp2" else getattr(jnp, name)
+
+
 def error(head_dim, causal, seq_len, outliers):
   """Errors against float32 on the unquantized inputs; `outliers`: two
   feature columns of Q and K 20x the rest."""
@@ -354,7 +406,7 @@ def main():
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--parts", nargs="+", default=["speed", "error"],
                       choices=["speed", "error", "tiles", "backward",
-                               "backward_tiles"])
+                               "backward_tiles", "exponentials"])
   parser.add_argument("--block-kvs", type=int, nargs="+",
                       default=[64, 128, 192, 256])
   parser.add_argument("--stages", type=int, nargs="+", default=[2, 3])
@@ -363,6 +415,10 @@ def main():
     for causal in (True, False):
       tiles(head_dim, causal, args.seq_len, args.tokens, args.hidden,
             args.calls, args.repeats, args.block_kvs, args.stages)
+  for head_dim in args.head_dims if "exponentials" in args.parts else ():
+    for causal in (True, False):
+      exponentials(head_dim, causal, args.seq_len, args.tokens, args.hidden,
+                   args.calls, args.repeats)
   for head_dim in args.head_dims if "backward_tiles" in args.parts else ():
     for causal in (True, False):
       backward_tiles(head_dim, causal, args.seq_len, args.tokens,

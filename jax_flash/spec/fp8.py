@@ -31,6 +31,7 @@ import numpy as np
 
 E4M3 = jnp.float8_e4m3fn
 E4M3_MAX = 448.0  # e4m3fn's largest finite value.
+LOG2_E4M3_MAX = float(np.log2(E4M3_MAX))  # Kernels add it to P's exponent.
 MODES = (False, True, "rotate")
 
 

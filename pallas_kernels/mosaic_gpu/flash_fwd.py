@@ -243,8 +243,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
 
   With `fp8`, Q and K are e4m3 and v_ref holds V transposed, [B, K, H,
   S'] (FP8 wgmma takes only K-major operands): the logits' factor c takes
-  Q's and K's scales, P enters P V as e4m3 values of P * 448 through
-  shared memory (jax 0.11.2's wgmma takes an 8-bit left operand from
+  Q's and K's scales, P enters P V as e4m3 values of P * 448 (the
+  exponential's argument plus log2(448)) through shared memory (jax 0.11.2's wgmma takes an 8-bit left operand from
   registers only in a layout the accumulator's cannot be converted to),
   and the epilogue multiplies by V's scale / 448; O is staged in a bf16
   buffer of its own.
@@ -410,11 +410,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
         ok = visible(mask, rows, cols, kv_len, dense_ref=dense_ref, pair=tile,
                      batch=batch, head=head, q_offset=q_offset, **ids)
         s = jnp.where(ok, s, -jnp.inf)
-      p, m_new, l, acc = online_softmax(s, c, m, l, acc)
+      # With fp8, P * 448 (l sums it too, until the epilogue).
+      p, m_new, l, acc = online_softmax(
+          s, c, m, l, acc, log2_scale=fp8_lib.LOG2_E4M3_MAX if fp8 else 0.0)
       # l sums the undropped p; only P V sees the dropout.
-      if fp8:  # P * 448 as e4m3, the left operand from shared memory.
+      if fp8:  # As e4m3, the left operand from shared memory.
         p16 = fp8_buffers[1].at[wg]
-        p16[...] = (p * fp8_lib.E4M3_MAX).astype(fp8_lib.E4M3)
+        p16[...] = p.astype(fp8_lib.E4M3)
         plgpu.commit_smem()
       else:
         p16 = dropped(p, scores, seed_ref, batch, head, positions,
@@ -464,6 +466,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
                sinks_ref[head].astype(jnp.float32) * softmax.LOG2E)
       if fp8:
         acc = tuple(a * (pv_scale / fp8_lib.E4M3_MAX) for a in acc)
+        l = l * (1 / fp8_lib.E4M3_MAX)
       o, lse = softmax.finalize(acc, m, l, sink2=sink2)
       o_views = ([(fp8_buffers[0],) * 2] if fp8 else q_views)
       for (copy, mma), part in zip(o_views, o):

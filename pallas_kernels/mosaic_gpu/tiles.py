@@ -256,16 +256,18 @@ def visible(mask: Mask, rows, cols, kv_len, *, dense_ref, pair, batch, head,
   return ok
 
 
-def online_softmax(s, c, m, l, acc):
+def online_softmax(s, c, m, l, acc, *, log2_scale: float = 0.0):
   """One tile of the online softmax on base-2 logits s * c (hidden pairs
   -inf): (p, m_new, l_new, acc) with the running row max m and sum l
-  updated, p = 2**(s c - m_new) and acc [rows, Hv] (or a tuple of column
-  parts) rescaled to m_new (a row that has seen no key keeps max -inf and
-  p 0)."""
+  updated, p = 2**(s c - m_new + log2_scale) (P scaled by 2**log2_scale
+  at no cost, l summing the scaled P) and acc [rows, Hv] (or a tuple of
+  column parts) rescaled to m_new (a row that has seen no key keeps max
+  -inf and p 0)."""
   m_new = jnp.maximum(m, s.max(axis=1) * c)
   m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
   alpha = jnp.exp2(m - m_safe)
-  p = jnp.exp2(s * c - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+  shift = m_safe - log2_scale if log2_scale else m_safe
+  p = jnp.exp2(s * c - lax.broadcast_in_dim(shift, s.shape, [0]))
   l = l * alpha + p.sum(axis=1)
   acc = jax.tree.map(
       lambda a: a * lax.broadcast_in_dim(alpha, a.shape, [0]), acc)
