@@ -1,7 +1,7 @@
 """FP8 (`fp8=True`) against our bf16 kernels and cuDNN's bf16: speed and error.
 
     PYTHONPATH=. python benchmarks/fp8.py [--seq-len 8192] \
-        [--head-dims 128 256] [--parts speed error tiles exponentials]
+        [--head-dims 128 256] [--parts speed error tiles exponentials overlap]
 
 For each head dim and causality, at `--seq-len` tokens (batch and heads
 from `--tokens` and `--hidden`, as `jax_flash.benchmark`): ms and TFLOP/s of
@@ -254,6 +254,58 @@ def exponentials(head_dim, causal, seq_len, tokens, hidden, calls, repeats):
       print(json.dumps(row), flush=True)
 
 
+def overlap(head_dim, causal, seq_len, tokens, hidden, calls, repeats):
+  """`MosaicBlockSizes.overlap` off and on: ms of the forward of the bf16
+  call (reference), of fp8=True and of float8 inputs with descale
+  ("fp8_e4m3"), each at the tiles the default gives the call, and of the
+  Mosaic FP8 kernel alone at its default tiles not persistent."""
+  from jax_flash.spec.checks import Problem
+  from jax_flash.spec.mask import Mask
+  from jax_flash.spec.scores import Scores
+  from pallas_kernels.mosaic_gpu import MosaicGpuBackend, config, flash_fwd
+  q, k, v, do, flops = _inputs(head_dim, causal, seq_len, tokens, hidden)
+  b, t, n, h = q.shape
+  mask, scale = Mask(is_causal=causal), head_dim ** -0.5
+  problem = Problem(batch=b, q_len=t, kv_len=t, num_heads=n, num_kv_heads=n,
+                    head_dim=h, unbatched=False)
+  default = MosaicGpuBackend().config(
+      None, problem, q.dtype, is_causal=causal,
+      scores=Scores(scale=scale, fp8="amax"), mask=mask)
+  parts = [fp8.rounded(x, n) for x in (q, k, v)]
+  q8, k8, vt8, scales = flash_fwd.fp8_operands(Operands(**fp8.as_operands(
+      *(x8 for _, x8, _ in parts), [s for _, _, s in parts])))
+  descale = tuple(fp8.scales(x, n) for x in (q, k, v))
+  e4m3 = [fp8.quantize(x, s, n) for x, s in zip((q, k, v), descale)]
+  kernel_blocks = dataclasses.replace(
+      config.BlockSizes.get_default(head_dim, causal, kv_len=seq_len),
+      block_kv=config.FP8_BLOCK_KV[head_dim][not causal])
+  rows = [("bf16", False, (q, k, v), lambda q, k, v: jax_flash.flash_attention(
+      q, k, v, is_causal=causal))]
+  for on in (False, True):
+    blocks = dataclasses.replace(default, overlap=on)
+    kernel = dataclasses.replace(kernel_blocks, overlap=on)
+    rows += [
+        ("fp8", on, (q, k, v), lambda q, k, v, b=blocks:
+         jax_flash.flash_attention(q, k, v, is_causal=causal, fp8=True,
+                                   implementation="mosaic", block_sizes=b)),
+        ("fp8_e4m3", on, e4m3, lambda q, k, v, b=blocks:
+         jax_flash.flash_attention(q, k, v, is_causal=causal,
+                                   descale=descale, implementation="mosaic",
+                                   block_sizes=b)),
+        ("fp8_kernel", on, (q, k, v), lambda q, k, v, b=kernel:
+         flash_fwd.flash_forward(
+             q8, k8, vt8, Operands(), mask=mask,
+             scores=Scores(scale=scale, fp8="amax"), block_sizes=b,
+             fp8_scales=scales)[0])]
+  for name, on, args, fn in rows:
+    row = dict(kind="overlap", impl=name, overlap=on, head_dim=head_dim,
+               causal=causal, seq_len=seq_len, block_kv=default.block_kv,
+               persistent=default.persistent)
+    row.update(benchmark._measure(fn, "fwd", *args, do, flops, calls,
+                                  repeats))
+    print(json.dumps(row), flush=True)
+
+
 class _NoExp2:
   """jax.numpy with exp2 the identity (`exponentials`' ablation)."""
 
@@ -406,7 +458,8 @@ def main():
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--parts", nargs="+", default=["speed", "error"],
                       choices=["speed", "error", "tiles", "backward",
-                               "backward_tiles", "exponentials"])
+                               "backward_tiles", "exponentials",
+                               "overlap"])
   parser.add_argument("--block-kvs", type=int, nargs="+",
                       default=[64, 128, 192, 256])
   parser.add_argument("--stages", type=int, nargs="+", default=[2, 3])
@@ -419,6 +472,10 @@ def main():
     for causal in (True, False):
       exponentials(head_dim, causal, args.seq_len, args.tokens, args.hidden,
                    args.calls, args.repeats)
+  for head_dim in args.head_dims if "overlap" in args.parts else ():
+    for causal in (True, False):
+      overlap(head_dim, causal, args.seq_len, args.tokens, args.hidden,
+              args.calls, args.repeats)
   for head_dim in args.head_dims if "backward_tiles" in args.parts else ():
     for causal in (True, False):
       backward_tiles(head_dim, causal, args.seq_len, args.tokens,

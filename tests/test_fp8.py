@@ -2,6 +2,7 @@
 blockwise path: its error against float32 attention on the unquantized
 inputs, next to the error that rounding the inputs alone causes, and its
 arguments' checks."""
+import functools
 import re
 
 import jax
@@ -282,6 +283,46 @@ def test_mosaic_fp8_forward_is_as_close_as_the_rounding(shape, causal,
   blockwise = jax_flash.flash_attention(q, k, v, is_causal=causal, fp8=True,
                                         implementation="xla")
   assert _rel(out, blockwise) <= floor
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, causal, block_kv, persistent", [
+    ((2, 1000, 1003, 8, 2, 64), True, 128, True),
+    ((1, 512, 777, 4, 4, 128), False, 256, False),
+    ((1, 700, 700, 8, 2, 128), True, 128, True),
+    ((2, 1000, 1003, 8, 2, 128), False, 128, False),
+    ((1, 300, 1000, 4, 2, 256), True, 64, False)])
+def test_mosaic_fp8_forward_overlap_is_the_same_forward(shape, causal,
+                                                        block_kv, persistent):
+  """`MosaicBlockSizes.overlap` (a tile's softmax beside the previous
+  tile's P V; H200): the same operations in the same order, so the same
+  output and gradients bitwise as without it, on fp8=True and on float8
+  inputs; and within the bounds of `_check_against_rounding`."""
+  if "H200" not in jax.devices()[0].device_kind:
+    pytest.skip("not an H200")
+  q, k, v, do = random_inputs(*shape, jnp.bfloat16)
+  calls = {}
+  for overlap in (False, True):
+    blocks = jax_flash.MosaicBlockSizes(block_kv=block_kv,
+                                        persistent=persistent,
+                                        overlap=overlap)
+    calls[overlap] = functools.partial(
+        jax_flash.flash_attention, is_causal=causal, fp8=True,
+        implementation="mosaic", block_sizes=blocks)
+  grads = {on: jax.jit(lambda *a, f=f: _grads(f, *a))(q, k, v, do)
+           for on, f in calls.items()}
+  for a, b in zip(grads[False], grads[True]):
+    assert bool(jnp.all(a == b))
+  outs = [jax.jit(calls[on])(q, k, v) for on in (False, True)]
+  assert bool(jnp.all(outs[0] == outs[1]))
+  num_kv_heads = shape[4]
+  descale = tuple(fp8.scales(x, num_kv_heads) for x in (q, k, v))
+  e4m3 = [fp8.quantize(x, s, num_kv_heads) for x, s in zip((q, k, v),
+                                                           descale)]
+  outs = [jax.jit(functools.partial(calls[on], fp8=False, descale=descale))(
+      *e4m3) for on in (False, True)]
+  assert bool(jnp.all(outs[0] == outs[1]))
+  _check_against_rounding(calls[True], q, k, v, do, causal)
 
 
 @pytest.mark.gpu

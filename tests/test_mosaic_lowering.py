@@ -19,6 +19,7 @@ from jax._src import mesh as mesh_lib
 import jax_flash
 from jax_flash.spec.checks import Problem
 from jax_flash.spec.mask import Mask, kv_block_ranges
+from jax_flash.spec.scores import Scores
 from pallas_kernels.mosaic_gpu import MosaicGpuBackend
 from pallas_kernels.mosaic_gpu import flash_fwd, tiles
 from pallas_kernels.mosaic_gpu import config
@@ -761,6 +762,11 @@ def test_mosaic_block_sizes_are_validated():
   with pytest.raises(ValueError, match="fp8_backward=True needs "
                      "fused_dq=False"):
     jax_flash.MosaicBlockSizes(fp8_backward=True, fused_dq=True)
+  with pytest.raises(ValueError, match="overlap=1 must be a bool"):
+    jax_flash.MosaicBlockSizes(overlap=1)
+  with pytest.raises(ValueError, match="overlap=True needs "
+                     "named_barriers=False"):
+    jax_flash.MosaicBlockSizes(overlap=True, named_barriers=True)
   with pytest.raises(ValueError, match="producer_registers=20 must be a "
                      "multiple of 8 in"):
     jax_flash.MosaicBlockSizes(producer_registers=20)
@@ -1233,3 +1239,27 @@ def test_fp8_backward_lowers_in_e4m3(head_dim, causal):
   text = _lower_grad(None, shape, is_causal=causal, fp8=True)
   heads = {m.group(1) for m in transposed.finditer(text)}
   assert heads == ({"8", "2"} if head_dim == 256 else {"2"})
+
+
+@pytest.mark.parametrize("head_dim, causal, persistent", [
+    (64, True, True), (128, False, False), (256, True, False)])
+def test_fp8_forward_overlaps_by_default(head_dim, causal, persistent):
+  """FP8 calls get `MosaicBlockSizes.overlap` by default (the forward
+  lowers with it, persistent or not); a bf16 call that asks for it is
+  told it is the FP8 forward's."""
+  problem = Problem(batch=2, q_len=256, kv_len=520, num_heads=8,
+                    num_kv_heads=2, head_dim=head_dim, unbatched=False)
+  for kind in ("amax", "descale"):
+    blocks = MosaicGpuBackend().config(
+        None, problem, jnp.bfloat16, is_causal=causal,
+        scores=Scores(scale=0.1, fp8=kind), mask=Mask(is_causal=causal))
+    assert blocks.overlap
+  blocks = jax_flash.MosaicBlockSizes(
+      block_kv=config.FP8_BLOCK_KV[head_dim][not causal],
+      persistent=persistent, overlap=True)
+  text = _lower_grad("mosaic", (2, 256, 520, 8, 2, head_dim),
+                     is_causal=causal, fp8=True, block_sizes=blocks)
+  assert "flash_attention_forward_mosaic" in text
+  with pytest.raises(ValueError, match="overlap=True is the FP8 forward's"):
+    _lower_grad("mosaic", (2, 256, 520, 8, 2, head_dim), is_causal=causal,
+                block_sizes=jax_flash.MosaicBlockSizes(overlap=True))

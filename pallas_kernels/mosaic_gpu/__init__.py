@@ -265,7 +265,8 @@ class MosaicGpuBackend:
                   problem.head_dim else head_dim, is_causal,
                   band_only=mask in (Mask(), Mask(is_causal=True)),
                   kv_len=problem.kv_len))
-    if fp8 and not own:  # The FP8 forward's K/V tiles.
+    if fp8 and not own:  # The FP8 forward's K/V tiles, overlapped.
+      blocks = dataclasses.replace(blocks, overlap=True)
       rows = config.FP8_BLOCK_KV.get(head_dim)
       if rows is not None:  # 256 rows fit beside one Q buffer, not two.
         want = rows[0 if is_causal else 1]
@@ -276,6 +277,7 @@ class MosaicGpuBackend:
             head_dim, 1, fp8=True) <= config.SMEM_BYTES), tiles[-1])
       if head_dim in config.FP8_BACKWARD_DEFAULT_HEAD_DIMS:
         blocks = dataclasses.replace(blocks, fp8_backward=True)
+    blocks.check_overlap(fp8)
     if fp8 and blocks.block_kv % 64:
       raise ValueError(f"block_sizes.block_kv must be a multiple of 64 with "
                        f"fp8, got {blocks.block_kv}")

@@ -181,6 +181,13 @@ class BlockSizes:
   FP8_BACKWARD_DEFAULT_HEAD_DIMS (256: 1.17-1.20x faster on the H200 at 8k
   tokens), opt-in below (not faster there; gradients further from float32
   either way: benchmarks/NOTES.md, "the Mosaic FP8 backward").
+  `overlap` (the FP8 forward only; its default): each consumer issues a
+  tile's QK^T with the previous tile's P V and runs the softmax while P V
+  runs, the consumers taking turns at the tensor cores without waiting
+  for each other's softmax (FlashAttention-3's intra-warpgroup overlap;
+  `flash_fwd._Turns`): the same output bitwise, 0-15% faster on the H200
+  at 8k tokens (benchmarks/NOTES.md, "the FP8 forward's softmax beside
+  P V").
   Every `head_dim` here is the kernels' (`kernel_head_dim`).
   """
   block_q: int = 64
@@ -197,6 +204,7 @@ class BlockSizes:
   fused_dq: bool = False
   persistent: bool = False
   fp8_backward: bool = False
+  overlap: bool = False
 
   def __post_init__(self):
     for name in ("block_q", "block_q_dkv", "block_kv_dkv", "block_q_dq",
@@ -212,17 +220,26 @@ class BlockSizes:
                       lambda x: 24 <= x <= 128 and x % 8 == 0,
                       "a multiple of 8 in [24, 128]")
     for name in ("named_barriers", "dv_before_ds", "fused_dq", "persistent",
-                 "fp8_backward"):
+                 "fp8_backward", "overlap"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"block_sizes.{name}={getattr(self, name)!r} must "
                          f"be a bool")
     if self.fp8_backward and self.fused_dq:
       raise ValueError("block_sizes.fp8_backward=True needs fused_dq=False "
                        "(the FP8 backward has its own dQ kernel)")
+    if self.overlap and self.named_barriers:
+      raise ValueError("block_sizes.overlap=True needs named_barriers=False "
+                       "(its turns are mbarriers)")
     if self.persistent and self.named_barriers:
       raise ValueError("block_sizes.persistent=True needs "
                        "named_barriers=False (the hardware barriers' "
                        "parities are fixed per item)")
+
+  def check_overlap(self, fp8: bool) -> None:
+    """Raises ValueError where `overlap` is asked of a forward not FP8."""
+    if self.overlap and not fp8:
+      raise ValueError("block_sizes.overlap=True is the FP8 forward's "
+                       "(fp8=True or float8 inputs)")
 
   def q_buffers(self, head_dim: int) -> int:
     """Q (and O staging) buffers of the forward: two when persistent, up

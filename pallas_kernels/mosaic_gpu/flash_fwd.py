@@ -50,7 +50,8 @@ from pallas_kernels.mosaic_gpu.tiles import (COL, COMPUTE_WGS, ROW, Columns,
                                              cta_row_tile, dropped, load_ids,
                                              logits2, needs_positions,
                                              online_softmax, pad_ids,
-                                             range_table, smem_transforms,
+                                             range_table, rescaled,
+                                             smem_transforms, softmax_step,
                                              split_refs, table_ranges,
                                              tail_rows, tile_buffer,
                                              tile_views, tma_rows, visible)
@@ -113,6 +114,26 @@ class _Schedule:
   def both(self, turn: int):
     self.arrive(turn)
     self.wait(turn)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Turns:
+  """The consumers' turns at the tensor cores with `BlockSizes.overlap`,
+  seen from warpgroup `wg`: `wait` before issuing a tile's matmuls waits
+  for the other warpgroup to have issued its previous ones, `arrive` after
+  issuing tells it so (FlashAttention-3's warp scheduler barriers: the
+  matmuls alternate, the softmaxes do not wait for each other). One
+  mbarrier of one arrival a warpgroup (`barriers.at[w]`, arrived at by the
+  other); warpgroup 1 arrives once before its first tile, warpgroup 0 waits
+  once after its last."""
+  barriers: object
+  wg: jax.Array
+
+  def wait(self):
+    plgpu.barrier_wait(self.barriers.at[self.wg])
+
+  def arrive(self):
+    plgpu.barrier_arrive(self.barriers.at[1 - self.wg])
 
 
 def band_tiles(mask: Mask, num_tiles: int, rows: int, block_kv: int,
@@ -247,7 +268,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
   exponential's argument plus log2(448)) through shared memory (jax 0.11.2's wgmma takes an 8-bit left operand from
   registers only in a layout the accumulator's cannot be converted to),
   and the epilogue multiplies by V's scale / 448; O is staged in a bf16
-  buffer of its own.
+  buffer of its own. With `BlockSizes.overlap` (FP8 only) each consumer
+  issues a tile's QK^T together with the previous tile's P V and runs the
+  tile's softmax while P V runs (`overlapped`), the consumers taking turns
+  at the tensor cores without waiting for each other's softmax (`_Turns`).
 
   A CTA runs the items (batch, head, 2 * block_q query rows)
   `cta_schedule` gives it (`programs`: None, one; else the persistent
@@ -276,7 +300,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
   q_buffers = blocks.q_buffers(layout.width)
   dtype = o_ref.dtype
   wg = lax.axis_index("wg")
-  schedule = _Schedule(schedule_barrier, wg)
+  overlap = blocks.overlap
+  schedule = (_Turns(schedule_barrier, wg) if overlap else
+              _Schedule(schedule_barrier, wg))
 
   def item_ranges(batch, tile_start, q_offset):
     """(first, steps, consumer_ranges) of one item: the key tiles [first,
@@ -351,6 +377,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
       qk_scale = scales_ref[batch, kv_head, 0]
       pv_scale = scales_ref[batch, kv_head, 1]
     coords = needs_positions(mask, scores)
+    p_smem = fp8_buffers[1].at[wg] if fp8 else None  # Its e4m3 P.
     with jax.named_scope("q_load"):  # Profiler regions (`compiler_params`).
       if q_buffers == 1:
         load_q(item, 0)
@@ -367,28 +394,19 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
                                   plgpu.Layout.WGMMA)
                 for _, width in layout.parts)
     # Warpgroup 1 runs half a step behind (as if the second of a step -1).
-    pl.when(wg == 1)(functools.partial(schedule.both, 1))
+    pl.when(wg == 1)(schedule.arrive if overlap else
+                     functools.partial(schedule.both, 1))
 
     def slot_of(j):
       return lax.rem(base + j - first, stages)
 
-    def step(j, carry, *, masked: bool, width: int = block_kv):
-      """Key tile j on its first `width` rows (`tail_rows`)."""
-      acc, m, l = carry
-      slot = slot_of(j)
-      with jax.named_scope("k_wait"):
-        plgpu.barrier_wait(k_ready.at[slot])
-
-      def qk(acc_ref):
-        for q_smem, (_, k_smem) in zip(q_smems, k_views):
-          plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot, pl.ds(0, width)].T)
-        schedule.both(0)
-        return acc_ref[...]
-      s = pl.run_scoped(qk, plgpu.ACC((block_q, width), jnp.float32))
-      plgpu.barrier_arrive(k_free.at[slot])
+    def logits(j, s, *, masked: bool, width: int):
+      """(t, c, positions, cols) of key tile j's raw scores s: base-2
+      logits t * c, hidden pairs -inf where `masked`; the positions and
+      columns a score_mod, ALiBi or dropout see (None where unneeded)."""
       rows = cols = None
+      shape = (block_q, width)
       if masked or coords:
-        shape = (block_q, width)
         rows = q_start + plgpu.broadcasted_iota(jnp.int32, shape, 0,
                                                 layout=plgpu.Layout.WGMMA)
         cols = j * block_kv + plgpu.broadcasted_iota(
@@ -410,12 +428,31 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
         ok = visible(mask, rows, cols, kv_len, dense_ref=dense_ref, pair=tile,
                      batch=batch, head=head, q_offset=q_offset, **ids)
         s = jnp.where(ok, s, -jnp.inf)
-      # With fp8, P * 448 (l sums it too, until the epilogue).
-      p, m_new, l, acc = online_softmax(
-          s, c, m, l, acc, log2_scale=fp8_lib.LOG2_E4M3_MAX if fp8 else 0.0)
+      return s, c, positions, cols
+
+    # With fp8, P * 448 (l sums it too, until the epilogue).
+    log2_scale = fp8_lib.LOG2_E4M3_MAX if fp8 else 0.0
+
+    def step(j, carry, *, masked: bool, width: int = block_kv):
+      """Key tile j on its first `width` rows (`tail_rows`)."""
+      acc, m, l = carry
+      slot = slot_of(j)
+      with jax.named_scope("k_wait"):
+        plgpu.barrier_wait(k_ready.at[slot])
+
+      def qk(acc_ref):
+        for q_smem, (_, k_smem) in zip(q_smems, k_views):
+          plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot, pl.ds(0, width)].T)
+        schedule.both(0)
+        return acc_ref[...]
+      s = pl.run_scoped(qk, plgpu.ACC((block_q, width), jnp.float32))
+      plgpu.barrier_arrive(k_free.at[slot])
+      s, c, positions, cols = logits(j, s, masked=masked, width=width)
+      p, m_new, l, acc = online_softmax(s, c, m, l, acc,
+                                        log2_scale=log2_scale)
       # l sums the undropped p; only P V sees the dropout.
       if fp8:  # As e4m3, the left operand from shared memory.
-        p16 = fp8_buffers[1].at[wg]
+        p16 = p_smem
         p16[...] = p.astype(fp8_lib.E4M3)
         plgpu.commit_smem()
       else:
@@ -433,19 +470,80 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
       plgpu.barrier_arrive(v_free.at[slot])
       return acc, m_new, l
 
+    def overlapped(j, carry, *, masked: bool, first_tile: bool = False):
+      """Key tile j with `overlap` (FP8, whole tiles): its QK^T issued
+      with tile j - 1's P V (none for the first tile), its softmax while
+      P V runs, then the accumulator (P V's result) rescaled and tile j's
+      P stored where P V read tile j - 1's."""
+      acc, m, l = carry
+      slot, prev = slot_of(j), slot_of(j - 1)
+      with jax.named_scope("k_wait"):
+        plgpu.barrier_wait(k_ready.at[slot])
+      if not first_tile:
+        with jax.named_scope("v_wait"):
+          plgpu.barrier_wait(v_ready.at[prev])
+      schedule.wait()
+
+      def matmuls(s_ref, acc_refs):
+        for q_smem, (_, k_smem) in zip(q_smems, k_views):
+          plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].T)
+        if not first_tile:
+          for acc_ref, a, (_, v_smem) in zip(acc_refs, acc, v_views):
+            acc_ref[...] = a
+            plgpu.wgmma(acc_ref, p_smem, v_smem.at[prev].T)
+        schedule.arrive()
+        s = plgpu.wgmma_accumulator_load(s_ref,
+                                         wait_n=0 if first_tile else 1)
+        plgpu.barrier_arrive(k_free.at[slot])
+        s, c, _, _ = logits(j, s, masked=masked, width=block_kv)
+        p, m_new, l_new, alpha = softmax_step(s, c, m, l,
+                                              log2_scale=log2_scale)
+        p8 = p.astype(fp8_lib.E4M3)
+        if first_tile:
+          return acc, m_new, l_new, p8
+        new = tuple(acc_ref[...] for acc_ref in acc_refs)  # P V done.
+        plgpu.barrier_arrive(v_free.at[prev])
+        return rescaled(new, alpha), m_new, l_new, p8
+      acc, m, l, p8 = pl.run_scoped(
+          matmuls, plgpu.ACC((block_q, block_kv), jnp.float32),
+          tuple(plgpu.ACC((block_q, w), jnp.float32)
+                for _, w in layout.parts))
+      p_smem[...] = p8
+      plgpu.commit_smem()
+      return acc, m, l
+
+    def finish(j, carry):
+      """The last tile's (j - 1's) P V, with `overlap`."""
+      acc, m, l = carry
+      prev = slot_of(j - 1)
+      with jax.named_scope("v_wait"):
+        plgpu.barrier_wait(v_ready.at[prev])
+
+      def pv(acc_refs):
+        for acc_ref, (_, v_smem) in zip(acc_refs, v_views):
+          plgpu.wgmma(acc_ref, p_smem, v_smem.at[prev].T)
+      acc = pl.run_state(pv)(tuple(plgpu.ACC.init(a) for a in acc))
+      plgpu.barrier_arrive(v_free.at[prev])
+      return acc, m, l
+
     def release(j, carry):
       """A tile the producer loaded for the other warpgroup's rows."""
       slot = slot_of(j)
       plgpu.barrier_wait(k_ready.at[slot])
       plgpu.barrier_arrive(k_free.at[slot])
-      schedule.both(0)
+      if overlap:
+        schedule.wait()
+        schedule.arrive()
+      else:
+        schedule.both(0)
       plgpu.barrier_wait(v_ready.at[slot])
       plgpu.barrier_arrive(v_free.at[slot])
-      schedule.both(1)
+      if not overlap:
+        schedule.both(1)
       return carry
 
-    with jax.named_scope("tiles"):
-      carry = lax.fori_loop(first, lo, release, (acc, m, l))
+    def stepped_tiles(carry):
+      """Tiles [lo, hi), each by `step`."""
       for start, stop, masked in ((lo, full_lo, True),
                                   (full_lo, full_hi, False),
                                   (full_hi, hi, True)):
@@ -458,8 +556,27 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
         if end is not stop:
           carry = lax.fori_loop(end, stop, functools.partial(
               step, masked=True, width=tail), carry)
+      return carry
+
+    def overlapped_tiles(carry):
+      """Tiles [lo, hi) by `overlapped`: the first (taken as masked), the
+      rest, then the last one's P V."""
+      carry = lax.fori_loop(lo, jnp.minimum(lo + 1, hi), functools.partial(
+          overlapped, masked=True, first_tile=True), carry)
+      for start, stop, masked in ((lo + 1, full_lo, True),
+                                  (jnp.maximum(full_lo, lo + 1), full_hi,
+                                   False),
+                                  (jnp.maximum(full_hi, lo + 1), hi, True)):
+        carry = lax.fori_loop(start, stop, functools.partial(
+            overlapped, masked=masked), carry)
+      return lax.fori_loop(hi, jnp.where(lo < hi, hi + 1, hi), finish, carry)
+
+    with jax.named_scope("tiles"):
+      carry = lax.fori_loop(first, lo, release, (acc, m, l))
+      carry = (overlapped_tiles if overlap else stepped_tiles)(carry)
       acc, m, l = lax.fori_loop(hi, steps, release, carry)
-      pl.when(wg == 0)(functools.partial(schedule.both, 0))
+      pl.when(wg == 0)(schedule.wait if overlap else
+                       functools.partial(schedule.both, 0))
 
     with jax.named_scope("epilogue"):
       sink2 = (None if sinks_ref is None else
@@ -496,16 +613,21 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
       count = base + j - first  # The CTA's tile number.
       slot = lax.rem(count, stages)
 
-      @pl.when(count >= stages)  # The slot's previous tile released.
-      def _():
-        plgpu.barrier_wait(k_free.at[slot])
-        plgpu.barrier_wait(v_free.at[slot])
+      def await_release(free):  # The slot's previous tile's.
+        pl.when(count >= stages)(lambda: plgpu.barrier_wait(free.at[slot]))
       keys = pl.ds(j * block_kv, block_kv)
       tile = (batch, keys, kv_head)
-      for (k_copy, _), (v_copy, _), cols in zip(k_views, v_views,
-                                                part_columns):
+      # With `overlap` a consumer releases V a step after K: K waits
+      # for K's release only.
+      await_release(k_free)
+      if not overlap:
+        await_release(v_free)
+      for (k_copy, _), cols in zip(k_views, part_columns):
         plgpu.copy_gmem_to_smem(k_ref.at[(*tile, cols)], k_copy.at[slot],
                                 k_ready.at[slot])
+      if overlap:
+        await_release(v_free)
+      for (v_copy, _), cols in zip(v_views, part_columns):
         v_tile = (v_ref.at[batch, kv_head, cols, keys] if fp8 else
                   v_ref.at[(*tile, cols)])
         plgpu.copy_gmem_to_smem(v_tile, v_copy.at[slot], v_ready.at[slot])
@@ -565,6 +687,7 @@ def flash_forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
   fp8 = fp8_scales is not None
   q_len, kv_len = q.shape[1], k.shape[1]
   blocks = block_sizes
+  blocks.check_overlap(fp8)
   layout = (Columns(((0, q.shape[3]),), (False, False)) if fp8 else
             Columns.of(q.dtype, q.shape[3], blocks.block_kv, q_len, kv_len))
   q, k = (pad_to(x, 1, tma_rows(n, layout.untiled[0]))
@@ -635,7 +758,10 @@ def flash_forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
                            num_barriers=q_buffers * COMPUTE_WGS)),
       free=(plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2,
   )
-  if not blocks.named_barriers:
+  if blocks.overlap:  # One barrier a consumer, the other arrives (`_Turns`).
+    scratch["schedule"] = plgpu.Barrier(num_arrivals=1,
+                                        num_barriers=COMPUTE_WGS)
+  elif not blocks.named_barriers:
     scratch["schedule"] = plgpu.Barrier(num_arrivals=COMPUTE_WGS)
 
   def body(*refs, buffers, ready, free, schedule=None):

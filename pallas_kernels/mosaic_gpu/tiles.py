@@ -256,22 +256,32 @@ def visible(mask: Mask, rows, cols, kv_len, *, dense_ref, pair, batch, head,
   return ok
 
 
-def online_softmax(s, c, m, l, acc, *, log2_scale: float = 0.0):
+def softmax_step(s, c, m, l, *, log2_scale: float = 0.0):
   """One tile of the online softmax on base-2 logits s * c (hidden pairs
-  -inf): (p, m_new, l_new, acc) with the running row max m and sum l
+  -inf): (p, m_new, l_new, alpha) with the running row max m and sum l
   updated, p = 2**(s c - m_new + log2_scale) (P scaled by 2**log2_scale
-  at no cost, l summing the scaled P) and acc [rows, Hv] (or a tuple of
-  column parts) rescaled to m_new (a row that has seen no key keeps max
-  -inf and p 0)."""
+  at no cost, l summing the scaled P) and alpha = 2**(m - m_new), the
+  factor that rescales the accumulator to m_new (a row that has seen no
+  key keeps max -inf and p 0)."""
   m_new = jnp.maximum(m, s.max(axis=1) * c)
   m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
   alpha = jnp.exp2(m - m_safe)
   shift = m_safe - log2_scale if log2_scale else m_safe
   p = jnp.exp2(s * c - lax.broadcast_in_dim(shift, s.shape, [0]))
-  l = l * alpha + p.sum(axis=1)
-  acc = jax.tree.map(
+  return p, m_new, l * alpha + p.sum(axis=1), alpha
+
+
+def rescaled(acc, alpha):
+  """acc [rows, Hv] (or a tuple of column parts) times alpha [rows]."""
+  return jax.tree.map(
       lambda a: a * lax.broadcast_in_dim(alpha, a.shape, [0]), acc)
-  return p, m_new, l, acc
+
+
+def online_softmax(s, c, m, l, acc, *, log2_scale: float = 0.0):
+  """`softmax_step` with the accumulator acc rescaled: (p, m_new, l_new,
+  acc)."""
+  p, m_new, l, alpha = softmax_step(s, c, m, l, log2_scale=log2_scale)
+  return p, m_new, l, rescaled(acc, alpha)
 
 
 def split_refs(refs, num_inputs: int, extras):
