@@ -156,20 +156,16 @@ def speed(head_dim, causal, seq_len, tokens, hidden, calls, repeats):
       print(json.dumps(row), flush=True)
 
 
-def tiles(head_dim, causal, seq_len, tokens, hidden, calls, repeats,
-          block_kvs, stages):
-  """The FP8 forward's K/V tile rows and pipeline stages: ms of the fp8=True
-  call's forward (the same XLA passes around each) and of the Mosaic FP8
-  kernel alone on e4m3 inputs (`flash_fwd.flash_forward`), beside the bf16
-  kernel alone at its default tiles."""
+def _kernels(q, k, v, causal):
+  """kernel(blocks, fp8_on) -> f(q, k, v): the Mosaic forward kernel alone
+  (`flash_fwd.flash_forward`) at tiles `blocks`, in FP8 on the e4m3
+  values fp8=True rounds q, k, v to (whatever f is given), else in bf16
+  on f's arguments."""
   from jax_flash.spec.mask import Mask
   from jax_flash.spec.scores import Scores
-  from pallas_kernels.mosaic_gpu import config, flash_fwd
-  q, k, v, do, flops = _inputs(head_dim, causal, seq_len, tokens, hidden)
-  batch, heads = q.shape[0], q.shape[2]
-  mask, scale = Mask(is_causal=causal), head_dim ** -0.5
-  default = config.BlockSizes.get_default(head_dim, causal, kv_len=seq_len)
-  parts = [fp8.rounded(x, heads) for x in (q, k, v)]
+  from pallas_kernels.mosaic_gpu import flash_fwd
+  mask, scale = Mask(is_causal=causal), q.shape[-1] ** -0.5
+  parts = [fp8.rounded(x, k.shape[2]) for x in (q, k, v)]
   q8, k8, vt8, scales = flash_fwd.fp8_operands(Operands(**fp8.as_operands(
       *(x8 for _, x8, _ in parts), [s for _, _, s in parts])))
 
@@ -184,13 +180,28 @@ def tiles(head_dim, causal, seq_len, tokens, hidden, calls, repeats,
                                      scores=Scores(scale=scale),
                                      block_sizes=blocks)[0]
     return f
+  return kernel
+
+
+def tiles(head_dim, causal, seq_len, tokens, hidden, calls, repeats,
+          block_kvs, stages):
+  """The FP8 forward's K/V tile rows and pipeline stages (with `overlap`,
+  not persistent): ms of the fp8=True
+  call's forward (the same XLA passes around each) and of the Mosaic FP8
+  kernel alone on e4m3 inputs (`flash_fwd.flash_forward`), beside the bf16
+  kernel alone at its default tiles."""
+  from pallas_kernels.mosaic_gpu import config
+  q, k, v, do, flops = _inputs(head_dim, causal, seq_len, tokens, hidden)
+  batch, heads = q.shape[0], q.shape[2]
+  default = config.BlockSizes.get_default(head_dim, causal, kv_len=seq_len)
+  kernel = _kernels(q, k, v, causal)
 
   rows = [("bf16_kernel", None, default, kernel(default, False))]
   for block_kv in block_kvs:
     for num_stages in stages:
       try:
         blocks = dataclasses.replace(default, block_kv=block_kv,
-                                     num_stages=num_stages)
+                                     num_stages=num_stages, overlap=True)
       except ValueError as e:
         print(json.dumps(dict(kind="tiles", head_dim=head_dim, error=str(e))))
         continue
@@ -215,30 +226,15 @@ def exponentials(head_dim, causal, seq_len, tokens, hidden, calls, repeats):
   tiles (not persistent), as they are and with no exponential at all (P =
   the exponential's argument: wrong values, the time of a step whose
   exponentials were free)."""
-  from jax_flash.spec.mask import Mask
-  from jax_flash.spec.scores import Scores
-  from pallas_kernels.mosaic_gpu import config, flash_fwd, tiles
+  from pallas_kernels.mosaic_gpu import config, tiles
   q, k, v, do, flops = _inputs(head_dim, causal, seq_len, tokens, hidden)
-  heads = q.shape[2]
-  mask, scale = Mask(is_causal=causal), head_dim ** -0.5
-  parts = [fp8.rounded(x, heads) for x in (q, k, v)]
-  q8, k8, vt8, scales = flash_fwd.fp8_operands(Operands(**fp8.as_operands(
-      *(x8 for _, x8, _ in parts), [s for _, _, s in parts])))
+  kernel = _kernels(q, k, v, causal)
   for fp8_on in (True, False):
     blocks = config.BlockSizes.get_default(head_dim, causal, kv_len=seq_len)
     if fp8_on:
       blocks = dataclasses.replace(
           blocks, block_kv=config.FP8_BLOCK_KV[head_dim][not causal])
-
-    def f(q, k, v, blocks=blocks, fp8_on=fp8_on):
-      if fp8_on:
-        return flash_fwd.flash_forward(
-            q8, k8, vt8, Operands(), mask=mask,
-            scores=Scores(scale=scale, fp8="amax"), block_sizes=blocks,
-            fp8_scales=scales)[0]
-      return flash_fwd.flash_forward(q, k, v, Operands(), mask=mask,
-                                     scores=Scores(scale=scale),
-                                     block_sizes=blocks)[0]
+    f = kernel(blocks, fp8_on)
     for exponentials_on in (True, False):
       row = dict(kind="exponentials",
                  impl="fp8_kernel" if fp8_on else "bf16_kernel",
@@ -262,7 +258,7 @@ def overlap(head_dim, causal, seq_len, tokens, hidden, calls, repeats):
   from jax_flash.spec.checks import Problem
   from jax_flash.spec.mask import Mask
   from jax_flash.spec.scores import Scores
-  from pallas_kernels.mosaic_gpu import MosaicGpuBackend, config, flash_fwd
+  from pallas_kernels.mosaic_gpu import MosaicGpuBackend, config
   q, k, v, do, flops = _inputs(head_dim, causal, seq_len, tokens, hidden)
   b, t, n, h = q.shape
   mask, scale = Mask(is_causal=causal), head_dim ** -0.5
@@ -271,9 +267,7 @@ def overlap(head_dim, causal, seq_len, tokens, hidden, calls, repeats):
   default = MosaicGpuBackend().config(
       None, problem, q.dtype, is_causal=causal,
       scores=Scores(scale=scale, fp8="amax"), mask=mask)
-  parts = [fp8.rounded(x, n) for x in (q, k, v)]
-  q8, k8, vt8, scales = flash_fwd.fp8_operands(Operands(**fp8.as_operands(
-      *(x8 for _, x8, _ in parts), [s for _, _, s in parts])))
+  kernel = _kernels(q, k, v, causal)
   descale = tuple(fp8.scales(x, n) for x in (q, k, v))
   e4m3 = [fp8.quantize(x, s, n) for x, s in zip((q, k, v), descale)]
   kernel_blocks = dataclasses.replace(
@@ -283,7 +277,6 @@ def overlap(head_dim, causal, seq_len, tokens, hidden, calls, repeats):
       q, k, v, is_causal=causal))]
   for on in (False, True):
     blocks = dataclasses.replace(default, overlap=on)
-    kernel = dataclasses.replace(kernel_blocks, overlap=on)
     rows += [
         ("fp8", on, (q, k, v), lambda q, k, v, b=blocks:
          jax_flash.flash_attention(q, k, v, is_causal=causal, fp8=True,
@@ -292,11 +285,8 @@ def overlap(head_dim, causal, seq_len, tokens, hidden, calls, repeats):
          jax_flash.flash_attention(q, k, v, is_causal=causal,
                                    descale=descale, implementation="mosaic",
                                    block_sizes=b)),
-        ("fp8_kernel", on, (q, k, v), lambda q, k, v, b=kernel:
-         flash_fwd.flash_forward(
-             q8, k8, vt8, Operands(), mask=mask,
-             scores=Scores(scale=scale, fp8="amax"), block_sizes=b,
-             fp8_scales=scales)[0])]
+        ("fp8_kernel", on, (q, k, v), kernel(
+            dataclasses.replace(kernel_blocks, overlap=on), True))]
   for name, on, args, fn in rows:
     row = dict(kind="overlap", impl=name, overlap=on, head_dim=head_dim,
                causal=causal, seq_len=seq_len, block_kv=default.block_kv,
@@ -464,26 +454,19 @@ def main():
                       default=[64, 128, 192, 256])
   parser.add_argument("--stages", type=int, nargs="+", default=[2, 3])
   args = parser.parse_args()
-  for head_dim in args.head_dims if "tiles" in args.parts else ():
-    for causal in (True, False):
-      tiles(head_dim, causal, args.seq_len, args.tokens, args.hidden,
-            args.calls, args.repeats, args.block_kvs, args.stages)
-  for head_dim in args.head_dims if "exponentials" in args.parts else ():
-    for causal in (True, False):
-      exponentials(head_dim, causal, args.seq_len, args.tokens, args.hidden,
-                   args.calls, args.repeats)
-  for head_dim in args.head_dims if "overlap" in args.parts else ():
-    for causal in (True, False):
-      overlap(head_dim, causal, args.seq_len, args.tokens, args.hidden,
-              args.calls, args.repeats)
-  for head_dim in args.head_dims if "backward_tiles" in args.parts else ():
-    for causal in (True, False):
-      backward_tiles(head_dim, causal, args.seq_len, args.tokens,
-                     args.hidden, args.calls, args.repeats, args.stages)
-  for head_dim in args.head_dims if "speed" in args.parts else ():
-    for causal in (True, False):
-      speed(head_dim, causal, args.seq_len, args.tokens, args.hidden,
-            args.calls, args.repeats)
+  shape = (args.seq_len, args.tokens, args.hidden, args.calls, args.repeats)
+  per_causality = {  # Each run at every head dim, causal then not.
+      "tiles": lambda h, c: tiles(h, c, *shape, args.block_kvs, args.stages),
+      "exponentials": lambda h, c: exponentials(h, c, *shape),
+      "overlap": lambda h, c: overlap(h, c, *shape),
+      "backward_tiles": lambda h, c: backward_tiles(h, c, *shape,
+                                                    args.stages),
+      "speed": lambda h, c: speed(h, c, *shape),
+  }
+  for part, run in per_causality.items():
+    for head_dim in args.head_dims if part in args.parts else ():
+      for causal in (True, False):
+        run(head_dim, causal)
   for head_dim in args.head_dims if "error" in args.parts else ():
     for outliers in (False, True):
       error(head_dim, True, args.error_len, outliers)
