@@ -283,6 +283,17 @@ def in_turn(move, arrays):
   return done
 
 
+def after_all(fn):
+  """fn run once all of its arrays exist (an optimization barrier on
+  them). A backward's moves of Q, K and V need no result of its forward:
+  XLA would otherwise run them ahead of the forward and hold what they
+  received through it (benchmarks/NOTES.md, "a backward's exchanges after
+  its forward")."""
+  def run(*arrays):
+    return fn(*lax.optimization_barrier(arrays))
+  return run
+
+
 def all_to_all(fn, seq):
   """fn(*arrays) -> arrays, each [B, L, N, H] or [B, N, L], run on the
   whole sequence of 1 / P of the heads (P: the size of mesh axes `seq`)
@@ -520,7 +531,8 @@ def _define(fn, rule, lowerings, refit_why, kv_results):
       lower = lowerings[split.strategy](cfg, split, p)
     else:
       lower = all_to_all(lambda *arrays: fn(*arrays, cfg), split.seq)
-    return (mesh, lower, shardings(mesh, split, result_shape, kv_results),
+    return (mesh, after_all(lower),
+            shardings(mesh, split, result_shape, kv_results),
             shardings(mesh, split, arg_shapes, (1, 2)))
 
   factors = []  # In order of first appearance: shardy wants them sorted.
@@ -680,7 +692,8 @@ def _split_with_operands(fn, in_factors, out_factors, refused, refit_why,
         outs = [localize(y, f, split.seq, p, False)
                 for y, f in zip(outs, out_factors)]
       return tuple(summed(y, f) for y, f in zip(outs, out_factors))
-    return (mesh, lower, shardings(mesh, split, out_factors, result_shape),
+    return (mesh, after_all(lower),
+            shardings(mesh, split, out_factors, result_shape),
             shardings(mesh, split, in_factors, arg_shapes))
 
   rule = ", ".join(in_factors) + " -> " + ", ".join(out_factors)

@@ -814,6 +814,15 @@ def memory_per_device():
       # grows with P (whole keys, as all_gather holds, would be 4x at 8).
       assert temps[p] * p <= 1.25 * temps[2] * 2, (strategy, temps)
     assert temps[8] < one_temp / 2, (strategy, temps, one_temp)
+  # The target at 65,536 tokens: all_to_all (what "auto" picks where the
+  # heads divide the devices) within 1.5x one device's / 8.
+  tokens = 65536
+  _, one_temp = memory(None, 1)
+  _, temp = memory("all_to_all", 8)
+  print(f"memory all_to_all P=8, {tokens} tokens: temporaries "
+        f"{temp / 2**20:.1f} MiB ({temp * 8 / one_temp:.2f}x one device's "
+        f"/ 8)")
+  assert temp * 8 <= 1.5 * one_temp, (temp, one_temp)
   print("memory: a device's share falls as 1 / P")
 
 
