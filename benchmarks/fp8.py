@@ -296,6 +296,38 @@ def overlap(head_dim, causal, seq_len, tokens, hidden, calls, repeats):
     print(json.dumps(row), flush=True)
 
 
+def persistent(head_dim, causal, seq_len, tokens, hidden, calls, repeats):
+  """The FP8 forward (with its overlap) one CTA an item or persistent: ms
+  of the kernel alone at 2 and 3 stages and of the float8-input call at 2,
+  beside the bf16 call."""
+  from pallas_kernels.mosaic_gpu import config
+  q, k, v, do, flops = _inputs(head_dim, causal, seq_len, tokens, hidden)
+  n = q.shape[2]
+  kernel = _kernels(q, k, v, causal)
+  descale = tuple(fp8.scales(x, n) for x in (q, k, v))
+  e4m3 = [fp8.quantize(x, s, n) for x, s in zip((q, k, v), descale)]
+  base = config.BlockSizes(block_kv=config.FP8_BLOCK_KV[head_dim][not causal],
+                           overlap=True)
+  rows = [("bf16_call", None, None, (q, k, v), lambda q, k, v:
+           jax_flash.flash_attention(q, k, v, is_causal=causal))]
+  for on in (False, True):
+    for stages in (2, 3):
+      blocks = dataclasses.replace(base, persistent=on, num_stages=stages)
+      rows.append(("fp8_kernel", on, stages, (q, k, v), kernel(blocks, True)))
+    rows.append(("fp8_e4m3_call", on, 2, e4m3,
+                 lambda q, k, v, b=dataclasses.replace(base, persistent=on):
+                 jax_flash.flash_attention(
+                     q, k, v, is_causal=causal, descale=descale,
+                     implementation="mosaic", block_sizes=b)))
+  for name, on, stages, args, fn in rows:
+    row = dict(kind="persistent", impl=name, head_dim=head_dim,
+               causal=causal, seq_len=seq_len, persistent=on,
+               num_stages=stages)
+    row.update(benchmark._measure(fn, "fwd", *args, do, flops, calls,
+                                  repeats))
+    print(json.dumps(row), flush=True)
+
+
 class _NoExp2:
   """jax.numpy with exp2 the identity (`exponentials`' ablation)."""
 
@@ -449,7 +481,7 @@ def main():
   parser.add_argument("--parts", nargs="+", default=["speed", "error"],
                       choices=["speed", "error", "tiles", "backward",
                                "backward_tiles", "exponentials",
-                               "overlap"])
+                               "overlap", "persistent"])
   parser.add_argument("--block-kvs", type=int, nargs="+",
                       default=[64, 128, 192, 256])
   parser.add_argument("--stages", type=int, nargs="+", default=[2, 3])
@@ -459,6 +491,7 @@ def main():
       "tiles": lambda h, c: tiles(h, c, *shape, args.block_kvs, args.stages),
       "exponentials": lambda h, c: exponentials(h, c, *shape),
       "overlap": lambda h, c: overlap(h, c, *shape),
+      "persistent": lambda h, c: persistent(h, c, *shape),
       "backward_tiles": lambda h, c: backward_tiles(h, c, *shape,
                                                     args.stages),
       "speed": lambda h, c: speed(h, c, *shape),
