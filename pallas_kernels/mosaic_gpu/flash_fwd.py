@@ -264,10 +264,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
 
   With `fp8`, Q and K are e4m3 and v_ref holds V transposed, [B, K, H,
   S'] (FP8 wgmma takes only K-major operands): the logits' factor c takes
-  Q's and K's scales, P enters P V as e4m3 values of P * 448 (the
-  exponential's argument plus log2(448)) through shared memory (jax 0.11.2's wgmma takes an 8-bit left operand from
-  registers only in a layout the accumulator's cannot be converted to),
-  and the epilogue multiplies by V's scale / 448; O is staged in a bf16
+  Q's and K's scales, P enters P V as e4m3 values of P * 448 (log2(448)
+  added to the exponential's argument) through shared memory (jax
+  0.11.2's wgmma takes an 8-bit left operand from registers only in a
+  layout the accumulator's cannot be converted to), and the epilogue
+  multiplies by V's scale / 448 and l by 1 / 448; O is staged in a bf16
   buffer of its own. With `BlockSizes.overlap` (FP8 only) each consumer
   issues a tile's QK^T together with the previous tile's P V and runs the
   tile's softmax while P V runs (`overlapped`), the consumers taking turns
@@ -617,8 +618,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
         pl.when(count >= stages)(lambda: plgpu.barrier_wait(free.at[slot]))
       keys = pl.ds(j * block_kv, block_kv)
       tile = (batch, keys, kv_head)
-      # With `overlap` a consumer releases V a step after K: K waits
-      # for K's release only.
+      # With `overlap` a consumer releases V a step after K, so K's copy
+      # waits for K's release alone.
       await_release(k_free)
       if not overlap:
         await_release(v_free)
