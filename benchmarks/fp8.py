@@ -66,27 +66,40 @@ def cudnn_fp8(causal):
   return f
 
 
-def fp8_backward(causal, **changes):
-  """fp8=True on the Mosaic kernels with the FP8 backward
-  (`MosaicBlockSizes.fp8_backward`) as f(q, k, v), at the tiles the
-  default gives the call otherwise, with `changes` (BlockSizes fields)."""
+def _call_blocks(q, k, causal):
+  """The Mosaic tiles the default dispatch gives an fp8=True call on q, k
+  (`MosaicGpuBackend.config`)."""
   from jax_flash.spec.checks import Problem
   from jax_flash.spec.mask import Mask
   from jax_flash.spec.scores import Scores
   from pallas_kernels.mosaic_gpu import MosaicGpuBackend
+  b, t, n, h = q.shape
+  problem = Problem(batch=b, q_len=t, kv_len=k.shape[1], num_heads=n,
+                    num_kv_heads=k.shape[2], head_dim=h, unbatched=False)
+  return MosaicGpuBackend().config(
+      None, problem, q.dtype, is_causal=causal,
+      scores=Scores(scale=h ** -0.5, fp8="amax"),
+      mask=Mask(is_causal=causal))
 
+
+def _float8_inputs(q, k, v):
+  """(descale, [q8, k8, v8]): the inputs quantized by the caller, as
+  float8 inputs with `descale` take them (per (batch, KV head) scales)."""
+  heads = k.shape[2]
+  descale = tuple(fp8.scales(x, heads) for x in (q, k, v))
+  return descale, [fp8.quantize(x, s, heads)
+                   for x, s in zip((q, k, v), descale)]
+
+
+def fp8_backward(causal, **changes):
+  """fp8=True on the Mosaic kernels with the FP8 backward
+  (`MosaicBlockSizes.fp8_backward`) as f(q, k, v), at the tiles the
+  default gives the call otherwise, with `changes` (BlockSizes fields)."""
   def f(q, k, v):
-    b, t, n, h = q.shape
-    problem = Problem(batch=b, q_len=t, kv_len=k.shape[1], num_heads=n,
-                      num_kv_heads=k.shape[2], head_dim=h, unbatched=False)
-    blocks = MosaicGpuBackend().config(
-        None, problem, q.dtype, is_causal=causal,
-        scores=Scores(scale=h ** -0.5, fp8="amax"), mask=Mask(
-            is_causal=causal))
     return jax_flash.flash_attention(
         q, k, v, is_causal=causal, fp8=True, implementation="mosaic",
-        block_sizes=dataclasses.replace(blocks, fp8_backward=True,
-                                        **changes))
+        block_sizes=dataclasses.replace(_call_blocks(q, k, causal),
+                                        fp8_backward=True, **changes))
   return f
 
 
@@ -141,8 +154,7 @@ def speed(head_dim, causal, seq_len, tokens, hidden, calls, repeats):
       "fp8_bwd8": fp8_backward(causal),
   }
   # Inputs the caller quantized (forward only): float8 with descale.
-  descale = tuple(fp8.scales(x, heads) for x in (q, k, v))
-  e4m3 = [fp8.quantize(x, s, heads) for x, s in zip((q, k, v), descale)]
+  descale, e4m3 = _float8_inputs(q, k, v)
   impls["fp8_e4m3"] = lambda q, k, v: jax_flash.flash_attention(
       q, k, v, is_causal=causal, descale=descale)
   for name, fn in impls.items():
@@ -255,21 +267,11 @@ def overlap(head_dim, causal, seq_len, tokens, hidden, calls, repeats):
   call (reference), of fp8=True and of float8 inputs with descale
   ("fp8_e4m3"), each at the tiles the default gives the call, and of the
   Mosaic FP8 kernel alone at its default tiles not persistent."""
-  from jax_flash.spec.checks import Problem
-  from jax_flash.spec.mask import Mask
-  from jax_flash.spec.scores import Scores
-  from pallas_kernels.mosaic_gpu import MosaicGpuBackend, config
+  from pallas_kernels.mosaic_gpu import config
   q, k, v, do, flops = _inputs(head_dim, causal, seq_len, tokens, hidden)
-  b, t, n, h = q.shape
-  mask, scale = Mask(is_causal=causal), head_dim ** -0.5
-  problem = Problem(batch=b, q_len=t, kv_len=t, num_heads=n, num_kv_heads=n,
-                    head_dim=h, unbatched=False)
-  default = MosaicGpuBackend().config(
-      None, problem, q.dtype, is_causal=causal,
-      scores=Scores(scale=scale, fp8="amax"), mask=mask)
+  default = _call_blocks(q, k, causal)
   kernel = _kernels(q, k, v, causal)
-  descale = tuple(fp8.scales(x, n) for x in (q, k, v))
-  e4m3 = [fp8.quantize(x, s, n) for x, s in zip((q, k, v), descale)]
+  descale, e4m3 = _float8_inputs(q, k, v)
   kernel_blocks = dataclasses.replace(
       config.BlockSizes.get_default(head_dim, causal, kv_len=seq_len),
       block_kv=config.FP8_BLOCK_KV[head_dim][not causal])
@@ -302,10 +304,8 @@ def persistent(head_dim, causal, seq_len, tokens, hidden, calls, repeats):
   beside the bf16 call."""
   from pallas_kernels.mosaic_gpu import config
   q, k, v, do, flops = _inputs(head_dim, causal, seq_len, tokens, hidden)
-  n = q.shape[2]
   kernel = _kernels(q, k, v, causal)
-  descale = tuple(fp8.scales(x, n) for x in (q, k, v))
-  e4m3 = [fp8.quantize(x, s, n) for x, s in zip((q, k, v), descale)]
+  descale, e4m3 = _float8_inputs(q, k, v)
   base = config.BlockSizes(block_kv=config.FP8_BLOCK_KV[head_dim][not causal],
                            overlap=True)
   rows = [("bf16_call", None, None, (q, k, v), lambda q, k, v:
