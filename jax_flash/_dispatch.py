@@ -27,6 +27,7 @@ import jax
 
 from jax_flash import blockwise
 from jax_flash.spec import device
+from jax_flash.spec import fp8 as fp8_lib
 from jax_flash.spec.backend import Backend, Decode
 from jax_flash.spec.checks import Problem
 from jax_flash.spec.mask import Mask
@@ -230,3 +231,21 @@ def select(implementation, query, problem: Problem, dtype, *, mask: Mask,
       gradients.append((name, next(b for b in takes[takes.index(backward):]
                                    if name in b.operand_gradients)))
   return Plan(forward=forward, backward=backward, gradients=tuple(gradients))
+
+
+def fp8_rounding(implementation, query):
+  """Who rounds an fp8=True call's inputs to e4m3 (`fp8.Rounding`, the
+  same values either way): the Triton kernels
+  (`pallas_kernels.triton.fp8_round`) where the call may run Pallas
+  kernels on a Hopper GPU (implementation other than "xla"), else XLA's
+  ops; XLA's too where the call's arrays may be split over several
+  devices outside `shard_map` (XLA partitions its own ops, not a
+  kernel)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  local = jax.device_count() == 1 or (not mesh.empty
+                                      and mesh.are_all_axes_manual)
+  if (implementation != "xla" and local and device.on_gpu(query)
+      and device.hopper_target()):
+    from pallas_kernels.triton import fp8_round
+    return fp8_round.ROUNDING
+  return fp8_lib.XLA

@@ -57,11 +57,12 @@ def _as(result, out_dtype):
   return result.astype(out_dtype)
 
 
-def _fp8_inputs(query, key, value, fp8, descale, out_dtype):
+def _fp8_inputs(query, key, value, fp8, descale, out_dtype, implementation):
   """(query, key, value, out_dtype, fp8 operands) for an FP8 call:
   float8_e4m3fn inputs dequantized with `descale` as float32, or (`fp8`)
   inputs rounded to e4m3 with per-(batch, KV head) scales,
-  straight-through, in `fp8.rounded_dtype` (`jax_flash.spec.fp8`);
+  straight-through, in `fp8.rounded_dtype` (`jax_flash.spec.fp8`; by
+  the kernels or ops `_dispatch.fp8_rounding` picks);
   out_dtype the result's (None for a call without FP8); the operands the
   e4m3 values and their scales (`Operands.fp8_q`, ...: batched), made
   once for the kernels that read them."""
@@ -81,7 +82,8 @@ def _fp8_inputs(query, key, value, fp8, descale, out_dtype):
     if fp8 == "rotate":
       r = fp8_lib.rotation(query.shape[-1])
       query, key = (x.astype(jnp.float32) @ r for x in (query, key))
-    parts = [fp8_lib.rounded(_batch(x), num_kv_heads)
+    rounding = _dispatch.fp8_rounding(implementation, query)
+    parts = [fp8_lib.rounded(_batch(x), num_kv_heads, rounding)
              for x in (query, key, value)]
     values = [_unbatch(v.astype(fp8_lib.rounded_dtype(dtype)), query.ndim)
               for v, _, _ in parts]
@@ -300,7 +302,7 @@ def _attention(query, key, value, bias, mask, *, scale, is_causal,
   ring or all_gather `context_parallel` names (`_sequence_axis`)."""
   query, scale, descale = _fold_scale(query, scale, descale)
   query, key, value, out_dtype, fp8_operands = _fp8_inputs(
-      query, key, value, fp8, descale, out_dtype)
+      query, key, value, fp8, descale, out_dtype, implementation)
   args = dict(bias=bias, mask=mask, scale=scale, is_causal=is_causal,
               query_seq_lengths=query_seq_lengths,
               key_value_seq_lengths=key_value_seq_lengths,

@@ -89,6 +89,66 @@ def test_rounding_survives_jit():
   assert jnp.array_equal(rounded, fp8.round_trip(x, 2))
 
 
+def _rounding_inputs(shape, dtype):
+  """x [B, L, N, H] ~ 3 N(0, 1) in `dtype` with a NaN, an infinity and
+  -700 (the largest magnitude) in the first (batch, KV head)."""
+  x = jax.random.normal(jax.random.key(1), shape, jnp.float32) * 3
+  x = x.at[0, 5, 0, 3].set(jnp.nan).at[0, 7, 0, 2].set(jnp.inf)
+  return x.at[0, 9, 0, 1].set(-700.0).astype(dtype)
+
+
+def _check_rounding(rounding, x, num_kv_heads):
+  """`rounding`'s max |x| and e4m3 values equal XLA's (`fp8.XLA`) bitwise
+  (NaN where XLA's are NaN: x's non-finite values)."""
+  want = fp8.amax(x, num_kv_heads)
+  assert jnp.array_equal(jax.jit(rounding.amax, static_argnums=1)(
+      x, num_kv_heads), want)
+  assert want[0, 0] == 700.0
+  scale = fp8.scale_of(want)
+  ours, theirs = (jax.jit(f, static_argnums=2)(x, scale, num_kv_heads)
+                  for f in (rounding.quantize, fp8.quantize))
+  assert ours.dtype == theirs.dtype == fp8.E4M3
+  nan = jnp.isnan(theirs.astype(jnp.float32))
+  assert int(nan.sum()) == 2
+  assert jnp.array_equal(jnp.isnan(ours.astype(jnp.float32)), nan)
+  bits = [jax.lax.bitcast_convert_type(y, jnp.uint8) for y in (ours, theirs)]
+  assert jnp.array_equal(jnp.where(nan, 0, bits[0]), jnp.where(nan, 0, bits[1]))
+
+
+@pytest.mark.parametrize("shape, num_kv_heads, dtype", [
+    ((2, 67, 4, 64), 2, jnp.bfloat16), ((1, 300, 3, 96), 1, jnp.float16),
+    ((2, 33, 6, 40), 3, jnp.float32)])
+def test_rounding_kernels_give_xla_values(shape, num_kv_heads, dtype):
+  """The Triton rounding kernels (`pallas_kernels.triton.fp8_round`,
+  interpreted): XLA's max and e4m3 values bitwise, on unaligned lengths,
+  GQA groups and head dims off a power of two."""
+  from pallas_kernels.triton import fp8_round
+  _check_rounding(fp8_round.INTERPRET, _rounding_inputs(shape, dtype),
+                  num_kv_heads)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, num_kv_heads, dtype", [
+    ((2, 1003, 8, 128), 2, jnp.bfloat16), ((1, 300, 3, 96), 1, jnp.float16),
+    ((2, 777, 4, 256), 4, jnp.bfloat16), ((2, 33, 6, 40), 3, jnp.float32)])
+def test_rounding_kernels_give_xla_values_on_the_gpu(shape, num_kv_heads,
+                                                     dtype):
+  """The same on the GPU (Triton's e4m3 conversion against XLA's)."""
+  from pallas_kernels.triton import fp8_round
+  _check_rounding(fp8_round.ROUNDING, _rounding_inputs(shape, dtype),
+                  num_kv_heads)
+
+
+def test_the_least_scale_has_a_normal_reciprocal():
+  """Inputs below 448 * 2^-126 in magnitude get the least scale, 2^-126,
+  so that 1 / scale is a normal float32 (kernels multiply by it)."""
+  x = jnp.full((1, 4, 1, 8), 10 * 2.0 ** -126, jnp.float32)
+  scale = fp8.scales(x, 1)
+  assert scale[0, 0] == fp8.MIN_SCALE == 2.0 ** -126
+  assert jnp.isfinite(1 / scale).all()
+  assert fp8.quantize(x, scale, 1).astype(jnp.float32)[0, 0, 0, 0] == 10
+
+
 def test_scales_are_powers_of_two_that_requantize_any_part_exactly():
   """Scales are the least powers of two at or above max |x| / 448; the
   rounded bf16 values are exact (their float32 values), and a part of a

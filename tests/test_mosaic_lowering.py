@@ -1203,20 +1203,31 @@ def test_fp8_descale_inputs_run_the_mosaic_forward_as_they_are():
 
 
 def test_fp8_true_quantizes_each_input_once():
-  """fp8=True's forward: one max and one conversion to e4m3 a tensor,
-  outside the kernel (the kernel reads the e4m3 values the rounding
-  made, not a second quantization of the rounded values)."""
+  """fp8=True's forward on a Hopper GPU: each input read by one max kernel
+  and one rounding kernel (`pallas_kernels.triton.fp8_round`), no
+  conversion to e4m3 by XLA, and the kernel reads the e4m3 values the
+  rounding made (not a second quantization of the rounded values); with
+  implementation="xla", XLA's ops: one max and one conversion an input."""
   q = jax.ShapeDtypeStruct((2, 256, 8, 128), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, 520, 2, 128), jnp.bfloat16)
-  with jax.sharding.use_abstract_mesh(
-      mesh_lib.AbstractMesh((1,), ("x",), abstract_device=H200)):
-    text = jax.jit(lambda q, k, v: jax_flash.flash_attention(
-        q, k, v, is_causal=True, fp8=True)).trace(q, kv, kv).lower(
-            lowering_platforms=("cuda",)).as_text()
-  assert "flash_attention_forward_mosaic" in text
-  assert text.count("stablehlo.reduce") == 3
-  assert len(re.findall(r"stablehlo.convert.*-> tensor<[0-9x]*xf8E4M3FN>",
-                        text)) == 3
+  # The inputs' conversions (the blockwise forward converts P too).
+  converts = r"stablehlo.convert.*-> tensor<2x(256|520)x[0-9x]*xf8E4M3FN>"
+  for implementation in (None, "xla"):
+    with jax.sharding.use_abstract_mesh(
+        mesh_lib.AbstractMesh((1,), ("x",), abstract_device=H200)):
+      text = jax.jit(lambda q, k, v: jax_flash.flash_attention(
+          q, k, v, is_causal=True, fp8=True,
+          implementation=implementation)).trace(q, kv, kv).lower(
+              lowering_platforms=("cuda",)).as_text()
+    kernels = re.findall(r'name = "(fp8_[a-z]*)"', text)
+    if implementation is None:
+      assert "flash_attention_forward_mosaic" in text
+      assert kernels == ["fp8_amax", "fp8_quantize"] * 3
+      assert not re.findall(converts, text)
+      assert text.count("stablehlo.reduce") == 3  # The kernels' partials.
+    else:
+      assert not kernels
+      assert len(re.findall(converts, text)) == 3
 
 
 @pytest.mark.parametrize("head_dim, causal", [(64, False), (128, True),

@@ -3,8 +3,8 @@
 Q, K and V are e4m3 values times a float32 scale per (batch, KV head):
 x = x8 * scale, x8 = round_e4m3(x / scale) with scale the least power of
 two at or above max |x| / 448 over the (batch, KV head)'s rows (its query
-heads' for Q), as FlashAttention-3 and cuDNN take per-tensor or per-head
-descales. A power of two keeps e4m3's three mantissa bits (only the
+heads' for Q), and at least 2^-126, as FlashAttention-3 and cuDNN take
+per-tensor or per-head descales. A power of two keeps e4m3's three mantissa bits (only the
 subnormal threshold moves, by at most one binade) and makes the rounded
 values exact in bfloat16 and exact to divide again: any power-of-two scale
 that keeps a block's rounded values within 448 gives back e4m3 values, so
@@ -16,6 +16,10 @@ e4m3's largest value (`quantize_p`); the row sums take P before that
 rounding. Gradients treat each rounding as the identity (straight-through):
 they are exact attention's at the rounded inputs.
 
+`Rounding`: who computes max |x| and the e4m3 values, XLA's ops here
+(`XLA`) or GPU kernels (`pallas_kernels.triton.fp8_round`), bitwise the
+same.
+
 Incoherent processing (`rotation`): Q and K multiplied by one orthogonal
 matrix along the head dim before they are rounded. Q K^T is unchanged; an
 outlier feature's magnitude is spread over every column, so a scale set
@@ -23,7 +27,9 @@ by the largest value wastes less of e4m3's range on the others.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +38,10 @@ import numpy as np
 E4M3 = jnp.float8_e4m3fn
 E4M3_MAX = 448.0  # e4m3fn's largest finite value.
 LOG2_E4M3_MAX = float(np.log2(E4M3_MAX))  # Kernels add it to P's exponent.
+# The least scale: a normal float32 whose reciprocal is one too, so that a
+# kernel may multiply by 1 / scale and get x / scale exactly.
+MIN_SCALE_EXPONENT = -126
+MIN_SCALE = 2.0 ** MIN_SCALE_EXPONENT
 MODES = (False, True, "rotate")
 
 
@@ -46,17 +56,31 @@ def _grouped(x, num_kv_heads: int):
   return x.reshape(b, length, num_kv_heads, n // num_kv_heads, h)
 
 
-def scales(x, num_kv_heads: int):
-  """float32 [B, K]: the least power of two at or above max |x| / E4M3_MAX
-  over each (batch, KV head)'s rows and heads (1 where x is all zeros);
-  values that are not finite (a masked position's NaN) do not count.
+def amax(x, num_kv_heads: int):
+  """float32 [B, K]: max |x| over each (batch, KV head)'s rows and heads,
+  values that are not finite (a masked position's NaN) left out.
   x [B, L, N, H]."""
   a = jnp.abs(_grouped(x, num_kv_heads).astype(jnp.float32))
-  amax = jnp.max(jnp.where(jnp.isfinite(a), a, 0.0), axis=(1, 3, 4))
-  # amax / 448 = m * 2^e, m in [0.5, 1): 2^e, or 2^(e - 1) where m is 0.5.
-  m, e = jnp.frexp(amax / E4M3_MAX)
-  scale = jnp.ldexp(jnp.float32(1), jnp.where(m == 0.5, e - 1, e))
+  return jnp.max(jnp.where(jnp.isfinite(a), a, 0.0), axis=(1, 3, 4))
+
+
+def scale_of(amax):
+  """The least power of two at or above amax / E4M3_MAX, at least
+  MIN_SCALE (1 where amax is 0)."""
+  # amax / 448 = m * 2^e, m in [0.5, 1): 2^e, or 2^(e - 1) where m is 0.5;
+  # formed from amax * 2^64 below 1 (amax / 448 alone would be subnormal,
+  # flushed to 0, for amax below 448 * 2^-126).
+  small = amax < 1
+  m, e = jnp.frexp(jnp.where(small, amax * 2.0 ** 64, amax) / E4M3_MAX)
+  e = jnp.where(m == 0.5, e - 1, e) - jnp.where(small, 64, 0)
+  scale = jnp.ldexp(jnp.float32(1), jnp.maximum(e, MIN_SCALE_EXPONENT))
   return jnp.where(amax > 0, scale, 1.0)
+
+
+def scales(x, num_kv_heads: int, rounding=None):
+  """float32 [B, K]: `scale_of` each (batch, KV head)'s `amax` (by
+  `rounding`'s amax: `Rounding`). x [B, L, N, H]."""
+  return scale_of((rounding or XLA).amax(x, num_kv_heads))
 
 
 def quantize(x, scale, num_kv_heads: int):
@@ -69,6 +93,19 @@ def dequantize(x8, scale, num_kv_heads: int):
   """float32 x8 * scale: e4m3 x8 [B, L, N, H], scale [B, K]."""
   g = _grouped(x8, num_kv_heads).astype(jnp.float32)
   return (g * scale[:, None, :, None, None]).reshape(x8.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rounding:
+  """Who makes the e4m3 values: `amax(x, num_kv_heads)` -> float32 [B, K]
+  and `quantize(x, scale, num_kv_heads)` -> e4m3 [B, L, N, H], as this
+  module's functions of those names define them, bitwise."""
+  name: str
+  amax: Callable
+  quantize: Callable
+
+
+XLA = Rounding("xla", amax, quantize)
 
 
 @jax.custom_jvp
@@ -92,16 +129,20 @@ def rounded_dtype(dtype):
                    jnp.float32)
 
 
-def rounded(x, num_kv_heads: int):
+def rounded(x, num_kv_heads: int, rounding=None):
   """(`dequantize(quantize(x))` with per-(batch, KV head) scales, in
   `rounded_dtype(x.dtype)` (exact) and differentiated as the identity (the
-  gradient reaches x in its dtype); the e4m3 values; their scales [B, K]).
-  The e4m3 values pass an optimization barrier: XLA on a GPU, allowed
-  excess precision, would otherwise drop the pair of conversions under
-  jit and leave x unrounded."""
-  scale = jax.lax.stop_gradient(scales(x, num_kv_heads))
-  x8 = jax.lax.optimization_barrier(
-      quantize(jax.lax.stop_gradient(x), scale, num_kv_heads))
+  gradient reaches x in its dtype); the e4m3 values; their scales [B, K]),
+  the scales and values by `rounding` (`Rounding`; None: `XLA`). XLA's
+  e4m3 values pass an optimization barrier: XLA on a GPU, allowed excess
+  precision, would otherwise drop the pair of conversions under jit and
+  leave x unrounded."""
+  rounding = rounding or XLA
+  x0 = jax.lax.stop_gradient(x)
+  scale = jax.lax.stop_gradient(scales(x0, num_kv_heads, rounding))
+  x8 = rounding.quantize(x0, scale, num_kv_heads)
+  if rounding is XLA:
+    x8 = jax.lax.optimization_barrier(x8)
   values = dequantize(x8, scale, num_kv_heads).astype(rounded_dtype(x.dtype))
   return _straight_through(x, values), x8, scale
 

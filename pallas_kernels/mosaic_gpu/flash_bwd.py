@@ -78,6 +78,7 @@ from pallas_kernels.mosaic_gpu.tiles import (COL, COMPUTE_WGS, ROW, Columns,
                                              table_ranges, tail_rows,
                                              tile_buffer,
                                              tile_views, tma_rows, visible)
+from pallas_kernels.triton import fp8_round
 
 
 def _meet(barrier):
@@ -817,15 +818,16 @@ def fp8_backward_operands(operands: Operands, do, softmax_scale: float,
                           q_rows: int, kv_rows: int):
   """(q8, k8, v8, do8, (qt8, dot8, kt8), scales) for the FP8 backward: the
   call's e4m3 values (`Operands.fp8_q`, ...) and dO quantized as the
-  inputs are (`jax_flash.spec.fp8`), zero rows up to q_rows queries and
+  inputs are (`jax_flash.spec.fp8`, by the Triton rounding kernels:
+  `pallas_kernels.triton.fp8_round`), zero rows up to q_rows queries and
   kv_rows keys; Q, dO and K transposed to [B, heads, H, rows]; scales
   [B, K, 5] float32: Q's times K's (the logits), V's times dO's (dP), dO's
   / 448 (dV from P * 448), Q's and K's times softmax_scale / 448 (dK and dQ
   from dS * 448 over its row maxima)."""
   num_kv_heads = operands.fp8_k.shape[2]
   sq, sk, sv = (operands.fp8_scales[..., i] for i in range(3))
-  sdo = fp8_lib.scales(do, num_kv_heads)
-  do8 = fp8_lib.quantize(do, sdo, num_kv_heads)
+  sdo = fp8_lib.scales(do, num_kv_heads, fp8_round.ROUNDING)
+  do8 = fp8_round.quantize(do, sdo, num_kv_heads)
   q8, do8 = (pad_to(x, 1, q_rows) for x in (operands.fp8_q, do8))
   k8, v8 = (pad_to(x, 1, kv_rows) for x in (operands.fp8_k, operands.fp8_v))
   transposed = tuple(x.transpose(0, 2, 3, 1) for x in (q8, do8, k8))
