@@ -7,10 +7,11 @@ For each head dim and causality, at `--seq-len` tokens (batch and heads
 from `--tokens` and `--hidden`, as `jax_flash.benchmark`): ms and TFLOP/s of
 jitted calls forward, backward and forward+backward for "bf16" (the
 default dispatch on bf16 inputs), "fp8" (the same with fp8=True: on an
-H100/H200 the Mosaic FP8 forward and the bf16 backward on the rounded
-values), "fp8_bwd8" (the same on the Mosaic kernels with their FP8
-backward, `MosaicBlockSizes.fp8_backward`), "fp8_e4m3" (forward only: float8 inputs quantized beforehand,
-with descale), "cudnn" (jax.nn, bf16) and, forward only, "cudnn_fp8" (cuDNN's
+H100/H200 the Mosaic FP8 forward, and the FP8 backward at head dims 128
+and 256, the bf16 one on the rounded values at 64), "fp8_bwd16" (the
+same with the bf16 backward on the rounded values,
+`MosaicBlockSizes(fp8_backward=False)`), "fp8_e4m3" (forward only: float8
+inputs quantized beforehand, with descale), "cudnn" (jax.nn, bf16) and, forward only, "cudnn_fp8" (cuDNN's
 FP8 attention through jax's private `fused_attention_stablehlo` API, the
 inputs rounded with one scale a tensor, its output e4m3 with V's scale).
 Then, at `--error-len` tokens, the error (RMS over RMS) of the FP8
@@ -91,15 +92,16 @@ def _float8_inputs(q, k, v):
                    for x, s in zip((q, k, v), descale)]
 
 
-def fp8_backward(causal, **changes):
+def fp8_backward(causal, on=True, **changes):
   """fp8=True on the Mosaic kernels with the FP8 backward
-  (`MosaicBlockSizes.fp8_backward`) as f(q, k, v), at the tiles the
-  default gives the call otherwise, with `changes` (BlockSizes fields)."""
+  (`MosaicBlockSizes.fp8_backward`; `on` False: the bf16 backward on the
+  rounded values) as f(q, k, v), at the tiles the default gives the call
+  otherwise, with `changes` (BlockSizes fields)."""
   def f(q, k, v):
     return jax_flash.flash_attention(
         q, k, v, is_causal=causal, fp8=True, implementation="mosaic",
         block_sizes=dataclasses.replace(_call_blocks(q, k, causal),
-                                        fp8_backward=True, **changes))
+                                        fp8_backward=on, **changes))
   return f
 
 
@@ -107,8 +109,7 @@ def backward_tiles(head_dim, causal, seq_len, tokens, hidden, calls,
                    repeats, stages):
   """The FP8 backward's tiles: ms of the fp8=True call's backward with the
   FP8 backward kernels at `stages` pipeline stages and 64- or 128-row K/V
-  tiles in the dQ kernel, beside the default's (the bf16 kernels on the
-  rounded values)."""
+  tiles in the dQ kernel, beside the default's."""
   q, k, v, do, flops = _inputs(head_dim, causal, seq_len, tokens, hidden)
   rows = [("fp8", {}, lambda q, k, v: jax_flash.flash_attention(
       q, k, v, is_causal=causal, fp8=True))]
@@ -151,7 +152,7 @@ def speed(head_dim, causal, seq_len, tokens, hidden, calls, repeats):
       "cudnn": lambda q, k, v: jax.nn.dot_product_attention(
           q, k, v, is_causal=causal, implementation="cudnn"),
       "cudnn_fp8": cudnn_fp8(causal),
-      "fp8_bwd8": fp8_backward(causal),
+      "fp8_bwd16": fp8_backward(causal, on=False),
   }
   # Inputs the caller quantized (forward only): float8 with descale.
   descale, e4m3 = _float8_inputs(q, k, v)

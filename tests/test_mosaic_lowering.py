@@ -1236,7 +1236,8 @@ def test_fp8_backward_lowers_in_e4m3(head_dim, causal):
   """`MosaicBlockSizes.fp8_backward`: both backward kernels on e4m3 tiles,
   with Q^T and dO^T ([B, N, H, T'], e4m3) made for the dK/dV kernel and
   K^T ([B, K, H, S']) for the dQ kernel, beside the forward's V^T;
-  without it, only V^T; by default, the FP8 backward at head dim 256."""
+  without it, only V^T; by default, the FP8 backward at head dims 128
+  and 256."""
   shape = (2, 256, 520, 8, 2, head_dim)
   transposed = re.compile(rf"tensor<2x(8|2)x{head_dim}x\d+xf8E4M3FN>")
   for on in (True, False):
@@ -1246,10 +1247,10 @@ def test_fp8_backward_lowers_in_e4m3(head_dim, causal):
     assert all(name in text for name in MOSAIC_BACKWARD)
     heads = {m.group(1) for m in transposed.finditer(text)}
     assert heads == ({"8", "2"} if on else {"2"})
-  # The default: the FP8 backward at head dim 256 only.
+  # The default: the FP8 backward at head dims 128 and 256.
   text = _lower_grad(None, shape, is_causal=causal, fp8=True)
   heads = {m.group(1) for m in transposed.finditer(text)}
-  assert heads == ({"8", "2"} if head_dim == 256 else {"2"})
+  assert heads == ({"8", "2"} if head_dim in (128, 256) else {"2"})
 
 
 @pytest.mark.parametrize("head_dim, causal, persistent", [

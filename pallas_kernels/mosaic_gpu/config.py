@@ -16,11 +16,12 @@ DTYPES = ("bfloat16", "float16")
 # at 8k tokens (benchmarks/NOTES.md, "FP8 tiles").
 FP8_BLOCK_KV = {64: (128, 128), 128: (128, 256), 256: (64, 64)}
 # Head dims of the FP8 backward (e4m3 wgmma in both kernels), and those
-# where fp8=True takes it by default: faster than the bf16 kernels on the
-# rounded values only at 256 on the H200 (benchmarks/NOTES.md, "the Mosaic
-# FP8 backward at head dim 256").
+# where fp8=True takes it by default: its forward+backward faster than
+# with the bf16 kernels on the rounded values on the H200 at 128 and 256,
+# not at 64 (benchmarks/NOTES.md, "fp8=True's rounding by kernels of our
+# own").
 FP8_BACKWARD_HEAD_DIMS = (64, 128, 256)
-FP8_BACKWARD_DEFAULT_HEAD_DIMS = (256,)
+FP8_BACKWARD_DEFAULT_HEAD_DIMS = (128, 256)
 # Head dims a call may have (of query/key and of value): up to wgmma's
 # N <= 256. The kernels run at `kernel_head_dim`: a multiple of 16 (bf16
 # rows of 32 bytes, the narrowest swizzle TMA and wgmma take), at least 32.
@@ -178,8 +179,8 @@ class BlockSizes:
   `fp8_backward` (fp8=True calls at FP8_BACKWARD_HEAD_DIMS): the
   backward's five matmuls in e4m3 wgmma (`flash_bwd`), where otherwise
   the bf16 kernels run on the rounded values; the default at
-  FP8_BACKWARD_DEFAULT_HEAD_DIMS (256: 1.17-1.20x faster on the H200 at 8k
-  tokens), opt-in below (not faster there; gradients further from float32
+  FP8_BACKWARD_DEFAULT_HEAD_DIMS (faster forward+backward on the H200 at
+  8k tokens), opt-in at 64 (slower there; gradients further from float32
   either way: benchmarks/NOTES.md, "the Mosaic FP8 backward").
   `overlap` (the FP8 forward only; its default): each consumer issues a
   tile's QK^T with the previous tile's P V and runs the softmax while P V
