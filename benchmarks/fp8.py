@@ -486,9 +486,12 @@ def main():
   parser.add_argument("--block-kvs", type=int, nargs="+",
                       default=[64, 128, 192, 256])
   parser.add_argument("--stages", type=int, nargs="+", default=[2, 3])
+  parser.add_argument("--masks", nargs="+", default=["causal", "none"],
+                      choices=["causal", "none"],
+                      help="the causalities the per-causality parts run")
   args = parser.parse_args()
   shape = (args.seq_len, args.tokens, args.hidden, args.calls, args.repeats)
-  per_causality = {  # Each run at every head dim, causal then not.
+  per_causality = {  # Each run at every head dim and each of --masks.
       "tiles": lambda h, c: tiles(h, c, *shape, args.block_kvs, args.stages),
       "exponentials": lambda h, c: exponentials(h, c, *shape),
       "overlap": lambda h, c: overlap(h, c, *shape),
@@ -499,8 +502,8 @@ def main():
   }
   for part, run in per_causality.items():
     for head_dim in args.head_dims if part in args.parts else ():
-      for causal in (True, False):
-        run(head_dim, causal)
+      for mask in args.masks:
+        run(head_dim, mask == "causal")
   for head_dim in args.head_dims if "error" in args.parts else ():
     for outliers in (False, True):
       error(head_dim, True, args.error_len, outliers)
