@@ -103,7 +103,9 @@ def backends() -> dict[str, Backend]:
   kernel packages import `jax_flash.spec`, so importing one of them first
   must not need this module.)"""
   from pallas_kernels import mosaic_gpu, triton
-  return {"mosaic": mosaic_gpu.MosaicGpuBackend(),
+  from pallas_kernels.triton import fp8_round
+  return {"mosaic": mosaic_gpu.MosaicGpuBackend(
+              fp8_rounding=fp8_round.ROUNDING),
           "triton": triton.TRITON, "interpret": triton.INTERPRET, "xla": XLA}
 
 

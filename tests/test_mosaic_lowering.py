@@ -1230,6 +1230,30 @@ def test_fp8_true_quantizes_each_input_once():
       assert len(re.findall(converts, text)) == 3
 
 
+def test_fp8_rounding_is_xlas_where_xla_may_split_the_arrays(monkeypatch):
+  """`_dispatch.fp8_rounding`: the Triton kernels on one Hopper GPU (or
+  inside shard_map, every axis manual), XLA's ops where jit may split the
+  arrays over several devices (a kernel has no partitioning rule) and
+  for implementation="xla"."""
+  from jax_flash import _dispatch
+  from jax_flash.spec import fp8
+  from pallas_kernels.triton import fp8_round
+  q = jax.ShapeDtypeStruct((2, 256, 8, 128), jnp.bfloat16)
+  one_gpu = mesh_lib.AbstractMesh((1,), ("x",), abstract_device=H200)
+  with jax.sharding.use_abstract_mesh(one_gpu):
+    assert _dispatch.fp8_rounding(None, q) is fp8_round.ROUNDING
+    assert _dispatch.fp8_rounding("mosaic", q) is fp8_round.ROUNDING
+    assert _dispatch.fp8_rounding("xla", q) is fp8.XLA
+  assert _dispatch.fp8_rounding(None, jnp.zeros((1, 8, 1, 8))) is fp8.XLA
+  monkeypatch.setattr(jax, "device_count", lambda: 8)
+  with jax.sharding.use_abstract_mesh(one_gpu):
+    assert _dispatch.fp8_rounding(None, q) is fp8.XLA
+  manual = mesh_lib.AbstractMesh((1,), ("x",), abstract_device=H200,
+                                 axis_types=(jax.sharding.AxisType.Manual,))
+  with jax.sharding.use_abstract_mesh(manual):
+    assert _dispatch.fp8_rounding(None, q) is fp8_round.ROUNDING
+
+
 @pytest.mark.parametrize("head_dim, causal", [(64, False), (128, True),
                                               (128, False), (256, True)])
 def test_fp8_backward_lowers_in_e4m3(head_dim, causal):
@@ -1247,10 +1271,15 @@ def test_fp8_backward_lowers_in_e4m3(head_dim, causal):
     assert all(name in text for name in MOSAIC_BACKWARD)
     heads = {m.group(1) for m in transposed.finditer(text)}
     assert heads == ({"8", "2"} if on else {"2"})
-  # The default: the FP8 backward at head dims 128 and 256.
+  # The default: the FP8 backward at head dims 128 and 256, its dO
+  # rounded by the Triton kernels as the inputs are.
   text = _lower_grad(None, shape, is_causal=causal, fp8=True)
   heads = {m.group(1) for m in transposed.finditer(text)}
-  assert heads == ({"8", "2"} if head_dim in (128, 256) else {"2"})
+  fp8_backward = head_dim in (128, 256)
+  assert heads == ({"8", "2"} if fp8_backward else {"2"})
+  kernels = re.findall(r'name = "(fp8_[a-z]*)"', text)
+  assert sorted(kernels) == sorted(["fp8_amax", "fp8_quantize"]
+                                   * (3 + fp8_backward))
 
 
 @pytest.mark.parametrize("head_dim, causal, persistent", [

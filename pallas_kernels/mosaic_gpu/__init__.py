@@ -32,8 +32,9 @@ per-(batch, KV head) scales, `jax_flash.spec.fp8`) or float8 inputs with
 `descale`, causal or no mask, head dims `config.FP8_BLOCK_KV`: the
 forward in e4m3 on the call's e4m3 values (`flash_fwd`'s
 `fp8_operands`), the backward (fp8=True) the same kernels on e4m3 tiles
-(`BlockSizes.fp8_backward`: the default at head dim 256, an option at 64
-and 128) or the bf16 kernels on the rounded values.
+(`BlockSizes.fp8_backward`: the default at head dims 128 and 256, an
+option at 64; dO rounded by `MosaicGpuBackend.fp8_rounding`) or the
+bf16 kernels on the rounded values.
 Everything it takes has run on an H200 (tests/test_gpu.py,
 test_flex.py, test_decode.py, test_fp8.py).
 """
@@ -46,6 +47,7 @@ import jax.extend.core
 import jax.numpy as jnp
 
 from jax_flash.spec import device
+from jax_flash.spec import fp8 as fp8_lib
 from jax_flash.spec.checks import Problem
 from jax_flash.spec.mask import Mask, without_padding
 from jax_flash.spec.operands import Operands
@@ -160,7 +162,10 @@ def _backward_pads(problem: Problem, dtype, blocks: BlockSizes) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class MosaicGpuBackend:
-  """The `jax_flash.spec.backend.Backend` of the Mosaic GPU kernels."""
+  """The `jax_flash.spec.backend.Backend` of the Mosaic GPU kernels.
+  `fp8_rounding`: who quantizes dO for the FP8 backward (`fp8.Rounding`;
+  the dispatch's registry gives the Triton rounding kernels)."""
+  fp8_rounding: fp8_lib.Rounding = fp8_lib.XLA
   name = "mosaic"
   needs_gpu = True
   config_type = BlockSizes
@@ -367,7 +372,8 @@ class MosaicGpuBackend:
     a bias's from a backend that gives it; no arrays a score_mod closes
     over, see `unsupported`). FP8 calls with `BlockSizes.fp8_backward` at
     head dims `config.FP8_BACKWARD_HEAD_DIMS` run every matmul in e4m3 on
-    the call's e4m3 values and dO quantized as they are (`flash_bwd`);
+    the call's e4m3 values and dO quantized as they are, by
+    `fp8_rounding` (`flash_bwd`);
     other FP8 calls (values on e4m3's grid times a power-of-two scale,
     exact in bf16) the bf16 kernels on those values, P unrounded, as the
     blockwise backward takes it."""
@@ -375,7 +381,8 @@ class MosaicGpuBackend:
         and q.shape[-1] in FP8_BACKWARD_HEAD_DIMS):
       dq, dk, dv = flash_backward(q, k, v, operands, delta, lse, do,
                                   mask=mask, scores=scores,
-                                  block_sizes=config)
+                                  block_sizes=config,
+                                  fp8_rounding=self.fp8_rounding)
       return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
               Operands())
     if scores.fp8:

@@ -78,7 +78,6 @@ from pallas_kernels.mosaic_gpu.tiles import (COL, COMPUTE_WGS, ROW, Columns,
                                              table_ranges, tail_rows,
                                              tile_buffer,
                                              tile_views, tma_rows, visible)
-from pallas_kernels.triton import fp8_round
 
 
 def _meet(barrier):
@@ -815,19 +814,20 @@ def backward_columns(dtype, head_dim: int, q_len: int, kv_len: int,
 
 
 def fp8_backward_operands(operands: Operands, do, softmax_scale: float,
-                          q_rows: int, kv_rows: int):
+                          q_rows: int, kv_rows: int,
+                          rounding: fp8_lib.Rounding = fp8_lib.XLA):
   """(q8, k8, v8, do8, (qt8, dot8, kt8), scales) for the FP8 backward: the
   call's e4m3 values (`Operands.fp8_q`, ...) and dO quantized as the
-  inputs are (`jax_flash.spec.fp8`, by the Triton rounding kernels:
-  `pallas_kernels.triton.fp8_round`), zero rows up to q_rows queries and
+  inputs are (`jax_flash.spec.fp8`, by `rounding`), zero rows up to
+  q_rows queries and
   kv_rows keys; Q, dO and K transposed to [B, heads, H, rows]; scales
   [B, K, 5] float32: Q's times K's (the logits), V's times dO's (dP), dO's
   / 448 (dV from P * 448), Q's and K's times softmax_scale / 448 (dK and dQ
   from dS * 448 over its row maxima)."""
   num_kv_heads = operands.fp8_k.shape[2]
   sq, sk, sv = (operands.fp8_scales[..., i] for i in range(3))
-  sdo = fp8_lib.scales(do, num_kv_heads, fp8_round.ROUNDING)
-  do8 = fp8_round.quantize(do, sdo, num_kv_heads)
+  sdo = fp8_lib.scales(do, num_kv_heads, rounding)
+  do8 = rounding.quantize(do, sdo, num_kv_heads)
   q8, do8 = (pad_to(x, 1, q_rows) for x in (operands.fp8_q, do8))
   k8, v8 = (pad_to(x, 1, kv_rows) for x in (operands.fp8_k, operands.fp8_v))
   transposed = tuple(x.transpose(0, 2, 3, 1) for x in (q8, do8, k8))
@@ -838,7 +838,8 @@ def fp8_backward_operands(operands: Operands, do, softmax_scale: float,
 
 
 def flash_backward(q, k, v, operands: Operands, delta, lse, do, *,
-                   mask: Mask, scores: Scores, block_sizes: BlockSizes):
+                   mask: Mask, scores: Scores, block_sizes: BlockSizes,
+                   fp8_rounding: fp8_lib.Rounding = fp8_lib.XLA):
   """(dq, dk, dv) from the forward's lse (natural log, [B, N, T]), dO and
   D = rowsum(dO * O) - dlse (`delta`, float32 [B, N, T]).
 
@@ -855,8 +856,8 @@ def flash_backward(q, k, v, operands: Operands, delta, lse, do, *,
   add nothing; stores past the ends are dropped), and mask keys past S.
   With `scores.fp8` (head dims 64, 128 and 256, no fused_dq): the call's e4m3
   values (`operands`) and dO quantized as they are
-  (`fp8_backward_operands`) in every matmul, whole tiles (XLA pads the
-  e4m3 arrays to them), gradients in bfloat16.
+  (`fp8_backward_operands`, by `fp8_rounding`) in every matmul, whole
+  tiles (XLA pads the e4m3 arrays to them), gradients in bfloat16.
   GPU only (the interpreter cannot run a wgmma with a register operand);
   tests lower it for CUDA on the CPU.
   """
@@ -883,7 +884,7 @@ def flash_backward(q, k, v, operands: Operands, delta, lse, do, *,
   qt8 = dot8 = kt8 = fp8_scales = None
   if fp8:
     q, k, v, do, (qt8, dot8, kt8), fp8_scales = fp8_backward_operands(
-        operands, do, scores.scale, tp, kv_cols)
+        operands, do, scores.scale, tp, kv_cols, fp8_rounding)
   else:
     q, do = (pad_to(x.astype(q.dtype), 1, tma_rows(q_len, untiled))
              for x in (q, do))

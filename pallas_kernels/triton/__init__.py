@@ -7,7 +7,9 @@ limits are the dtypes and head dims of `config`. Files: `config` (block
 sizes, limits), `tiles` (masked tile loads/stores, the dot), `tile_context`
 (a program's view of the mask and scores), `operand_specs` (BlockSpecs of the
 optional operands), one file per kernel family with its launcher:
-`flash_fwd`, `flash_fwd_v1`, `flash_bwd`, `flash_decode`.
+`flash_fwd`, `flash_fwd_v1`, `flash_bwd`, `flash_decode`, and
+`fp8_round` (fp8=True's rounding of the inputs to e4m3 on a Hopper GPU,
+whichever backend then runs the call: `jax_flash._dispatch.fp8_rounding`).
 """
 from __future__ import annotations
 
