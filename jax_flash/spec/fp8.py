@@ -4,12 +4,12 @@ Q, K and V are e4m3 values times a float32 scale per (batch, KV head):
 x = x8 * scale, x8 = round_e4m3(x / scale) with scale the least power of
 two at or above max |x| / 448 over the (batch, KV head)'s rows (its query
 heads' for Q), and at least 2^-126, as FlashAttention-3 and cuDNN take
-per-tensor or per-head descales. A power of two keeps e4m3's three mantissa bits (only the
-subnormal threshold moves, by at most one binade) and makes the rounded
-values exact in bfloat16 and exact to divide again: any power-of-two scale
-that keeps a block's rounded values within 448 gives back e4m3 values, so
-a kernel may quantize any part of a (batch, KV head) again without a
-second rounding. The scores are formed from the e4m3 values (exact
+per-tensor or per-head descales. A power of two keeps e4m3's three
+mantissa bits (only the subnormal threshold moves, by at most one
+binade) and makes the rounded values exact in bfloat16 and exact to
+divide again: any power-of-two scale that keeps a block's rounded values
+within 448 gives back e4m3 values, so a kernel may quantize any part of a
+(batch, KV head) again without a second rounding. The scores are formed from the e4m3 values (exact
 products, float32 sums). The probabilities P, in [0, 1] against their
 row's running maximum, multiply V as e4m3 too, scaled by 448 so that 1 is
 e4m3's largest value (`quantize_p`); the row sums take P before that

@@ -819,11 +819,10 @@ def fp8_backward_operands(operands: Operands, do, softmax_scale: float,
   """(q8, k8, v8, do8, (qt8, dot8, kt8), scales) for the FP8 backward: the
   call's e4m3 values (`Operands.fp8_q`, ...) and dO quantized as the
   inputs are (`jax_flash.spec.fp8`, by `rounding`), zero rows up to
-  q_rows queries and
-  kv_rows keys; Q, dO and K transposed to [B, heads, H, rows]; scales
-  [B, K, 5] float32: Q's times K's (the logits), V's times dO's (dP), dO's
-  / 448 (dV from P * 448), Q's and K's times softmax_scale / 448 (dK and dQ
-  from dS * 448 over its row maxima)."""
+  q_rows queries and kv_rows keys; Q, dO and K transposed to [B, heads,
+  H, rows]; scales [B, K, 5] float32: Q's times K's (the logits), V's
+  times dO's (dP), dO's / 448 (dV from P * 448), Q's and K's times
+  softmax_scale / 448 (dK and dQ from dS * 448 over its row maxima)."""
   num_kv_heads = operands.fp8_k.shape[2]
   sq, sk, sv = (operands.fp8_scales[..., i] for i in range(3))
   sdo = fp8_lib.scales(do, num_kv_heads, rounding)
