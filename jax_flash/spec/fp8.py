@@ -12,9 +12,10 @@ within 448 gives back e4m3 values, so a kernel may quantize any part of a
 (batch, KV head) again without a second rounding. The scores are formed
 from the e4m3 values (exact products, float32 sums). The probabilities
 P, in [0, 1] against their row's running maximum, multiply V as e4m3
-too, scaled by 448 so that 1 is e4m3's largest value (`quantize_p`); the row sums take P before that
-rounding. Gradients treat each rounding as the identity (straight-through):
-they are exact attention's at the rounded inputs.
+too, scaled by 448 so that 1 is e4m3's largest value (`quantize_p`); the
+row sums take P before that rounding. Gradients treat each rounding as
+the identity (straight-through): they are exact attention's at the
+rounded inputs.
 
 `Rounding`: who computes max |x| and the e4m3 values, XLA's ops here
 (`XLA`) or GPU kernels (`pallas_kernels.triton.fp8_round`), bitwise the
