@@ -139,6 +139,26 @@ def test_rounding_kernels_give_xla_values_on_the_gpu(shape, num_kv_heads,
                   num_kv_heads)
 
 
+@pytest.mark.parametrize("q_len, kv_len", [(0, 5), (5, 0)])
+def test_fp8_takes_empty_sequences(q_len, kv_len):
+  """No queries or no keys: fp8=True gives what the unquantized call
+  gives (rows that see no key output 0), with gradients; the rounding's
+  max over nothing is 0 (scale 1), in XLA's ops and the kernels."""
+  from pallas_kernels.triton import fp8_round
+  q = jnp.ones((1, q_len, 4, 64), jnp.bfloat16)
+  kv = jnp.ones((1, kv_len, 2, 64), jnp.bfloat16)
+  out = jax_flash.flash_attention(q, kv, kv, fp8=True)
+  assert out.shape == q.shape
+  assert jnp.array_equal(out, jax_flash.flash_attention(q, kv, kv))
+  grad = jax.grad(lambda q: jax_flash.flash_attention(
+      q, kv, kv, fp8=True).astype(jnp.float32).sum())(q)
+  assert grad.shape == q.shape and not jnp.any(grad)
+  for rounding in (fp8.XLA, fp8_round.INTERPRET):
+    empty = q if q_len == 0 else kv
+    assert jnp.array_equal(rounding.amax(empty, 2), jnp.zeros((1, 2)))
+    assert rounding.quantize(empty, jnp.ones((1, 2)), 2).shape == empty.shape
+
+
 def test_the_least_scale_has_a_normal_reciprocal():
   """Inputs below 448 * 2^-126 in magnitude get the least scale, 2^-126,
   so that 1 / scale is a normal float32 (kernels multiply by it)."""

@@ -59,10 +59,11 @@ def _grouped(x, num_kv_heads: int):
 
 def amax(x, num_kv_heads: int):
   """float32 [B, K]: max |x| over each (batch, KV head)'s rows and heads,
-  values that are not finite (a masked position's NaN) left out.
-  x [B, L, N, H]."""
+  values that are not finite (a masked position's NaN) left out (0 where
+  there are none). x [B, L, N, H]."""
   a = jnp.abs(_grouped(x, num_kv_heads).astype(jnp.float32))
-  return jnp.max(jnp.where(jnp.isfinite(a), a, 0.0), axis=(1, 3, 4))
+  return jnp.max(jnp.where(jnp.isfinite(a), a, 0.0), axis=(1, 3, 4),
+                 initial=0.0)
 
 
 def scale_of(amax):

@@ -47,6 +47,8 @@ def _amax_kernel(x_ref, out_ref, *, rows, length, head_dim):
 def amax(x, num_kv_heads: int, *, interpret: bool = False):
   """`fp8.amax`: float32 [B, K], max |x| of finite values. x [B, L, N, H]."""
   batch, length, num_heads, head_dim = x.shape
+  if x.size == 0:
+    return jnp.zeros((batch, num_kv_heads), jnp.float32)
   padded, rows, num_tiles = _tiles(x)
   partial = pl.pallas_call(
       functools.partial(_amax_kernel, rows=rows, length=length,
@@ -83,6 +85,8 @@ def quantize(x, scale, num_kv_heads: int, *, interpret: bool = False):
   """`fp8.quantize`: x [B, L, N, H] as e4m3 values x / scale, scale [B, K]
   float32 powers of two (`fp8.scale_of`)."""
   batch, length, num_heads, head_dim = x.shape
+  if x.size == 0:
+    return jnp.zeros(x.shape, fp8_lib.E4M3)
   group = num_heads // num_kv_heads
   padded, rows, num_tiles = _tiles(x)
   return pl.pallas_call(
