@@ -815,7 +815,7 @@ def backward_columns(dtype, head_dim: int, q_len: int, kv_len: int,
 
 def fp8_backward_operands(operands: Operands, do, softmax_scale: float,
                           q_rows: int, kv_rows: int,
-                          rounding: fp8_lib.Rounding = fp8_lib.XLA):
+                          rounding: fp8_lib.Rounding):
   """(q8, k8, v8, do8, (qt8, dot8, kt8), scales) for the FP8 backward: the
   call's e4m3 values (`Operands.fp8_q`, ...) and dO quantized as the
   inputs are (`jax_flash.spec.fp8`, by `rounding`), zero rows up to

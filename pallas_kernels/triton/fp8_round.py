@@ -36,10 +36,15 @@ def _spec(length, padded):
                       lambda i, b, n: (b, 0, n, 0))
 
 
-def _amax_kernel(x_ref, out_ref, *, rows, length, head_dim):
+def _tile(x_ref, rows, length, head_dim):
+  """(this program's first row, its tile of x in float32, 0 past L and H)."""
   start = pl.program_id(0) * rows
-  a = jnp.abs(tiles.load_tile(x_ref, start, rows, row_bound=length,
-                              head_dim=head_dim).astype(jnp.float32))
+  return start, tiles.load_tile(x_ref, start, rows, row_bound=length,
+                                head_dim=head_dim).astype(jnp.float32)
+
+
+def _amax_kernel(x_ref, out_ref, *, rows, length, head_dim):
+  a = jnp.abs(_tile(x_ref, rows, length, head_dim)[1])
   # Not finite (NaN compares false) counts as 0.
   out_ref[...] = jnp.max(jnp.where(a < jnp.inf, a, 0.0), axis=0)
 
@@ -69,9 +74,7 @@ def amax(x, num_kv_heads: int, *, interpret: bool = False):
 
 def _quantize_kernel(x_ref, inverse_ref, out_ref, *, rows, length,
                      head_dim):
-  start = pl.program_id(0) * rows
-  x = tiles.load_tile(x_ref, start, rows, row_bound=length,
-                      head_dim=head_dim).astype(jnp.float32)
+  start, x = _tile(x_ref, rows, length, head_dim)
   # x / scale exactly: the scale is a power of two whose reciprocal is a
   # normal float32 (`fp8.MIN_SCALE`). |y| <= 448 for finite x; others
   # become NaN, as XLA's conversion makes them (the GPU's saturates).
