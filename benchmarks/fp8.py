@@ -108,17 +108,15 @@ def fp8_backward(causal, on=True, **changes):
 def backward_tiles(head_dim, causal, seq_len, tokens, hidden, calls,
                    repeats, stages):
   """The FP8 backward's tiles: ms of the fp8=True call's backward with the
-  FP8 backward kernels at `stages` pipeline stages, 64- or 128-row K/V
-  tiles in the dQ kernel, and `overlap` off and on, beside the default's."""
+  FP8 backward kernels at `stages` pipeline stages and 64- or 128-row K/V
+  tiles in the dQ kernel, beside the default's."""
   q, k, v, do, flops = _inputs(head_dim, causal, seq_len, tokens, hidden)
   rows = [("fp8", {}, lambda q, k, v: jax_flash.flash_attention(
       q, k, v, is_causal=causal, fp8=True))]
   for num_stages in stages:
     for block_kv_dq in (64, 128):
-      for on in (False, True):
-        changes = dict(num_stages_bwd=num_stages, block_kv_dq=block_kv_dq,
-                       overlap=on)
-        rows.append(("fp8_bwd8", changes, fp8_backward(causal, **changes)))
+      changes = dict(num_stages_bwd=num_stages, block_kv_dq=block_kv_dq)
+      rows.append(("fp8_bwd8", changes, fp8_backward(causal, **changes)))
   for name, changes, fn in rows:
     row = dict(kind="backward_tiles", impl=name, head_dim=head_dim,
                causal=causal, seq_len=seq_len, **changes)

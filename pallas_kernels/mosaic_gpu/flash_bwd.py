@@ -266,7 +266,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
   q_len = q_ref.shape[1]
   dtype = q_ref.dtype
   split = split_dkv(layout.width)
-  overlap = fp8 and blocks.overlap and not split
   batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
   wg = lax.axis_index("wg")
   cta_rows = bkv if split else COMPUTE_WGS * bkv
@@ -391,16 +390,22 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
     plgpu.barrier_arrive(q_free.at[ring])
     return carry
 
-  def lse_delta(ring, width):
-    """Step's L and D rows from its slot `ring` (queries across)."""
-    return tuple(plgpu.load(x.at[ring, pl.ds(0, width)], layout=COL)
-                 for x in (lse_smem2, delta_smem2))
-
-  def probabilities(n, s, lse, kv_ids, width):
-    """(P^T, aux, positions or None) of step n from its S^T."""
-    i, g, _ = step_index(n)
+  def step(n, carry, accs, kv_ids, width):
+    """Step n on the first `width` rows of its Q/dO tile (`tail_rows`)."""
+    i, g, ring = step_index(n)
     shape = (bkv, width)
+    head = first_head + g
+    q_smems, do_smems = (_parts(views, ring, width)
+                         for views in (q_views, do_views))
+    plgpu.barrier_wait(q_ready.at[ring])
 
+    def scores_t(acc):
+      for (_, k_smem), q_smem in zip(k_own, q_smems):
+        plgpu.wgmma(acc, k_smem, q_smem.T)
+      lse, delta = (plgpu.load(x.at[ring, pl.ds(0, width)], layout=COL)
+                    for x in (lse_smem2, delta_smem2))
+      return acc[...], lse, delta
+    s, lse, delta = pl.run_scoped(scores_t, plgpu.ACC(shape, jnp.float32))
     def positions():  # Transposed: queries across, keys down.
       return q_tile(i) * bq + _iota(shape, 1), kv_start + _iota(shape, 0)
     rows_cols = positions() if coords else None
@@ -415,81 +420,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
         (tile < full_lo) | (tile >= full_hi), mask=mask, scores=scores,
         kv_len=kv_len, positions=positions, rows_cols=rows_cols, ids=ids,
         pair=(rows, pl.ds(q_tile(i) * bq, width)),  # Keys down, queries across.
-        refs=(slopes_ref, bias_ref, dense_ref), batch=batch,
-        head=first_head + g,
+        refs=(slopes_ref, bias_ref, dense_ref), batch=batch, head=head,
         c_scale=scales_ref[batch, kv_head, 0] if fp8 else None)
-    return p, aux, rows_cols
-
-  def overlapped(n, carry, *, dv_acc, kv_ids, first: bool):
-    """FP8's step n with `overlap` (up to head dim 128, whole tiles), on
-    carry (dK rescaled for step n - 1's product, the running row maxima of
-    |dS^T|): S^T issued with step n - 1's dK += dS^T Q, P^T formed while
-    that runs, then dP^T and dV += P^T dO issued, dS^T formed and
-    quantized while dV runs; dK's product for step n is issued by step
-    n + 1 (or `finish`). Each slot is released once the matmuls reading it
-    are done: dO's after S^T_{n+1} (issued after dV_n), Q's after dK's."""
-    dk, m = carry
-    _, _, ring = step_index(n)
-    prev = step_index(n - 1)[2]
-    pt_smem, ds_smem = fp8_smem["p"].at[wg], fp8_smem["ds"].at[wg]
-    q_smem, do_smem = q_views[0][1].at[ring], do_views[0][1].at[ring]
-    shape = (bkv, bq)
-    plgpu.barrier_wait(q_ready.at[ring])
-
-    def matmuls(s_ref, dp_ref, *dk_ref):
-      plgpu.wgmma(s_ref, k_own[0][1], q_smem.T)
-      if not first:  # Step n - 1's dK += dS^T Q, behind S^T.
-        dk_ref[0][...] = dk
-        plgpu.wgmma(dk_ref[0], ds_smem, qt_smem.at[prev].T)
-      lse, delta = lse_delta(ring, bq)
-      s = plgpu.wgmma_accumulator_load(s_ref, wait_n=0 if first else 1)
-      if not first:  # dV_{n-1} was issued before S^T.
-        plgpu.barrier_arrive(do_free.at[prev])
-      p = probabilities(n, s, lse, kv_ids, bq)[0]
-      pt_smem[...] = (p * fp8_lib.E4M3_MAX).astype(fp8_lib.E4M3)
-      plgpu.commit_smem()
-      plgpu.barrier_wait(do_ready.at[ring])
-      plgpu.wgmma(dp_ref, v_own[0][1], do_smem.T)
-      plgpu.wgmma(dv_acc, pt_smem, dot_smem.at[ring].T)
-      dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=1)  # dV runs.
-      if not first:  # dK's product came before dP^T: done.
-        dk_new = plgpu.wgmma_accumulator_load(dk_ref[0], wait_n=1)
-        plgpu.barrier_arrive(q_free.at[prev])
-      else:
-        dk_new = dk
-      ds = p * (dp * scales_ref[batch, kv_head, 1]
-                - lax.broadcast_in_dim(delta, shape, [1]))
-      m_new, alpha = _quantize_ds(ds, m, ds_smem)
-      return dk_new * lax.broadcast_in_dim(alpha, dk.shape, [0]), m_new
-    accs = [plgpu.ACC(shape, jnp.float32)] * 2
-    if not first:
-      accs.append(plgpu.ACC(dk.shape, jnp.float32))
-    return pl.run_scoped(matmuls, *accs)
-
-  def finish(carry):
-    """The last step's dK += dS^T Q, with `overlap`; its slots released."""
-    dk, m = carry
-    last = step_index(steps - 1)[2]
-    dk = _fp8_product(dk, None, fp8_smem["ds"].at[wg], qt_smem.at[last].T)
-    plgpu.barrier_arrive(do_free.at[last])
-    plgpu.barrier_arrive(q_free.at[last])
-    return dk, m
-
-  def step(n, carry, accs, kv_ids, width):
-    """Step n on the first `width` rows of its Q/dO tile (`tail_rows`)."""
-    i, g, ring = step_index(n)
-    shape = (bkv, width)
-    head = first_head + g
-    q_smems, do_smems = (_parts(views, ring, width)
-                         for views in (q_views, do_views))
-    plgpu.barrier_wait(q_ready.at[ring])
-
-    def scores_t(acc):
-      for (_, k_smem), q_smem in zip(k_own, q_smems):
-        plgpu.wgmma(acc, k_smem, q_smem.T)
-      return (acc[...], *lse_delta(ring, width))
-    s, lse, delta = pl.run_scoped(scores_t, plgpu.ACC(shape, jnp.float32))
-    p, aux, rows_cols = probabilities(n, s, lse, kv_ids, width)
     if fp8:
       delta = lax.broadcast_in_dim(delta, shape, [1])
       if split:
@@ -585,14 +517,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
         dk = dv = acc
       else:
         def run_fp8(dv_acc):
-          if overlap:
-            carry = lax.fori_loop(0, 1, functools.partial(
-                overlapped, dv_acc=dv_acc, kv_ids=kv_ids, first=True), zeros)
-            dk, m = finish(lax.fori_loop(1, steps, functools.partial(
-                overlapped, dv_acc=dv_acc, kv_ids=kv_ids, first=False),
-                                         carry))
-          else:
-            dk, m = run(dv_acc, carry=zeros)
+          dk, m = run(dv_acc, carry=zeros)
           return dk, m, dv_acc[...]
         dk, m, dv = pl.run_scoped(run_fp8,
                                   plgpu.ACC((bkv, width), jnp.float32))
@@ -723,7 +648,6 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
       layout, q_ref.shape[3], q_buffers, do_buffers, k_buffers, v_buffers)
   num_parts = len(layout.parts)
   wgs = dq_warpgroups(layout.width)
-  overlap = fp8 and blocks.overlap and not split_dkv(layout.width)
   bq, bkv = blocks.block_q_dq, blocks.block_kv_dq
   stages = blocks.num_stages_bwd
   dtype = q_ref.dtype
@@ -765,20 +689,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
                                   fp8_smem["kt"].at[ring], ready.at[ring])
     await_last_releases(steps, stages, k_free, v_free)
 
-  def issue_s_dp(ring, width, s_acc, dp_acc):
-    """S = Q K^T and dP = dO V^T of slot `ring`, issued."""
+  def step(j, carry, dq_accs, lse, delta, q_ids, width):
+    """Step j on the first `width` rows of its K/V tile (`tail_rows`)."""
+    ring = lax.rem(j, stages)
     k_smems, v_smems = (_parts(views, ring, width)
                         for views in (k_views, v_views))
-    plgpu.barrier_wait(k_ready.at[ring])
-    for q_smem, k_smem in zip(_parts(q_views, wg), k_smems):
-      plgpu.wgmma(s_acc, q_smem, k_smem.T)
-    plgpu.barrier_wait(v_ready.at[ring])
-    for do_smem, v_smem in zip(_parts(do_views, wg), v_smems):
-      plgpu.wgmma(dp_acc, do_smem, v_smem.T)
-
-  def probabilities(j, s, lse, q_ids, width):
-    """(P times the scores' derivative: all dS needs of P and aux;
-    positions or None) of step j from its S."""
+    q_smems, do_smems = _parts(q_views, wg), _parts(do_views, wg)
     shape = (bq, width)
     ids = {}
     if mask.has_ids:
@@ -789,72 +705,27 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
     def positions():
       return q_start + _iota(shape, 0), kv_tile(j) * bkv + _iota(shape, 1)
     rows_cols = positions() if coords else None
-    tile = lo + j
-    p, aux = _probabilities(
-        s, lax.broadcast_in_dim(lse, shape, [0]),
-        (tile < full_lo) | (tile >= full_hi), mask=mask, scores=scores,
-        kv_len=kv_len, positions=positions, rows_cols=rows_cols, ids=ids,
-        pair=(rows, pl.ds(kv_tile(j) * bkv, width)),
-        refs=(slopes_ref, bias_ref, dense_ref), batch=batch, head=head,
-        c_scale=scales_ref[batch, kv_head, 0] if fp8 else None)
-    return scores.dqk(p, aux), rows_cols
-
-  def overlapped(j, carry, *, lse, delta, q_ids, first: bool):
-    """FP8's step j with `overlap` (up to head dim 128, whole tiles), on
-    carry (dQ rescaled for step j - 1's product, the running row maxima of
-    |dS|): S and dP issued, then step j - 1's dQ += dS K, which runs while
-    P and dS form; dS is quantized once that product is done (it reads dS's
-    buffer), and dQ's product for step j is issued by step j + 1 (or
-    `finish`). K's slot is released after dQ's product, V's after dP."""
-    dq, m = carry
-    ring, prev = lax.rem(j, stages), lax.rem(j + stages - 1, stages)
-    ds_smem = fp8_smem["ds"].at[wg]
-    shape = (bq, bkv)
-
-    def matmuls(s_acc, dp_acc, *dq_acc):
-      issue_s_dp(ring, bkv, s_acc, dp_acc)
-      if not first:  # Step j - 1's dQ += dS K, behind S and dP.
-        dq_acc[0][...] = dq
-        plgpu.wgmma(dq_acc[0], ds_smem, fp8_smem["kt"].at[prev].T)
-      s = plgpu.wgmma_accumulator_load(s_acc, wait_n=1 if first else 2)
-      pd = probabilities(j, s, lse, q_ids, bkv)[0]
-      dp = plgpu.wgmma_accumulator_load(dp_acc, wait_n=0 if first else 1)
-      plgpu.barrier_arrive(v_free.at[ring])
-      ds = pd * (dp * scales_ref[batch, kv_head, 1]
-                 - lax.broadcast_in_dim(delta, shape, [0]))
-      if first:
-        dq_new = dq
-      else:
-        dq_new = plgpu.wgmma_accumulator_load(dq_acc[0], wait_n=0)
-        plgpu.barrier_arrive(k_free.at[prev])
-      m_new, alpha = _quantize_ds(ds, m, ds_smem)
-      return dq_new * lax.broadcast_in_dim(alpha, dq.shape, [0]), m_new
-    accs = [plgpu.ACC(shape, jnp.float32)] * 2
-    if not first:
-      accs.append(plgpu.ACC(dq.shape, jnp.float32))
-    return pl.run_scoped(matmuls, *accs)
-
-  def finish(carry):
-    """The last step's dQ += dS K, with `overlap`; K's slot released."""
-    dq, m = carry
-    last = lax.rem(steps - 1, stages)
-    dq = _fp8_product(dq, None, fp8_smem["ds"].at[wg],
-                      fp8_smem["kt"].at[last].T)
-    plgpu.barrier_arrive(k_free.at[last])
-    return dq, m
-
-  def step(j, carry, dq_accs, lse, delta, q_ids, width):
-    """Step j on the first `width` rows of its K/V tile (`tail_rows`)."""
-    ring = lax.rem(j, stages)
-    k_smems = _parts(k_views, ring, width)
-    shape = (bq, width)
 
     def s_dp(s_acc, dp_acc):
-      issue_s_dp(ring, width, s_acc, dp_acc)
+      plgpu.barrier_wait(k_ready.at[ring])
+      for q_smem, k_smem in zip(q_smems, k_smems):
+        plgpu.wgmma(s_acc, q_smem, k_smem.T)
+      plgpu.barrier_wait(v_ready.at[ring])
+      for do_smem, v_smem in zip(do_smems, v_smems):
+        plgpu.wgmma(dp_acc, do_smem, v_smem.T)
       s = plgpu.wgmma_accumulator_load(s_acc, wait_n=num_parts)  # dP runs.
-      return (*probabilities(j, s, lse, q_ids, width), dp_acc[...])
-    pd, rows_cols, dp = pl.run_scoped(s_dp, plgpu.ACC(shape, jnp.float32),
-                                      plgpu.ACC(shape, jnp.float32))
+      tile = lo + j
+      p, aux = _probabilities(
+          s, lax.broadcast_in_dim(lse, shape, [0]),
+          (tile < full_lo) | (tile >= full_hi), mask=mask, scores=scores,
+          kv_len=kv_len, positions=positions, rows_cols=rows_cols, ids=ids,
+          pair=(rows, pl.ds(kv_tile(j) * bkv, width)),
+          refs=(slopes_ref, bias_ref, dense_ref), batch=batch, head=head,
+          c_scale=scales_ref[batch, kv_head, 0] if fp8 else None)
+      # P times the scores' derivative, all dS needs of P and aux.
+      return scores.dqk(p, aux), dp_acc[...]
+    pd, dp = pl.run_scoped(s_dp, plgpu.ACC(shape, jnp.float32),
+                           plgpu.ACC(shape, jnp.float32))
     plgpu.barrier_arrive(v_free.at[ring])
     if fp8:  # carry: dQ and the running row maxima of |dS|.
       dq, m = carry
@@ -902,15 +773,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
           q_ids=q_ids), carry)
       return carry if fp8 else [acc[...] for acc in dq_accs]
     if fp8:  # dS's row scales (m / 448), K's and the softmax scale.
-      zeros = (_zeros((bq, layout.width)), _zeros((bq,), ROW))
-      if overlap:
-        kwargs = dict(lse=lse, delta=delta, q_ids=q_ids)
-        dq, m = finish(lax.fori_loop(1, steps, functools.partial(
-            overlapped, first=False, **kwargs), lax.fori_loop(
-                0, 1, functools.partial(overlapped, first=True, **kwargs),
-                zeros)))
-      else:
-        dq, m = run(carry=zeros)
+      dq, m = run(carry=(_zeros((bq, layout.width)), _zeros((bq,), ROW)))
       out = fp8_smem["out"].at[wg]
       _store([(out, out, dq * lax.broadcast_in_dim(
           m * scales_ref[batch, kv_head, 4], dq.shape, [0]), dq_ref,
