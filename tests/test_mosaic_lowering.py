@@ -1304,27 +1304,3 @@ def test_fp8_forward_overlaps_by_default(head_dim, causal, persistent):
   with pytest.raises(ValueError, match="overlap=True is the FP8 forward's"):
     _lower_grad("mosaic", (2, 256, 520, 8, 2, head_dim), is_causal=causal,
                 block_sizes=jax_flash.MosaicBlockSizes(overlap=True))
-
-
-def test_e4m3_column_permutation_is_the_stores():
-  """`tiles.permute_e4m3_columns` moves column 8 h + 2 t + b of each
-  16-column window to 4 t + 2 h + b (t < 4, h < 2, b < 2): where
-  `store_e4m3` puts the values of lane t's column pairs of two adjacent
-  8-column tiles; it permutes any axis, and a matmul contracting two
-  operands both permuted so gives the same product."""
-  x = jnp.arange(48)
-  got = np.asarray(tiles.permute_e4m3_columns(x))
-  for window in range(3):
-    for t in range(4):
-      for h in range(2):
-        for b in range(2):
-          assert got[16 * window + 4 * t + 2 * h + b] == (
-              16 * window + 8 * h + 2 * t + b)
-  a = jax.random.normal(jax.random.key(0), (3, 32, 5))
-  assert np.array_equal(np.asarray(tiles.permute_e4m3_columns(a, axis=1)),
-                        np.asarray(tiles.permute_e4m3_columns(
-                            a.swapaxes(1, 2)).swapaxes(1, 2)))
-  p, v = jax.random.normal(jax.random.key(1), (2, 8, 64))
-  np.testing.assert_allclose(
-      tiles.permute_e4m3_columns(p) @ tiles.permute_e4m3_columns(v).T,
-      p @ v.T, rtol=1e-5, atol=1e-5)

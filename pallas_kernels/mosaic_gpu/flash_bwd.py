@@ -73,9 +73,8 @@ from pallas_kernels.mosaic_gpu.tiles import (COL, COMPUTE_WGS, ROW, Columns,
                                              await_last_releases, columns,
                                              cta_row_tile, dropped, load_ids,
                                              logits2, needs_positions,
-                                             pad_ids, permute_e4m3_columns,
-                                             range_table, smem_transforms,
-                                             split_refs, store_e4m3,
+                                             pad_ids, range_table,
+                                             smem_transforms, split_refs,
                                              table_ranges, tail_rows,
                                              tile_buffer,
                                              tile_views, tma_rows, visible)
@@ -198,8 +197,8 @@ def _quantize_ds(ds, m, ds_smem):
   positive = m_new > _DS_FLOOR
   alpha = jnp.where(positive, m / m_new, 1.0)
   inverse = jnp.where(positive, fp8_lib.E4M3_MAX / m_new, 0.0)
-  store_e4m3((ds * lax.broadcast_in_dim(inverse, ds.shape, [0])).astype(
-      fp8_lib.E4M3), ds_smem)
+  ds_smem[...] = (ds * lax.broadcast_in_dim(inverse, ds.shape, [0])).astype(
+      fp8_lib.E4M3)
   plgpu.commit_smem()
   return m_new, alpha
 
@@ -345,7 +344,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
     maxima of |dS^T|)."""
     dk, m = carry
     pt_smem, ds_smem = fp8_smem["p"].at[wg], fp8_smem["ds"].at[wg]
-    store_e4m3((p * fp8_lib.E4M3_MAX).astype(fp8_lib.E4M3), pt_smem)
+    pt_smem[...] = (p * fp8_lib.E4M3_MAX).astype(fp8_lib.E4M3)
     plgpu.commit_smem()
     plgpu.barrier_wait(do_ready.at[ring])
 
@@ -369,7 +368,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
     def dv_part(carry):
       acc, m = carry
       pt_smem = fp8_smem["p"].at[wg]
-      store_e4m3((p * fp8_lib.E4M3_MAX).astype(fp8_lib.E4M3), pt_smem)
+      pt_smem[...] = (p * fp8_lib.E4M3_MAX).astype(fp8_lib.E4M3)
       plgpu.commit_smem()
       plgpu.barrier_wait(do_ready.at[ring])
       return _fp8_product(acc, None, pt_smem, dot_smem.at[ring].T), m
@@ -830,9 +829,7 @@ def fp8_backward_operands(operands: Operands, do, softmax_scale: float,
   do8 = rounding.quantize(do, sdo, num_kv_heads)
   q8, do8 = (pad_to(x, 1, q_rows) for x in (operands.fp8_q, do8))
   k8, v8 = (pad_to(x, 1, kv_rows) for x in (operands.fp8_k, operands.fp8_v))
-  # Contracted with P^T, dS^T and dS, which `store_e4m3` permutes.
-  transposed = tuple(permute_e4m3_columns(x.transpose(0, 2, 3, 1))
-                     for x in (q8, do8, k8))
+  transposed = tuple(x.transpose(0, 2, 3, 1) for x in (q8, do8, k8))
   scale = softmax_scale / fp8_lib.E4M3_MAX
   scales = jnp.stack([sq * sk, sv * sdo, sdo / fp8_lib.E4M3_MAX, sq * scale,
                       sk * scale], axis=-1).astype(jnp.float32)

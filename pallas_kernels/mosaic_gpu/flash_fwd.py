@@ -50,11 +50,9 @@ from pallas_kernels.mosaic_gpu.tiles import (COL, COMPUTE_WGS, ROW, Columns,
                                              cta_row_tile, dropped, load_ids,
                                              logits2, needs_positions,
                                              online_softmax, pad_ids,
-                                             permute_e4m3_columns,
                                              range_table, rescaled,
                                              smem_transforms, softmax_step,
-                                             split_refs, store_e4m3,
-                                             table_ranges,
+                                             split_refs, table_ranges,
                                              tail_rows, tile_buffer,
                                              tile_views, tma_rows, visible)
 
@@ -456,7 +454,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
       # l sums the undropped p; only P V sees the dropout.
       if fp8:  # As e4m3, the left operand from shared memory.
         p16 = p_smem
-        store_e4m3(p.astype(fp8_lib.E4M3), p16)
+        p16[...] = p.astype(fp8_lib.E4M3)
         plgpu.commit_smem()
       else:
         p16 = dropped(p, scores, seed_ref, batch, head, positions,
@@ -511,7 +509,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
           matmuls, plgpu.ACC((block_q, block_kv), jnp.float32),
           tuple(plgpu.ACC((block_q, w), jnp.float32)
                 for _, w in layout.parts))
-      store_e4m3(p8, p_smem)
+      p_smem[...] = p8
       plgpu.commit_smem()
       return acc, m, l
 
@@ -695,9 +693,8 @@ def flash_forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
             Columns.of(q.dtype, q.shape[3], blocks.block_kv, q_len, kv_len))
   q, k = (pad_to(x, 1, tma_rows(n, layout.untiled[0]))
           for x, n in ((q, q_len), (k, kv_len)))
-  if fp8:  # The tiled copies of V^T's [H, block_kv] tiles: whole tiles,
-    # their keys permuted as `store_e4m3` permutes P's.
-    v = permute_e4m3_columns(pad_to(v, 3, round_up(kv_len, blocks.block_kv)))
+  if fp8:  # The tiled copies of V^T's [H, block_kv] tiles: whole tiles.
+    v = pad_to(v, 3, round_up(kv_len, blocks.block_kv))
   else:
     v = pad_to(v, 1, tma_rows(kv_len, layout.untiled[1]))
   batch, _, num_heads, _ = q.shape

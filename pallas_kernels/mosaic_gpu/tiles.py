@@ -22,15 +22,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic import gpu as mgpu
-from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_flash.spec import dropout
-from jax_flash.spec import fp8 as fp8_lib
 from jax_flash.spec.mask import (KV_PAD_ID, Q_PAD_ID, Mask, id_block_table,
                                   intersect_ranges, intersect_tables,
                                   kinds_block_table, without_full_tiles)
@@ -57,47 +53,6 @@ def await_last_releases(loaded, stages: int, *free):
       slot = lax.rem(last, stages)
       for barrier in free:
         plgpu.barrier_wait(barrier.at[slot])
-
-
-# An e4m3 tile stored from an accumulator's layout, by `store_e4m3`, holds
-# its columns permuted within each window of E4M3_WINDOW: stored column
-# 4 t + 2 h + b is column 8 h + 2 t + b (t < 4, h < 2, b < 2).
-E4M3_WINDOW = 16
-
-
-def store_e4m3(x, ref):
-  """Stores e4m3 x ([rows, cols], the wgmma accumulator's layout; rows a
-  multiple of 64, cols of E4M3_WINDOW) into ref, a [rows, cols] e4m3 tile
-  (`smem_transforms`), each window of columns permuted: a thread's two
-  column pairs of adjacent 8-column tiles become one 32-bit word, a layout
-  Mosaic GPU stores by `stmatrix` (its own store from the accumulator's
-  layout writes 8-bit values by 16-bit stores). A matmul reading the tile
-  contracts over its columns, so its other operand's contracted index
-  must be permuted alike (`permute_e4m3_columns`)."""
-  tiling, swizzle = smem_transforms(fp8_lib.E4M3, ref.shape[-1])
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,
-                                plgpu.RefType((tiling, swizzle))))
-  def store(_, x, smem):
-    pairs = x.registers  # [row tiles, 8-column tiles, 1, 1, row halves, ...]
-    words = np.empty(mgpu.WGMMA_LAYOUT_8BIT.registers_shape(x.shape), object)
-    for idx in np.ndindex(words.shape):
-      words[idx] = mgpu_utils.vector_concat(
-          [pairs[(idx[0], 2 * idx[1] + h, *idx[2:])] for h in range(2)])
-    mgpu.FragmentedArray(_registers=words, _layout=mgpu.WGMMA_LAYOUT_8BIT,
-                         _is_signed=None).store_tiled(smem, swizzle.swizzle)
-  store(x, ref)
-
-
-def permute_e4m3_columns(x, axis: int = -1):
-  """x with its `axis` (a multiple of E4M3_WINDOW long) permuted as
-  `store_e4m3` permutes a tile's columns: a matmul's operand contracted
-  with such a tile."""
-  axis %= x.ndim
-  shape = x.shape
-  view = x.reshape(*shape[:axis], shape[axis] // E4M3_WINDOW, 2, 4, 2,
-                   *shape[axis + 1:])
-  return jnp.swapaxes(view, axis + 1, axis + 2).reshape(shape)
 
 
 def tma_rows(length: int, whole_atoms: bool = False) -> int:
