@@ -34,6 +34,7 @@
 #   bash scripts/gpu_check.sh fp8       # FP8: its tests, where an fp8 call's time goes (8k),
 #                                       # speed and error vs bf16 and cuDNN (bf16 and FP8),
 #                                       # train_lm with --fp8 on and off (~12 min)
+#   bash scripts/gpu_check.sh fp8_train # train_lm --fp8 off/on at head dims 64 and 128
 #   bash scripts/gpu_check.sh mosaic    # the Mosaic kernels: correctness sweep + 8k benchmark
 #                                       # (with tokamax if .whl/ is carried: scripts/tokamax_wheels.sh)
 # TESTS="tests/a.py::b ..." limits `tests` to those; BENCH_ARGS replaces
@@ -66,6 +67,23 @@ bench() {  # bench NAME TIMEOUT ARGS...: one benchmark run into $OUT/NAME.
   tail -n 25 "$OUT/$name"/*.md
   grep -h '"error"' "/tmp/$name.log" | sed 's/.*"impl": \("[^"]*"\).*"mode": \("[^"]*"\).*"error": /\1 \2 /' \
     | cut -c1-400 | sort -u | head -n 12
+}
+
+fp8_train() {  # fp8_train HEADS...: train_lm with --fp8 off and on, the
+  # same seed (d_model 512, causal, 1,024 tokens: head dim 512 / HEADS;
+  # 8 heads, 64: the bf16 backward on the rounded inputs; 4 heads, 128: the
+  # FP8 backward); eval losses side by side.
+  local heads mode
+  for heads in "$@"; do
+    for mode in off on; do
+      timeout 200 python3 examples/train_lm.py --layers 4 --d-model 512 \
+        --heads "$heads" --kv-heads "$heads" --seq-len 1024 --batch 16 \
+        --steps 300 --lr 1e-3 --dtype bfloat16 --eval-batches 4 \
+        --sample-len 20 --fp8 $mode > "$OUT/train_fp8_${heads}_$mode.log" 2>&1
+      echo "train --heads $heads --fp8 $mode: exit $?"
+      tr '\r' '\n' < "$OUT/train_fp8_${heads}_$mode.log" | tail -n 4
+    done
+  done
 }
 
 masks() {  # Packed documents; padding as lengths, masks and bias.
@@ -107,16 +125,10 @@ for mode in "$@"; do
       timeout 300 python3 benchmarks/fp8.py > "$OUT/fp8.jsonl" \
         2> /tmp/fp8.err || tail -n 20 /tmp/fp8.err
       cut -c1-300 "$OUT/fp8.jsonl"
-      # A short training run with and without FP8 (head dim 64, causal:
-      # the Mosaic FP8 forward), the same seed: eval losses side by side.
-      for mode in off on; do
-        timeout 200 python3 examples/train_lm.py --layers 4 --d-model 512 \
-          --heads 8 --kv-heads 8 --seq-len 1024 --batch 16 --steps 300 \
-          --lr 1e-3 --dtype bfloat16 --eval-batches 4 --sample-len 20 \
-          --fp8 $mode > "$OUT/train_fp8_$mode.log" 2>&1
-        echo "train --fp8 $mode: exit $?"
-        tr '\r' '\n' < "$OUT/train_fp8_$mode.log" | tail -n 4
-      done
+      fp8_train 8
+      ;;
+    fp8_train)
+      fp8_train 8 4
       ;;
     dispatch)
       timeout "${DISPATCH_LIMIT:-240}" python3 benchmarks/dispatch_overhead.py \
