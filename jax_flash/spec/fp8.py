@@ -101,13 +101,22 @@ def dequantize(x8, scale, num_kv_heads: int):
 class Rounding:
   """Who makes the e4m3 values: `amax(x, num_kv_heads)` -> float32 [B, K]
   and `quantize(x, scale, num_kv_heads)` -> e4m3 [B, L, N, H], as this
-  module's functions of those names define them, bitwise."""
+  module's functions of those names define them, bitwise, and kept by XLA
+  as they are (a kernel's output is; XLA's own conversion needs a barrier:
+  `XLA`)."""
   name: str
   amax: Callable
   quantize: Callable
 
 
-XLA = Rounding("xla", amax, quantize)
+def _quantize_kept(x, scale, num_kv_heads: int):
+  """`quantize` behind an optimization barrier: XLA on a GPU, allowed
+  excess precision, would otherwise drop a conversion to e4m3 and back
+  under jit and leave x unrounded."""
+  return jax.lax.optimization_barrier(quantize(x, scale, num_kv_heads))
+
+
+XLA = Rounding("xla", amax, _quantize_kept)
 
 
 @jax.custom_jvp
@@ -135,16 +144,11 @@ def rounded(x, num_kv_heads: int, rounding=None):
   """(`dequantize(quantize(x))` with per-(batch, KV head) scales, in
   `rounded_dtype(x.dtype)` (exact) and differentiated as the identity (the
   gradient reaches x in its dtype); the e4m3 values; their scales [B, K]),
-  the scales and values by `rounding` (`Rounding`; None: `XLA`). XLA's
-  e4m3 values pass an optimization barrier: XLA on a GPU, allowed excess
-  precision, would otherwise drop the pair of conversions under jit and
-  leave x unrounded."""
+  the scales and values by `rounding` (`Rounding`; None: `XLA`)."""
   rounding = rounding or XLA
   x0 = jax.lax.stop_gradient(x)
   scale = jax.lax.stop_gradient(scales(x0, num_kv_heads, rounding))
   x8 = rounding.quantize(x0, scale, num_kv_heads)
-  if rounding is XLA:
-    x8 = jax.lax.optimization_barrier(x8)
   values = dequantize(x8, scale, num_kv_heads).astype(rounded_dtype(x.dtype))
   return _straight_through(x, values), x8, scale
 
