@@ -337,16 +337,6 @@ def _out_avals(q, v):
   return [o, lse]
 
 
-@functools.lru_cache(maxsize=4096)
-def _eager(prim, params):
-  """A jitted call of `prim` alone: how a primitive runs outside jit."""
-  return jax.jit(lambda *args: prim.bind(*args, **dict(params)))
-
-
-def _impl(prim):
-  return lambda *args, **params: _eager(prim, tuple(params.items()))(*args)
-
-
 def _flash_jvp(prim, primals, tangents, *, cfg, tree):
   out = prim.bind(*primals, cfg=cfg, tree=tree)
   positions = (0, 1, 2) + tuple(3 + i for i in differentiable_leaves(tree))
@@ -450,7 +440,7 @@ def _forward_value(*args, cfg, tree):
 
 
 for _prim in (flash_p, flash_partitioned_p):
-  _prim.def_impl(_impl(_prim))
+  _prim.def_impl(functools.partial(dispatch.apply_primitive, _prim))
   _prim.def_abstract_eval(
       lambda q, k, v, *leaves, cfg, tree: _out_avals(q, v))
   mlir.register_lowering(_prim, _scoped(mlir.lower_fun(
@@ -504,7 +494,8 @@ def _tangent_batch(args, dims, *, cfg, tree):
       dims), (0, 0)
 
 
-flash_tangent_p.def_impl(_impl(flash_tangent_p))
+flash_tangent_p.def_impl(
+    functools.partial(dispatch.apply_primitive, flash_tangent_p))
 flash_tangent_p.def_abstract_eval(
     lambda *args, cfg, tree: _out_avals(args[0], args[2]))
 mlir.register_lowering(flash_tangent_p, _scoped(mlir.lower_fun(
@@ -543,7 +534,7 @@ def _backward_batch(prim, args, dims, *, cfg, tree):
 
 
 for _prim in (flash_backward_p, flash_backward_partitioned_p):
-  _prim.def_impl(_impl(_prim))
+  _prim.def_impl(functools.partial(dispatch.apply_primitive, _prim))
   _prim.def_abstract_eval(_backward_avals)
   mlir.register_lowering(_prim, _scoped(mlir.lower_fun(
       _backward_value, multiple_results=True)))

@@ -259,7 +259,8 @@ def forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
       kb = lax.dynamic_slice_in_dim(k, k0, p.block_k, 1)
       vb = lax.dynamic_slice_in_dim(v, k0, p.block_k, 1)
       s2, _ = _logits2(p, ops, p.dot("bqkgh,bskh->bkgqs", qb, kb), q0, k0)
-      m, alpha, prob, l = softmax.update(m, l, s2.reshape(rows, p.block_k))
+      m, alpha, prob, l = softmax.update(m, l, s2.reshape(rows, p.block_k),
+                                         autodiff=True)
       prob = _dropped(p, ops, prob.reshape(s2.shape), q0, k0)
       if scores.fp8:  # e4m3 values of P * 448: exact in V's dtype.
         pv = p.dot("bkgqs,bskh->bkgqh", fp8.quantize_p(prob).astype(v.dtype),

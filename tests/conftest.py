@@ -7,10 +7,14 @@ import shutil
 # On a machine without an NVIDIA GPU, XLA compiles the CPU programs (the
 # interpreted kernels, the references) without LLVM's optimizations: they
 # run once or twice each, so compiling them dominates (about a third of
-# the suite's time, measured on a 2-core machine). Set before JAX starts.
-if not (os.path.exists("/dev/nvidiactl") or shutil.which("nvidia-smi")):
+# the suite's time, measured on a 2-core machine). Set before JAX starts;
+# JAX_FLASH_XLA_DEFAULT_OPTIMIZATION=1 keeps XLA's default (a test runs
+# forward mode both ways in a subprocess).
+OPTIMIZATION_LEVEL_0 = "--xla_backend_optimization_level=0"
+if not (os.path.exists("/dev/nvidiactl") or shutil.which("nvidia-smi") or
+        os.environ.get("JAX_FLASH_XLA_DEFAULT_OPTIMIZATION") == "1"):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_backend_optimization_level=0").strip()
+                             " " + OPTIMIZATION_LEVEL_0).strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -1,6 +1,9 @@
 """jit, grad, vmap, checkpoint, value_and_grad in a model; forward mode
 (jvp, linearize) and its compositions; determinism."""
 import functools
+import os
+import subprocess
+import sys
 
 import chex
 import jax
@@ -11,7 +14,7 @@ import pytest
 import jax_flash
 from jax_flash.testing import assert_attention_close
 from tests.cases import SMALL_BLOCKS, Case, inputs
-from tests.conftest import KERNEL_IMPL
+from tests.conftest import KERNEL_IMPL, ON_GPU, OPTIMIZATION_LEVEL_0
 
 CASE = Case(2, 100, 70, 4, 2, 32, "float32", True)
 
@@ -181,6 +184,24 @@ def test_jvp_and_linearize_match_the_reference(implementation, kwargs):
   got = jax.jit(lambda: run(lambda *a, **kw: jax_flash.flash_attention(
       *a, implementation=implementation, **kw)))()
   assert_attention_close(got, run(jax_flash.reference_attention))
+
+
+@pytest.mark.skipif(ON_GPU, reason="a GPU run compiles at XLA's default")
+def test_forward_mode_at_xla_default_optimization():
+  """The forward-mode cases again with XLA's default optimizations (this
+  process compiles at level 0): the tangents are finite and right whatever
+  XLA fuses or folds (the running max is a constant to AD, so no tangent
+  counts the entries tied for it)."""
+  env = dict(os.environ, JAX_FLASH_XLA_DEFAULT_OPTIMIZATION="1",
+             XLA_FLAGS=os.environ.get("XLA_FLAGS", "").replace(
+                 OPTIMIZATION_LEVEL_0, "").strip())
+  result = subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+       f"{__file__}::test_jvp_and_linearize_match_the_reference"],
+      capture_output=True, text=True, env=env, timeout=600,
+      cwd=os.path.dirname(os.path.dirname(__file__)))
+  assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+  assert "4 passed" in result.stdout, result.stdout[-2000:]
 
 
 def test_forward_mode_composes_with_vmap_jit_and_checkpoint():

@@ -42,22 +42,34 @@ def _safe(m):
   return jnp.where(m == NEG_INF, 0.0, m)
 
 
-def update(m_prev, l_prev, s):
+def update(m_prev, l_prev, s, *, autodiff: bool = False):
   """One FlashAttention-2 step on a [block_q, block_k] tile of base-2 scores.
 
   Returns `(m_new, alpha, p, l_new)`: the caller rescales its unnormalized
   accumulator by `alpha` and adds `p @ V` (delayed normalization).
+
+  autodiff: the caller is differentiated (the blockwise forward under
+  `jax.jvp`). The running max is a shift the results do not depend on, so
+  it is then a constant to AD (`lax.stop_gradient`, as in
+  `jax.nn.softmax`). Its own derivative, JAX's reduce_max JVP, divides by
+  how many entries equal the max: 0/0 where a compiler computes the entries
+  twice with different rounding (XLA's CPU backend at optimization level 0
+  fuses the logits into the max and into the comparison apart). Kernels
+  leave it off: Mosaic GPU has no lowering for stop_gradient.
   """
-  m_new, alpha, (p,), l_new = update_parts(m_prev, l_prev, (s,))
+  m_new, alpha, (p,), l_new = update_parts(m_prev, l_prev, (s,),
+                                           autodiff=autodiff)
   return m_new, alpha, p, l_new
 
 
-def update_parts(m_prev, l_prev, parts):
+def update_parts(m_prev, l_prev, parts, *, autodiff: bool = False):
   """`update` over one tile given as column blocks `parts` (a tuple of
   [block_q, n_i] base-2 score tiles, together the tile's columns): the same
   statistics, and a p for each part."""
   m_new = functools.reduce(jnp.maximum, (jnp.max(s, axis=1) for s in parts),
                            m_prev)
+  if autodiff:
+    m_new = jax.lax.stop_gradient(m_new)
   m_safe = _safe(m_new)
   alpha = jnp.exp2(m_prev - m_safe)
   ps = tuple(jnp.exp2(s - m_safe[:, None]) for s in parts)
