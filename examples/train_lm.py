@@ -16,6 +16,7 @@ On a GPU the attention runs the Pallas kernels; on a CPU the plain-XLA path
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import sys
@@ -218,8 +219,8 @@ def main(argv=None):
                       help="FP8 attention (flash_attention's fp8=True, or "
                       "'rotate'); flash attention only")
   parser.add_argument("--out-dir", default=None,
-                      help="where the checkpoint is written (default: a new "
-                      "temporary directory)")
+                      help="where the checkpoint is written and kept (default: a "
+                      "temporary folder, removed at the end)")
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args(argv)
   if args.fp8 != "off" and args.implementation in ("flax", "cudnn"):
@@ -281,14 +282,20 @@ def main(argv=None):
   if "peak_bytes_in_use" in stats:
     print(f"peak device memory {stats['peak_bytes_in_use'] / 2**30:.2f} GiB")
 
-  out_dir = args.out_dir or tempfile.mkdtemp(prefix="jax_flash_train_lm_")
-  os.makedirs(out_dir, exist_ok=True)
-  path = os.path.join(out_dir, "lm_params.msgpack")
-  save_params(model, path)
-  restored = make(args.seed + 1)  # Different initial parameters ...
-  load_params(restored, path)  # ... replaced by the checkpoint's.
+  # Without --out-dir the checkpoint goes to a temporary folder, removed
+  # once the restored model is checked.
+  with contextlib.ExitStack() as stack:
+    out_dir = args.out_dir or stack.enter_context(
+        tempfile.TemporaryDirectory(prefix="jax_flash_train_lm_"))
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "lm_params.msgpack")
+    save_params(model, path)
+    restored = make(args.seed + 1)  # Different initial parameters ...
+    load_params(restored, path)  # ... replaced by the checkpoint's.
   restored_eval = evaluate(restored)
-  print(f"checkpoint {path}: restored model eval loss {restored_eval:.3f}")
+  kept = "" if args.out_dir else " (removed; --out-dir keeps it)"
+  print(f"checkpoint {path}{kept}: restored model eval loss "
+        f"{restored_eval:.3f}")
   if abs(restored_eval - final_eval) > 1e-5:
     raise SystemExit("restored checkpoint does not evaluate like the model")
 

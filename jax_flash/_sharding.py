@@ -728,10 +728,10 @@ _FP8 = ("fp8_q", "fp8_k", "fp8_v", "fp8_scales")
 _STRATEGY_OPERANDS = {
     "all_to_all": frozenset(("q_ids", "kv_ids", "alibi_slopes", "sinks",
                              "bias", "dense_mask", "tile_kinds",
-                             "dropout_seed") + _FP8),
+                             "dropout_seed", "q_offsets") + _FP8),
     "all_gather": frozenset(("q_ids", "kv_ids", "alibi_slopes", "sinks",
                              "bias", "dense_mask", "tile_kinds",
-                             "dropout_seed") + _FP8),
+                             "dropout_seed", "q_offsets") + _FP8),
     "ring": frozenset(("q_ids", "kv_ids", "sinks", "dropout_seed")),
     "ring_all_to_all": frozenset(),
 }
@@ -751,8 +751,11 @@ def _refused(operands: Operands) -> dict:
 
 
 def _at_offsets(operands: Operands, offsets, q, k) -> Operands:
-  """`operands` of a query chunk at `offsets` (all_gather's): with a dense
-  mask (its rows the chunk's), the tile kinds of those rows."""
+  """`operands` of a query chunk at `offsets` (all_gather's; added to the
+  call's own query offsets): with a dense mask (its rows the chunk's), the
+  tile kinds of those rows."""
+  if operands.q_offsets is not None:
+    offsets = offsets + operands.q_offsets
   operands = dataclasses.replace(operands, q_offsets=offsets)
   if operands.dense_mask is None:
     return operands

@@ -141,10 +141,11 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
                     key_value_seq_lengths=None, local_window_size=None,
                     segment_ids=None, logits_soft_cap=None,
                     alibi_slopes=None, dropout_rate=0.0, dropout_rng=None,
-                    dropout_broadcast=False, sinks=None, return_residual=False,
-                    implementation=None, block_sizes=None, version=2,
-                    fp8=False, descale=None, out_dtype=None,
-                    context_parallel="auto", sequence_axis=None):
+                    dropout_broadcast=False, sinks=None, query_offset=None,
+                    return_residual=False, implementation=None,
+                    block_sizes=None, version=2, fp8=False, descale=None,
+                    out_dtype=None, context_parallel="auto",
+                    sequence_axis=None):
   """Exact attention, softmax(scale * Q K^T) V, without the T x S matrix in memory.
 
   A superset of `jax.nn.dot_product_attention`: same arguments, shapes and
@@ -157,7 +158,9 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
     query: [B, T, N, H] or [T, N, H].
     key: [B, S, K, H] or [S, K, H]. Query head n attends with key/value head
       n // (N // K); keys are never repeated in memory.
-    value: same shape as key.
+    value: same shape as key. As in jax.nn, a [S, K, H] key or value goes
+      with a query of batch 1 ([1, T, N, H]), and a [1, S, K, H] one with
+      an unbatched query; the output has the query's rank.
     bias: float, broadcastable to [B, N, T, S] (dims of 1 broadcast), added
       to the logits; read tile by tile. Its gradient has the bias's shape.
     mask: bool, broadcastable to [B, N, T, S]; True = attend. Read tile by
@@ -169,7 +172,8 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
       a constant of the kernels; a traced scalar multiplies the query
       instead (the same softmax; it gets a gradient).
     is_causal: query i attends to keys j <= i, aligned top-left when T != S
-      (as jax.nn does). For T=3, S=5 the visible pairs are::
+      (as jax.nn does; `query_offset` moves the queries). For T=3, S=5 the
+      visible pairs are::
 
           1 0 0 0 0
           1 1 0 0 0
@@ -202,8 +206,18 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
       one more term exp(sinks[n]) in the softmax's denominator, of a key
       whose value is 0; it gets a gradient. A row that sees no key then has
       logsumexp sinks[n] (and output 0).
+    query_offset: an int, or int [B]: the position of each sequence's
+      first query among the keys (default 0). Query i sits at position
+      i + query_offset[b] for the causal mask, windows, ALiBi and dropout's
+      bits; S - T aligns a causal mask bottom-right, as FlashAttention-2
+      does, for a chunk of new queries against a cache that holds the
+      chunk's keys last (chunked prefill). Any int32; a query that sees no
+      key outputs 0. Not with `sequence_axis`.
     return_residual: also return the logsumexp of the scaled scores,
-      [B, T, N] (or [T, N]), natural log.
+      [B, T, N] (or [T, N]), natural log, float32 whatever the inputs'
+      dtype (jax.nn gives the inputs' dtype; a bfloat16 logsumexp is off
+      by up to 2**-8 of its value, 0.06 at 16, enough to skew the
+      merge of partial results it exists for).
     implementation: None picks "pallas" when query lives on a GPU and a
       Pallas backend takes the call, "xla" otherwise. "pallas": the best
       Pallas backend for the device and call (GPU only): the Mosaic GPU
@@ -272,6 +286,7 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
   Gradients with respect to query, key and value are deterministic (no
   atomics). Errors in the arguments are raised at trace time as ValueError.
   """
+  query, key, value = checks.common_rank(query, key, value)
   options = dict(
       scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
       key_value_seq_lengths=key_value_seq_lengths,
@@ -279,10 +294,14 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
       logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
       dropout_rate=dropout_rate, dropout_rng=dropout_rng,
       dropout_broadcast=dropout_broadcast, sinks=sinks,
-      return_residual=return_residual, implementation=implementation,
-      block_sizes=block_sizes, version=version, fp8=fp8, descale=descale,
-      out_dtype=out_dtype, context_parallel=context_parallel)
+      query_offset=query_offset, return_residual=return_residual,
+      implementation=implementation, block_sizes=block_sizes,
+      version=version, fp8=fp8, descale=descale, out_dtype=out_dtype,
+      context_parallel=context_parallel)
   if sequence_axis is not None:
+    if query_offset is not None:
+      raise ValueError("query_offset does not go with sequence_axis (each "
+                       "device's chunk has an offset of its own there)")
     return _sequence_axis.attend(_attention, sequence_axis, query, key,
                                  value, bias, mask, **options)
   return _attention(query, key, value, bias, mask, head_offset=None,
@@ -292,9 +311,10 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
 def _attention(query, key, value, bias, mask, *, scale, is_causal,
                query_seq_lengths, key_value_seq_lengths, local_window_size,
                segment_ids, logits_soft_cap, alibi_slopes, dropout_rate,
-               dropout_rng, dropout_broadcast, sinks, return_residual,
-               implementation, block_sizes, version, fp8, descale, out_dtype,
-               context_parallel, head_offset, sequence_axis=None):
+               dropout_rng, dropout_broadcast, sinks, query_offset,
+               return_residual, implementation, block_sizes, version, fp8,
+               descale, out_dtype, context_parallel, head_offset,
+               sequence_axis=None):
   """`flash_attention` on one device's arrays; `head_offset` (traced int or
   None): the place of its first query head among the whole call's, where
   dropout's keep bits are drawn (`_sequence_axis`); `sequence_axis`: the
@@ -309,7 +329,8 @@ def _attention(query, key, value, bias, mask, *, scale, is_causal,
               local_window_size=local_window_size, segment_ids=segment_ids,
               logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
               dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-              dropout_broadcast=dropout_broadcast, sinks=sinks)
+              dropout_broadcast=dropout_broadcast, sinks=sinks,
+              query_offset=query_offset)
   fp8_kind = ("descale" if descale is not None else
               "amax" if fp8 is not False else False)
   spec = prepare(query, key, value, fp8=fp8_kind, **args)

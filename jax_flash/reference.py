@@ -38,13 +38,14 @@ def logits(q, k, operands: Operands, *, mask: mask_lib.Mask, scores: Scores,
               compute_dtype) * scores.scale
   if scores.soft_cap is not None:
     s = scores.soft_cap * jnp.tanh(s / scores.soft_cap)
-  if scores.alibi:
-    distance = jnp.abs(jnp.arange(t)[:, None] - jnp.arange(s_len)[None, :])
+  offsets = operands.q_offsets if mask.has_q_offsets else None
+  if scores.alibi:  # Query i sits at position i + its sequence's offset.
+    rows = _positions(t, offsets)[:, None, None, :, None]
+    distance = jnp.abs(rows - jnp.arange(s_len))
     s = s - _per_head(operands.alibi_slopes[:, :, None, None], kh,
                       g) * distance
   if scores.bias:
     s = s + _per_head(operands.bias.astype(acc), kh, g)
-  offsets = operands.q_offsets if mask.has_q_offsets else None
   visible = mask_lib.dense_mask(mask, t, s_len, operands.q_ids,
                                 operands.kv_ids, offsets)[:, None, None]
   if mask.has_dense:
@@ -52,16 +53,28 @@ def logits(q, k, operands: Operands, *, mask: mask_lib.Mask, scores: Scores,
   return jnp.where(visible, s, -jnp.inf)
 
 
-def dropped(probs, operands: Operands, scores: Scores):
+def _positions(q_len: int, offsets):
+  """int32 [B|1, T]: the queries' positions (offsets int [B] or None)."""
+  rows = jnp.arange(q_len, dtype=jnp.int32)[None]
+  return rows if offsets is None else rows + offsets.astype(jnp.int32)[:,
+                                                                       None]
+
+
+def dropped(probs, operands: Operands, scores: Scores, mask: mask_lib.Mask):
   """probs [B, K, G, T, S] with dropout applied: kept entries scaled by
-  1 / (1 - rate), the keep bits of `jax_flash.dropout_keep_mask`."""
+  1 / (1 - rate), the keep bits of `jax_flash.dropout_keep_mask` (at the
+  queries' positions, with query offsets)."""
   if not scores.dropout:
     return probs
   b, kh, g, t, s_len = probs.shape
   shared = scores.dropout_broadcast  # One mask: batch 0, head 0.
-  keep = dropout.keep_mask(operands.dropout_seed, scores.dropout_rate,
-                           1 if shared else b, 1 if shared else kh * g, t,
-                           s_len)
+  offsets = operands.q_offsets if mask.has_q_offsets else None
+  keep = dropout.keep(
+      operands.dropout_seed, scores.dropout_rate,
+      0 if shared else jnp.arange(b, dtype=jnp.int32)[:, None, None, None],
+      0 if shared else jnp.arange(kh * g, dtype=jnp.int32)[:, None, None],
+      _positions(t, offsets)[:, None, :, None],
+      jnp.arange(s_len, dtype=jnp.int32))
   return jnp.where(_per_head(keep, kh, g),
                    probs / (1.0 - scores.dropout_rate), 0.0)
 
@@ -102,7 +115,7 @@ def attend(q, k, v, operands: Operands, *, mask: mask_lib.Mask,
   if scores.sinks:
     l = l + jnp.exp(sink - m)
   l_safe = jnp.where(l == 0.0, 1.0, l)
-  probs = dropped(e / l_safe, operands, scores)
+  probs = dropped(e / l_safe, operands, scores, mask)
   lse = jnp.where(l == 0.0, -jnp.inf, m + jnp.log(l_safe))[..., 0]
   out = _matmul("bkgts,bskh->btkgh", probs, v, acc, compute_dtype)
   return (out.reshape(b, t, n, v.shape[-1]).astype(q.dtype),
@@ -115,13 +128,14 @@ def reference_attention(query, key, value, bias=None, mask=None, *, scale=None,
                         segment_ids=None, logits_soft_cap=None,
                         alibi_slopes=None, dropout_rate=0.0, dropout_rng=None,
                         dropout_broadcast=False, sinks=None,
-                        return_residual=False, implementation=None,
-                        block_sizes=None, version=2):
+                        query_offset=None, return_residual=False,
+                        implementation=None, block_sizes=None, version=2):
   """softmax(logits, masked) V, with the signature of `flash_attention`::
 
       logits = scale * Q K^T
       logits = cap * tanh(logits / cap)           (logits_soft_cap)
-      logits = logits - slope[b, n] * abs(i - j)  (alibi_slopes)
+      logits = logits - slope[b, n] * abs(i + o[b] - j)  (alibi_slopes;
+                                                   o: query_offset)
       logits = logits + bias                      (bias)
       P      = exp(logits) / (sum_j exp(logits_j) + exp(sinks[n]))
       P      = P * keep / (1 - dropout_rate)      (dropout: the keep bits of
@@ -135,6 +149,7 @@ def reference_attention(query, key, value, bias=None, mask=None, *, scale=None,
   logsumexp [B, T, N] (natural log) when `return_residual`.
   """
   del implementation, block_sizes, version
+  query, key, value = checks.common_rank(query, key, value)
   query, scale = checks.fold_traced_scale(query, scale)
   spec = prepare(query, key, value, bias=bias, mask=mask, scale=scale,
                  is_causal=is_causal, query_seq_lengths=query_seq_lengths,
@@ -142,7 +157,8 @@ def reference_attention(query, key, value, bias=None, mask=None, *, scale=None,
                  local_window_size=local_window_size, segment_ids=segment_ids,
                  logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
                  dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-                 dropout_broadcast=dropout_broadcast, sinks=sinks)
+                 dropout_broadcast=dropout_broadcast, sinks=sinks,
+                 query_offset=query_offset)
   unbatched = spec.problem.unbatched
   if unbatched:
     query, key, value = query[None], key[None], value[None]

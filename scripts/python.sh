@@ -1,5 +1,6 @@
-# find_python: the command of a Python 3.12 interpreter (sourced by the
-# setup scripts).
+# Helpers the setup scripts source.
+
+# find_python: the command of a Python 3.12 interpreter.
 find_python() {
   for cmd in "python3.12" "env PYENV_VERSION=3.12.1 python3.12" "python3"; do
     if $cmd -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; then
@@ -8,4 +9,9 @@ find_python() {
   done
   echo "jax-flash needs Python 3.12 (python3.12 not found)" >&2
   return 1
+}
+
+# pinned_jax FILE: the jax version a constraints file pins.
+pinned_jax() {
+  sed -n 's/^jax==//p' "$1"
 }

@@ -155,6 +155,12 @@ def context_parallel():
       ("auto", 2, 96, 72, "whole", dict(is_causal=True)),  # Whole keys.
       ("auto", 1, 96, 96, "seq", dict(is_causal=True, scale=0.3)),
       ("all_to_all", 4, 96, 96, "seq", dict(local_window_size=(20, 5))),
+      # Queries at offsets of their own: added to each chunk's.
+      ("all_gather", 2, 96, 96, "seq", dict(
+          is_causal=True, query_offset=jnp.array([5, 40]),
+          alibi_slopes=jnp.linspace(0.1, 0.8, 8))),
+      ("all_to_all", 4, 96, 96, "seq", dict(is_causal=True,
+                                            query_offset=jnp.array([5, 40]))),
       ("ring", 2, 96, 96, "seq", dict(is_causal=True)),
       ("ring", 4, 96, 96, "seq", dict(logits_soft_cap=5.0)),
       # Sliding windows over chunks of 24: keys 30 back lie in 3 of the 4

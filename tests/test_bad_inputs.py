@@ -45,7 +45,12 @@ BAD = {
     "query_rank_5": (_attention(q=_sds((1, 2, 64, 4, 64))),
                      "query must have shape"),
     "key_rank": (_attention(k=_sds((S, K, H))),
-                 "key must have the same rank as query"),
+                 r"key of shape \(32, 2, 64\) is unbatched: it goes with a "
+                 "query of batch 1"),
+    "batched_key_for_unbatched_query": (
+        _attention(q=_sds((T, N, H)), k=_sds((B, S, K, H)),
+                   v=_sds((B, S, K, H))),
+        "an unbatched query .* takes key and value of batch 1"),
     "value_shape": (_attention(v=_sds((B, 48, K, H))),
                     "value must have the shape of key"),
     "key_batch": (_attention(k=_sds((3, S, K, H)), v=_sds((3, S, K, H))),
@@ -165,6 +170,14 @@ BAD = {
         value_pages=jnp.zeros((4, 24, K, 32)),
         page_table=jnp.zeros((B, 2), I32)),
         "page_size=24 must be a power of two"),
+    "query_offset_shape": (_attention(is_causal=True,
+                                      query_offset=jnp.array([1, 2, 3])),
+                           r"query_offset must have shape \[batch\]"),
+    "query_offset_dtype": (_attention(is_causal=True, query_offset=2.5),
+                           "query_offset must be an integer array"),
+    "query_offset_with_sequence_axis": (
+        _attention(query_offset=3, sequence_axis="sp"),
+        "query_offset does not go with sequence_axis"),
     # BlockSizes.
     "block_q_48": (lambda: BlockSizes(block_q=48),
                    r"block_sizes.block_q=48 must be a power of two >= 16"),
@@ -253,3 +266,39 @@ def test_xla_implementation_takes_any_head_dim(head_dim):
   q = jax.random.normal(jax.random.key(1), (1, 8, 2, head_dim))
   out = jax_flash.flash_attention(q, q, q, implementation="xla")
   assert_attention_close(out, jax_flash.reference_attention(q, q, q))
+
+
+@pytest.mark.parametrize("implementation", [KERNEL_IMPL, "xla"])
+def test_what_jax_nn_takes_we_take(implementation):
+  """Lengths as Python lists; a [S, K, H] key and value with a query of
+  batch 1, and a [1, S, K, H] one with an unbatched query (jax.nn gives
+  each a batch of 1; the output has the query's rank)."""
+  q = jax.random.normal(jax.random.key(0), (1, 24, 4, 16))
+  k, v = (jax.random.normal(jax.random.key(i), (1, 40, 2, 16))
+          for i in (1, 2))
+  cases = {
+      "lengths_list": ((q, k, v), dict(key_value_seq_lengths=[33],
+                                       query_seq_lengths=(20,))),
+      "unbatched_kv": ((q, k[0], v[0]), {}),
+      "unbatched_query": ((q[0], k, v), {}),
+  }
+  for name, (args, kwargs) in cases.items():
+    got = jax_flash.flash_attention(*args, is_causal=True,
+                                    implementation=implementation, **kwargs)
+    want = jax.nn.dot_product_attention(*args, is_causal=True, **{
+        key: jnp.asarray(x, jnp.int32) for key, x in kwargs.items()})
+    assert got.shape == want.shape == args[0].shape, name
+    if not kwargs:  # With lengths, padded rows differ on purpose (0 here).
+      assert_attention_close(got, want)
+    else:
+      assert_attention_close(got[:, :20], want[:, :20])
+
+
+def test_logsumexp_is_float32_for_every_dtype():
+  """return_residual's logsumexp is float32 whatever the inputs' dtype
+  (jax.nn's is theirs): docs/differences.md says why."""
+  q = jax.random.normal(jax.random.key(0), (1, 24, 4, 16), jnp.bfloat16)
+  _, lse = jax_flash.flash_attention(q, q, q, return_residual=True)
+  assert lse.dtype == jnp.float32
+  _, ref = jax_flash.reference_attention(q, q, q, return_residual=True)
+  assert ref.dtype == jnp.float32

@@ -2,6 +2,7 @@
 equivalence test file users copy is collected here so CI runs it."""
 import ast
 import pathlib
+import tempfile
 
 import pytest
 
@@ -29,10 +30,12 @@ def test_linen_lm_trains():
   linen_lm.main(["--steps", "40"])
 
 
-def test_train_lm_trains_checkpoints_and_samples(tmp_path):
+def test_train_lm_trains_checkpoints_and_samples(tmp_path, monkeypatch):
+  """Without --out-dir its checkpoint's temporary folder is gone after."""
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
   train_lm.main(["--steps", "30", "--batch", "8", "--seq-len", "64",
-                 "--eval-batches", "1", "--sample-len", "8", "--lr", "1e-2",
-                 "--out-dir", str(tmp_path)])
+                 "--eval-batches", "1", "--sample-len", "8", "--lr", "1e-2"])
+  assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.py")),

@@ -150,6 +150,14 @@ MASK_KWARGS = {
     "segments_window_lengths": dict(segment_ids=(Q_SEG, KV_SEG),
                                     local_window_size=(20, 20),
                                     query_seq_lengths=jnp.array([70, 1])),
+    # Queries at offsets (T=100 over S=90: S - T = -10 aligns bottom-right).
+    "offset_bottom_right": dict(is_causal=True, query_offset=S - T),
+    "offset_per_sequence_window": dict(
+        local_window_size=(20, 4), query_offset=jnp.array([5, 40]),
+        key_value_seq_lengths=jnp.array([90, 61])),
+    "offset_causal_segments": dict(segment_ids=(Q_SEG, KV_SEG),
+                                   is_causal=True,
+                                   query_offset=jnp.array([3, 0])),
 }
 
 
@@ -167,6 +175,32 @@ def test_mask_matches_reference(name, implementation):
                                   "segments_causal_lengths"])
 def test_mask_version1_matches_reference(name):
   _compare(MASK_KWARGS[name], version=1)
+
+
+@pytest.mark.parametrize("implementation", [KERNEL_IMPL, "xla"])
+def test_query_offset_is_a_chunk_of_the_whole_call(implementation):
+  """Queries [a, a + T) of a causal self-attention call, run alone with
+  query_offset=a against every key (a chunked prefill), give the whole
+  call's rows: outputs, logsumexp and the chunk's dq, with ALiBi and
+  dropout, whose bits are drawn at the queries' positions."""
+  q, k, v, _ = random_inputs(2, 96, 96, 4, 2, 32, jnp.float32)
+  kwargs = dict(is_causal=True, alibi_slopes=jnp.array([0.1, 0.2, 0.3, 0.4]),
+                dropout_rate=0.25, dropout_rng=jax.random.key(3),
+                local_window_size=(40, None), return_residual=True,
+                implementation=implementation)
+  start, size = 40, 24
+  chunk = lambda x: x[:, start:start + size]
+  loss = lambda out: jnp.sum(jnp.sin(out[0]))
+  out_whole = jax_flash.flash_attention(q, k, v, **kwargs)
+  out_part = jax_flash.flash_attention(chunk(q), k, v, query_offset=start,
+                                       **kwargs)
+  assert_attention_close(out_part, jax.tree.map(chunk, out_whole))
+  dq_whole = jax.grad(lambda q: loss(jax_flash.flash_attention(
+      q, k, v, **kwargs)))(q)
+  dq_part = jax.grad(lambda c: loss(jax_flash.flash_attention(
+      c, k, v, query_offset=start, **kwargs)))(chunk(q))
+  # The chunk's rows reach the loss only through themselves.
+  assert_attention_close(dq_part, chunk(dq_whole))
 
 
 def test_mask_bfloat16_gqa_unaligned():

@@ -981,6 +981,18 @@ def test_mosaic_takes_lengths_and_segment_ids(head_dim):
   assert not any(name in text for name in TRITON_BACKWARD)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_query_offsets_run_the_mosaic_forward_and_triton_backward(head_dim):
+  """query_offset: the Mosaic forward reads the offsets as scalars; its
+  backward declines them, so the plan's backward is Triton's."""
+  text = _lower_grad("pallas", (2, 256, 512, 8, 2, head_dim), jnp.bfloat16,
+                     is_causal=True, query_offset=jnp.array([256, 3]),
+                     alibi_slopes=jnp.linspace(0.1, 0.8, 8))
+  assert "flash_attention_forward_mosaic" in text
+  assert all(name in text for name in TRITON_BACKWARD)
+  assert not any(name in text for name in MOSAIC_BACKWARD)
+
+
 @pytest.mark.parametrize("head_dim", [96, 192])
 @pytest.mark.parametrize("causal", [False, True])
 def test_mosaic_head_dims_96_and_192_lower_unpadded(head_dim, causal):

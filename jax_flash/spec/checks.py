@@ -89,6 +89,33 @@ def check_qkv(query, key, value) -> Problem:
   return Problem(b, t, s, n, k, h, unbatched, hv)
 
 
+def common_rank(query, key, value):
+  """(query, key, value) with one rank, as jax.nn takes them: where the
+  query is batched ([B, T, N, H]) and key or value is not, that one is a
+  batch of 1; where the query is not, a batched key or value of batch 1
+  loses its batch axis. Other shapes are returned as they are (for
+  `check_qkv` to name)."""
+  ranks = [getattr(x, "ndim", None) for x in (query, key, value)]
+  if len(set(ranks)) == 1 or not set(ranks) <= {3, 4}:
+    return query, key, value
+  if ranks[0] == 4:
+    for name, x in (("key", key), ("value", value)):
+      if x.ndim == 3 and query.shape[0] != 1:
+        raise ValueError(
+            f"{name} of shape {tuple(x.shape)} is unbatched: it goes with a "
+            f"query of batch 1 (as in jax.nn), got query "
+            f"{tuple(query.shape)}; pass [batch, kv_len, num_kv_heads, "
+            "head_dim]")
+    return query, *(x[None] if x.ndim == 3 else x for x in (key, value))
+  for name, x in (("key", key), ("value", value)):
+    if x.ndim == 4 and x.shape[0] != 1:
+      raise ValueError(
+          f"{name} of shape {tuple(x.shape)} has a batch of {x.shape[0]}; "
+          f"an unbatched query {tuple(query.shape)} takes key and value of "
+          "batch 1 or unbatched")
+  return query, *(x[0] if x.ndim == 4 else x for x in (key, value))
+
+
 def fold_traced_scale(query, scale):
   """(query, scale). A traced scale (jax.nn takes one; the kernels' is a
   compile-time constant) multiplies the query instead, since
@@ -151,6 +178,12 @@ def in_int32_scope(fn):
 
 
 def int_array(x, name, shape, expected):
+  if isinstance(x, (list, tuple)):  # As jax.nn takes them.
+    try:
+      x = np.asarray(x)
+    except ValueError as e:
+      raise ValueError(f"{name} must be an integer array of shape "
+                       f"{expected}, got {x!r}") from e
   if not hasattr(x, "shape") or not hasattr(x, "dtype"):
     raise ValueError(f"{name} must be an integer array of shape {expected}, "
                      f"got {type(x).__name__}")
@@ -169,6 +202,28 @@ def check_lengths(lengths, name, p: Problem):
   if p.unbatched and getattr(lengths, "ndim", None) == 0:
     lengths = lengths.reshape(1)
   return int_array(lengths, name, (p.batch,), "[batch]")
+
+
+def check_query_offset(offset, p: Problem):
+  """query_offset: a static int, or an int array [] or [B] ([] or [1]
+  unbatched): the position of each sequence's first query among its keys.
+  -> int32 [B], or None for a static 0 (or None)."""
+  if offset is None:
+    return None
+  if isinstance(offset, (int, np.integer)) and not isinstance(offset, bool):
+    if offset == 0:
+      return None
+    return jnp.full((p.batch,), offset, jnp.int32)
+  if isinstance(offset, (list, tuple)):
+    offset = np.asarray(offset)
+  if getattr(offset, "ndim", None) == 0 or getattr(offset, "shape",
+                                                   None) == (1,):
+    if not jnp.issubdtype(offset.dtype, jnp.integer):
+      raise ValueError(f"query_offset must have an integer dtype, got "
+                       f"{offset.dtype}")
+    return jnp.broadcast_to(jnp.asarray(offset).astype(jnp.int32).reshape(()),
+                            (p.batch,))
+  return int_array(offset, "query_offset", (p.batch,), "[batch] (or an int)")
 
 
 def check_segment_ids(segment_ids, p: Problem):

@@ -33,7 +33,8 @@ def prepare(query, key, value, *, bias=None, mask=None, scale=None,
             key_value_seq_lengths=None, local_window_size=None,
             segment_ids=None, logits_soft_cap=None, alibi_slopes=None,
             dropout_rate=0.0, dropout_rng=None,
-            dropout_broadcast=False, sinks=None, fp8=False) -> Spec:
+            dropout_broadcast=False, sinks=None, fp8=False,
+            query_offset=None) -> Spec:
   """Validates the arguments of `flash_attention` and builds the Spec
   (operands batched: [B, ...] even for unbatched inputs)."""
   p = checks.check_qkv(query, key, value)
@@ -49,6 +50,7 @@ def prepare(query, key, value, *, bias=None, mask=None, scale=None,
   slopes = checks.check_alibi_slopes(alibi_slopes, p)
   rate = checks.check_dropout(dropout_rate, dropout_rng)
   sinks = checks.check_sinks(sinks, p)
+  offsets = checks.check_query_offset(query_offset, p)
   q_ids, kv_ids = make_ids(
       p.batch, p.q_len, p.kv_len,
       q_segment_ids=None if segments is None else segments[0],
@@ -58,7 +60,8 @@ def prepare(query, key, value, *, bias=None, mask=None, scale=None,
                    window_right=right, has_ids=q_ids is not None,
                    segments_only=(segments is not None and q_lengths is None
                                   and kv_lengths is None),
-                   has_dense=dense is not None)
+                   has_dense=dense is not None,
+                   has_q_offsets=offsets is not None)
   scores = Scores(scale=scale, soft_cap=cap, alibi=slopes is not None,
                   bias=bias is not None, dropout_rate=rate,
                   dropout_broadcast=bool(dropout_broadcast) and rate > 0,
@@ -70,7 +73,7 @@ def prepare(query, key, value, *, bias=None, mask=None, scale=None,
       # ALiBi slopes are constants here: no gradient flows to them.
       alibi_slopes=None if slopes is None else jax.lax.stop_gradient(slopes),
       dropout_seed=dropout.seed_words(dropout_rng) if rate > 0 else None,
-      sinks=sinks)
+      sinks=sinks, q_offsets=offsets)
   return Spec(p, mask_spec, scores, operands)
 
 
