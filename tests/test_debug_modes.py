@@ -1,4 +1,5 @@
-"""JAX's debugging modes with every public entry point: under
+"""JAX's debugging modes with every public entry point (flash_attention,
+flex_attention, flash_decode, ring_attention, the Flax modules): under
 `jax.disable_jit()` a call gives the jitted call's values (forward and
 gradients), and under `jax.debug_nans` a NaN input raises JAX's
 FloatingPointError while finite inputs (masked rows included) raise
@@ -107,3 +108,16 @@ def test_debug_nans_with_the_modules(name):
     f(x)
     with pytest.raises(FloatingPointError, match="nan"):
       f(x.at[0, 3, 1].set(jnp.nan))
+
+
+def test_ring_attention_in_both_modes():
+  mesh = jax.make_mesh((1,), ("sp",),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  q, k, v = _qkv(32, 32)
+  f = lambda q, k, v: jax_flash.ring_attention(q, k, v, mesh=mesh,
+                                               axis_name="sp", is_causal=True)
+  with jax.disable_jit():
+    eager = f(q, k, v)
+  assert_attention_close(eager, jax.jit(f)(q, k, v))
+  with jax.debug_nans(True), pytest.raises(FloatingPointError, match="nan"):
+    jax.jit(f)(q.at[0, 1, 0, 3].set(jnp.nan), k, v)
