@@ -88,10 +88,8 @@ def _decode(impl, q_len, head_dim=128, page_size=None, **kwargs):
       implementation=impl, **kwargs)), [q, lengths, pages, table]
 
 
-def _flex(impl, shape, score_mod=True):
+def _flex(impl, shape, mask, score_mod=True):
   b, t, s, n, k, h = shape
-  mask = jax_flash.create_block_mask(
-      lambda b, h, i, j: (i >= j) & (i - j < 200), None, None, t, s)
   mod = (lambda x, b, h, i, j: x - 0.01 * jnp.abs(i - j)) if score_mod else None
   args = [_sds((b, t, n, h), BF16), _sds((b, s, k, h), BF16),
           _sds((b, s, k, h), BF16)]
@@ -124,6 +122,9 @@ def cases():
                       dropout_rng=jax.random.key(0)),
       "offset": dict(is_causal=True, query_offset=jnp.array([220, 3])),
   }
+  flex_shape = (1, 256, 256, 4, 2, 64)
+  block_mask = jax_flash.create_block_mask(  # Made here, on the host.
+      lambda b, h, i, j: (i >= j) & (i - j < 200), None, None, 256, 256)
   out = {}
   for impl in ("mosaic", "triton"):
     for name, kwargs in masks.items():
@@ -144,12 +145,12 @@ def cases():
         i, (1, 300, 300, 8, 8, 192), value_head_dim=128, is_causal=True)
     out[f"{impl}/grad/mqa"] = lambda i=impl: _grad(
         i, (2, 300, 520, 8, 1, 64), is_causal=True)
-    out[f"{impl}/flex"] = lambda i=impl: _flex(i, (1, 256, 256, 4, 2, 64))
+    out[f"{impl}/flex"] = lambda i=impl: _flex(i, flex_shape, block_mask)
     out[f"{impl}/decode/prompt_chunk"] = lambda i=impl: _decode(i, 128)
     out[f"{impl}/decode/tokens_h64"] = lambda i=impl: _decode(i, 2, 64)
     out[f"{impl}/decode/tokens_h128"] = lambda i=impl: _decode(i, 4)
   out["mosaic/flex/mask_only"] = lambda: _flex(
-      "mosaic", (1, 256, 256, 4, 2, 64), score_mod=False)
+      "mosaic", flex_shape, block_mask, score_mod=False)
   out["triton/decode/paged"] = lambda: _decode("triton", 4, page_size=16)
   out["triton/decode/paged_chunk"] = lambda: _decode("triton", 128,
                                                      page_size=16)
