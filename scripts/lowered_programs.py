@@ -12,22 +12,26 @@ API only, so the same script reads any commit's tree:
 `PYTHONPATH=<tree>` picks the tree (a `git worktree` of the other commit);
 `--texts DIR` also writes each program's text (to diff one that changed);
 `--only SUBSTRING` keeps the cases whose name holds it. The text holds
-every Mosaic GPU kernel's serialized module and every Triton kernel's IR
-(source line numbers are not part of either).
+every Mosaic GPU kernel's serialized module and every Triton kernel's IR,
+without source locations; each case lowers in a process of its own (a
+Mosaic GPU module depends on what its process lowered before).
 """
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
 import os
+import subprocess
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
 from jax._src import mesh as mesh_lib
+from jax._src import source_info_util
 
 import jax_flash
 
@@ -202,10 +206,42 @@ def _has_query_offset() -> bool:
 
 
 def lower(thunk) -> str:
+  """The program's text, without source locations: they would name the
+  tree's path and the calling lines (Mosaic GPU gives a kernel the file
+  and line of its caller's frame, `source_info_util.user_frame`)."""
+  jax.config.update("jax_traceback_in_locations_limit", 0)
+  source_info_util.user_frame = lambda *args, **kwargs: None
   with jax.sharding.use_abstract_mesh(
       mesh_lib.AbstractMesh((1,), ("x",), abstract_device=H200)):
     fn, args = thunk()
     return fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _one(name: str, texts: str | None) -> str:
+  """The digest of case `name`, lowered in this process."""
+  try:
+    text = lower(cases()[name])
+  except Exception as e:  # A case a tree cannot lower is a result too.
+    text = f"error: {type(e).__name__}: {e}"
+  if texts:
+    os.makedirs(texts, exist_ok=True)
+    with open(os.path.join(texts, name.replace("/", "__") + ".txt"),
+              "w") as f:
+      f.write(text)
+  return hashlib.sha256(text.encode()).hexdigest() + (
+      " " + text[:200] if text.startswith("error") else "")
+
+
+def _in_fresh_process(name: str, texts: str | None) -> str:
+  """`_one` in a process of its own: a Mosaic GPU program depends on what
+  the process lowered before it."""
+  command = [sys.executable, __file__, "--case", name] + (
+      ["--texts", texts] if texts else [])
+  result = subprocess.run(command, capture_output=True, text=True,
+                          check=False)
+  if result.returncode:
+    return "error: the process failed: " + result.stderr[-300:]
+  return result.stdout.strip()
 
 
 def main(argv=None):
@@ -213,9 +249,14 @@ def main(argv=None):
   parser.add_argument("--out", help="write {case: sha256} here (JSON)")
   parser.add_argument("--texts", help="also write each program's text here")
   parser.add_argument("--only", default="", help="cases whose name holds it")
+  parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
   parser.add_argument("--compare", nargs=2, metavar=("A", "B"),
                       help="report the cases whose digests differ")
+  parser.add_argument("--case", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
+  if args.case:
+    print(_one(args.case, args.texts))
+    return 0
   if args.compare:
     a, b = (json.load(open(p)) for p in args.compare)
     changed = sorted(k for k in a.keys() & b.keys() if a[k] != b[k])
@@ -227,23 +268,14 @@ def main(argv=None):
     print(f"{len(a.keys() & b.keys()) - len(changed)} identical, "
           f"{len(changed)} changed")
     return 1 if changed else 0
-  digests, start = {}, time.perf_counter()
-  for name, thunk in cases().items():
-    if args.only not in name:
-      continue
-    try:
-      text = lower(thunk)
-    except Exception as e:  # A case a tree cannot lower is a result too.
-      text = f"error: {type(e).__name__}: {e}"
-    digests[name] = hashlib.sha256(text.encode()).hexdigest()
-    if args.texts:
-      os.makedirs(args.texts, exist_ok=True)
-      with open(os.path.join(args.texts, name.replace("/", "__") + ".txt"),
-                "w") as f:
-        f.write(text)
-    print(f"{name}: {digests[name][:12]}"
-          f"{' ' + text[:120] if text.startswith('error') else ''}",
-          file=sys.stderr)
+  names = [n for n in cases() if args.only in n]
+  start = time.perf_counter()
+  with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+    results = pool.map(lambda n: _in_fresh_process(n, args.texts), names)
+    digests = {}
+    for name, result in zip(names, results):
+      digests[name] = result.split(" ")[0]
+      print(f"{name}: {result[:12]}{result[64:]}", file=sys.stderr)
   print(f"{len(digests)} programs in {time.perf_counter() - start:.0f} s",
         file=sys.stderr)
   if args.out:
