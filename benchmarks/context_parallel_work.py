@@ -28,10 +28,10 @@ import jax.numpy as jnp
 import jax_flash
 from jax_flash import _dispatch, _primitive, attention
 from jax_flash.benchmark import _measure, _time
-from jax_flash.spec import checks, softmax
-from jax_flash.spec.mask import Mask
-from jax_flash.spec.operands import Operands
-from jax_flash.spec.scores import Scores
+from jax_flash.core import checks, softmax
+from jax_flash.core.mask import Mask
+from jax_flash.core.operands import Operands
+from jax_flash.core.scores import Scores
 
 
 def main():

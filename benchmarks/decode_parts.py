@@ -28,9 +28,9 @@ import jax.numpy as jnp
 
 import jax_flash
 from jax_flash import benchmark
-from jax_flash.spec import softmax
-from jax_flash.spec.mask import Mask
-from jax_flash.spec.scores import Scores
+from jax_flash.core import softmax
+from jax_flash.core.mask import Mask
+from jax_flash.core.scores import Scores
 from pallas_kernels.mosaic_gpu import flash_decode as mosaic_decode
 
 

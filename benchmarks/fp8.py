@@ -17,7 +17,7 @@ inputs rounded with one scale a tensor, its output e4m3 with V's scale).
 Then, at `--error-len` tokens, the error (RMS over RMS) of the FP8
 calls' outputs and gradients against float32 attention on the
 unquantized inputs, beside that of exact attention on the inputs rounded
-to e4m3 (`jax_flash.spec.fp8.round_trip`) and of the bf16 call. One JSON
+to e4m3 (`jax_flash.core.fp8.round_trip`) and of the bf16 call. One JSON
 line a row; an implementation that refuses a call gets its error.
 """
 from __future__ import annotations
@@ -32,8 +32,8 @@ import jax.numpy as jnp
 
 import jax_flash
 from jax_flash import benchmark
-from jax_flash.spec import fp8
-from jax_flash.spec.operands import Operands
+from jax_flash.core import fp8
+from jax_flash.core.operands import Operands
 
 
 def _rel(a, b):
@@ -70,9 +70,9 @@ def cudnn_fp8(causal):
 def _call_blocks(q, k, causal):
   """The Mosaic tiles the default dispatch gives an fp8=True call on q, k
   (`MosaicGpuBackend.config`)."""
-  from jax_flash.spec.checks import Problem
-  from jax_flash.spec.mask import Mask
-  from jax_flash.spec.scores import Scores
+  from jax_flash.core.mask import Mask
+  from jax_flash.core.problem import Problem
+  from jax_flash.core.scores import Scores
   from pallas_kernels.mosaic_gpu import MosaicGpuBackend
   b, t, n, h = q.shape
   problem = Problem(batch=b, q_len=t, kv_len=k.shape[1], num_heads=n,
@@ -174,8 +174,8 @@ def _kernels(q, k, v, causal):
   (`flash_fwd.flash_forward`) at tiles `blocks`, in FP8 on the e4m3
   values fp8=True rounds q, k, v to (whatever f is given), else in bf16
   on f's arguments."""
-  from jax_flash.spec.mask import Mask
-  from jax_flash.spec.scores import Scores
+  from jax_flash.core.mask import Mask
+  from jax_flash.core.scores import Scores
   from pallas_kernels.mosaic_gpu import flash_fwd
   mask, scale = Mask(is_causal=causal), q.shape[-1] ** -0.5
   parts = [fp8.rounded(x, k.shape[2]) for x in (q, k, v)]

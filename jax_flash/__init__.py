@@ -16,7 +16,7 @@ from jax_flash.flex import (and_masks, create_block_mask,  # noqa: E402
                             flex_attention, or_masks)
 from jax_flash.reference import reference_attention  # noqa: E402
 from jax_flash.ring import ring_attention  # noqa: E402
-from jax_flash.spec.dropout import dropout_keep_mask  # noqa: E402
+from jax_flash.core.dropout import dropout_keep_mask  # noqa: E402
 from pallas_kernels.mosaic_gpu.config import \
     BlockSizes as MosaicBlockSizes  # noqa: E402
 from pallas_kernels.triton.config import BlockSizes  # noqa: E402

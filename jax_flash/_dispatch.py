@@ -5,7 +5,7 @@ describe their call (the `Problem`, dtype, `Mask`, `Scores`, `Operands`) and
 ask `select` for a `Plan`: the backend of the forward (or of the decode),
 the backend of the backward, and, for a differentiable operand whose
 gradient that backward leaves out, a backend that gives it. Backends
-implement `jax_flash.spec.backend.Backend`; `backends()` is the registry by
+implement `jax_flash.core.backend.Backend`; `backends()` is the registry by
 implementation name, `PALLAS` the Pallas backends for a GPU, best first.
 Nothing here knows one backend from another: each says why it refuses a
 call, and the next is asked.
@@ -26,14 +26,14 @@ import functools
 import jax
 
 from jax_flash import blockwise
-from jax_flash.spec import device
-from jax_flash.spec import fp8 as fp8_lib
-from jax_flash.spec.backend import Backend, Decode
-from jax_flash.spec.checks import Problem
-from jax_flash.spec.mask import Mask
-from jax_flash.spec.operands import Operands
-from jax_flash.spec.problem import decode_as_forward
-from jax_flash.spec.scores import Scores
+from jax_flash.core import device
+from jax_flash.core import fp8 as fp8_lib
+from jax_flash.core.backend import Backend, Decode
+from jax_flash.core.mask import Mask
+from jax_flash.core.operands import Operands
+from jax_flash.core.prepare import decode_as_forward
+from jax_flash.core.problem import Problem
+from jax_flash.core.scores import Scores
 
 IMPLEMENTATIONS = ("pallas", "mosaic", "triton", "interpret", "xla")
 VERSIONS = (1, 2)
@@ -100,7 +100,7 @@ XLA = XlaBackend()
 @functools.cache
 def backends() -> dict[str, Backend]:
   """The backends by implementation name. (Imported on first use: the
-  kernel packages import `jax_flash.spec`, so importing one of them first
+  kernel packages import `jax_flash.core`, so importing one of them first
   must not need this module.)"""
   from pallas_kernels import mosaic_gpu, triton
   from pallas_kernels.triton import fp8_round

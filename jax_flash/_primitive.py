@@ -36,12 +36,13 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from jax_flash import _dispatch, _kernel_cache, _sharding, blockwise, ring
-from jax_flash.spec import softmax
-from jax_flash.spec.backend import differentiable_leaves
-from jax_flash.spec.checks import Problem, check_qkv, x64_scope
-from jax_flash.spec.mask import Mask, without_padding
-from jax_flash.spec.operands import Operands
-from jax_flash.spec.scores import Scores
+from jax_flash.core import softmax
+from jax_flash.core.backend import differentiable_leaves
+from jax_flash.core.checks import check_qkv, x64_scope
+from jax_flash.core.mask import Mask, without_padding
+from jax_flash.core.operands import Operands
+from jax_flash.core.problem import Problem
+from jax_flash.core.scores import Scores
 
 
 @dataclasses.dataclass(frozen=True)

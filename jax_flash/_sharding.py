@@ -56,12 +56,12 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_flash.spec import dropout, mods
-from jax_flash.spec.backend import differentiable_leaves
-from jax_flash.spec.checks import Problem
-from jax_flash.spec.mask import Mask, dense_tile_kinds
-from jax_flash.spec.operands import Operands
-from jax_flash.spec.scores import Scores
+from jax_flash.core import dropout, mods
+from jax_flash.core.backend import differentiable_leaves
+from jax_flash.core.mask import Mask, dense_tile_kinds
+from jax_flash.core.operands import Operands
+from jax_flash.core.problem import Problem
+from jax_flash.core.scores import Scores
 
 # Shardy rules: b batch, t/s query/key length, n/k query/kv heads, h head
 # dim of query/key, v head dim of value/output.

@@ -8,13 +8,13 @@ import jax
 import jax.numpy as jnp
 
 from jax_flash import _dispatch, _primitive, _sequence_axis, _sharding
-from jax_flash.spec import checks, dropout
-from jax_flash.spec import fp8 as fp8_lib
-from jax_flash.spec.checks import Problem
-from jax_flash.spec.mask import Mask
-from jax_flash.spec.operands import Operands
-from jax_flash.spec.problem import masks_as_ids, prepare, with_dense_kinds
-from jax_flash.spec.scores import Scores
+from jax_flash.core import checks, dropout
+from jax_flash.core import fp8 as fp8_lib
+from jax_flash.core.mask import Mask
+from jax_flash.core.operands import Operands
+from jax_flash.core.prepare import masks_as_ids, prepare, with_dense_kinds
+from jax_flash.core.problem import Problem
+from jax_flash.core.scores import Scores
 
 
 def config(plan: _dispatch.Plan, block_sizes, problem: Problem, dtype,
@@ -61,7 +61,7 @@ def _fp8_inputs(query, key, value, fp8, descale, out_dtype, implementation):
   """(query, key, value, out_dtype, fp8 operands) for an FP8 call:
   float8_e4m3fn inputs dequantized with `descale` as float32, or (`fp8`)
   inputs rounded to e4m3 with per-(batch, KV head) scales,
-  straight-through, in `fp8.rounded_dtype` (`jax_flash.spec.fp8`; by
+  straight-through, in `fp8.rounded_dtype` (`jax_flash.core.fp8`; by
   the kernels or ops `_dispatch.fp8_rounding` picks);
   out_dtype the result's (None for a call without FP8); the operands the
   e4m3 values and their scales (`Operands.fp8_q`, ...: batched), made
@@ -242,7 +242,7 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
       forward (for comparison). Both share the FlashAttention-2 backward.
     fp8: True quantizes query, key and value to float8_e4m3fn with a scale
       per (batch, KV head), and the probabilities before P V, as
-      `jax_flash.spec.fp8` describes; "rotate" first multiplies query and
+      `jax_flash.core.fp8` describes; "rotate" first multiplies query and
       key by one orthogonal matrix along the head dim (incoherent
       processing: less error with outlier features). Output and gradients
       (straight-through) in the inputs' dtype. Runs on the blockwise path

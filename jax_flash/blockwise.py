@@ -4,14 +4,14 @@ FlashAttention-2 (Dao 2023, Algorithms 1 and 2) written with XLA loops
 instead of a kernel. The forward maps over query blocks; each walks the key
 blocks that `mask.kv_block_ranges` (and, with ids, `mask.id_block_table`)
 says are not entirely masked, keeping the online-softmax statistics of
-`spec.softmax`, and stores O and the logsumexp. The backward recomputes
+`core.softmax`, and stores O and the logsumexp. The backward recomputes
 P = exp(S - L) block by block: dQ per query block, dK, dV (and dBias)
 accumulated across them. Nothing of size T x S is ever held (except a bias
 gradient for a full T x S bias), so memory grows linearly in the sequence
 length; causal and windowed masks skip their hidden blocks.
 
-The logits, masks and dropout bits are those of the kernels: `spec.scores`,
-`spec.mask`, `spec.dropout`.
+The logits, masks and dropout bits are those of the kernels: `core.scores`,
+`core.mask`, `core.dropout`.
 """
 from __future__ import annotations
 
@@ -21,13 +21,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_flash.spec import dropout, fp8, softmax
-from jax_flash.spec import mask as mask_lib
-from jax_flash.spec.checks import check_block_field
-from jax_flash.spec.mask import Mask
-from jax_flash.spec.operands import Operands
-from jax_flash.spec.padding import pad_pairs, pad_to
-from jax_flash.spec.scores import Scores
+from jax_flash.core import dropout, fp8, softmax
+from jax_flash.core import mask as mask_lib
+from jax_flash.core.checks import check_block_field
+from jax_flash.core.mask import Mask
+from jax_flash.core.operands import Operands
+from jax_flash.core.padding import pad_pairs, pad_to
+from jax_flash.core.scores import Scores
 
 
 @dataclasses.dataclass(frozen=True)

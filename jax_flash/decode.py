@@ -5,9 +5,9 @@ import jax
 import numpy as np
 
 from jax_flash import _dispatch
-from jax_flash.spec import checks
-from jax_flash.spec.mask import Mask
-from jax_flash.spec.scores import Scores
+from jax_flash.core import checks
+from jax_flash.core.mask import Mask
+from jax_flash.core.scores import Scores
 
 
 @checks.in_x64_scope
@@ -49,7 +49,7 @@ def flash_decode(query, key_cache=None, value_cache=None, *, kv_lengths,
     out [B, T, N, Hv] in query.dtype, or (out, logsumexp [B, T, N]).
   Inference only: no gradient.
 
-  It is the same mask description as `flash_attention`'s (`jax_flash.spec`),
+  It is the same mask description as `flash_attention`'s (`jax_flash.core`),
   causal with a left window, the queries offset to kv_lengths[b] - T.
   """
   paged = page_table is not None

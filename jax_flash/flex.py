@@ -23,7 +23,7 @@ mask_mod and score_mod whose arrays they can read; the functions' jaxprs
 are evaluated in the kernels, the tile kinds become their tile ranges. The
 arrays a mod closes over (document ids, per-head windows, a relative-bias
 table) are read element by element there (`a[i]`, `a[b, i]`,
-`jnp.take(a, i)`; `spec.mods.evaluate`): the Triton kernels take them, the
+`jnp.take(a, i)`; `core.mods.evaluate`): the Triton kernels take them, the
 Mosaic GPU kernels (Hopper) take mods that close over no array. The
 gradient of a score_mod's floating arrays comes from the blockwise loops'
 backward (`attention._backward`; XLA drops it when nothing uses it), the
@@ -45,11 +45,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_flash import _dispatch, attention
-from jax_flash.spec import checks, device, mods
-from jax_flash.spec.mask import EMPTY, FULL, PARTIAL, Mask
-from jax_flash.spec.mods import ElementwiseMod
-from jax_flash.spec.operands import Operands
-from jax_flash.spec.scores import Scores
+from jax_flash.core import checks, device, mods
+from jax_flash.core.mask import EMPTY, FULL, PARTIAL, Mask
+from jax_flash.core.mods import ElementwiseMod
+from jax_flash.core.operands import Operands
+from jax_flash.core.scores import Scores
 
 
 def _examples(num_args: int, float_first: bool):

@@ -19,7 +19,7 @@ from flax.nnx.nn import dtypes
 from jax_flash import _dispatch, _sharding
 from jax_flash.attention import flash_attention
 from jax_flash.decode import flash_decode
-from jax_flash.spec import fp8 as fp8_lib
+from jax_flash.core import fp8 as fp8_lib
 
 
 def attend(query, key, value, bias, mask, *, broadcast_dropout, dropout_rng,

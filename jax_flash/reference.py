@@ -3,18 +3,18 @@
 Used by the tests, by users' own equivalence tests, and as the "xla"
 implementation. Scores and softmax are float32 (float64 inputs stay
 float64), matmuls at HIGHEST precision. The mask, score modifications and
-dropout bits come from `jax_flash.spec`, the description every kernel reads.
+dropout bits come from `jax_flash.core`, the description every kernel reads.
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import lax
 
-from jax_flash.spec import checks, dropout
-from jax_flash.spec import mask as mask_lib
-from jax_flash.spec.operands import Operands
-from jax_flash.spec.problem import prepare
-from jax_flash.spec.scores import Scores
+from jax_flash.core import checks, dropout
+from jax_flash.core import mask as mask_lib
+from jax_flash.core.operands import Operands
+from jax_flash.core.prepare import prepare
+from jax_flash.core.scores import Scores
 
 
 def _per_head(a, num_kv_heads: int, group: int = None):
@@ -91,7 +91,7 @@ def attend(q, k, v, operands: Operands, *, mask: mask_lib.Mask,
   """The math on batched inputs and a problem description.
 
   q [B, T, N, H]; k [B, S, K, H]; v [B, S, K, Hv]; operands, mask, scores
-  as built by `jax_flash.spec.prepare` (with `mask.has_q_offsets`, each
+  as built by `jax_flash.core.prepare` (with `mask.has_q_offsets`, each
   sequence's queries start at position `operands.q_offsets[b]`). Returns
   (out [B, T, N, Hv] in q.dtype, lse [B, N, T] float32, natural log; -inf
   for rows that see no key).

@@ -23,10 +23,10 @@ from jax.sharding import PartitionSpec as P
 
 from jax_flash import _dispatch
 from jax_flash._sharding import moved
-from jax_flash.spec import checks, dropout, softmax
-from jax_flash.spec.mask import Mask
-from jax_flash.spec.operands import Operands
-from jax_flash.spec.scores import Scores
+from jax_flash.core import checks, dropout, softmax
+from jax_flash.core.mask import Mask
+from jax_flash.core.operands import Operands
+from jax_flash.core.scores import Scores
 
 FULL, CAUSAL, SKIP = 0, 1, 2
 

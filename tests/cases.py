@@ -11,7 +11,7 @@ import numpy as np
 import jax_flash
 from jax_flash import BlockSizes
 from jax_flash.reference import attend
-from jax_flash.spec import prepare
+from jax_flash.core import prepare
 from jax_flash.testing import assert_attention_close
 from tests.conftest import KERNEL_IMPL
 

@@ -9,10 +9,10 @@ import pytest
 
 import jax_flash
 from jax_flash import _dispatch, _primitive, attention
-from jax_flash.spec import checks, softmax
-from jax_flash.spec.mask import Mask
-from jax_flash.spec.operands import Operands
-from jax_flash.spec.scores import Scores
+from jax_flash.core import checks, softmax
+from jax_flash.core.mask import Mask
+from jax_flash.core.operands import Operands
+from jax_flash.core.scores import Scores
 from jax_flash.testing import assert_attention_close
 from tests.cases import random_inputs
 from tests.conftest import KERNEL_IMPL, ON_GPU

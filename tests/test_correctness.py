@@ -114,7 +114,7 @@ def test_xla_backend_backward_is_flash_attention_2s():
   given (in ring_attention, that of more keys than the pair's): from the
   reference's forward it must give autodiff's gradients, bias included."""
   from jax_flash import _dispatch
-  from jax_flash.spec import prepare, softmax
+  from jax_flash.core import prepare, softmax
   q, k, v, do = inputs(CASES["f32_mha_causal"])
   bias = jax.random.normal(jax.random.key(5), (1, 4, 128, 128))
   spec = prepare(q, k, v, bias=bias, is_causal=True, dropout_rate=0.2,

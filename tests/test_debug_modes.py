@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import linen, nnx
+from flax import nnx
 
 import jax_flash
 from jax_flash.testing import assert_attention_close

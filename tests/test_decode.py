@@ -295,8 +295,8 @@ def test_mosaic_split_kv_decode_matches_reference(name, stages, all_heads,
   one KV head or of all, one or two consumer warpgroups, a few CTAs (each
   run crossing sequences and heads) or the default one a multiprocessor;
   bf16, NaN in the cache past each length, against the dense reference."""
-  from jax_flash.spec.mask import Mask
-  from jax_flash.spec.scores import Scores
+  from jax_flash.core.mask import Mask
+  from jax_flash.core.scores import Scores
   from pallas_kernels.mosaic_gpu import flash_decode as mosaic_decode
   b, t, s, n, k, h, lengths, ctas, opts = MOSAIC_SPLIT_KV_CASES[name]
   if h == 256 and consumers == 2:

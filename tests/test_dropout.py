@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jax_flash
-from jax_flash.spec import dropout
+from jax_flash.core import dropout
 from jax_flash.testing import relative_error
 from tests.cases import compare_with_reference, random_inputs
 from tests.conftest import KERNEL_IMPL

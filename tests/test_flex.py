@@ -12,8 +12,8 @@ import pytest
 
 import jax_flash
 from jax_flash.testing import assert_attention_close
-from jax_flash.spec import mask as mask_lib
-from jax_flash.spec import mods
+from jax_flash.core import mask as mask_lib
+from jax_flash.core import mods
 from tests.cases import plain_attention, random_inputs
 from tests.conftest import KERNEL_IMPL
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 import jax_flash
-from jax_flash.spec import fp8
+from jax_flash.core import fp8
 from tests.cases import random_inputs
 
 

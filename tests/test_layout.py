@@ -19,12 +19,12 @@ def _imports(path):
   return names
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "jax_flash/spec").glob("*.py")),
+@pytest.mark.parametrize("path", sorted((ROOT / "jax_flash/core").glob("*.py")),
                          ids=lambda p: p.name)
 def test_spec_imports_no_backend(path):
   ours = [n for n in _imports(path)
           if n.split(".")[0] in ("jax_flash", "pallas_kernels")]
-  assert all(n.startswith("jax_flash.spec") for n in ours), ours
+  assert all(n.startswith("jax_flash.core") for n in ours), ours
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "pallas_kernels").rglob("*.py")),
@@ -35,7 +35,7 @@ def test_backend_imports_only_the_spec_and_itself(path):
   ours = [n for n in _imports(path)
           if n.split(".")[0] in ("jax_flash", "pallas_kernels")]
   for name in ours:
-    assert name.startswith(("jax_flash.spec", own)), (path, name)
+    assert name.startswith(("jax_flash.core", own)), (path, name)
 
 
 def test_a_backend_package_imports_first():
@@ -51,12 +51,12 @@ def test_a_backend_package_imports_first():
 
 
 def test_every_backend_implements_the_interface():
-  """Each registered backend is a `spec.backend.Backend`, hashable, and its
+  """Each registered backend is a `core.backend.Backend`, hashable, and its
   methods take the interface's parameters by the same names."""
   import inspect
 
   from jax_flash import _dispatch
-  from jax_flash.spec.backend import Backend
+  from jax_flash.core.backend import Backend
   for name, backend in _dispatch.backends().items():
     assert isinstance(backend, Backend), name
     assert backend.name == name

@@ -11,8 +11,8 @@ import pytest
 
 import jax_flash
 from jax_flash.testing import assert_attention_close
-from jax_flash.spec import mask as mask_lib
-from jax_flash.spec.problem import masks_as_ids, prepare, with_dense_kinds
+from jax_flash.core import mask as mask_lib
+from jax_flash.core.prepare import masks_as_ids, prepare, with_dense_kinds
 from tests.cases import compare_with_reference, jax_nn_attention, random_inputs
 from tests.conftest import KERNEL_IMPL
 
@@ -245,7 +245,7 @@ def test_mask_matches_jax_nn_where_rows_see_keys():
 
 
 # Padding masks (varying along one sequence axis only) become ids
-# (`spec.problem.masks_as_ids`): tile skipping instead of a mask tile read
+# (`core.prepare.masks_as_ids`): tile skipping instead of a mask tile read
 # everywhere. The reference keeps them dense: the two must agree.
 _KEEP_KEYS = jax.random.bernoulli(jax.random.key(21), 0.7, (B, 1, 1, S))
 _KEEP_ROWS = jax.random.bernoulli(jax.random.key(22), 0.8, (B, 1, T, 1))
@@ -367,7 +367,7 @@ def test_dense_tile_kinds_match_brute_force(shape):
 
 
 # A dense mask with structure: its empty tiles skipped, its full ones
-# spared the mask tile (`spec.problem.with_dense_kinds`). Long enough for
+# spared the mask tile (`core.prepare.with_dense_kinds`). Long enough for
 # whole 64 x 64 tiles of each kind.
 T2, S2 = 256, 200
 _CAUSAL_PADDED = (jnp.arange(S2)[None] <= jnp.arange(T2)[:, None] + 10) & (

@@ -17,9 +17,9 @@ import pytest
 from jax._src import mesh as mesh_lib
 
 import jax_flash
-from jax_flash.spec.checks import Problem
-from jax_flash.spec.mask import Mask, kv_block_ranges
-from jax_flash.spec.scores import Scores
+from jax_flash.core.mask import Mask, kv_block_ranges
+from jax_flash.core.problem import Problem
+from jax_flash.core.scores import Scores
 from pallas_kernels.mosaic_gpu import MosaicGpuBackend
 from pallas_kernels.mosaic_gpu import flash_fwd, tiles
 from pallas_kernels.mosaic_gpu import config
@@ -391,7 +391,7 @@ def test_mosaic_split_kv_decode_lowers_within_shared_memory(
   stage count, bounded by shared memory (at head dim 256 and with two
   consumers' outputs), tiles of one KV head or both, on 5 CTAs (runs
   crossing groups: two Q buffers, one at head dim 256)."""
-  from jax_flash.spec.scores import Scores
+  from jax_flash.core.scores import Scores
   from pallas_kernels.mosaic_gpu import flash_decode as mosaic_decode
   q = jax.ShapeDtypeStruct((3, 1, 8, head_dim), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((3, 1000, 2, head_dim), jnp.bfloat16)
@@ -1013,7 +1013,7 @@ def test_mosaic_range_table_of_a_mask_mod_and_ids(transposed):
   visible pair's tile is visited, every tile of the full range is wholly
   visible, the rows the kernel pads with are empty."""
   import numpy as np
-  from jax_flash.spec import mask as mask_lib
+  from jax_flash.core import mask as mask_lib
   from pallas_kernels.mosaic_gpu.tiles import range_table
   b, t, s, rows, cols = 2, 200, 300, 64, 32
   mod = lambda _b, _h, q, k: (q >= k) | (k < 40)
@@ -1048,10 +1048,10 @@ def test_mosaic_range_table_of_a_mask_mod_and_ids(transposed):
 
 
 def test_pad_pairs_keeps_broadcast_dims_and_hides_the_padding():
-  """`spec.padding.pad_pairs` (plain XLA, what the Mosaic kernels read a
+  """`core.padding.pad_pairs` (plain XLA, what the Mosaic kernels read a
   dense mask or bias from): full dims padded with 0 to the kernels' rows,
   dims of 1 kept (broadcast in registers), the last two swapped for dK/dV."""
-  from jax_flash.spec.padding import pad_pairs
+  from jax_flash.core.padding import pad_pairs
   x = jnp.arange(2 * 3 * 5 * 7, dtype=jnp.float32).reshape(2, 3, 5, 7) + 1
   padded = pad_pairs(x, 8, 16)
   assert padded.shape == (2, 3, 8, 16)
@@ -1248,7 +1248,7 @@ def test_fp8_rounding_is_xlas_where_xla_may_split_the_arrays(monkeypatch):
   arrays over several devices (a kernel has no partitioning rule) and
   for implementation="xla"."""
   from jax_flash import _dispatch
-  from jax_flash.spec import fp8
+  from jax_flash.core import fp8
   from pallas_kernels.triton import fp8_round
   q = jax.ShapeDtypeStruct((2, 256, 8, 128), jnp.bfloat16)
   one_gpu = mesh_lib.AbstractMesh((1,), ("x",), abstract_device=H200)

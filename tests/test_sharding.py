@@ -82,7 +82,7 @@ def test_mods_reading_the_batch_or_head_index_are_found():
   """A mask_mod or score_mod that reads its batch or head index keeps a
   call whole on several devices (a shard would count them from its
   first); one that reads positions alone splits."""
-  from jax_flash.spec.mods import ElementwiseMod, reads_batch_or_head
+  from jax_flash.core.mods import ElementwiseMod, reads_batch_or_head
   assert reads_batch_or_head(ElementwiseMod(lambda s, b, h, i, j: s + h), 5)
   assert reads_batch_or_head(
       ElementwiseMod(lambda b, h, i, j: (i >= j) & (b % 2 == 0)), 4)

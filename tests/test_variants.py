@@ -184,7 +184,7 @@ def test_factored_logits_are_the_logits(scale, soft_cap):
   is `logits2`, and for plain scores with a positive scale, or only a
   soft-cap, the row max of t times c is bitwise the row max of the logits
   (the forward's m)."""
-  from jax_flash.spec.scores import LOG2E, Scores
+  from jax_flash.core.scores import LOG2E, Scores
   scores = Scores(scale=scale, soft_cap=soft_cap)
   qk = 30.0 * jax.random.normal(jax.random.key(0), (64, 128))
   qk = qk.at[3].set(-jnp.inf)  # A hidden row, as the forward's mask makes.

@@ -18,7 +18,7 @@ sliding windows, flex attention's mask_mods that close over no array, lengths an
 (the band and the tile-range tables of the shared mask description),
 soft-cap, ALiBi and score_mods (`Scores.logits2`), sinks (in each row's
 denominator; their gradient comes from the logsumexp) and dropout (the keep
-bits of `spec.dropout`, every backend's); `flash_decode`'s prompt chunks of
+bits of `core.dropout`, every backend's); `flash_decode`'s prompt chunks of
 `config.MIN_DECODE_QUERIES` or more tokens (the forward with query offsets)
 and, against a contiguous cache at head dims `config.SPLIT_KV_HEAD_DIMS`,
 shorter ones (the split-KV kernel `flash_decode`: a balanced stream of
@@ -28,7 +28,7 @@ every tile, a row or column vector where it broadcasts; the dispatch takes
 the bias gradient from the Triton backend's dbias kernel, and the whole
 backward from the Triton kernels for a bias per (query, key) pair:
 `backward_unsupported`). With `fp8=True` (inputs rounded to e4m3 with
-per-(batch, KV head) scales, `jax_flash.spec.fp8`) or float8 inputs with
+per-(batch, KV head) scales, `jax_flash.core.fp8`) or float8 inputs with
 `descale`, causal or no mask, head dims `config.FP8_BLOCK_KV`: the
 forward in e4m3 on the call's e4m3 values (`flash_fwd`'s
 `fp8_operands`), the backward (fp8=True) the same kernels on e4m3 tiles
@@ -46,14 +46,14 @@ import jax
 import jax.extend.core
 import jax.numpy as jnp
 
-from jax_flash.spec import device
-from jax_flash.spec import fp8 as fp8_lib
-from jax_flash.spec.checks import Problem
-from jax_flash.spec.mask import Mask, without_padding
-from jax_flash.spec.operands import Operands
-from jax_flash.spec.padding import pad_to
-from jax_flash.spec.problem import decode_as_forward
-from jax_flash.spec.scores import Scores
+from jax_flash.core import device
+from jax_flash.core import fp8 as fp8_lib
+from jax_flash.core.mask import Mask, without_padding
+from jax_flash.core.operands import Operands
+from jax_flash.core.padding import pad_to
+from jax_flash.core.prepare import decode_as_forward
+from jax_flash.core.problem import Problem
+from jax_flash.core.scores import Scores
 from pallas_kernels.mosaic_gpu import config
 from pallas_kernels.mosaic_gpu import flash_decode
 from pallas_kernels.mosaic_gpu.config import FP8_BACKWARD_HEAD_DIMS, BlockSizes
@@ -162,7 +162,7 @@ def _backward_pads(problem: Problem, dtype, blocks: BlockSizes) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class MosaicGpuBackend:
-  """The `jax_flash.spec.backend.Backend` of the Mosaic GPU kernels.
+  """The `jax_flash.core.backend.Backend` of the Mosaic GPU kernels.
   `fp8_rounding`: who quantizes dO for the FP8 backward (`fp8.Rounding`;
   the dispatch's registry gives the Triton rounding kernels)."""
   fp8_rounding: fp8_lib.Rounding = fp8_lib.XLA
@@ -333,7 +333,7 @@ class MosaicGpuBackend:
     kv_lengths[b] - T + t: fewer than `config.MIN_DECODE_QUERIES` against a
     contiguous cache, the split-KV kernel (`split_kv_heads` KV heads a
     tile); more, against a contiguous or paged cache, the forward kernel
-    with query offsets and key ids (`spec.problem.decode_as_forward`; pages
+    with query offsets and key ids (`core.prepare.decode_as_forward`; pages
     gathered by XLA first, positions past a length zeroed)."""
     # The split-KV kernel balances equal runs of tiles over the
     # multiprocessors; the forward takes a CTA per 2 * block_q queries.

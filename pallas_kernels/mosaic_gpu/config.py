@@ -6,8 +6,8 @@ import os
 
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jax_flash.spec.checks import check_block_field
-from jax_flash.spec.padding import round_up
+from jax_flash.core.checks import check_block_field
+from jax_flash.core.padding import round_up
 
 DTYPES = ("bfloat16", "float16")
 # Head dims of the FP8 forward (`fp8=True`: e4m3 wgmma), and its K/V tiles'

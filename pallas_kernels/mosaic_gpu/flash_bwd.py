@@ -59,12 +59,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jax_flash.spec import fp8 as fp8_lib
-from jax_flash.spec import softmax
-from jax_flash.spec.mask import Mask, cdiv, kv_block_ranges, q_block_ranges
-from jax_flash.spec.operands import Operands
-from jax_flash.spec.padding import pad_pairs, pad_to, round_up
-from jax_flash.spec.scores import Scores
+from jax_flash.core import fp8 as fp8_lib
+from jax_flash.core import softmax
+from jax_flash.core.mask import Mask, cdiv, kv_block_ranges, q_block_ranges
+from jax_flash.core.operands import Operands
+from jax_flash.core.padding import pad_pairs, pad_to, round_up
+from jax_flash.core.scores import Scores
 from pallas_kernels.mosaic_gpu.config import (BACKWARD_PARTS_MAX_KV_LEN,
                                               FUSED_DQ_HEAD_DIMS,
                                               HEAD_DIM_MULTIPLE, BlockSizes,
@@ -818,7 +818,7 @@ def fp8_backward_operands(operands: Operands, do, softmax_scale: float,
                           rounding: fp8_lib.Rounding):
   """(q8, k8, v8, do8, (qt8, dot8, kt8), scales) for the FP8 backward: the
   call's e4m3 values (`Operands.fp8_q`, ...) and dO quantized as the
-  inputs are (`jax_flash.spec.fp8`, by `rounding`), zero rows up to
+  inputs are (`jax_flash.core.fp8`, by `rounding`), zero rows up to
   q_rows queries and kv_rows keys; Q, dO and K transposed to [B, heads,
   H, rows]; scales [B, K, 5] float32: Q's times K's (the logits), V's
   times dO's (dP), dO's / 448 (dV from P * 448), Q's and K's times
@@ -842,7 +842,7 @@ def flash_backward(q, k, v, operands: Operands, delta, lse, do, *,
   """(dq, dk, dv) from the forward's lse (natural log, [B, N, T]), dO and
   D = rowsum(dO * O) - dlse (`delta`, float32 [B, N, T]).
 
-  `operands` (`jax_flash.spec.operands`): those the call has, as the
+  `operands` (`jax_flash.core.operands`): those the call has, as the
   forward reads them (the dropout's keep bits scale P in dV and dP; a
   bias's gradient is not computed here; sinks and query offsets are not
   read: the sinks' share is in L).

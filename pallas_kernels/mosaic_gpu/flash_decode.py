@@ -36,11 +36,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jax_flash.spec import softmax
-from jax_flash.spec.device import num_multiprocessors
-from jax_flash.spec.mask import Mask, cdiv
-from jax_flash.spec.padding import pad_to
-from jax_flash.spec.scores import Scores
+from jax_flash.core import softmax
+from jax_flash.core.device import num_multiprocessors
+from jax_flash.core.mask import Mask, cdiv
+from jax_flash.core.padding import pad_to
+from jax_flash.core.scores import Scores
 from pallas_kernels.mosaic_gpu import config
 from pallas_kernels.mosaic_gpu.config import compiler_params
 from pallas_kernels.mosaic_gpu.tiles import (ROW, await_last_releases,

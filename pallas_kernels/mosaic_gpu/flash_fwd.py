@@ -37,13 +37,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jax_flash.spec import fp8 as fp8_lib
-from jax_flash.spec import softmax
-from jax_flash.spec.device import num_multiprocessors
-from jax_flash.spec.mask import Mask, cdiv, kv_block_ranges
-from jax_flash.spec.operands import Operands
-from jax_flash.spec.padding import pad_pairs, pad_to, round_up
-from jax_flash.spec.scores import Scores
+from jax_flash.core import fp8 as fp8_lib
+from jax_flash.core import softmax
+from jax_flash.core.device import num_multiprocessors
+from jax_flash.core.mask import Mask, cdiv, kv_block_ranges
+from jax_flash.core.operands import Operands
+from jax_flash.core.padding import pad_pairs, pad_to, round_up
+from jax_flash.core.scores import Scores
 from pallas_kernels.mosaic_gpu.config import BlockSizes, compiler_params
 from pallas_kernels.mosaic_gpu.tiles import (COL, COMPUTE_WGS, ROW, Columns,
                                              await_last_releases, columns,
@@ -651,7 +651,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
 def fp8_operands(operands: Operands):
   """(q8, k8, vt8, scales) for the FP8 forward: the call's e4m3 values
   (`Operands.fp8_q`, ...: the caller's, or those fp8=True rounded the
-  inputs to, `jax_flash.spec.fp8`), V transposed to [B, K, H, S], and
+  inputs to, `jax_flash.core.fp8`), V transposed to [B, K, H, S], and
   scales [B, K, 2] float32 (Q's times K's, and V's)."""
   sq, sk, sv = (operands.fp8_scales[..., i] for i in range(3))
   return (operands.fp8_q, operands.fp8_k,
@@ -667,7 +667,7 @@ def flash_forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
   256: a multiple of 16 from 32 in one part, any other in parts one
   swizzle atom wide (`tiles.Columns`; the backend pads the head dim to a
   multiple of 16 where V's tiles cannot take them). `operands`
-  (`jax_flash.spec.operands`): those the call has, each read as its
+  (`jax_flash.core.operands`): those the call has, each read as its
   docstring says; here the tile kinds
   become tile ranges, the ids are padded past the tiles, a dense mask and
   a bias (each dim 1 or full) are read tile by tile (no tile skipped for

@@ -14,7 +14,7 @@ sequence's last tile; `one_atom_wide`, `tile_buffer`,
 `tile_views`: untiled copies of tiles one swizzle atom wide), a head
 dim's column parts (`Columns`, `columns`), and a producer's wait on the
 last releases of its ring (`await_last_releases`). Built on the
-backend-neutral `jax_flash.spec`.
+backend-neutral `jax_flash.core`.
 """
 from __future__ import annotations
 
@@ -26,12 +26,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jax_flash.spec import dropout
-from jax_flash.spec.mask import (KV_PAD_ID, Q_PAD_ID, Mask, id_block_table,
+from jax_flash.core import dropout
+from jax_flash.core.mask import (KV_PAD_ID, Q_PAD_ID, Mask, id_block_table,
                                   intersect_ranges, intersect_tables,
                                   kinds_block_table, without_full_tiles)
-from jax_flash.spec.padding import pad_to, round_up
-from jax_flash.spec.scores import Scores
+from jax_flash.core.padding import pad_to, round_up
+from jax_flash.core.scores import Scores
 from pallas_kernels.mosaic_gpu.config import (HEAD_DIM_MULTIPLE,
                                               MIN_KERNEL_HEAD_DIM,
                                               kernel_head_dim)

@@ -2,7 +2,7 @@
 or run by the Pallas interpreter (`TritonBackend(interpret=True)`, any
 machine: what the CPU tests run).
 
-It takes every feature of the problem description (`jax_flash.spec`); its
+It takes every feature of the problem description (`jax_flash.core`); its
 limits are the dtypes and head dims of `config`. Files: `config` (block
 sizes, limits), `tiles` (masked tile loads/stores, the dot), `tile_context`
 (a program's view of the mask and scores), `operand_specs` (BlockSpecs of the
@@ -17,11 +17,11 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jax_flash.spec.checks import Problem
-from jax_flash.spec.mask import Mask
-from jax_flash.spec.operands import Operands
-from jax_flash.spec.problem import decode_as_forward
-from jax_flash.spec.scores import Scores
+from jax_flash.core.mask import Mask
+from jax_flash.core.operands import Operands
+from jax_flash.core.prepare import decode_as_forward
+from jax_flash.core.problem import Problem
+from jax_flash.core.scores import Scores
 from pallas_kernels.triton import config
 from pallas_kernels.triton.config import BlockSizes
 from pallas_kernels.triton.flash_bwd import flash_backward
@@ -32,7 +32,7 @@ from pallas_kernels.triton.flash_fwd_v1 import flash_forward_v1
 
 @dataclasses.dataclass(frozen=True)
 class TritonBackend:
-  """The `jax_flash.spec.backend.Backend` of the Triton kernels."""
+  """The `jax_flash.core.backend.Backend` of the Triton kernels."""
   interpret: bool = False
   config_type = BlockSizes
   operand_gradients = frozenset({"bias"})  # The dbias kernel.

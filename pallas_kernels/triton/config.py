@@ -11,8 +11,8 @@ import dataclasses
 
 import numpy as np
 
-from jax_flash.spec.checks import check_block_field
-from jax_flash.spec.device import num_multiprocessors
+from jax_flash.core.checks import check_block_field
+from jax_flash.core.device import num_multiprocessors
 
 MIN_HEAD_DIM = 16
 MAX_HEAD_DIM = 512

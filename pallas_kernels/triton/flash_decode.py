@@ -21,9 +21,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jax_flash.spec import softmax
-from jax_flash.spec.mask import Mask, cdiv
-from jax_flash.spec.scores import Scores
+from jax_flash.core import softmax
+from jax_flash.core.mask import Mask, cdiv
+from jax_flash.core.scores import Scores
 from pallas_kernels.triton.config import DecodeBlocks, padded_head_dim
 from pallas_kernels.triton.tiles import (dot, load_pages, load_tile,
                                          page_rows, store_row_stat,

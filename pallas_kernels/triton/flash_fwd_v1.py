@@ -22,10 +22,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jax_flash.spec import softmax
-from jax_flash.spec.mask import Mask
-from jax_flash.spec.operands import Operands
-from jax_flash.spec.scores import Scores
+from jax_flash.core import softmax
+from jax_flash.core.mask import Mask
+from jax_flash.core.operands import Operands
+from jax_flash.core.scores import Scores
 from pallas_kernels.triton import operand_specs
 from pallas_kernels.triton.config import BlockSizes, padded_head_dim
 from pallas_kernels.triton.tile_context import TileContext

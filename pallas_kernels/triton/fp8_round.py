@@ -1,5 +1,5 @@
 """FP8 rounding kernels: max |x| per (batch, KV head) and the e4m3 values,
-as `jax_flash.spec.fp8`'s `amax` and `quantize` define them, bitwise.
+as `jax_flash.core.fp8`'s `amax` and `quantize` define them, bitwise.
 
 Both read x [B, L, N, H] where it lies, a head at a time, in tiles of
 rows by the head dim padded to a power of two (`TILE_ELEMENTS` in all),
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jax_flash.spec import fp8 as fp8_lib
+from jax_flash.core import fp8 as fp8_lib
 from pallas_kernels.triton import tiles
 
 TILE_ELEMENTS = 16384  # A program's tile: rows * padded columns.

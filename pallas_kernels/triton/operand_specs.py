@@ -16,8 +16,8 @@ import dataclasses
 
 from jax.experimental import pallas as pl
 
-from jax_flash.spec import mask as mask_lib
-from jax_flash.spec.operands import Operands
+from jax_flash.core import mask as mask_lib
+from jax_flash.core.operands import Operands
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,7 @@ tile) pair at a time. `TileContext` holds the refs of the optional operands
 (an `Operands` of refs, and the id-range table) and answers the questions each
 kernel asks: which key (or query) tiles to visit, what the logits of a tile
 are, which of its entries are visible, which survive dropout. The math is in
-the backend-neutral `jax_flash.spec`; this module only loads tiles.
+the backend-neutral `jax_flash.core`; this module only loads tiles.
 
 Tiles are [queries, keys] in the forward and dQ kernels and [keys, queries]
 (`transposed=True`) in the dK/dV kernel.
@@ -21,11 +21,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jax_flash.spec import dropout
-from jax_flash.spec import mask as mask_lib
-from jax_flash.spec.mods import ArrayReader
-from jax_flash.spec.operands import Operands
-from jax_flash.spec.scores import Scores
+from jax_flash.core import dropout
+from jax_flash.core import mask as mask_lib
+from jax_flash.core.mods import ArrayReader
+from jax_flash.core.operands import Operands
+from jax_flash.core.scores import Scores
 from pallas_kernels.triton.tiles import load_ids, load_table_row
 
 

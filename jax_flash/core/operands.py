@@ -32,7 +32,7 @@ class Operands:
   fp8_q, fp8_k, fp8_v, fp8_scales: an FP8 call's e4m3 values of query,
     key and value ([B, T, N, H], [B, S, K, H], [B, S, K, Hv]) and their
     float32 scales [B, K, 3] (x = x8 * scale, per batch and KV head; the
-    library's, `jax_flash.spec.fp8`, or the caller's descales), made once
+    library's, `jax_flash.core.fp8`, or the caller's descales), made once
     for kernels that read e4m3; q, k and v carry the same values in a
     float dtype for the others and the backward.
   mask_consts, score_consts: tuples of the arrays a mask_mod / score_mod

@@ -7,7 +7,6 @@ backend's business: see `jax_flash._dispatch`.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import math
 
@@ -15,23 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-@dataclasses.dataclass(frozen=True)
-class Problem:
-  """Shapes of one call after validation (always batched): query
-  [B, T, N, H], key [B, S, K, H], value [B, S, K, Hv], output [B, T, N, Hv]."""
-  batch: int
-  q_len: int
-  kv_len: int
-  num_heads: int
-  num_kv_heads: int
-  head_dim: int
-  unbatched: bool
-  value_head_dim: int | None = None  # None: head_dim.
-
-  def __post_init__(self):
-    if self.value_head_dim is None:
-      object.__setattr__(self, "value_head_dim", self.head_dim)
+from jax_flash.core.problem import Problem
 
 
 def _shape(x, name):

@@ -44,7 +44,7 @@ class Scores:
   # A sink logit per head in the softmax's denominator (`Operands.sinks`).
   sinks: bool = False
   # FP8: P V multiplies P rounded to e4m3 (`fp8.quantize_p`; Q, K and V
-  # arrive rounded, `jax_flash.spec.fp8`); the backward takes it as P.
+  # arrive rounded, `jax_flash.core.fp8`); the backward takes it as P.
   # False, "amax" (inputs rounded with the scales `fp8.scales` gives, so a
   # kernel may divide by them again exactly) or "descale" (float8 inputs
   # and the caller's scales).

@@ -13,19 +13,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jax_flash.spec import checks, dropout
-from jax_flash.spec.mask import (DENSE_KINDS_TILE, KV_PAD_ID, Q_PAD_ID, Mask,
+from jax_flash.core import checks, dropout
+from jax_flash.core.mask import (DENSE_KINDS_TILE, KV_PAD_ID, Q_PAD_ID, Mask,
                                  dense_tile_kinds, make_ids)
-from jax_flash.spec.operands import Operands
-from jax_flash.spec.scores import Scores
-
-
-@dataclasses.dataclass(frozen=True)
-class Spec:
-  problem: checks.Problem
-  mask: Mask
-  scores: Scores
-  operands: Operands
+from jax_flash.core.operands import Operands
+from jax_flash.core.problem import Problem, Spec
+from jax_flash.core.scores import Scores
 
 
 def prepare(query, key, value, *, bias=None, mask=None, scale=None,
@@ -148,7 +141,7 @@ def decode_as_forward(q, k, v, kv_lengths, mask: Mask, page_table=None,
     k, v = gather_pages(k, page_table), gather_pages(v, page_table)
   mask, operands = prepare_decode(mask, q.shape[1], k.shape[1], kv_lengths,
                                   sinks)
-  problem = checks.Problem(q.shape[0], q.shape[1], k.shape[1], q.shape[2],
+  problem = Problem(q.shape[0], q.shape[1], k.shape[1], q.shape[2],
                            k.shape[2], q.shape[3], False, v.shape[3])
   return k, v, mask, operands, problem
 

@@ -3,7 +3,7 @@
 A backend is a hashable object (a frozen dataclass: it sits in a jit static)
 with a name, what it needs, why it refuses a call, its block sizes, and the
 forward, backward and decode of one problem. Backends read the problem as
-`jax_flash.spec` describes it (`Problem`, `Mask`, `Scores`, `Operands`) and
+`jax_flash.core` describes it (`Problem`, `Mask`, `Scores`, `Operands`) and
 meet only through the logsumexp: natural log, float32 [B, N, T], so any
 backend's backward may follow any backend's forward. `jax_flash._dispatch`
 chooses the pair for each call.
@@ -15,10 +15,10 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import jax
 
-from jax_flash.spec.checks import Problem
-from jax_flash.spec.mask import Mask
-from jax_flash.spec.operands import Operands
-from jax_flash.spec.scores import Scores
+from jax_flash.core.mask import Mask
+from jax_flash.core.operands import Operands
+from jax_flash.core.problem import Problem
+from jax_flash.core.scores import Scores
 
 # What a `flash_decode` call asks of a backend: nothing (a training call), or
 # decoding against a contiguous or a paged cache.
