@@ -73,7 +73,7 @@ def _call_blocks(q, k, causal):
   from jax_flash.core.mask import Mask
   from jax_flash.core.problem import Problem
   from jax_flash.core.scores import Scores
-  from pallas_kernels.mosaic_gpu import MosaicGpuBackend
+  from pallas_kernels.mosaic_gpu.backend import MosaicGpuBackend
   b, t, n, h = q.shape
   problem = Problem(batch=b, q_len=t, kv_len=k.shape[1], num_heads=n,
                     num_kv_heads=k.shape[2], head_dim=h, unbatched=False)

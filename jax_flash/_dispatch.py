@@ -6,17 +6,18 @@ ask `select` for a `Plan`: the backend of the forward (or of the decode),
 the backend of the backward, and, for a differentiable operand whose
 gradient that backward leaves out, a backend that gives it. Backends
 implement `jax_flash.core.backend.Backend`; `backends()` is the registry by
-implementation name, `PALLAS` the Pallas backends for a GPU, best first.
-Nothing here knows one backend from another: each says why it refuses a
-call, and the next is asked.
+implementation name, `PALLAS` the Pallas backends for a GPU, best first,
+and `NEXT_IS_FASTER` the one table of where a later one is measured
+faster. Each backend says why it refuses a call, and the next is asked.
 
 `implementation=None` picks "pallas" when the query lives on a GPU and a
 Pallas backend takes the call, else "xla"; "pallas" is the first of
-`PALLAS` that takes it, passing over one that is measured `slower` than a
-later one that takes it too; any other name is that backend alone, and a
-`ValueError` says why when it cannot. The backward's backend is the
-forward's unless it declines (`backward_unsupported`) or, for None and
-"pallas", is measured `backward_slower` than the next Pallas backend's.
+`PALLAS` that takes it, passing over one whose forward `NEXT_IS_FASTER`
+passes over for a later one that takes it too; any other name is that
+backend alone, and a `ValueError` says why when it cannot. The backward's
+backend is the forward's unless it declines (`backward_unsupported`) or,
+for None and "pallas", `NEXT_IS_FASTER` prefers the next Pallas
+backend's.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import jax
 from jax_flash import blockwise
 from jax_flash.core import device
 from jax_flash.core import fp8 as fp8_lib
-from jax_flash.core.backend import Backend, Decode
+from jax_flash.core.backend import Backend, Copies, Decode
 from jax_flash.core.mask import Mask
 from jax_flash.core.operands import Operands
 from jax_flash.core.prepare import decode_as_forward
@@ -60,11 +61,8 @@ class XlaBackend:
                   decode=False):
     return None
 
-  def slower(self, problem, dtype, *, mask, scores):
-    return None
-
-  def backward_slower(self, problem, dtype, *, mask, scores):
-    return None
+  def copies(self, problem, dtype, *, mask):
+    return Copies()
 
   def backward_unsupported(self, problem, dtype, *, mask, scores, operands):
     return None
@@ -99,14 +97,48 @@ XLA = XlaBackend()
 
 @functools.cache
 def backends() -> dict[str, Backend]:
-  """The backends by implementation name. (Imported on first use: the
-  kernel packages import `jax_flash.core`, so importing one of them first
-  must not need this module.)"""
-  from pallas_kernels import mosaic_gpu, triton
+  """The backends by implementation name: their `backend` modules, which
+  import no kernel (a backend imports its kernels at its first launch)."""
+  from pallas_kernels.mosaic_gpu.backend import MosaicGpuBackend
+  from pallas_kernels.triton.backend import INTERPRET, TRITON
+  return {"mosaic": MosaicGpuBackend(fp8_rounding=_rounding_kernels),
+          "triton": TRITON, "interpret": INTERPRET, "xla": XLA}
+
+
+def _rounding_kernels() -> fp8_lib.Rounding:
+  """The e4m3 rounding kernels (`pallas_kernels.triton.fp8_round`:
+  Triton-lowered, for any Hopper call)."""
   from pallas_kernels.triton import fp8_round
-  return {"mosaic": mosaic_gpu.MosaicGpuBackend(
-              fp8_rounding=fp8_round.ROUNDING),
-          "triton": triton.TRITON, "interpret": triton.INTERPRET, "xla": XLA}
+  return fp8_round.ROUNDING
+
+
+# Where the next Pallas backend runs a part of a call measured faster
+# than `backend`, which takes it (on an H200, the defaults' tiles): rows
+# of (backend, "forward" or "backward", the most keys, only where XLA
+# copies arrays around `backend`'s kernels: `Backend.copies`). Mosaic's
+# forward and backward at 77-320 keys where XLA copies or pads arrays
+# around them (CLIP, text cross-attention, ViT, DiT: the copies cost as
+# much as the kernels), and its backward up to 128 keys anyway (a dK/dV
+# CTA's 128 key rows would hold them all; Triton's smaller tiles waste
+# fewer): docs/performance.md, "Where a call's time goes".
+NEXT_IS_FASTER = (
+    ("mosaic", "forward", 320, True),
+    ("mosaic", "backward", 320, True),
+    ("mosaic", "backward", 128, False),
+)
+
+
+def _next_is_faster(backend: Backend, direction: str, problem: Problem,
+                    dtype, mask: Mask) -> bool:
+  """Whether `NEXT_IS_FASTER` prefers the next Pallas backend to `backend`
+  for `direction` of this call."""
+  rules = [r for r in NEXT_IS_FASTER if r[:2] == (backend.name, direction)
+           and problem.kv_len <= r[2]]
+  if not rules:
+    return False
+  copies = backend.copies(problem, dtype, mask=mask)
+  return any(not needs_copies or getattr(copies, direction)
+             for _, _, _, needs_copies in rules)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +208,7 @@ def select(implementation, query, problem: Problem, dtype, *, mask: Mask,
 
   The forward's backend as the module docstring says; the backward's is the
   forward's own unless it declines (`backward_unsupported`) or, for None
-  and "pallas", is `backward_slower` than the next Pallas backend that
+  and "pallas", `NEXT_IS_FASTER` prefers the next Pallas backend that
   takes the call (after a Pallas forward), then "xla".
   """
   operands = Operands() if operands is None else operands
@@ -187,11 +219,11 @@ def select(implementation, query, problem: Problem, dtype, *, mask: Mask,
 
   def best(candidates, reasons):
     """The first of `candidates` that takes the call (its `reasons` entry
-    None) and is not `slower` than a later one, else the first that takes
-    it, else None."""
+    None) and not passed over for a later one (`NEXT_IS_FASTER`), else the
+    first that takes it, else None."""
     takes = [b for b, why in zip(candidates, reasons) if why is None]
-    fast = [b for b in takes if decode or b == takes[-1] or b.slower(
-        problem, dtype, mask=mask, scores=scores) is None]
+    fast = [b for b in takes if decode or b == takes[-1] or
+            not _next_is_faster(b, "forward", problem, dtype, mask)]
     return (fast or takes or [None])[0]
 
   if implementation is None:
@@ -223,8 +255,8 @@ def select(implementation, query, problem: Problem, dtype, *, mask: Mask,
       problem, dtype, mask=mask, scores=scores, operands=operands) is None]
   backward = backwards[0]
   faster = next((b for b in backwards[1:] if b != XLA), None)
-  if implementation in (None, "pallas") and faster and backward.backward_slower(
-      problem, dtype, mask=mask, scores=scores) is not None:
+  if implementation in (None, "pallas") and faster and _next_is_faster(
+      backward, "backward", problem, dtype, mask):
     backward = faster  # Measured faster; a named backend runs anyway.
   gradients = []
   for name in GRADIENT_OPERANDS:
@@ -248,6 +280,5 @@ def fp8_rounding(implementation, query):
                                       and mesh.are_all_axes_manual)
   if (implementation != "xla" and local and device.on_gpu(query)
       and device.hopper_target()):
-    from pallas_kernels.triton import fp8_round
-    return fp8_round.ROUNDING
+    return _rounding_kernels()
   return fp8_lib.XLA

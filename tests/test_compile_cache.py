@@ -16,7 +16,7 @@ import jax, jax.numpy as jnp, numpy as np
 jax.config.update("jax_compilation_cache_dir", sys.argv[1])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 import jax_flash
-from pallas_kernels.triton import TritonBackend
+from pallas_kernels.triton.backend import TritonBackend
 traced = []
 original = TritonBackend.forward
 def counting(self, *args, **kwargs):

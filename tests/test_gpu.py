@@ -187,7 +187,7 @@ MOSAIC_OPTIONS = {
         dict(bias=jax.random.normal(jax.random.key(19), (1, 4, 197, 1500)),
              logits_soft_cap=20.0,
              alibi_slopes=jnp.linspace(0.01, 0.1, 4).reshape(1, 4))),
-    # Head dims in column parts (`tiles.Columns`) with score options.
+    # Head dims in column parts (`layout.Columns`) with score options.
     "dropout_soft_cap_h72_parts": (
         Case(2, 1000, 1003, 8, 2, 72, "bfloat16", True),
         dict(dropout_rate=0.2, dropout_rng=jax.random.key(20),
@@ -201,7 +201,7 @@ MOSAIC_OPTIONS = {
         dict(segment_ids=(_packed(1, 512, 3, 2), _packed(1, 600, 3, 3)),
              key_value_seq_lengths=jnp.array([550]))),
     # The backward's last streamed tile on part of its rows
-    # (`tiles.tail_rows`): dQ's 128-row K/V tiles on 64 of 300 % 128 keys;
+    # (`layout.tail_rows`): dQ's 128-row K/V tiles on 64 of 300 % 128 keys;
     # at head dim 40 (parts 32 + 16), dK/dV's Q/dO tiles on 32 of 200 % 64
     # queries and dQ's on 96 of 330 % 128 keys.
     "tail_segments_dropout_h64": (
@@ -372,7 +372,7 @@ MOSAIC_HEAD_DIMS = {
     "h32_odd_lengths_causal": (Case(2, 1500, 1003, 4, 2, 32, "float16",
                                     True), None),
     "h64_77_keys": (Case(2, 301, 77, 4, 4, 64, "bfloat16", False), None),
-    # Head dims off a multiple of 16 in column parts (`tiles.Columns`):
+    # Head dims off a multiple of 16 in column parts (`layout.Columns`):
     # 64 + 64 + 64 + 16 columns, the last reaching past 200; 32 past 24.
     "h200_parts_causal": (Case(1, 1000, 1003, 8, 2, 200, "bfloat16", True),
                           None),
@@ -406,10 +406,9 @@ def test_default_on_h200_is_mosaic_where_it_takes_the_call():
   assert "mosaic_gpu" in hlo
 
 
-# Short keys (`config.TRITON_MAX_KV_LEN`): the Mosaic forward where it
+# Short keys (the dispatch's `NEXT_IS_FASTER`): the Mosaic forward where it
 # reads the arrays in place, the Mosaic backward where it does and the keys
-# exceed `config.TRITON_BACKWARD_MAX_KV_LEN` (`MosaicGpuBackend.slower`,
-# `backward_slower`). name: (case, whether the forward is Mosaic's, whether
+# exceed 128. name: (case, whether the forward is Mosaic's, whether
 # the backward is).
 DEFAULT_SHORT_KEYS = {
     "dit_h72": (Case(4, 256, 256, 4, 4, 72, "bfloat16", False), True, True),

@@ -21,7 +21,7 @@ def _imports(path):
 
 @pytest.mark.parametrize("path", sorted((ROOT / "jax_flash/core").glob("*.py")),
                          ids=lambda p: p.name)
-def test_spec_imports_no_backend(path):
+def test_core_imports_nothing_above_it(path):
   ours = [n for n in _imports(path)
           if n.split(".")[0] in ("jax_flash", "pallas_kernels")]
   assert all(n.startswith("jax_flash.core") for n in ours), ours
@@ -29,7 +29,7 @@ def test_spec_imports_no_backend(path):
 
 @pytest.mark.parametrize("path", sorted((ROOT / "pallas_kernels").rglob("*.py")),
                          ids=lambda p: str(p.relative_to(ROOT)))
-def test_backend_imports_only_the_spec_and_itself(path):
+def test_backend_imports_only_the_core_and_itself(path):
   parts = path.relative_to(ROOT / "pallas_kernels").parts
   own = f"pallas_kernels.{parts[0]}" if len(parts) > 1 else "pallas_kernels"
   ours = [n for n in _imports(path)
@@ -66,3 +66,34 @@ def test_every_backend_implements_the_interface():
       want = inspect.signature(getattr(Backend, method)).parameters
       have = inspect.signature(getattr(backend, method)).parameters
       assert list(have) == list(want)[1:], (name, method)
+
+
+def _loaded_after(statement: str) -> list[str]:
+  """Our modules a fresh process holds after running `statement`."""
+  import subprocess
+  import sys
+  code = (f"{statement}\nimport sys\nprint(' '.join(sorted(m for m in "
+          "sys.modules if m.split('.')[0] in ('jax_flash', "
+          "'pallas_kernels'))))")
+  result = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)
+  assert result.returncode == 0, result.stderr[-2000:]
+  return result.stdout.split()
+
+
+def test_layers_load_downward_only():
+  """`import jax_flash` loads nothing of ours but its own module; the
+  problem description loads nothing above it; a call on the blockwise
+  path loads the backends' descriptions (`backend`, `config`, `layout`)
+  but no kernel module."""
+  assert _loaded_after("import jax_flash") == ["jax_flash"]
+  core = _loaded_after("import jax_flash.core.prepare")
+  assert all(m == "jax_flash" or m.startswith("jax_flash.core")
+             for m in core), core
+  called = _loaded_after(
+      "import jax.numpy as jnp, jax_flash\nq = jnp.ones((1, 8, 2, 16))\n"
+      "jax_flash.flash_attention(q, q, q)")
+  kernels = [m for m in called if m.startswith("pallas_kernels.") and
+             m.split(".")[-1] not in ("backend", "config", "layout")
+             and m.count(".") == 2]
+  assert not kernels, kernels

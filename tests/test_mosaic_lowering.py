@@ -20,9 +20,8 @@ import jax_flash
 from jax_flash.core.mask import Mask, kv_block_ranges
 from jax_flash.core.problem import Problem
 from jax_flash.core.scores import Scores
-from pallas_kernels.mosaic_gpu import MosaicGpuBackend
-from pallas_kernels.mosaic_gpu import flash_fwd, tiles
-from pallas_kernels.mosaic_gpu import config
+from pallas_kernels.mosaic_gpu import config, flash_fwd, layout, scheduling
+from pallas_kernels.mosaic_gpu.backend import MosaicGpuBackend
 
 H200 = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
                                platform="gpu")
@@ -135,10 +134,10 @@ def _lower_forward(shape, head_dim, **kwargs):
     # follows their rows); 40 bytes a row of 20 are no TMA stride.
     (72, 80, None), (136, 96, None), (20, 256, None)])
 def test_column_parts_of_a_head_dim(head_dim, block_kv, parts):
-  layout = tiles.Columns.of(jnp.bfloat16, head_dim, block_kv)
-  assert (layout and layout.parts) == parts
+  cols = layout.Columns.of(jnp.bfloat16, head_dim, block_kv)
+  assert (cols and cols.parts) == parts
   if parts and len(parts) > 1:
-    assert layout.untiled == (True, True)
+    assert cols.untiled == (True, True)
 
 
 @pytest.mark.parametrize("head_dim, length, contraction", [
@@ -149,8 +148,8 @@ def test_a_matmul_over_tile_rows_takes_them_by_its_swizzle(head_dim, length,
   """wgmma's K group is its operand's swizzle in elements: 128-byte rows
   take 64 rows at a time, 64-byte rows 32, 160-byte rows (head dim 80 in
   one part, 32-byte swizzle) 16; the widest part decides."""
-  layout = tiles.Columns.of(jnp.bfloat16, head_dim, 128, length, length)
-  assert layout.contraction_rows(jnp.bfloat16) == contraction
+  cols = layout.Columns.of(jnp.bfloat16, head_dim, 128, length, length)
+  assert cols.contraction_rows(jnp.bfloat16) == contraction
 
 
 @pytest.mark.parametrize("length, block, multiple, rows", [
@@ -159,7 +158,7 @@ def test_a_matmul_over_tile_rows_takes_them_by_its_swizzle(head_dim, length,
     (77, 128, 16, 80), (1, 64, 16, 16), (64, 64, 64, 64)])
 def test_last_streamed_tile_computes_rows_up_to_the_length(length, block,
                                                            multiple, rows):
-  assert tiles.tail_rows(length, block, multiple) == rows
+  assert layout.tail_rows(length, block, multiple) == rows
 
 
 @pytest.mark.parametrize("head_dim, block_kv, lengths, parts", [
@@ -173,9 +172,9 @@ def test_wide_head_dims_at_lengths_off_8_run_in_parts(head_dim, block_kv,
   """A head dim wider than a swizzle atom at a length off a multiple of 8
   runs in parts one atom wide, read in place (no tiled copy, no pad);
   where V's tiles cannot take them (96 rows) it stays one part, copied."""
-  layout = tiles.Columns.of(jnp.bfloat16, head_dim, block_kv, *lengths)
-  assert layout.parts == parts
-  assert layout.copies(*lengths) == (parts == ((0, 192),))
+  cols = layout.Columns.of(jnp.bfloat16, head_dim, block_kv, *lengths)
+  assert cols.parts == parts
+  assert cols.copies(*lengths) == (parts == ((0, 192),))
 
 
 @pytest.mark.parametrize("head_dim, kwargs", [
@@ -187,7 +186,7 @@ def test_wide_head_dims_at_lengths_off_8_run_in_parts(head_dim, block_kv,
               is_causal=True))])
 def test_head_dims_off_16_run_in_column_parts_in_place(head_dim, kwargs):
   """Head dims off a multiple of 16 (DiT's 72, a UNet's 40): the forward
-  reads Q, K, V and writes O in column parts (`tiles.Columns`) where they
+  reads Q, K, V and writes O in column parts (`layout.Columns`) where they
   lie: no pad or slice of them; at 80-row K/V tiles (no 64-column part
   for V) the head dim is padded to 80 as before."""
   shape = (2, 1000, 1003, 8, 2)
@@ -205,7 +204,7 @@ def test_tiles_one_swizzle_atom_wide_read_any_length_in_place(head_dim):
   """Head dims 32 and 64 (tiles one swizzle atom wide, copied untiled:
   `tiles.tile_buffer`) at lengths off a multiple of 8 (448 on 1500 keys):
   neither the forward nor the backward holds a pad or slice. Wider head
-  dims at such lengths run in parts one atom wide (`tiles.Columns`: 64 +
+  dims at such lengths run in parts one atom wide (`layout.Columns`: 64 +
   64 at 128, 64 + 16 at 80), read in place too; at 96-row K/V tiles (head
   dim 192: V's tiles take no 64-column atom) the forward's K and V are
   padded to 1504, its backward's parts read them in place."""
@@ -241,8 +240,8 @@ def test_keys_padded_at_the_source_are_read_in_place():
      dict(is_causal=True), True),
     ("odd_q_len", (2, 300, 512, 8, 2, 128), jnp.bfloat16, {}, True),
     ("odd_kv_len", (2, 256, 521, 8, 2, 128), jnp.bfloat16, {}, True),
-    # Up to config.TRITON_MAX_KV_LEN keys the Triton kernels where the
-    # Mosaic forward would copy arrays (`test_short_keys_...` below).
+    # Up to 320 keys (the dispatch's `NEXT_IS_FASTER`) the Triton kernels
+    # where the Mosaic forward would copy arrays (`test_short_keys_...` below).
     ("short_keys", (2, 256, 300, 8, 2, 192), jnp.bfloat16, {}, False),
     ("short_keys_in_parts", (2, 256, 300, 8, 2, 128), jnp.bfloat16, {},
      True),
@@ -298,13 +297,13 @@ def test_pallas_picks_mosaic_where_it_takes_the_call(name, shape, dtype,
     ((4, 300, 300, 4, 4, 20), False, "triton", "triton")])
 def test_short_keys_pick_each_direction_by_its_copies(shape, causal, forward,
                                                       backward):
-  """Up to `config.TRITON_MAX_KV_LEN` keys the default runs the Triton
+  """Up to 320 keys (`_dispatch.NEXT_IS_FASTER`) the default runs the Triton
   forward where XLA would copy arrays around the Mosaic one (a length off
   8 read tiled: 300 at head dim 192; a head dim padded: 20) and the Mosaic
   forward where it reads them in place (197 tokens at head dim 64, head
   dims 72 and 40 in column parts, 128 and 80 in parts at lengths off 8);
   the Triton backward after a Triton forward, up to
-  `config.TRITON_BACKWARD_MAX_KV_LEN` keys, and where the Mosaic backward
+  128 keys, and where the Mosaic backward
   would pad head dims (20), the Mosaic one elsewhere (it reads any length
   and head dim 72 in place)."""
   text = _lower_grad("pallas", shape, is_causal=causal)
@@ -422,8 +421,7 @@ def test_decode_schedule_streams_each_tile_once_balanced(groups, tiles, ctas):
   flattened tiles once and differ by at most one tile; a group's owner is
   the first CTA whose run crosses it and its written parts are exactly
   the CTAs that do; no run crosses more than `segments` groups."""
-  from pallas_kernels.mosaic_gpu.flash_decode import schedule
-  bounds, segments, owners, crossed = schedule(groups, tiles, ctas)
+  bounds, segments, owners, crossed = scheduling.stream_k(groups, tiles, ctas)
   used = len(bounds) - 1
   assert used == min(ctas, groups * tiles)
   assert bounds[0] == 0 and bounds[-1] == groups * tiles
@@ -511,14 +509,14 @@ def test_persistent_schedule_covers_every_item_once(
   few (batch, head) as it can (they share K/V in L2)."""
   rows = block_kv = 128
   kv_len = tiles * rows
-  order = flash_fwd.persistent_order(mask, programs, batch, heads, tiles,
+  order = scheduling.persistent_order(mask, programs, batch, heads, tiles,
                                      rows, block_kv, kv_len)
   assert (order is None) == (mask == Mask())
   lo, _, _, hi = kv_block_ranges(mask, jnp.arange(tiles) * rows, rows,
                                  block_kv, kv_len)
   weight = np.broadcast_to(np.asarray(hi - lo), (tiles,)) + 1
   np.testing.assert_array_equal(
-      flash_fwd.band_tiles(mask, tiles, rows, block_kv, kv_len) + 1, weight)
+      scheduling.band_tiles(mask, tiles, rows, block_kv, kv_len) + 1, weight)
   seen, work, rounds = [], [], {}
   for pid in range(programs):
     monkeypatch.setattr(flash_fwd.lax, "axis_index",
@@ -538,7 +536,7 @@ def test_persistent_schedule_covers_every_item_once(
   assert excess <= weight.max(), work  # At most one item more than its share.
   if mask == Mask(is_causal=True):  # Balanced within 2% (1-3 tiles at 2k).
     assert excess <= max(3, 0.02 * np.mean(work)), work
-  local = len(rounds) - (0 if order is None else flash_fwd.TAIL_ROUNDS)
+  local = len(rounds) - (0 if order is None else scheduling.TAIL_ROUNDS)
   for i in range(local):
     assert len(rounds[i]) <= -(-programs // tiles) + 1, (i, rounds[i])
 
@@ -902,7 +900,7 @@ def test_swizzle_of_a_tile_follows_its_contracted_rows():
   """V's tile for P V (`smem_transforms(..., rows)`): the widest swizzle
   whose elements divide both its rows and head dim."""
   def swizzle(minor, rows=None):
-    return tiles.smem_transforms(jnp.bfloat16, minor, rows)[1].swizzle
+    return layout.smem_transforms(jnp.bfloat16, minor, rows)[1].swizzle
   assert swizzle(256) == swizzle(256, 128) == swizzle(256, 64) == 128
   assert swizzle(256, 80) == 32 and swizzle(256, 96) == 64
   assert swizzle(96, 128) == 64
@@ -1121,7 +1119,7 @@ def test_head_dims_run_at_a_multiple_of_16(head_dim, value_head_dim, kv_len,
                                            kernel_dim, forward_dim,
                                            backward_dim):
   """Q, K and V reach the kernels with their own head dims where the
-  column parts read them in place (`tiles.Columns`: 72 in the forward, and
+  column parts read them in place (`layout.Columns`: 72 in the forward, and
   in the backward up to `config.BACKWARD_PARTS_MAX_KV_LEN` keys), else with
   `config.kernel_head_dim` columns (a multiple of 16: zero columns added
   only where the head dims are not, or differ); the gradients come back at

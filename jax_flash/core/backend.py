@@ -10,6 +10,7 @@ chooses the pair for each call.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -25,6 +26,15 @@ from jax_flash.core.scores import Scores
 Decode = Literal[False, "contiguous", "paged"]
 # The operands whose gradients a backward may give (`Operands` fields).
 DIFFERENTIABLE_OPERANDS = ("bias", "sinks", "score_consts")
+
+
+@dataclasses.dataclass(frozen=True)
+class Copies:
+  """Whether XLA copies or pads arrays around a backend's forward and
+  backward kernels for a call (a head dim padded, a length read through
+  copies), which costs as much as short calls' kernels."""
+  forward: bool = False
+  backward: bool = False
 
 
 @functools.cache
@@ -60,17 +70,10 @@ class Backend(Protocol):
     """Why its forward (or, with `decode`, its decode) cannot take the
     call; None if it can."""
 
-  def slower(self, problem: Problem, dtype, *, mask: Mask,
-             scores: Scores) -> str | None:
-    """Why the next backend is measured faster on this call, which this one
-    takes; None where it is not. The dispatch then prefers the next when
-    no backend is named (a named one runs anyway)."""
-
-  def backward_slower(self, problem: Problem, dtype, *, mask: Mask,
-                      scores: Scores) -> str | None:
-    """Why the next backend's backward is measured faster on this call;
-    None where it is not. The dispatch then runs the next one's backward
-    after this forward when no backend is named."""
+  def copies(self, problem: Problem, dtype, *, mask: Mask) -> Copies:
+    """What XLA copies around its kernels for this call, which it takes:
+    facts the dispatch's table of measured preferences reads
+    (`jax_flash._dispatch.NEXT_IS_FASTER`)."""
 
   def backward_unsupported(self, problem: Problem, dtype, *, mask: Mask,
                            scores: Scores,

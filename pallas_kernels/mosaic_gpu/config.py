@@ -36,6 +36,8 @@ SMEM_BYTES = 227 * 1024  # Shared memory of one Hopper CTA.
 # fit shared memory there), Triton's otherwise.
 MIN_DECODE_QUERIES = 65
 SPLIT_KV_HEAD_DIMS = (64, 128)
+DECODE_ROWS = 64  # wgmma's rows: the most query rows a split-KV CTA takes.
+DECODE_BLOCK_K = 64  # Cache rows a split-KV K/V tile by default.
 
 
 # `BlockSizes.fused_dq`'s head dims: 128-byte swizzled K rows, which the
@@ -77,18 +79,6 @@ def fused_dq_columns(head_dim: int) -> int:
   return head_dim // 2 if head_dim > 64 else head_dim
 
 
-# Keys up to which the dispatch prefers the Triton kernels, when no backend
-# is named, for a call XLA would copy arrays around the Mosaic kernels for
-# (`MosaicGpuBackend.slower`, `backward_slower`): at 77-257 keys (CLIP,
-# text cross-attention, ViT, DiT) the copies cost as much as the kernels
-# (benchmarks/NOTES.md, "sequence copies", "column parts").
-TRITON_MAX_KV_LEN = 320
-# Keys up to which the default runs the Triton backward even where the
-# Mosaic one reads every array in place: a dK/dV CTA's 128 key rows would
-# hold them all, and Triton's smaller tiles waste fewer (CLIP text's 77
-# keys, a text cross-attention's; benchmarks/NOTES.md, "backward in
-# place").
-TRITON_BACKWARD_MAX_KV_LEN = 128
 # Keys above which the backward pads a head dim off a multiple of 16
 # (`flash_bwd.backward_columns`) instead of running it in column parts:
 # there the parts' narrow matmuls cost more than the pad.

@@ -65,19 +65,19 @@ from jax_flash.core.mask import Mask, cdiv, kv_block_ranges, q_block_ranges
 from jax_flash.core.operands import Operands
 from jax_flash.core.padding import pad_pairs, pad_to, round_up
 from jax_flash.core.scores import Scores
-from pallas_kernels.mosaic_gpu.config import (BACKWARD_PARTS_MAX_KV_LEN,
-                                              FUSED_DQ_HEAD_DIMS,
-                                              HEAD_DIM_MULTIPLE, BlockSizes,
+from pallas_kernels.mosaic_gpu.config import (FUSED_DQ_HEAD_DIMS, BlockSizes,
                                               compiler_params, fused_dq_columns)
-from pallas_kernels.mosaic_gpu.tiles import (COL, COMPUTE_WGS, ROW, Columns,
-                                             await_last_releases, columns,
-                                             cta_row_tile, dropped, load_ids,
-                                             logits2, needs_positions,
-                                             pad_ids, range_table,
-                                             smem_transforms, split_refs,
-                                             table_ranges, tail_rows,
-                                             tile_buffer,
-                                             tile_views, tma_rows, visible)
+from pallas_kernels.mosaic_gpu.layout import (COMPUTE_WGS, Columns,
+                                              backward_columns, dq_warpgroups,
+                                              smem_transforms, split_dkv,
+                                              tail_rows, tma_rows)
+from pallas_kernels.mosaic_gpu.tiles import (COL, ROW, await_last_releases,
+                                             columns, cta_row_tile, dropped,
+                                             load_ids, logits2,
+                                             needs_positions, pad_ids,
+                                             range_table, split_refs,
+                                             table_ranges, tile_buffer,
+                                             tile_views, visible)
 
 
 def _meet(barrier):
@@ -118,11 +118,6 @@ def _probabilities(s, lse, masked, *, mask: Mask, scores: Scores,
                  dense_ref=dense_ref, pair=pair, batch=batch, head=head, **ids)
     return jnp.where(ok, p, 0.0)
   return lax.cond(masked, hidden, lambda: p), aux
-
-
-def split_dkv(head_dim: int) -> bool:
-  """Whether the dK/dV kernel splits dK and dV between its warpgroups."""
-  return head_dim > 128
 
 
 def _part_views(layout: Columns, head_dim: int, *buffer_groups):
@@ -612,14 +607,6 @@ def _accumulate_dq(ds, k_smem2, dq_tile_ref, fused, wg, *, parity):
   plgpu.copy_smem_to_gmem(stage, dq_tile_ref.at[:, cols], reduction_op="add")
 
 
-def dq_warpgroups(head_dim: int) -> int:
-  """Consumer warpgroups of the dQ kernel: one above head dim 128, where two
-  warpgroups' Q and dO tiles and a two-slot K/V ring (256 KiB at head dim
-  256) would not fit shared memory (K/V tiles cannot shrink below 64 rows:
-  they are the contraction of dQ += dS K)."""
-  return 1 if head_dim > 128 else COMPUTE_WGS
-
-
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
                slopes_ref, q_ids_ref, kv_ids_ref, seed_ref, dense_ref,
                bias_ref, kt_ref, scales_ref, dq_ref, scratch, *, mask: Mask,
@@ -794,23 +781,6 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
     idle = q_start >= q_ref.shape[1]
     pl.when(idle)(lambda: lax.fori_loop(0, steps, release, None))
     pl.when(~idle)(consumer)
-
-
-def backward_columns(dtype, head_dim: int, q_len: int, kv_len: int,
-                     blocks: BlockSizes) -> Columns | None:
-  """The backward's column parts (`tiles.Columns`, with the 64 rows every
-  kernel's tiles are a multiple of): a head dim that is a multiple of 16 in
-  one part unless a length off a multiple of 8 would have its tiles copied
-  tiled, any other in parts one swizzle atom wide up to
-  `config.BACKWARD_PARTS_MAX_KV_LEN` keys; with `fused_dq`, whose dQ
-  matmul slices K's columns, one part (rows padded, `tiles.tma_rows`).
-  None where the backend pads the head dim first (to a multiple of 16)."""
-  if head_dim % HEAD_DIM_MULTIPLE and (
-      blocks.fused_dq or kv_len > BACKWARD_PARTS_MAX_KV_LEN):
-    return None
-  if blocks.fused_dq:
-    return Columns.of(dtype, head_dim, 64)
-  return Columns.of(dtype, head_dim, 64, q_len, kv_len)
 
 
 def fp8_backward_operands(operands: Operands, do, softmax_scale: float,

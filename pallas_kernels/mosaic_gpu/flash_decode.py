@@ -42,12 +42,13 @@ from jax_flash.core.mask import Mask, cdiv
 from jax_flash.core.padding import pad_to
 from jax_flash.core.scores import Scores
 from pallas_kernels.mosaic_gpu import config
-from pallas_kernels.mosaic_gpu.config import compiler_params
+from pallas_kernels.mosaic_gpu.config import (DECODE_BLOCK_K, DECODE_ROWS,
+                                              compiler_params)
+from pallas_kernels.mosaic_gpu.layout import smem_transforms
+from pallas_kernels.mosaic_gpu.scheduling import stream_k
 from pallas_kernels.mosaic_gpu.tiles import (ROW, await_last_releases,
-                                             online_softmax, smem_transforms)
+                                             online_softmax)
 
-ROWS = 64  # wgmma's rows: the most query rows a CTA takes.
-BLOCK_K = 64  # Cache rows a K/V tile by default.
 
 
 def _segment(bounds_ref, lengths_ref, s: int, *, groups: int,
@@ -75,8 +76,8 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, bounds_ref, owners_ref,
                    block_k: int, stages: int, consumers: int,
                    segments: int, segment):
   """q_ref [B, K / heads, Rq, H] (rows (h * G + g) * T + t for the
-  group's KV head h < heads, zero past heads * G * T; Rq <= ROWS, a
-  multiple of 8 or ROWS: the buffer's rows past Rq are never written, and
+  group's KV head h < heads, zero past heads * G * T; Rq <= DECODE_ROWS, a
+  multiple of 8 or DECODE_ROWS: the buffer's rows past Rq are never written, and
   only rows that are dropped or masked read them); k_ref/v_ref [B, S, K, H]
   when heads == 1, else [B, S * K, H] (row p * K + h: position p, KV head
   h); lengths_ref int32 [B]; bounds_ref int32 [CTAs + 1] (CTA c streams
@@ -84,7 +85,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, bounds_ref, owners_ref,
   (the first CTA whose run crosses each head group); o_ref [groups, M,
   consumers, R, H] and lse_ref [groups, M, consumers, R] float32: part (m,
   w) of a group from the group's m-th CTA's consumer w (the first R of the
-  ROWS rows; natural log, -inf for a part that saw no key; parts past a
+  DECODE_ROWS rows; natural log, -inf for a part that saw no key; parts past a
   group's CTAs are not written)."""
   q_smem, k_smem, v_smem, o_smem, lse_smem = buffers
   k_ready, v_ready, q_ready = ready
@@ -94,7 +95,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, bounds_ref, owners_ref,
 
   def q_buffer(seg):
     q = q_smem.at[seg % q_buffers]
-    return q if q_rows == ROWS else q.at[pl.ds(0, q_rows)]
+    return q if q_rows == DECODE_ROWS else q.at[pl.ds(0, q_rows)]
   wg = lax.axis_index("wg")
   cta = lax.axis_index("cta")
   positions = block_k // heads  # Cache positions a tile.
@@ -103,7 +104,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, bounds_ref, owners_ref,
   @pl.when(wg < consumers)
   def _consumer():
     plgpu.set_max_registers(232, action="increase")
-    shape = (ROWS, block_k)
+    shape = (DECODE_ROWS, block_k)
     rows = plgpu.broadcasted_iota(jnp.int32, shape, 0,
                                   layout=plgpu.Layout.WGMMA)
     query = lax.rem(rows, q_len)
@@ -162,10 +163,10 @@ def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, bounds_ref, owners_ref,
       first = base + lax.rem(wg - lax.rem(base, consumers) + consumers,
                              consumers)
       mine = cdiv(jnp.maximum(base + count - first, 0), consumers)
-      m = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), ROW)
-      l = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), ROW)
+      m = plgpu.layout_cast(jnp.full((DECODE_ROWS,), -jnp.inf, jnp.float32), ROW)
+      l = plgpu.layout_cast(jnp.zeros((DECODE_ROWS,), jnp.float32), ROW)
       acc = plgpu.layout_cast(
-          jnp.zeros((ROWS, v_smem.shape[-1]), jnp.float32),
+          jnp.zeros((DECODE_ROWS, v_smem.shape[-1]), jnp.float32),
           plgpu.Layout.WGMMA)
       acc, m, l = lax.fori_loop(0, mine, step, (acc, m, l))
       plgpu.barrier_arrive(q_free.at[seg % q_buffers])
@@ -229,38 +230,17 @@ def max_stages(head_dim: int, block_k: int, itemsize: int,
   buffers, each consumer's f32 output tile and logsumexp and the barriers,
   rounded down to a multiple of `consumers` (each takes every
   consumers-th slot)."""
-  fixed = (config.aligned(q_buffers * ROWS * head_dim * itemsize)
-           + config.aligned(consumers * ROWS * head_dim * 4)
-           + config.aligned(consumers * ROWS * 4)
+  fixed = (config.aligned(q_buffers * DECODE_ROWS * head_dim * itemsize)
+           + config.aligned(consumers * DECODE_ROWS * head_dim * 4)
+           + config.aligned(consumers * DECODE_ROWS * 4)
            + 1024)  # The barriers' allocation.
   per_stage = 2 * config.aligned(block_k * head_dim * itemsize)
   stages = (config.SMEM_BYTES - fixed) // per_stage
   return stages - stages % consumers
 
 
-def schedule(groups: int, tiles: int, ctas: int):
-  """The stream-K schedule of `groups` x `tiles` flattened tiles over at
-  most `ctas` CTAs: (bounds int32 [CTAs + 1]: CTA c streams tiles bounds[c]
-  to bounds[c + 1]; segments: the most groups one run crosses; owners
-  int32 [groups]: the first CTA whose run crosses each group; crossed bool
-  [groups, M]: whether group g's m-th part is written, i.e. a run of CTA
-  owners[g] + m crosses it)."""
-  total = groups * tiles
-  ctas = min(ctas, total)
-  bounds = np.arange(ctas + 1, dtype=np.int64) * total // ctas
-  first, last = bounds[:-1] // tiles, (bounds[1:] - 1) // tiles
-  segments = int(np.max(last - first)) + 1
-  # CTAs crossing group g: those with first <= g <= last (runs in order).
-  starts = np.arange(groups) * tiles
-  owners = np.searchsorted(bounds, starts, side="right") - 1
-  ends = np.searchsorted(bounds, starts + tiles - 1, side="right") - 1
-  crossed = np.arange(int(np.max(ends - owners)) + 1) <= (ends - owners)[:,
-                                                                         None]
-  return bounds.astype(np.int32), segments, owners.astype(np.int32), crossed
-
-
 def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
-                 mask: Mask, block_k: int = BLOCK_K, num_stages: int = 4,
+                 mask: Mask, block_k: int = DECODE_BLOCK_K, num_stages: int = 4,
                  heads_per_cta: int = 1, consumers: int = 1,
                  num_ctas: int | None = None, sinks=None):
   """Decode attention of q [B, T, N, H] against a contiguous cache k_cache,
@@ -289,11 +269,11 @@ def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
   if cache_len % 8:
     raise ValueError(f"the Mosaic decode kernel needs the cache's length a "
                      f"multiple of 8 (TMA's row tiles), got {cache_len}")
-  if rows > ROWS:
-    raise ValueError(f"the Mosaic decode kernel takes at most {ROWS} query "
+  if rows > DECODE_ROWS:
+    raise ValueError(f"the Mosaic decode kernel takes at most {DECODE_ROWS} query "
                      f"rows a CTA (heads_per_cta * G * T), got {rows}")
   # Rows of Q read and of each part written: a multiple of TMA's 8-row
-  # tiles (at most ROWS).
+  # tiles (at most DECODE_ROWS).
   out_rows = -(-rows // 8) * 8
   # [B, T, N, H] -> [B, N, T, H] -> [B, K / heads, heads * G * T, H]: row
   # (h * G + g) * T + t (free at T = 1), padded to out_rows (a copy only if
@@ -307,7 +287,7 @@ def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
   positions = block_k // heads
   tiles = pl.cdiv(cache_len, positions)
   groups = batch * head_groups
-  bounds, segments, owners, crossed = schedule(
+  bounds, segments, owners, crossed = stream_k(
       groups, tiles, num_ctas or num_multiprocessors())
   ctas, width = len(bounds) - 1, crossed.shape[1]
   # Two Q buffers (the next segment's Q loads early) where a run crosses
@@ -326,16 +306,16 @@ def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
   transforms = smem_transforms(q.dtype, head_dim)
   scratch = dict(
       buffers=(
-          plgpu.SMEM((q_buffers, ROWS, head_dim), q.dtype,
+          plgpu.SMEM((q_buffers, DECODE_ROWS, head_dim), q.dtype,
                      transforms=transforms),
           plgpu.SMEM((num_stages, block_k, head_dim), k_cache.dtype,
                      transforms=transforms),
           plgpu.SMEM((num_stages, block_k, head_dim), v_cache.dtype,
                      transforms=smem_transforms(v_cache.dtype, head_dim,
                                                 block_k)),
-          plgpu.SMEM((consumers, ROWS, head_dim), jnp.float32,
+          plgpu.SMEM((consumers, DECODE_ROWS, head_dim), jnp.float32,
                      transforms=smem_transforms(jnp.float32, head_dim)),
-          plgpu.SMEM((consumers, ROWS), jnp.float32),
+          plgpu.SMEM((consumers, DECODE_ROWS), jnp.float32),
       ),
       ready=(plgpu.Barrier(num_barriers=num_stages),
              plgpu.Barrier(num_barriers=num_stages),

@@ -31,7 +31,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
@@ -45,16 +44,18 @@ from jax_flash.core.operands import Operands
 from jax_flash.core.padding import pad_pairs, pad_to, round_up
 from jax_flash.core.scores import Scores
 from pallas_kernels.mosaic_gpu.config import BlockSizes, compiler_params
-from pallas_kernels.mosaic_gpu.tiles import (COL, COMPUTE_WGS, ROW, Columns,
-                                             await_last_releases, columns,
-                                             cta_row_tile, dropped, load_ids,
-                                             logits2, needs_positions,
-                                             online_softmax, pad_ids,
-                                             range_table, rescaled,
-                                             smem_transforms, softmax_step,
-                                             split_refs, table_ranges,
-                                             tail_rows, tile_buffer,
-                                             tile_views, tma_rows, visible)
+from pallas_kernels.mosaic_gpu.layout import (COMPUTE_WGS, Columns,
+                                              smem_transforms, tail_rows,
+                                              tma_rows)
+from pallas_kernels.mosaic_gpu.scheduling import persistent_order
+from pallas_kernels.mosaic_gpu.tiles import (COL, ROW, await_last_releases,
+                                             columns, cta_row_tile, dropped,
+                                             load_ids, logits2,
+                                             needs_positions, online_softmax,
+                                             pad_ids, range_table, rescaled,
+                                             softmax_step, split_refs,
+                                             table_ranges, tile_buffer,
+                                             tile_views, visible)
 
 # Hardware barrier ids of the consumers' schedule with `named_barriers`,
 # [warpgroup waiting][parity of its wait]: Mosaic GPU itself uses 0 (the
@@ -134,63 +135,6 @@ class _Turns:
 
   def arrive(self):
     plgpu.barrier_arrive(self.barriers.at[1 - self.wg])
-
-
-def band_tiles(mask: Mask, num_tiles: int, rows: int, block_kv: int,
-               kv_len: int):
-  """Key tiles each of num_tiles query tiles of `rows` rows visits by the
-  band (`mask.band`), as `kv_block_ranges` counts them (hi - lo), in numpy
-  (at trace time, with no device)."""
-  left, right = mask.band()
-  r0 = np.arange(num_tiles) * rows
-  first = np.zeros_like(r0) if left is None else np.maximum(r0 - left, 0)
-  last = np.full_like(r0, kv_len - 1)
-  if right is not None:
-    last = np.minimum(r0 + rows - 1 + right, last)
-  return np.maximum(last // block_kv + 1 - first // block_kv, 0)
-
-
-# Rounds at the end of a persistent CTA's items sorted heaviest first, so
-# the last ones are light ones (`persistent_order`).
-TAIL_ROUNDS = 3
-
-
-def persistent_order(mask: Mask, programs: int, batch: int, heads: int,
-                     num_tiles: int, rows: int, block_kv: int, kv_len: int):
-  """The persistent forward's items (batch, head, query tile of `rows`
-  rows) as a static int32 table [rounds, programs] of item ids
-  ((batch * heads + head) * num_tiles + tile; -1: none), or None where
-  every item sees as many key tiles by the band (then CTA p takes item
-  round * programs + p).
-
-  Rounds take `programs` consecutive items in the order query tiles
-  fastest (those seeing the most key tiles first), then heads, then batch,
-  so the CTAs of a round share the K/V of a few (batch, head) in L2,
-  except the last TAIL_ROUNDS rounds' items, heaviest first; in each
-  round the heaviest item goes to the CTA with the least work so far (the
-  band's key tiles plus one an item; a dynamic mask's or a query offset's
-  tiles are not seen: they are taken as the band's). Under a causal mask
-  no CTA's work exceeds the mean by more than 2% (a CPU test)."""
-  weight = band_tiles(mask, num_tiles, rows, block_kv, kv_len) + 1
-  if (weight == weight[0]).all():
-    return None
-  tiles = np.argsort(-weight, kind="stable")
-  items = (np.arange(batch * heads)[:, None] * num_tiles + tiles).ravel()
-  work = np.tile(weight[tiles], batch * heads)
-  rounds = -(-items.size // programs)
-  tail = max(0, rounds - TAIL_ROUNDS) * programs
-  heavy = tail + np.argsort(-work[tail:], kind="stable")
-  items[tail:], work[tail:] = items[heavy], work[heavy]
-  order = np.full((rounds, programs), -1, np.int32)
-  load = np.zeros(programs, np.int64)
-  for r in range(rounds):
-    ids, w = items[r * programs:(r + 1) * programs], work[r * programs:
-                                                          (r + 1) * programs]
-    heavy = np.argsort(-w, kind="stable")
-    ctas = np.argsort(load, kind="stable")[:ids.size]
-    order[r, ctas] = ids[heavy]
-    load[ctas] += w[heavy]
-  return order
 
 
 def cta_schedule(mask: Mask, programs: int | None, batch: int, heads: int,

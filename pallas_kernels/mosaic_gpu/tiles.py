@@ -1,24 +1,20 @@
 """The Mosaic GPU kernels' shared tile work: what the forward, the backward and
 the decode kernel each do with a tile of refs.
 
-Layouts of a consumer warpgroup's values (`ROW`, `COL`), shared-memory
-swizzles (`smem_transforms`), the tile ranges a CTA's row tile visits
-(`cta_row_tile`, `table_ranges`, `range_table`: the band's intersected with
-a mask_mod's or the ids' table), tiles of a per-(query, key) operand
-(`pair_tile`), a score tile's logits (`logits2`), its visible pairs
-(`visible`) and the online softmax's step (`online_softmax`), ids
-(`load_ids`, `pad_ids`), dropout (`needs_positions`, `dropped`), the
-kernels' refs split into inputs, extras and outputs (`split_refs`), the
-rows of a sequence array (`tma_rows`; `tail_rows`, the rows of a streamed
-sequence's last tile; `one_atom_wide`, `tile_buffer`,
-`tile_views`: untiled copies of tiles one swizzle atom wide), a head
-dim's column parts (`Columns`, `columns`), and a producer's wait on the
-last releases of its ring (`await_last_releases`). Built on the
-backend-neutral `jax_flash.core`.
+Layouts of a consumer warpgroup's values (`ROW`, `COL`), the tile ranges a
+CTA's row tile visits (`cta_row_tile`, `table_ranges`, `range_table`: the
+band's intersected with a mask_mod's or the ids' table), tiles of a
+per-(query, key) operand (`pair_tile`), a score tile's logits (`logits2`),
+its visible pairs (`visible`) and the online softmax's step
+(`online_softmax`), ids (`load_ids`, `pad_ids`), dropout
+(`needs_positions`, `dropped`), the kernels' refs split into inputs,
+extras and outputs (`split_refs`), untiled copies of tiles one swizzle
+atom wide (`tile_buffer`, `tile_views`), a column part's index
+(`columns`), and a producer's wait on the last releases of its ring
+(`await_last_releases`). The host-side layout decisions they follow are
+`layout`'s. Built on the backend-neutral `jax_flash.core`.
 """
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -30,13 +26,9 @@ from jax_flash.core import dropout
 from jax_flash.core.mask import (KV_PAD_ID, Q_PAD_ID, Mask, id_block_table,
                                   intersect_ranges, intersect_tables,
                                   kinds_block_table, without_full_tiles)
-from jax_flash.core.padding import pad_to, round_up
+from jax_flash.core.padding import pad_to
 from jax_flash.core.scores import Scores
-from pallas_kernels.mosaic_gpu.config import (HEAD_DIM_MULTIPLE,
-                                              MIN_KERNEL_HEAD_DIM,
-                                              kernel_head_dim)
 
-COMPUTE_WGS = 2
 ROW = plgpu.Layout.WGMMA.reduce(1)  # One value per row of a wgmma tile.
 COL = plgpu.Layout.WGMMA.reduce(0)  # One value per column.
 
@@ -53,114 +45,6 @@ def await_last_releases(loaded, stages: int, *free):
       slot = lax.rem(last, stages)
       for barrier in free:
         plgpu.barrier_wait(barrier.at[slot])
-
-
-def tma_rows(length: int, whole_atoms: bool = False) -> int:
-  """Rows a kernel's sequence array (Q, K, V, O, dO and the gradients)
-  has for `length` positions. Tiles reaching past the last row are not
-  padded: the TMA unit reads zeros there and drops stores past it. A tiled
-  copy views a [rows, head dim] tile's rows in groups of 8, so the array
-  needs the next multiple of 8 (XLA pads only lengths that are not one);
-  with `whole_atoms` (`one_atom_wide`: the tiles are copied untiled,
-  `tile_buffer`) it needs none."""
-  return length if whole_atoms else round_up(length, 8)
-
-
-def tail_rows(length: int, block: int, multiple: int) -> int:
-  """Rows of the last `block`-row tile of a sequence of `length` that a
-  consumer streaming those tiles computes on: the rows up to the length
-  rounded up to `multiple` (`Columns.contraction_rows`: a matmul over the
-  tile's rows takes them in groups of its swizzle's elements), so that
-  257 keys in 128-row tiles take 256 + 64 rows, not 384. The tile's TMA
-  copy still covers `block` rows (zeros past the length)."""
-  return min(block, round_up(length % block or block, multiple))
-
-
-def smem_transforms(dtype, minor_dim: int, rows: int | None = None):
-  """Tiling and swizzle for a [rows, minor_dim] tile read by wgmma; with
-  `rows`, for the right operand of a matmul over them (P V: wgmma wants its
-  contracted dim a multiple of the swizzle's elements), the largest swizzle
-  whose elements divide both (32 bytes for 80-row tiles)."""
-  itemsize = jnp.dtype(dtype).itemsize
-  swizzle = plgpu.find_swizzle(minor_dim * itemsize * 8)
-  while rows is not None and rows % (swizzle // itemsize):
-    swizzle //= 2
-  elems = swizzle // itemsize
-  return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
-
-
-def one_atom_wide(dtype, head_dim: int, *rows: int) -> bool:
-  """Whether [rows, head_dim] tiles (and V's tiles of each of `rows` rows,
-  whose swizzle `smem_transforms` may narrow) are one swizzle atom wide
-  (head dims 32 and 64 in 16 bits): their tiled layout is then the same
-  bytes as the untiled rows, which TMA copies without grouping rows by 8
-  (`tile_buffer`)."""
-  return all(smem_transforms(dtype, head_dim, r)[0].tiling[1] == head_dim
-             for r in (None, *rows))
-
-
-@dataclasses.dataclass(frozen=True)
-class Columns:
-  """How the forward's tiles cover a head dim: `parts`, (start, width)
-  column ranges of Q, K, V and O, each with tiles of its own in shared
-  memory (one part, the whole head dim, for a multiple of 16); `untiled`,
-  whether TMA copies Q's and K's tiles, and V's, untiled (`tile_buffer`)."""
-  parts: tuple[tuple[int, int], ...]
-  untiled: tuple[bool, bool]
-
-  @classmethod
-  def of(cls, dtype, head_dim: int, block_kv: int, q_len: int = 8,
-         kv_len: int = 8) -> "Columns | None":
-    """The columns of a head dim: a multiple of 16 in one part, or where
-    that part's tiles would be copied tiled at a length off a multiple of 8
-    (`copies`: head dims 80-256 at 257 tokens), in parts one swizzle atom
-    wide (64, 32 and 16 columns in 16 bits) if V's tiles of block_kv rows
-    take them; any other head dim in such parts, the last reaching past
-    the head dim (TMA reads zeros there and drops O's stores), so no column
-    is padded in XLA; None where TMA cannot read the arrays in place (a
-    row of the head dim not a multiple of 16 bytes) or V's tiles cannot
-    take the parts (`smem_transforms`)."""
-    if head_dim % HEAD_DIM_MULTIPLE == 0 and head_dim >= MIN_KERNEL_HEAD_DIM:
-      one = cls(((0, head_dim),), (one_atom_wide(dtype, head_dim),
-                                   one_atom_wide(dtype, head_dim, block_kv)))
-      if not one.copies(q_len, kv_len):
-        return one
-      return cls._in_parts(dtype, head_dim, block_kv) or one
-    if head_dim * jnp.dtype(dtype).itemsize % 16:
-      return None
-    return cls._in_parts(dtype, kernel_head_dim(head_dim, head_dim), block_kv)
-
-  @classmethod
-  def _in_parts(cls, dtype, width: int, block_kv: int) -> "Columns | None":
-    """`width` columns in parts one swizzle atom wide, widest first (None
-    where V's tiles of block_kv rows cannot take them)."""
-    parts, start = [], 0
-    while width:
-      part = max(w for w in (64, 32, 16) if w <= width)
-      parts.append((start, part))
-      start, width = start + part, width - part
-    if not all(one_atom_wide(dtype, w, block_kv) for _, w in parts):
-      return None
-    return cls(tuple(parts), (True, True))
-
-  def contraction_rows(self, dtype, rows: int | None = None) -> int:
-    """The rows a wgmma over these tiles' rows takes at a time (its K
-    group: the widest part's swizzle in elements, `smem_transforms`; with
-    `rows`, that of V's tiles of so many rows)."""
-    return max(smem_transforms(dtype, w, rows)[0].tiling[1]
-               for _, w in self.parts)
-
-  @property
-  def width(self) -> int:
-    """The columns the parts cover: the head dim, or past it."""
-    return sum(w for _, w in self.parts)
-
-  def copies(self, q_len: int, kv_len: int) -> bool:
-    """Whether XLA copies a sequence array around the forward: a length off
-    a multiple of 8 whose tiles are copied tiled (`tma_rows`)."""
-    qk, v = self.untiled
-    return bool((not qk and (q_len % 8 or kv_len % 8))
-                or (not v and kv_len % 8))
 
 
 def columns(start: int, width: int, head_dim: int):
