@@ -32,12 +32,11 @@ from jax_flash.core import fp8 as fp8_lib
 from jax_flash.core.backend import Backend, Copies, Decode
 from jax_flash.core.mask import Mask
 from jax_flash.core.operands import Operands
+from jax_flash.core.options import IMPLEMENTATIONS
 from jax_flash.core.prepare import decode_as_forward
 from jax_flash.core.problem import Problem
 from jax_flash.core.scores import Scores
 
-IMPLEMENTATIONS = ("pallas", "mosaic", "triton", "interpret", "xla")
-VERSIONS = (1, 2)
 # The Pallas backends for a GPU, best first (the Mosaic GPU kernels only
 # take calls on Hopper; their measurements against Triton's:
 # benchmarks/NOTES.md).
@@ -189,16 +188,14 @@ def backward(plan: Plan, configs: Configs, q, k, v, operands: Operands,
   return dq, dk, dv, dataclasses.replace(grads, **changes)
 
 
-def check_options(block_sizes, version) -> None:
-  """`block_sizes` and `version`, checked for every implementation."""
+def check_block_sizes(block_sizes) -> None:
+  """`block_sizes`: one backend's type, or None."""
   types = tuple({b.config_type for b in backends().values()})
   if block_sizes is not None and not isinstance(block_sizes, types):
     raise ValueError(
         f"block_sizes must be a jax_flash.BlockSizes, "
         f"jax_flash.MosaicBlockSizes, jax_flash.XlaBlockSizes or None, got "
         f"{type(block_sizes).__name__}")
-  if version not in VERSIONS:
-    raise ValueError(f"version must be 1 or 2, got {version!r}")
 
 
 def select(implementation, query, problem: Problem, dtype, *, mask: Mask,

@@ -53,7 +53,7 @@ class Config:
   mask: Mask
   scores: Scores
   version: int
-  # Sequence-sharded inputs: `_sharding.STRATEGIES`.
+  # Sequence-sharded inputs: `core.options.STRATEGIES`.
   context_parallel: str = "auto"
   # Inside a shard_map, the mesh axis (or axes) whose devices hold the
   # sequence in chunks, run by `context_parallel`'s ring or all_gather

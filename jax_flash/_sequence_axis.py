@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_flash._sharding import localize
+from jax_flash.core.options import Options
 
 
 def _axis_size(axis) -> int:
@@ -51,32 +52,27 @@ def _pairs(x, name: str, num_heads: int, q_chunk: int, kv_chunk: int,
   return x, f"u {heads} {'t' if x.shape[2] > 1 else 'u'} u"
 
 
-def attend(attention, axis, query, key, value, bias, mask, *,
-           context_parallel, segment_ids, alibi_slopes, sinks, descale,
-           return_residual, **options):
-  """attention(q, k, v, bias, mask, head_offset=..., **options) on the
-  whole sequence of this device's heads, from and to sequence chunks over
-  `axis` (`flash_attention`'s `sequence_axis`)."""
+def attend(attention, query, key, value, options: Options):
+  """attention(q, k, v, options, head_offset=...) on the whole sequence of
+  this device's heads, from and to sequence chunks over
+  `options.sequence_axis`."""
+  axis, context_parallel = options.sequence_axis, options.context_parallel
   p = _axis_size(axis)
   if context_parallel in ("ring", "all_gather"):
     for name in ("query_seq_lengths", "key_value_seq_lengths"):
-      if options.get(name) is not None:
+      if getattr(options, name) is not None:
         raise ValueError(
             f"{name} with sequence_axis and context_parallel="
             f"{context_parallel!r}: lengths would count this chunk's "
             f"positions; pass segment ids, or context_parallel="
             f"'all_to_all'")
-    for name, x in (("bias", bias), ("mask", mask)):
-      if x is not None:
+    for name in ("bias", "mask"):
+      if getattr(options, name) is not None:
         raise ValueError(
             f"{name} with sequence_axis and context_parallel="
             f"{context_parallel!r}: not taken there; context_parallel="
             f"'all_to_all' takes it")
-    return attention(
-        query, key, value, bias, mask, head_offset=None, sequence_axis=axis,
-        context_parallel=context_parallel, segment_ids=segment_ids,
-        alibi_slopes=alibi_slopes, sinks=sinks, descale=descale,
-        return_residual=return_residual, **options)
+    return attention(query, key, value, options)
   if context_parallel not in ("auto", "all_to_all"):
     raise ValueError(
         f"context_parallel={context_parallel!r} with sequence_axis: inside "
@@ -93,6 +89,7 @@ def attend(attention, axis, query, key, value, bias, mask, *,
         f"sequence_axis={axis!r}: all_to_all splits the query heads over "
         f"the axis's {p} devices, so N={num_heads} must be a multiple of "
         f"{p}")
+  descale = options.descale
   if descale is not None and any(jnp.ndim(d) for d in descale):
     raise ValueError("sequence_axis with float8 inputs takes scalar "
                      "descales only")
@@ -105,12 +102,14 @@ def attend(attention, axis, query, key, value, bias, mask, *,
   q_chunk = query.shape[seq]
   batch = "b " * (query.ndim - 3)
   to_heads = functools.partial(localize, seq=axis, p=p, to_heads=True)
-  pairs = []
-  for x, name in ((bias, "bias"), (mask, "mask")):
+  pairs = {}
+  for name in ("bias", "mask"):
+    x = getattr(options, name)
     if x is not None:
       x = to_heads(*_pairs(x, name, num_heads, q_chunk, key.shape[seq],
                            kv_len, p))
-    pairs.append(x)
+    pairs[name] = x
+  segment_ids = options.segment_ids
   if segment_ids is not None:
     pair = isinstance(segment_ids, (tuple, list))
     ids = tuple(to_heads(jnp.asarray(x), "u " * (jnp.ndim(x) - 1) + "t")
@@ -118,17 +117,16 @@ def attend(attention, axis, query, key, value, bias, mask, *,
     segment_ids = ids if pair else ids[0]
   per_head = {name: None if x is None or jnp.ndim(x) == 0 else
               to_heads(x, "u " * (jnp.ndim(x) - 1) + "n")
-              for name, x in (("alibi_slopes", alibi_slopes),
-                              ("sinks", sinks))}
+              for name, x in (("alibi_slopes", options.alibi_slopes),
+                              ("sinks", options.sinks))}
   q, k, v = (to_heads(x, batch + "t n h") for x in (query, key, value))
   offset = lax.axis_index(axis) * (num_heads // p)
-  out = attention(
-      q, k, v, *pairs, head_offset=offset, segment_ids=segment_ids,
-      descale=descale, return_residual=return_residual,
-      context_parallel="auto", **per_head, **options)
+  out = attention(q, k, v, options.replace(
+      **pairs, **per_head, segment_ids=segment_ids, context_parallel="auto",
+      sequence_axis=None), head_offset=offset)
   to_chunks = lambda y, factors: localize(y, batch + factors, axis, p,
                                            to_heads=False)
-  if return_residual:
+  if options.return_residual:
     out, lse = out
     return to_chunks(out, "t n h"), to_chunks(lse, "t n")
   return to_chunks(out, "t n h")

@@ -60,6 +60,7 @@ from jax_flash.core import dropout, mods
 from jax_flash.core.backend import differentiable_leaves
 from jax_flash.core.mask import Mask, dense_tile_kinds
 from jax_flash.core.operands import Operands
+from jax_flash.core.options import STRATEGIES
 from jax_flash.core.problem import Problem
 from jax_flash.core.scores import Scores
 
@@ -70,14 +71,6 @@ _FWD_RULE = "b t n h, b s k h, b s k v -> b t n v, b n t"
 _BWD_RULE = ("b t n h, b s k h, b s k v, b n t, b n t, b t n v, b n t "
              "-> b t n h, b s k h, b s k v")
 _WHOLE = ("h", "v")  # Never split inside one call.
-STRATEGIES = ("auto", "all_to_all", "all_gather", "ring", "ring_all_to_all")
-
-
-def check_strategy(context_parallel) -> None:
-  """`context_parallel`, checked where a call or a module takes it."""
-  if context_parallel not in STRATEGIES:
-    raise ValueError(f"context_parallel must be one of {STRATEGIES}, got "
-                     f"{context_parallel!r}")
 
 
 def _names(axes):

@@ -7,11 +7,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jax_flash import _dispatch, _primitive, _sequence_axis, _sharding
+from jax_flash import _dispatch, _primitive, _sequence_axis
 from jax_flash.core import checks, dropout
 from jax_flash.core import fp8 as fp8_lib
 from jax_flash.core.mask import Mask
 from jax_flash.core.operands import Operands
+from jax_flash.core.options import Options
 from jax_flash.core.prepare import masks_as_ids, prepare, with_dense_kinds
 from jax_flash.core.problem import Problem
 from jax_flash.core.scores import Scores
@@ -286,9 +287,9 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
   Gradients with respect to query, key and value are deterministic (no
   atomics). Errors in the arguments are raised at trace time as ValueError.
   """
-  query, key, value = checks.common_rank(query, key, value)
-  options = dict(
-      scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
+  return attend(query, key, value, Options(
+      bias=bias, mask=mask, scale=scale, is_causal=is_causal,
+      query_seq_lengths=query_seq_lengths,
       key_value_seq_lengths=key_value_seq_lengths,
       local_window_size=local_window_size, segment_ids=segment_ids,
       logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
@@ -297,65 +298,53 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
       query_offset=query_offset, return_residual=return_residual,
       implementation=implementation, block_sizes=block_sizes,
       version=version, fp8=fp8, descale=descale, out_dtype=out_dtype,
-      context_parallel=context_parallel)
-  if sequence_axis is not None:
-    if query_offset is not None:
-      raise ValueError("query_offset does not go with sequence_axis (each "
-                       "device's chunk has an offset of its own there)")
-    return _sequence_axis.attend(_attention, sequence_axis, query, key,
-                                 value, bias, mask, **options)
-  return _attention(query, key, value, bias, mask, head_offset=None,
-                    **options)
+      context_parallel=context_parallel, sequence_axis=sequence_axis))
 
 
-def _attention(query, key, value, bias, mask, *, scale, is_causal,
-               query_seq_lengths, key_value_seq_lengths, local_window_size,
-               segment_ids, logits_soft_cap, alibi_slopes, dropout_rate,
-               dropout_rng, dropout_broadcast, sinks, query_offset,
-               return_residual, implementation, block_sizes, version, fp8,
-               descale, out_dtype, context_parallel, head_offset,
-               sequence_axis=None):
+@checks.in_x64_scope
+def attend(query, key, value, options: Options):
+  """`flash_attention(query, key, value, **options)`, its arguments
+  already `Options` (the Flax modules build theirs once)."""
+  query, key, value = checks.common_rank(query, key, value)
+  if options.sequence_axis is not None:
+    return _sequence_axis.attend(_attention, query, key, value, options)
+  return _attention(query, key, value, options)
+
+
+def _attention(query, key, value, options: Options, head_offset=None):
   """`flash_attention` on one device's arrays; `head_offset` (traced int or
   None): the place of its first query head among the whole call's, where
-  dropout's keep bits are drawn (`_sequence_axis`); `sequence_axis`: the
-  arrays are chunks of the sequence over that shard_map axis, run by the
-  ring or all_gather `context_parallel` names (`_sequence_axis`)."""
-  query, scale, descale = _fold_scale(query, scale, descale)
+  dropout's keep bits are drawn (`_sequence_axis`); with
+  `options.sequence_axis`, the arrays are chunks of the sequence over that
+  shard_map axis, run by the ring or all_gather `options.context_parallel`
+  names (`_sequence_axis`)."""
+  o = options
+  query, scale, descale = _fold_scale(query, o.scale, o.descale)
   query, key, value, out_dtype, fp8_operands = _fp8_inputs(
-      query, key, value, fp8, descale, out_dtype, implementation)
-  args = dict(bias=bias, mask=mask, scale=scale, is_causal=is_causal,
-              query_seq_lengths=query_seq_lengths,
-              key_value_seq_lengths=key_value_seq_lengths,
-              local_window_size=local_window_size, segment_ids=segment_ids,
-              logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
-              dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-              dropout_broadcast=dropout_broadcast, sinks=sinks,
-              query_offset=query_offset)
-  fp8_kind = ("descale" if descale is not None else
-              "amax" if fp8 is not False else False)
-  spec = prepare(query, key, value, fp8=fp8_kind, **args)
+      query, key, value, o.fp8, descale, o.out_dtype, o.implementation)
+  spec = prepare(query, key, value, o.replace(scale=scale, descale=descale))
   spec = dataclasses.replace(spec, operands=dataclasses.replace(
       spec.operands, **fp8_operands))
   seed = spec.operands.dropout_seed
-  if head_offset is not None and seed is not None and not dropout_broadcast:
+  if head_offset is not None and seed is not None and not o.dropout_broadcast:
     spec = dataclasses.replace(spec, operands=dataclasses.replace(
         spec.operands, dropout_seed=dropout.shifted(seed, 0, head_offset)))
   p = spec.problem
-  _dispatch.check_options(block_sizes, version)
-  _sharding.check_strategy(context_parallel)
+  _dispatch.check_block_sizes(o.block_sizes)
   if p.batch * p.q_len * p.kv_len == 0:
-    return _as(_empty(query, p, return_residual), out_dtype)
+    return _as(_empty(query, p, o.return_residual), out_dtype)
   spec = with_dense_kinds(masks_as_ids(spec))
-  plan = _dispatch.select(implementation, query, p, query.dtype,
+  plan = _dispatch.select(o.implementation, query, p, query.dtype,
                           mask=spec.mask, scores=spec.scores,
-                          operands=spec.operands, version=version)
+                          operands=spec.operands, version=o.version)
   if p.unbatched:
     query, key, value = query[None], key[None], value[None]
-  cfg = config(plan, block_sizes, p, query.dtype, spec.mask, spec.scores,
-               is_causal=is_causal, version=version,
-               context_parallel=context_parallel, sequence_axis=sequence_axis)
+  cfg = config(plan, o.block_sizes, p, query.dtype, spec.mask, spec.scores,
+               is_causal=o.is_causal, version=o.version,
+               context_parallel=o.context_parallel,
+               sequence_axis=o.sequence_axis)
   out, lse = flash_call(query, key, value, spec.operands, cfg)
   lse = lse.transpose(0, 2, 1)
   if p.unbatched:
     out, lse = out[0], lse[0]
-  return _as((out, lse) if return_residual else out, out_dtype)
+  return _as((out, lse) if o.return_residual else out, out_dtype)

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax.linen import dtypes
 
-from jax_flash.nnx import attend, check_module_options, check_sow_weights
+from jax_flash.core.options import Options
+from jax_flash.nnx import attend, check_sow_weights, module_options
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None,
@@ -45,13 +46,17 @@ def dot_product_attention(query, key, value, bias=None, mask=None,
         force_fp32_for_softmax, einsum_dot_general, qk_attn_weights_einsum,
         attn_weights_value_einsum)
   query, key, value = dtypes.promote_dtype(query, key, value, dtype=dtype)
-  return attend(query, key, value, bias, mask,
-                broadcast_dropout=broadcast_dropout, dropout_rng=dropout_rng,
-                dropout_rate=dropout_rate, deterministic=deterministic,
-                is_causal=is_causal, implementation=implementation,
-                block_sizes=block_sizes, sinks=sinks, fp8=fp8,
-                context_parallel=context_parallel,
-                sequence_axis=sequence_axis)
+  use_dropout = dropout_rate > 0.0 and not deterministic
+  if use_dropout and dropout_rng is None:
+    raise ValueError("dropout_rate > 0 with deterministic=False needs "
+                     "dropout_rng")
+  return attend(query, key, value, Options(
+      bias=bias, mask=mask, is_causal=is_causal,
+      dropout_rate=dropout_rate if use_dropout else 0.0,
+      dropout_rng=dropout_rng if use_dropout else None,
+      dropout_broadcast=broadcast_dropout, sinks=sinks,
+      implementation=implementation, block_sizes=block_sizes, fp8=fp8,
+      context_parallel=context_parallel, sequence_axis=sequence_axis))
 
 
 class FlashAttention(nn.MultiHeadDotProductAttention):
@@ -77,8 +82,9 @@ class FlashAttention(nn.MultiHeadDotProductAttention):
   sequence_axis: Any = None
 
   def __post_init__(self):
-    check_module_options(self.implementation, self.block_sizes, self.fp8,
-                         self.context_parallel)
+    module_options(implementation=self.implementation,
+                   block_sizes=self.block_sizes, fp8=self.fp8,
+                   context_parallel=self.context_parallel)
     _name_as_flax(self)
     if self.attention_fn is nn.dot_product_attention:
       object.__setattr__(self, "attention_fn", functools.partial(

@@ -16,23 +16,18 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes
 
-from jax_flash import _dispatch, _sharding
-from jax_flash.attention import flash_attention
+from jax_flash import _dispatch, attention
+from jax_flash.core.options import Options
 from jax_flash.decode import flash_decode
-from jax_flash.core import fp8 as fp8_lib
 
 
-def attend(query, key, value, bias, mask, *, broadcast_dropout, dropout_rng,
-           dropout_rate, deterministic, is_causal, implementation,
-           block_sizes, sinks=None, fp8=False, context_parallel="auto",
-           sequence_axis=None):
-  """flax's attention_fn contract on top of `flash_attention`.
-
-  query [batch..., T, N, H]; key/value [batch..., S, K, H]; bias/mask
-  broadcastable to [batch..., N, T, S]. Any number of batch dims (flattened
-  into one for the kernels).
-  """
+def attend(query, key, value, options: Options):
+  """flax's attention_fn contract on top of `flash_attention`: query
+  [batch..., T, N, H], key/value [batch..., S, K, H], `options.bias` and
+  `options.mask` broadcastable to [batch..., N, T, S]. Any number of batch
+  dims (flattened into one for the kernels)."""
   batch_dims = query.shape[:-3]
+  bias, mask = options.bias, options.mask
   if len(batch_dims) != 1:
     flat = math.prod(batch_dims)
 
@@ -51,32 +46,18 @@ def attend(query, key, value, bias, mask, *, broadcast_dropout, dropout_rng,
     bias, mask = flatten(bias, 3), flatten(mask, 3)
   if mask is not None:
     mask = mask.astype(jnp.bool_)
-  use_dropout = dropout_rate > 0.0 and not deterministic
-  if use_dropout and dropout_rng is None:
-    raise ValueError("dropout_rate > 0 with deterministic=False needs "
-                     "dropout_rng")
-  out = flash_attention(
-      query, key, value, bias, mask, is_causal=is_causal,
-      dropout_rate=dropout_rate if use_dropout else 0.0,
-      dropout_rng=dropout_rng if use_dropout else None,
-      dropout_broadcast=broadcast_dropout, sinks=sinks,
-      implementation=implementation, block_sizes=block_sizes, fp8=fp8,
-      context_parallel=context_parallel, sequence_axis=sequence_axis)
+  out = attention.attend(query, key, value,
+                         options.replace(bias=bias, mask=mask))
   return out.reshape(batch_dims + out.shape[-3:])
 
 
-def check_module_options(implementation, block_sizes, fp8=False,
-                         context_parallel="auto"):
-  """A module's `implementation`, `block_sizes`, `fp8` and
-  `context_parallel`, checked when it is built (not at its first call)."""
-  fp8_lib.check_fp8(fp8)
-  _sharding.check_strategy(context_parallel)
-  if implementation is not None and (
-      implementation not in _dispatch.IMPLEMENTATIONS):
-    raise ValueError(f"implementation must be one of "
-                     f"{_dispatch.IMPLEMENTATIONS} or None, got "
-                     f"{implementation!r}")
-  _dispatch.check_options(block_sizes, 2)
+def module_options(**options) -> Options:
+  """A module's options (`implementation`, `block_sizes`, `fp8`,
+  `context_parallel`, ...), checked when it is built (not at its first
+  call)."""
+  options = Options(**options)
+  _dispatch.check_block_sizes(options.block_sizes)
+  return options
 
 
 def check_sow_weights(module, sinks):
@@ -117,13 +98,17 @@ def dot_product_attention(query, key, value, bias=None, mask=None,
         dropout_rate, deterministic, dtype, precision, module, promote_dtype,
         is_causal)
   query, key, value = promote_dtype((query, key, value), dtype=dtype)
-  return attend(query, key, value, bias, mask,
-                broadcast_dropout=broadcast_dropout, dropout_rng=dropout_rng,
-                dropout_rate=dropout_rate, deterministic=deterministic,
-                is_causal=is_causal, implementation=implementation,
-                block_sizes=block_sizes, sinks=sinks, fp8=fp8,
-                context_parallel=context_parallel,
-                sequence_axis=sequence_axis)
+  use_dropout = dropout_rate > 0.0 and not deterministic
+  if use_dropout and dropout_rng is None:
+    raise ValueError("dropout_rate > 0 with deterministic=False needs "
+                     "dropout_rng")
+  return attend(query, key, value, Options(
+      bias=bias, mask=mask, is_causal=is_causal,
+      dropout_rate=dropout_rate if use_dropout else 0.0,
+      dropout_rng=dropout_rng if use_dropout else None,
+      dropout_broadcast=broadcast_dropout, sinks=sinks,
+      implementation=implementation, block_sizes=block_sizes, fp8=fp8,
+      context_parallel=context_parallel, sequence_axis=sequence_axis))
 
 
 class FlashAttention(nnx.MultiHeadAttention):
@@ -147,7 +132,8 @@ class FlashAttention(nnx.MultiHeadAttention):
   def __init__(self, *args, implementation=None, block_sizes=None,
                sinks: bool = False, fp8=False, context_parallel="auto",
                sequence_axis=None, attention_fn=None, **kwargs):
-    check_module_options(implementation, block_sizes, fp8, context_parallel)
+    module_options(implementation=implementation, block_sizes=block_sizes,
+                   fp8=fp8, context_parallel=context_parallel)
     if attention_fn is None:
       attention_fn = functools.partial(
           dot_product_attention, implementation=implementation,

@@ -13,6 +13,7 @@ from jax import lax
 from jax_flash.core import checks, dropout
 from jax_flash.core import mask as mask_lib
 from jax_flash.core.operands import Operands
+from jax_flash.core.options import Options
 from jax_flash.core.prepare import prepare
 from jax_flash.core.scores import Scores
 
@@ -151,14 +152,15 @@ def reference_attention(query, key, value, bias=None, mask=None, *, scale=None,
   del implementation, block_sizes, version
   query, key, value = checks.common_rank(query, key, value)
   query, scale = checks.fold_traced_scale(query, scale)
-  spec = prepare(query, key, value, bias=bias, mask=mask, scale=scale,
-                 is_causal=is_causal, query_seq_lengths=query_seq_lengths,
-                 key_value_seq_lengths=key_value_seq_lengths,
-                 local_window_size=local_window_size, segment_ids=segment_ids,
-                 logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
-                 dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-                 dropout_broadcast=dropout_broadcast, sinks=sinks,
-                 query_offset=query_offset)
+  spec = prepare(query, key, value, Options(
+      bias=bias, mask=mask, scale=scale, is_causal=is_causal,
+      query_seq_lengths=query_seq_lengths,
+      key_value_seq_lengths=key_value_seq_lengths,
+      local_window_size=local_window_size, segment_ids=segment_ids,
+      logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
+      dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+      dropout_broadcast=dropout_broadcast, sinks=sinks,
+      query_offset=query_offset))
   unbatched = spec.problem.unbatched
   if unbatched:
     query, key, value = query[None], key[None], value[None]

@@ -370,7 +370,7 @@ def ring_attention(query, key, value, *, mesh, axis_name, is_causal=False,
     raise ValueError(f"sequence length {p.q_len} must divide by {chunks} "
                      f"(the {axis_name!r} axis has {size} devices"
                      f"{', twice that when causal' if is_causal else ''})")
-  _dispatch.check_options(block_sizes, 2)
+  _dispatch.check_block_sizes(block_sizes)
   local = p.q_len // chunks
   pair = dataclasses.replace(p, q_len=local, kv_len=local)
   sinks = checks.check_sinks(sinks, p)

@@ -12,6 +12,7 @@ from jax_flash import _dispatch, _primitive, attention
 from jax_flash.core import checks, softmax
 from jax_flash.core.mask import Mask
 from jax_flash.core.operands import Operands
+from jax_flash.core.options import STRATEGIES
 from jax_flash.core.scores import Scores
 from jax_flash.testing import assert_attention_close
 from tests.cases import random_inputs
@@ -86,7 +87,7 @@ def test_cost_model_orders_the_strategies():
                head_dims=64, kv_seq=True, inner=4)
   for balanced in (False, True):
     cost = {s: _sharding.cost(s, balanced=balanced, **shape)
-            for s in _sharding.STRATEGIES[1:]}
+            for s in STRATEGIES[1:]}
     q, kv = 16 * 8 * 64, 16 * 4 * 64
     assert cost["all_to_all"] == (q + kv) * 7 // 8
     assert cost["ring_all_to_all"] == ((q + kv) * 3 // 4 + kv

@@ -1,10 +1,10 @@
 """From the public arguments to one description of the attention problem.
 
-`prepare` validates every argument at trace time and returns a `Spec`: the
-shapes (`Problem`), the static mask (`Mask`) and score modifications
-(`Scores`), and the optional arrays (`Operands`). `flash_attention`,
-`reference_attention`, `ring_attention` and every backend read this one
-description.
+`prepare` checks a call's `Options` against its shapes at trace time and
+returns a `Spec`: the shapes (`Problem`), the static mask (`Mask`) and
+score modifications (`Scores`), and the optional arrays (`Operands`).
+`flash_attention`, `reference_attention`, `ring_attention` and every
+backend read this one description.
 """
 from __future__ import annotations
 
@@ -17,39 +17,38 @@ from jax_flash.core import checks, dropout
 from jax_flash.core.mask import (DENSE_KINDS_TILE, KV_PAD_ID, Q_PAD_ID, Mask,
                                  dense_tile_kinds, make_ids)
 from jax_flash.core.operands import Operands
+from jax_flash.core.options import Options
 from jax_flash.core.problem import Problem, Spec
 from jax_flash.core.scores import Scores
 
 
-def prepare(query, key, value, *, bias=None, mask=None, scale=None,
-            is_causal=False, query_seq_lengths=None,
-            key_value_seq_lengths=None, local_window_size=None,
-            segment_ids=None, logits_soft_cap=None, alibi_slopes=None,
-            dropout_rate=0.0, dropout_rng=None,
-            dropout_broadcast=False, sinks=None, fp8=False,
-            query_offset=None) -> Spec:
-  """Validates the arguments of `flash_attention` and builds the Spec
-  (operands batched: [B, ...] even for unbatched inputs)."""
+def prepare(query, key, value, options: Options | None = None,
+            **arguments) -> Spec:
+  """The Spec of a call (operands batched: [B, ...] even for unbatched
+  inputs): its `Options`, or those `Options(**arguments)` builds, with
+  every array checked against the call's shapes."""
+  o = Options(**arguments) if options is None else options
   p = checks.check_qkv(query, key, value)
-  scale = checks.check_scale(scale, p.head_dim)
-  q_lengths = checks.check_lengths(query_seq_lengths, "query_seq_lengths", p)
-  kv_lengths = checks.check_lengths(key_value_seq_lengths,
+  scale = checks.check_scale(o.scale, p.head_dim)
+  q_lengths = checks.check_lengths(o.query_seq_lengths, "query_seq_lengths",
+                                   p)
+  kv_lengths = checks.check_lengths(o.key_value_seq_lengths,
                                     "key_value_seq_lengths", p)
-  segments = checks.check_segment_ids(segment_ids, p)
-  left, right = checks.check_window(local_window_size)
-  bias = checks.check_pair_array(bias, "bias", p, boolean=False)
-  dense = checks.check_pair_array(mask, "mask", p, boolean=True)
-  cap = checks.check_soft_cap(logits_soft_cap)
-  slopes = checks.check_alibi_slopes(alibi_slopes, p)
-  rate = checks.check_dropout(dropout_rate, dropout_rng)
-  sinks = checks.check_sinks(sinks, p)
-  offsets = checks.check_query_offset(query_offset, p)
+  segments = checks.check_segment_ids(o.segment_ids, p)
+  left, right = checks.check_window(o.local_window_size)
+  bias = checks.check_pair_array(o.bias, "bias", p, boolean=False)
+  dense = checks.check_pair_array(o.mask, "mask", p, boolean=True)
+  cap = checks.check_soft_cap(o.logits_soft_cap)
+  slopes = checks.check_alibi_slopes(o.alibi_slopes, p)
+  rate = checks.check_dropout(o.dropout_rate, o.dropout_rng)
+  sinks = checks.check_sinks(o.sinks, p)
+  offsets = checks.check_query_offset(o.query_offset, p)
   q_ids, kv_ids = make_ids(
       p.batch, p.q_len, p.kv_len,
       q_segment_ids=None if segments is None else segments[0],
       kv_segment_ids=None if segments is None else segments[1],
       q_lengths=q_lengths, kv_lengths=kv_lengths)
-  mask_spec = Mask(is_causal=bool(is_causal), window_left=left,
+  mask_spec = Mask(is_causal=bool(o.is_causal), window_left=left,
                    window_right=right, has_ids=q_ids is not None,
                    segments_only=(segments is not None and q_lengths is None
                                   and kv_lengths is None),
@@ -57,15 +56,15 @@ def prepare(query, key, value, *, bias=None, mask=None, scale=None,
                    has_q_offsets=offsets is not None)
   scores = Scores(scale=scale, soft_cap=cap, alibi=slopes is not None,
                   bias=bias is not None, dropout_rate=rate,
-                  dropout_broadcast=bool(dropout_broadcast) and rate > 0,
-                  sinks=sinks is not None, fp8=fp8 or False)
+                  dropout_broadcast=bool(o.dropout_broadcast) and rate > 0,
+                  sinks=sinks is not None, fp8=o.fp8_kind)
   operands = Operands(
       q_ids=q_ids, kv_ids=kv_ids,
       dense_mask=None if dense is None else dense.astype(jnp.int8),
       bias=bias,
       # ALiBi slopes are constants here: no gradient flows to them.
       alibi_slopes=None if slopes is None else jax.lax.stop_gradient(slopes),
-      dropout_seed=dropout.seed_words(dropout_rng) if rate > 0 else None,
+      dropout_seed=dropout.seed_words(o.dropout_rng) if rate > 0 else None,
       sinks=sinks, q_offsets=offsets)
   return Spec(p, mask_spec, scores, operands)
 
