@@ -7,10 +7,10 @@ implementation.
         [--impls flash mosaic triton cudnn] [--lengths 256 257] [--out DIR]
 
 For each (shape, implementation, forward or forward+backward): the call's
-time as `jax_flash.benchmark` measures it (back-to-back jitted calls), then
+time as `benchmarks.harness` measures it (back-to-back jitted calls), then
 `--calls` calls under `jax.profiler`: GPU ms a call in the attention
 kernels (`ATTENTION`: ours and cuDNN's) and in the rest, and the costliest
-kernels. Shapes: `jax_flash.benchmark.MODELS` and the held-out ones
+kernels. Shapes: `benchmarks.harness.MODELS` and the held-out ones
 (`HELD_OUT` there). One JSON line a row to stdout and DIR/call_profile.jsonl,
 then a table to DIR/call_profile.md.
 """
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_flash
-from jax_flash import benchmark
+from benchmarks import harness as benchmark
 
 # GPU kernels that compute attention (ours, cuDNN's); the rest is overhead.
 ATTENTION = re.compile(r"flash_attention|sdpa|fmha|cudnn", re.IGNORECASE)

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 import jax_flash
 from jax_flash import _dispatch, _primitive, attention
-from jax_flash.benchmark import _measure, _time
+from benchmarks.harness import _measure, _time
 from jax_flash.core import checks, softmax
 from jax_flash.core.mask import Mask
 from jax_flash.core.operands import Operands

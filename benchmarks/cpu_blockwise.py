@@ -20,7 +20,7 @@ import jax
 
 import jax_flash
 from jax_flash import blockwise
-from jax_flash.benchmark import _time, compiled_gib
+from benchmarks.harness import _time, compiled_gib
 
 
 def _step(attention):

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_flash
-from jax_flash import benchmark
+from benchmarks import harness as benchmark
 from jax_flash.core import softmax
 from jax_flash.core.mask import Mask
 from jax_flash.core.scores import Scores

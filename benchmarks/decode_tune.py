@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_flash
-from jax_flash import benchmark
+from benchmarks import harness as benchmark
 from pallas_kernels.triton import config
 
 

@@ -4,7 +4,7 @@
         [--head-dims 128 256] [--parts speed error tiles exponentials overlap]
 
 For each head dim and causality, at `--seq-len` tokens (batch and heads
-from `--tokens` and `--hidden`, as `jax_flash.benchmark`): ms and TFLOP/s of
+from `--tokens` and `--hidden`, as `benchmarks.harness`): ms and TFLOP/s of
 jitted calls forward, backward and forward+backward for "bf16" (the
 default dispatch on bf16 inputs), "fp8" (the same with fp8=True: on an
 H100/H200 the Mosaic FP8 forward, and the FP8 backward at head dims 128
@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_flash
-from jax_flash import benchmark
+from benchmarks import harness as benchmark
 from jax_flash.core import fp8
 from jax_flash.core.operands import Operands
 

@@ -3,12 +3,12 @@
     PYTHONPATH=. python3 benchmarks/gpu_smoke.py
 
 Produced benchmarks/results/2026-11-30-h200/first_smoke.log (one-off; the
-benchmark proper is `python -m jax_flash.benchmark`).
+benchmark proper is `python -m benchmarks.harness`).
 """
 import time, traceback
 import jax, jax.numpy as jnp
 import jax_flash
-from jax_flash.benchmark import _time
+from benchmarks.harness import _time
 from jax_flash.testing import relative_error
 from tests.cases import Case, inputs
 

@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 benchmarks/long_context.py [--seq-len 131072] [--out DIR]
 
 Batch 1, hidden 2048 (16 heads of 128), bfloat16, causal; forward and
-forward+backward timed as in `jax_flash.benchmark`, and each compiled
+forward+backward timed as in `benchmarks.harness`, and each compiled
 function's memory from XLA's memory_analysis (arguments + outputs + temporaries).
 Writes long_context.json under --out.
 """
@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_flash
-from jax_flash.benchmark import _jitted, _measure, compiled_gib
+from benchmarks.harness import _jitted, _measure, compiled_gib
 
 
 def main():

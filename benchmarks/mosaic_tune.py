@@ -16,7 +16,7 @@ Mosaic row also gets "ptxas": the spill bytes (stores) of each kernel
 ptxas compiled while that row was measured (a kernel compiled before, with
 the same code, is not compiled again and not listed). Each row times
 --repeats batches of --calls back-to-back calls or more (the median
-batch; `jax_flash.benchmark._time` makes a batch last 20 ms or more and
+batch; `benchmarks.harness._time` makes a batch last 20 ms or more and
 warms up for 0.2 s first).
 """
 import argparse
@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_flash
-from jax_flash.benchmark import _measure
+from benchmarks.harness import _measure
 from pallas_kernels.mosaic_gpu import config
 
 CANDIDATES = {

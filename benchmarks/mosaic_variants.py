@@ -6,7 +6,7 @@ suits it, measured.
         '{"persistent": false}' '{"block_kv": 256}' \
         'triton {"block_q_dkv": 32}'
 
-The shape: a name of `jax_flash.benchmark.MODELS` or `HELD_OUT`. Each
+The shape: a name of `benchmarks.harness.MODELS` or `HELD_OUT`. Each
 variant: JSON of `MosaicBlockSizes` fields over the shape's defaults, or
 after "triton ", of the Triton `BlockSizes` fields over its defaults
 (`implementation="triton"`). Forward and forward+backward, bf16, jitted
@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_flash
-from jax_flash.benchmark import HELD_OUT, MODELS, _measure
+from benchmarks.harness import HELD_OUT, MODELS, _measure
 
 
 def main(name, *variants):

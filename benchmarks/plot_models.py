@@ -2,7 +2,7 @@
 
     python benchmarks/plot_models.py OUT.png models.json
 
-Reads `python -m jax_flash.benchmark --scenario models` results and plots,
+Reads `python -m benchmarks.harness --scenario models` results and plots,
 for each model, the best other implementation's time over ours (above 1:
 ours faster), forward and forward+backward, as bars.
 """

@@ -2,7 +2,7 @@
 
     python benchmarks/plot_ratios.py OUT.png RUN.json [RUN.json ...]
 
-Reads `python -m jax_flash.benchmark` results (`benchmark.json`), pairs
+Reads `python -m benchmarks.harness` results (`benchmark.json`), pairs
 each row of `--ours` (default flash_mosaic) with cuDNN's row of the same
 shape and mode, and plots cuDNN's time / ours (above 1: ours faster)
 against the sequence length, one panel per mode, a line per (head dim,

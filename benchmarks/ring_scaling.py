@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_flash
-from jax_flash.benchmark import _measure, compiled_gib
+from benchmarks.harness import _measure, compiled_gib
 from jax_flash.testing import relative_error
 
 

@@ -3,7 +3,7 @@ and one CTA an item) against the Triton kernels and cuDNN, jitted calls.
 
     PYTHONPATH=. python benchmarks/short_sequences.py [--out DIR]
 
-The short shapes of `jax_flash.benchmark.MODELS` and held-out ones like
+The short shapes of `benchmarks.harness.MODELS` and held-out ones like
 them (`HELD_OUT` there), forward and forward+backward, bf16; one JSON line a
 measurement, then a table of ms (and each against cuDNN's where it takes
 the call) to DIR/short_sequences.md.
@@ -17,7 +17,7 @@ import os
 import jax.numpy as jnp
 
 import jax_flash
-from jax_flash import benchmark
+from benchmarks import harness as benchmark
 from pallas_kernels.mosaic_gpu import config
 
 SHORT = ("vit_b16", "dit_xl2", "sd15_cross", "whisper_cross",

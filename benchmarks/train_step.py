@@ -40,7 +40,7 @@ from flax import nnx
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import train_lm  # noqa: E402
 
-from jax_flash import benchmark  # noqa: E402
+from benchmarks import harness as benchmark  # noqa: E402
 
 # name -> (layers, d_model, heads, kv_heads, seq_len, batch)
 CONFIGS = {

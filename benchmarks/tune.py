@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 import jax_flash
 from jax_flash import BlockSizes
-from jax_flash.benchmark import _measure
+from benchmarks.harness import _measure
 
 # (block_q, block_k, num_warps, num_stages)
 FORWARD = [(64, 64, 4, 2), (64, 32, 4, 2), (64, 64, 8, 2), (128, 64, 8, 2),

@@ -58,7 +58,7 @@ fi
 
 bench() {  # bench NAME TIMEOUT ARGS...: one benchmark run into $OUT/NAME.
   local name=$1 limit=$2; shift 2
-  if timeout "$limit" python3 -m jax_flash.benchmark "$@" --out "$OUT/$name" \
+  if timeout "$limit" python3 -m benchmarks.harness "$@" --out "$OUT/$name" \
       > "/tmp/$name.log" 2>&1; then
     rm -f "$OUT/$name/benchmark.jsonl"  # Complete: the .md/.json hold it all.
   else

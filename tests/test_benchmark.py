@@ -1,10 +1,10 @@
-"""The benchmark's tables (jax_flash.benchmark): what the results files and
+"""The benchmark's tables (benchmarks.harness): what the results files and
 the README quote."""
 import jax.numpy as jnp
 import pytest
 
-from jax_flash import benchmark
-from jax_flash.benchmark import markdown
+from benchmarks import harness as benchmark
+from benchmarks.harness import markdown
 
 
 def _row(impl, mode, tflops, head_dim=128, causal=False):
@@ -196,7 +196,7 @@ def test_compiled_impls_carry_their_xla_options(mode):
   options given (an unknown option is an error: they reach XLA) and runs
   what the plain jitted program runs."""
   import jax
-  from jax_flash.benchmark import DETERMINISTIC_OPTIONS, _Compiled, _jitted
+  from benchmarks.harness import DETERMINISTIC_OPTIONS, _Compiled, _jitted
   fn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v,
                                                     implementation="xla")
   q, k, v, do = (jax.random.normal(jax.random.key(i), (1, 16, 2, 8))
@@ -254,7 +254,7 @@ def test_model_rows_time_every_shape_and_name_refusals():
 
   import jax.numpy as jnp
 
-  from jax_flash.benchmark import (HELD_OUT, MODELS, markdown_models,
+  from benchmarks.harness import (HELD_OUT, MODELS, markdown_models,
                                    model_rows)
   small = [dataclasses.replace(m, batch=1, q_len=min(m.q_len, 40),
                                kv_len=min(m.kv_len, 30))
@@ -278,7 +278,7 @@ def test_refused_lengths_are_compared_at_cudnns_nearest_shapes():
   """Where cuDNN refuses an odd length, its TFLOP/s at the even lengths on
   either side is the yardstick: the neighbours are right, and the table
   divides ours by the better of them."""
-  from jax_flash.benchmark import MODELS, even_neighbours, markdown_models
+  from benchmarks.harness import MODELS, even_neighbours, markdown_models
   vit = next(m for m in MODELS if m.name == "vit_b16")
   assert [(s.q_len, s.kv_len) for s in even_neighbours(vit)] == [
       (196, 196), (198, 198)]

@@ -1,4 +1,4 @@
-"""Side-by-side attention benchmark: `python -m jax_flash.benchmark`.
+"""Side-by-side attention benchmark: `python -m benchmarks.harness`.
 
 Runs ours (FlashAttention-2, and the FlashAttention-1 forward) next to
 `jax.nn.dot_product_attention` with implementation="cudnn" and "xla" in one
@@ -1012,7 +1012,7 @@ def main(argv=None):
       lines.append(f"| {r['chunk']} | {r['cache_len']} | {r['impl']} | "
                    f"{cells} |")
     with open(os.path.join(args.out, "prefill.md"), "w") as f:
-      f.write(f"`python -m jax_flash.benchmark {' '.join(sys.argv[1:])}`\n\n"
+      f.write(f"`python -m benchmarks.harness {' '.join(sys.argv[1:])}`\n\n"
               + "\n".join(lines) + "\n")
     print("\n".join(lines))
     return
@@ -1029,10 +1029,10 @@ def main(argv=None):
                       log=os.path.join(args.out, "benchmark.jsonl"))
     table = markdown_models(rows)
     with open(os.path.join(args.out, "models.json"), "w") as f:
-      json.dump(dict(command="python -m jax_flash.benchmark " + " ".join(
+      json.dump(dict(command="python -m benchmarks.harness " + " ".join(
           sys.argv[1:] if argv is None else argv), rows=rows), f, indent=1)
     with open(os.path.join(args.out, "models.md"), "w") as f:
-      f.write(f"`python -m jax_flash.benchmark {' '.join(sys.argv[1:])}`\n\n"
+      f.write(f"`python -m benchmarks.harness {' '.join(sys.argv[1:])}`\n\n"
               + table + "\n")
     print(table)
     return
@@ -1043,7 +1043,7 @@ def main(argv=None):
                       log=os.path.join(args.out, "benchmark.jsonl"))
     table = markdown_decode(rows)
     with open(os.path.join(args.out, "decode.md"), "w") as f:
-      f.write(f"`python -m jax_flash.benchmark {' '.join(sys.argv[1:])}`\n\n"
+      f.write(f"`python -m benchmarks.harness {' '.join(sys.argv[1:])}`\n\n"
               + table + "\n")
     print(table)
     return
@@ -1054,7 +1054,7 @@ def main(argv=None):
                       log=os.path.join(args.out, "benchmark.jsonl"))
     table = markdown_sparse(rows)
     with open(os.path.join(args.out, f"{args.scenario}.md"), "w") as f:
-      f.write(f"`python -m jax_flash.benchmark {' '.join(sys.argv[1:])}`\n\n"
+      f.write(f"`python -m benchmarks.harness {' '.join(sys.argv[1:])}`\n\n"
               + table + "\n")
     print(table)
     return
@@ -1063,7 +1063,7 @@ def main(argv=None):
              args.kv_heads, log=os.path.join(args.out, "benchmark.jsonl"))
   meta = dict(
       date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-      command="python -m jax_flash.benchmark " + " ".join(
+      command="python -m benchmarks.harness " + " ".join(
           sys.argv[1:] if argv is None else argv),
       device=jax.devices()[0].device_kind, jax=jax.__version__,
       python=platform.python_version())
