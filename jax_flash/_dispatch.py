@@ -38,8 +38,7 @@ from jax_flash.core.problem import Problem
 from jax_flash.core.scores import Scores
 
 # The Pallas backends for a GPU, best first (the Mosaic GPU kernels only
-# take calls on Hopper; their measurements against Triton's:
-# benchmarks/NOTES.md).
+# take calls on Hopper).
 PALLAS = ("mosaic", "triton")
 # Operands a backward may differentiate (a sink's gradient comes from the
 # logsumexp, whatever the backend: `_primitive`).

@@ -266,8 +266,7 @@ def exchange(x, seq, split: int, concat: int):
 def in_turn(move, arrays):
   """[move(x) for x in arrays], one after another: each move waits for the
   one before's result through an optimization barrier. XLA would otherwise
-  run every collective first and hold all their received pieces at once
-  (benchmarks/NOTES.md, "all_to_all's exchanges in turn")."""
+  run every collective first and hold all their received pieces at once."""
   done = []
   for x in arrays:
     if done:
@@ -280,8 +279,7 @@ def after_all(fn):
   """fn run once all of its arrays exist (an optimization barrier on
   them). A backward's moves of Q, K and V need no result of its forward:
   XLA would otherwise run them ahead of the forward and hold what they
-  received through it (benchmarks/NOTES.md, "a backward's exchanges after
-  its forward")."""
+  received through it."""
   def run(*arrays):
     return fn(*lax.optimization_barrier(arrays))
   return run

@@ -246,8 +246,9 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
       `jax_flash.core.fp8` describes; "rotate" first multiplies query and
       key by one orthogonal matrix along the head dim (incoherent
       processing: less error with outlier features). Output and gradients
-      (straight-through) in the inputs' dtype. Runs on the blockwise path
-      ("xla"): the accuracy of FP8 attention, not yet its speed.
+      (straight-through) in the inputs' dtype. On an H100/H200 the Mosaic
+      GPU FP8 kernels run it (causal or no mask, head dims 64, 128 and
+      256; docs/fp8.md), elsewhere the blockwise path ("xla").
     descale: for float8_e4m3fn query, key and value: (q_descale,
       k_descale, v_descale), float32 scalars or arrays broadcastable to
       [B, K]; the inputs' values are x * descale. Forward only.

@@ -35,10 +35,8 @@ class BlockSizes:
   """Query and key block lengths of the blockwise loops (clipped to the
   sequence lengths), built by keyword.
 
-  Default 128 x 128: on the 2-core CPU, causal GQA forward+backward at 1k
-  took 39 ms (float32) and 30 ms (bf16) against 43/35 at 64, 43/36 at 256,
-  69/43 at 512; at 8k 4.1 s (float32) and 4.8 s (bf16) against 4.8 and 4.6
-  at 256 (benchmarks/results/2026-11-30-cpu/block_sweep_*.md).
+  Default 128 x 128, the fastest of 64-512 on a 2-core CPU at 1k and 8k
+  tokens (benchmarks/NOTES.md, "The blockwise path").
   """
   block_q: int = 128
   block_k: int = 128

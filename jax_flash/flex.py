@@ -26,7 +26,8 @@ table) are read element by element there (`a[i]`, `a[b, i]`,
 `jnp.take(a, i)`; `core.mods.evaluate`): the Triton kernels take them, the
 Mosaic GPU kernels (Hopper) take mods that close over no array. The
 gradient of a score_mod's floating arrays comes from the blockwise loops'
-backward (`attention._backward`; XLA drops it when nothing uses it), the
+backward (`_dispatch.backward` takes it from the plan; XLA drops it
+when nothing uses it), the
 rest of the gradient from the kernels. A mod that uses a whole array at
 once (`a.max()`) runs on the blockwise plain-JAX FlashAttention loops
 (`blockwise`, the "xla" implementation), on any device, its arrays passed

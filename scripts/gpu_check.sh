@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the lent H200 (jax 0.11.2 and pytest-xdist are there), from the repo root,
+# On an H100/H200 (jax 0.11.2 and pytest-xdist installed), from the repo root,
 # one or more of:
 #   bash scripts/gpu_check.sh tests     # the tests with the real kernels (~5 min)
 #   bash scripts/gpu_check.sh diagnose  # the small-shape error sweep
@@ -23,7 +23,7 @@
 #   bash scripts/gpu_check.sh profile   # the Mosaic forward's named regions at 2k (profiler;
 #                                       # PROFILE_SEQ_LEN, PROFILE_OPTIONS)
 #   bash scripts/gpu_check.sh persistent # the persistent forward: tests, vs one CTA an item 1k-16k
-#   bash scripts/gpu_check.sh pending   # the last plan's checks (NOTES; ~5 min)
+#   bash scripts/gpu_check.sh pending   # variants, decode and persistent tests (~5 min)
 #   bash scripts/gpu_check.sh softcap   # the soft-cap's cost, Mosaic and Triton, 8k
 #   bash scripts/gpu_check.sh cp_work   # context parallelism's per-device work, 128k-1M
 #   bash scripts/gpu_check.sh prefill   # prompt chunks vs a 32k cache (Triton, paged, Mosaic)
@@ -38,9 +38,9 @@
 #   bash scripts/gpu_check.sh mosaic    # the Mosaic kernels: correctness sweep + 8k benchmark
 #                                       # (with tokamax if .whl/ is carried: scripts/tokamax_wheels.sh)
 # TESTS="tests/a.py::b ..." limits `tests` to those; BENCH_ARGS replaces
-# `bench`'s shapes and implementations. Results go under $OUT
-# (the device tool's folder) or ./gpu_out; the device tool brings back at most
-# 8 files, so logs stay in /tmp unless a step fails (then their tail prints).
+# `bench`'s shapes and implementations. Results go under $OUT (or
+# ./gpu_out), a few files a mode; logs stay in /tmp unless a step fails
+# (then their tail prints).
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
@@ -318,10 +318,7 @@ for h in map(int, '${PROFILE_HEAD_DIMS:-64 128}'.split()):
       done
       ;;
     pending)
-      # The 80-row tiles runs' (2026-12-01) plan for the next (benchmarks/NOTES.md, "For
-      # the next GPU runs (written 2026-12-01, after the 80-row tiles runs)"): the
-      # test files not run since head dim 192 took 96-row tiles, and the
-      # persistent cases (one now on the dispatch's 128-key tiles; ~4 min).
+      # The variants' and decode tests, and the persistent cases (~4 min).
       for tests in "tests/test_variants.py tests/test_decode.py" \
           "tests/test_gpu.py -k persistent"; do
         # shellcheck disable=SC2086

@@ -19,7 +19,7 @@ sliding windows, flex attention's mask_mods that close over no array, lengths an
 soft-cap, ALiBi and score_mods (`Scores.logits2`), sinks (in each row's
 denominator; their gradient comes from the logsumexp) and dropout (the keep
 bits of `core.dropout`, every backend's); `flash_decode`'s prompt chunks of
-`config.MIN_DECODE_QUERIES` or more tokens (the forward with query offsets)
+more than `config.SPLIT_KV_MAX_QUERIES` tokens (the forward with query offsets)
 and, against a contiguous cache at head dims `config.SPLIT_KV_HEAD_DIMS`,
 shorter ones (the split-KV kernel `flash_decode`: a balanced stream of
 K/V tiles a multiprocessor, two consumer warpgroups).

@@ -58,10 +58,9 @@ def mod_primitives_missing(mask: Mask, scores: Scores) -> set:
 
 
 def split_kv_heads(q_len: int, num_heads: int, num_kv_heads: int) -> int:
-  """KV heads a tile of the split-KV kernel: all of them (a tile is a
-  contiguous run of the cache: 0.5-2% faster than one head's rows at batch
-  64, benchmarks/NOTES.md, Mosaic split-KV decode runs (2026-12-01)) where every query row fits one
-  CTA and K divides a tile's rows; otherwise one."""
+  """KV heads a tile of the split-KV kernel: all of them (a tile is then a
+  contiguous run of the cache) where every query row fits one CTA and K
+  divides a tile's rows; otherwise one."""
   rows = num_heads * q_len
   if rows <= config.DECODE_ROWS and config.DECODE_BLOCK_K % num_kv_heads == 0:
     return num_kv_heads
@@ -139,12 +138,12 @@ class MosaicGpuBackend:
     False, or the cache's storage ("contiguous" or "paged")."""
     if not device.hopper_target():
       return "the Mosaic GPU kernels need a Hopper GPU (H100/H200)"
-    if decode and problem.q_len < config.MIN_DECODE_QUERIES:
+    if decode and problem.q_len <= config.SPLIT_KV_MAX_QUERIES:
       why = split_kv_unsupported(problem, paged=decode == "paged")
       if why:
-        return (f"the Mosaic GPU kernels decode prompt chunks of "
-                f"{config.MIN_DECODE_QUERIES} or more new tokens, and fewer "
-                f"only where {why} (Triton's split-KV kernel takes them), got "
+        return (f"the Mosaic GPU kernels decode prompt chunks of more than "
+                f"{config.SPLIT_KV_MAX_QUERIES} new tokens, and fewer only "
+                f"where {why} (Triton's split-KV kernel takes them), got "
                 f"{problem.q_len}")
     if version != 2:
       return "the Mosaic GPU backend runs only the FlashAttention-2 forward"
@@ -270,7 +269,7 @@ class MosaicGpuBackend:
   def decode(self, q, k, v, kv_lengths, *, mask: Mask, scores: Scores,
              num_splits=None, page_table=None, sinks=None):
     """(o [B, T, N, Hv], lse [B, N, T]) of T new tokens at positions
-    kv_lengths[b] - T + t: fewer than `config.MIN_DECODE_QUERIES` against a
+    kv_lengths[b] - T + t: up to `config.SPLIT_KV_MAX_QUERIES` against a
     contiguous cache, the split-KV kernel (`split_kv_heads` KV heads a
     tile); more, against a contiguous or paged cache, the forward kernel
     with query offsets and key ids (`core.prepare.decode_as_forward`; pages
@@ -278,7 +277,7 @@ class MosaicGpuBackend:
     # The split-KV kernel balances equal runs of tiles over the
     # multiprocessors; the forward takes a CTA per 2 * block_q queries.
     del num_splits
-    if q.shape[1] < config.MIN_DECODE_QUERIES:
+    if q.shape[1] <= config.SPLIT_KV_MAX_QUERIES:
       from pallas_kernels.mosaic_gpu import flash_decode
       return flash_decode.flash_decode(
           q, k, v, kv_lengths, scores=scores, mask=mask,
@@ -295,9 +294,8 @@ class MosaicGpuBackend:
                            operands: Operands) -> str | None:
     """Declines query offsets (its kernels have none), and a bias per
     (query, key) pair: the dK/dV kernel reads such tiles keys-down, so
-    XLA would write a transposed copy of the bias on every backward (measured slower than this forward followed by the
-    Triton backward: benchmarks/NOTES.md, "a bias per pair takes the
-    Triton backward")."""
+    XLA would write a transposed copy of the bias on every backward
+    (slower than the Triton backward after this forward)."""
     del problem, dtype, scores
     if mask.has_q_offsets:
       return "the Mosaic GPU backward takes no query offsets"

@@ -12,14 +12,12 @@ from jax_flash.core.padding import round_up
 DTYPES = ("bfloat16", "float16")
 # Head dims of the FP8 forward (`fp8=True`: e4m3 wgmma), and its K/V tiles'
 # rows at each, (causal, not): a multiple of 64 (V^T's rows of keys take
-# the 64- or 128-byte swizzle P's e4m3 tiles need), measured on the H200
-# at 8k tokens (benchmarks/NOTES.md, "FP8 tiles").
+# the 64- or 128-byte swizzle P's e4m3 tiles need); why these:
+# benchmarks/NOTES.md, "Mosaic GPU FP8".
 FP8_BLOCK_KV = {64: (128, 128), 128: (128, 256), 256: (64, 64)}
 # Head dims of the FP8 backward (e4m3 wgmma in both kernels), and those
-# where fp8=True takes it by default: its forward+backward faster than
-# with the bf16 kernels on the rounded values on the H200 at 128 and 256,
-# not at 64 (benchmarks/NOTES.md, "fp8=True's rounding by kernels of our
-# own").
+# where fp8=True takes it by default (where it is faster than the bf16
+# kernels on the rounded values: benchmarks/NOTES.md, "Mosaic GPU FP8").
 FP8_BACKWARD_HEAD_DIMS = (64, 128, 256)
 FP8_BACKWARD_DEFAULT_HEAD_DIMS = (128, 256)
 # Head dims a call may have (of query/key and of value): up to wgmma's
@@ -29,12 +27,12 @@ MAX_HEAD_DIM = 256
 HEAD_DIM_MULTIPLE = 16
 MIN_KERNEL_HEAD_DIM = 32
 SMEM_BYTES = 227 * 1024  # Shared memory of one Hopper CTA.
-# flash_decode: prompt chunks of at least this many new tokens run the
-# forward kernel (a CTA takes 2 * block_q >= 128 query rows); fewer run the
-# split-KV kernel (`flash_decode.py`) against a contiguous cache at
-# SPLIT_KV_HEAD_DIMS (two consumer warpgroups' outputs and four K/V stages
-# fit shared memory there), Triton's otherwise.
-MIN_DECODE_QUERIES = 65
+# flash_decode: up to this many new tokens run the split-KV kernel
+# (`flash_decode.py`) against a contiguous cache at SPLIT_KV_HEAD_DIMS (two
+# consumer warpgroups' outputs and four K/V stages fit shared memory
+# there; Triton's elsewhere); more run the forward kernel (a CTA takes 2 *
+# block_q >= 128 query rows). The same name and value as Triton's.
+SPLIT_KV_MAX_QUERIES = 64
 SPLIT_KV_HEAD_DIMS = (64, 128)
 DECODE_ROWS = 64  # wgmma's rows: the most query rows a split-KV CTA takes.
 DECODE_BLOCK_K = 64  # Cache rows a split-KV K/V tile by default.
@@ -129,57 +127,40 @@ def aligned(nbytes: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Tiles of the Mosaic GPU kernels, built by keyword.
+  """Tiles and variants of the Mosaic GPU kernels, built by keyword. Every
+  head dim here is the kernels' (`kernel_head_dim`); why each default is
+  what it is: benchmarks/NOTES.md, "Mosaic GPU forward" and "backward".
 
-  Forward: each of the two consumer warpgroups owns `block_q` query rows (a
-  CTA owns 2 * block_q); K/V tiles of `block_kv` rows stream through
-  `num_stages` shared-memory slots. Backward: the dK/dV kernel's warpgroups
-  own `block_kv_dkv` key rows each and stream `block_q_dkv`-row Q/dO tiles;
-  the dQ kernel's own `block_q_dq` query rows and stream `block_kv_dq`-row
-  K/V tiles; both through `num_stages_bwd` slots. `named_barriers`: the
-  forward's two consumer warpgroups stagger each other through hardware
-  (named) barriers, `bar.sync` / `bar.arrive`, instead of a shared-memory
-  mbarrier (an option: 3% slower at head dim 128 on the H200, equal at 64).
-  `producer_registers`: registers a thread of each kernel's TMA producer
-  warpgroup (`setmaxnreg`); the consumer warpgroups share the rest of the
-  SM's 64K (232 a thread each at 40, 240 at 24). `dv_before_ds`: the dK/dV
-  kernel waits for its dV matmul before forming dS, so P's 16-bit copy
-  (the matmul's register operand) is dead by then: fewer live registers,
-  less overlap. Neither changed the H200's backward beyond the noise
-  between runs, and 24 registers cost the forward 1-2%. `fused_dq` (head
-  dims 64 and 128): the dK/dV kernel also forms dQ (`fused_dq_columns`),
-  added into a float32 buffer by TMA reduce-add: no dQ kernel (two
-  matmuls a tile fewer), 4-6% faster forward+backward on the H200 at 16k
-  (`get_default(..., fused_dq=True)`), but additions in an order that
-  varies from run to run, so dQ is not bitwise deterministic: opt-in.
-  `block_kv` may be a multiple of 16 rather than 64 (80: FA3's tile at
-  head dim 256, the largest two stages of which fit beside its Q tiles):
-  V's tile then takes a narrower swizzle (`tiles.smem_transforms`) and
-  the forward no reduction scratch (`reduction_scratch`); tile kinds (a
-  mask_mod's, a dense mask's) are regridded to them (`mask._regrid`). The
-  defaults at head dims 192 (96 rows) and 256 (80 above LONG_KV_LEN keys).
-  `persistent`: the forward runs one CTA a multiprocessor, each looping
-  over (batch, head, query tile) items with one K/V ring (the next item's
-  K/V loads overlap the last one's epilogue; `flash_fwd.cta_schedule`) and
-  two Q buffers up to head dim 128 (the next item's Q loads while this
-  one's tiles run; its O stores are not awaited before the next item's
-  start), items query tiles fastest so that a round's CTAs share K/V in
-  L2 (`flash_fwd.persistent_order`): on by default for calls without a
-  mask other than causality up to PERSISTENT_MAX_HEAD_DIM (`get_default`).
-  `fp8_backward` (fp8=True calls at FP8_BACKWARD_HEAD_DIMS): the
-  backward's five matmuls in e4m3 wgmma (`flash_bwd`), where otherwise
-  the bf16 kernels run on the rounded values; the default at
-  FP8_BACKWARD_DEFAULT_HEAD_DIMS (faster forward+backward on the H200 at
-  8k tokens), opt-in at 64 (slower there; gradients further from float32
-  either way: benchmarks/NOTES.md, "the Mosaic FP8 backward").
-  `overlap` (the FP8 forward only; its default): each consumer issues a
-  tile's QK^T with the previous tile's P V and runs the softmax while P V
-  runs, the consumers taking turns at the tensor cores without waiting
-  for each other's softmax (FlashAttention-3's intra-warpgroup overlap;
-  `flash_fwd._Turns`): the same output bitwise, 0-15% faster on the H200
-  at 8k tokens (benchmarks/NOTES.md, "the FP8 forward's softmax beside
-  P V").
-  Every `head_dim` here is the kernels' (`kernel_head_dim`).
+  Forward: each of the two consumer warpgroups owns `block_q` query rows
+  (a CTA owns 2 * block_q); K/V tiles of `block_kv` rows (a multiple of
+  16 from 64: tiles off a multiple of 64 take a narrower swizzle for V,
+  `layout.smem_transforms`, and no reduction scratch) stream through
+  `num_stages` shared-memory slots. Backward: the dK/dV kernel's
+  warpgroups own `block_kv_dkv` key rows each and stream `block_q_dkv`-row
+  Q/dO tiles; the dQ kernel's own `block_q_dq` query rows and stream
+  `block_kv_dq`-row K/V tiles; both through `num_stages_bwd` slots.
+
+  Variants:
+    named_barriers: the forward's consumers stagger each other through
+      hardware barriers (`bar.sync` / `bar.arrive`) instead of an mbarrier.
+    producer_registers: registers a thread of each kernel's TMA producer
+      (`setmaxnreg`); the consumers share the rest (`consumer_registers`).
+    dv_before_ds: the dK/dV kernel waits for its dV matmul before forming
+      dS (fewer live registers, less overlap).
+    fused_dq (head dims `FUSED_DQ_HEAD_DIMS`): the dK/dV kernel also forms
+      dQ (`fused_dq_columns`), added into a float32 buffer by TMA
+      reduce-add: no dQ kernel, but dQ's additions come in an order that
+      varies from run to run (not bitwise deterministic).
+    persistent: the forward runs one CTA a multiprocessor looping over
+      (batch, head, query tile) items with one K/V ring
+      (`flash_fwd.cta_schedule`, `scheduling.persistent_order`) and two Q
+      buffers up to head dim 128 (`q_buffers`).
+    fp8_backward (fp8=True at FP8_BACKWARD_HEAD_DIMS): the backward's five
+      matmuls in e4m3, where otherwise the bf16 kernels run on the
+      rounded values.
+    overlap (the FP8 forward only): each consumer issues a tile's QK^T
+      with the previous tile's P V and runs the softmax while P V runs,
+      the consumers taking turns at the tensor cores (`flash_fwd._Turns`).
   """
   block_q: int = 64
   block_kv: int = 128
@@ -299,8 +280,8 @@ class BlockSizes:
     tiles, dQ's K/V tiles 128 rows at head dim 64 and at 65-128 non-causal.
     `fused_dq` (head dims 64, 128): 3 backward stages at 64, 2 at 128.
     `persistent` for a call whose mask is at most causal (`band_only`) up
-    to PERSISTENT_MAX_HEAD_DIM. Measurements behind each choice: benchmarks/NOTES.md,
-    "The Mosaic GPU block-size defaults".
+    to PERSISTENT_MAX_HEAD_DIM. Why: benchmarks/NOTES.md, "Mosaic GPU
+    forward".
     """
     if head_dim > 192:
       long = kv_len is not None and kv_len > LONG_KV_LEN

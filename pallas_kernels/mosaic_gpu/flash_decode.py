@@ -23,7 +23,8 @@ most a few segments. A CTA runs three warpgroups (two with one consumer):
 are written is static: the schedule depends on shapes only). Query t of
 sequence b (of T) sits at position kv_len[b] - T + t (the shared `Mask`'s
 query offset); row r of a CTA is query t = r % T of the group's head r //
-T. Measured on the H200: benchmarks/NOTES.md, Mosaic split-KV decode runs (2026-12-01).
+T. Its speed against cuDNN's: benchmarks/NOTES.md, "Mosaic GPU split-KV
+decode".
 """
 from __future__ import annotations
 

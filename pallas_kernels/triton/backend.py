@@ -103,9 +103,8 @@ class TritonBackend:
     (parallel over chunks of the cache). More (a prompt chunk): the training
     forward kernel on the same mask with per-sequence query offsets; a paged
     cache is first gathered into a contiguous one by XLA (a copy of the
-    cache, linear in its length): reading the pages through the table inside
-    the kernel measured 0.68-0.70x of a contiguous cache on the H200 (a
-    2048-token chunk against 32k, results/2026-11-30-h200-flex-paged-train/).
+    cache, linear in its length), faster than reading the pages through the
+    table inside the kernel (benchmarks/NOTES.md, "Triton kernels").
     """
     from pallas_kernels.triton import flash_decode, flash_fwd
     if q.shape[1] > config.SPLIT_KV_MAX_QUERIES:

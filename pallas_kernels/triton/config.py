@@ -69,16 +69,14 @@ class BlockSizes:
   @classmethod
   def get_default(cls, head_dim: int, dtype, is_causal: bool,
                   version: int = 2) -> "BlockSizes":
-    """Defaults for an H100/H200-class GPU (bf16/fp16 measured on the H200)."""
+    """Defaults for an H100/H200-class GPU (why each: benchmarks/NOTES.md,
+    "Triton kernels")."""
     hp = padded_head_dim(head_dim)
     if hp > 256:
-      # Head dims 257..512 (padded to 512; Gemma-style global layers), 8k
-      # non-causal bf16 (results/2026-11-30-h200-mosaic-tests-head-dim-512/tune_h512.json):
-      # forward 64x32 tiles, 8 warps, 2 stages, 173 TFLOP/s against 55 for
-      # 32x16 in one stage; backward 32x32 tiles with 8 warps, 68 against
-      # 29 for 16x16. float32 and the FlashAttention-1 forward (more tiles
-      # in shared memory) keep the smallest tiles in one stage (they pass
-      # the H200's tests; untimed).
+      # Head dims 257..512 (padded to 512): forward 64x32 tiles, 8 warps, 2
+      # stages; backward 32x32 with 8 warps. float32 and the
+      # FlashAttention-1 forward (more tiles in shared memory) keep the
+      # smallest tiles in one stage.
       if np.dtype(dtype).itemsize >= 4 or version == 1:
         return cls(block_q=32 if np.dtype(dtype).itemsize < 4 else 16,
                    block_k=16, num_warps=8, num_stages=1, block_q_dkv=16,
@@ -89,9 +87,7 @@ class BlockSizes:
                  block_k_dq=32, num_warps_bwd=8, num_stages_bwd=1)
     if np.dtype(dtype).itemsize >= 4:
       # float32 runs full-precision dots on CUDA cores: small tiles that fit
-      # shared memory. Not tuned: they pass the H200 suite
-      # (results/2026-11-30-h200-dense-decode-ring/gpu_tests_run1.log); nobody times
-      # float32 attention against bf16.
+      # shared memory (not tuned).
       if hp <= 64:
         return cls(block_q=64, block_k=64, block_q_dkv=32, block_k_dq=32)
       if hp <= 128:
@@ -100,29 +96,21 @@ class BlockSizes:
       return cls(block_q=32, block_k=32, num_stages=1, block_q_dkv=16,
                  block_k_dkv=32, block_q_dq=32, block_k_dq=16,
                  num_stages_bwd=1)
-    # Head dims up to 128: 128-row query tiles, the backward's 64x64 tiles with
-    # 4 warps and 2 stages (the class defaults). What they reach against cuDNN
-    # at 1k-16k: results/2026-11-30-h200/sweep.md, at 8k:
-    # results/2026-11-30-h200-dense-decode-ring/dense_8k.md. No sweep of alternatives
-    # at these head dims is kept in this repository yet (benchmarks/tune.py
-    # takes --head-dim 64/128 for one).
+    # Head dims up to 128: 128-row query tiles, the backward's 64x64 tiles
+    # with 4 warps and 2 stages (the class defaults).
     if hp <= 64:
       return cls(block_q=128, block_k=64, num_warps=4, num_stages=3)
     if hp <= 128:
       if is_causal:
         return cls(block_q=128, block_k=64, num_warps=4, num_stages=2)
       return cls(block_q=128, block_k=128, num_warps=8, num_stages=3)
-    # Head dims 160..256 (padded to 256), 8k non-causal
-    # (results/2026-11-30-h200-dense-decode-ring/tune_h256.json): forward 128x64 tiles
-    # with 8 warps and 2 stages, 436 TFLOP/s against 316 for 64x64/4 warps
-    # (3 stages of 128-row tiles overflow shared memory); backward 64x64
-    # tiles with 8 warps and 1 stage, 160 TFLOP/s against 100 for 32/64 tiles
-    # with 4 warps.
+    # Head dims 160..256 (padded to 256): forward 128x64 tiles with 8 warps
+    # and 2 stages (3 stages of 128-row tiles overflow shared memory);
+    # backward 64x64 tiles with 8 warps and 1 stage.
     backward = dict(num_warps_bwd=8, num_stages_bwd=1)
     if version == 1:
       # The FlashAttention-1 forward keeps more tiles in shared memory: 128x64
-      # overflows it at this head dim (327680 of 232448 bytes,
-      # results/2026-11-30-h200-dense-decode-ring/gpu_tests_run3_h256_failure.txt).
+      # overflows it at this head dim (327680 of 232448 bytes).
       return cls(block_q=64, block_k=64, num_warps=4, num_stages=2,
                  **backward)
     return cls(block_q=128, block_k=64, num_warps=8, num_stages=2, **backward)
@@ -131,9 +119,9 @@ class BlockSizes:
     """These tiles for a score_mod that reads arrays (a float32 tile gathered
     per key tile, converted through shared memory): key tiles of at most 64
     in at most 2 stages. Head dim 128's non-causal default (128 x 128, 3
-    stages) asked for 360448 bytes of shared memory with a relative-bias
-    table, against the H200's 232448 (2026-12-01); 128 x 64 in 2 stages is
-    the causal default, which fits without one."""
+    stages) asks for 360448 bytes of shared memory with a relative-bias
+    table, against an H100/H200's 232448; 128 x 64 in 2 stages, the
+    causal default, fits."""
     return dataclasses.replace(self, block_k=min(self.block_k, 64),
                                num_stages=min(self.num_stages, 2))
 
@@ -181,8 +169,8 @@ def decode_blocks(head_dim: int, kv_len: int, page_size: int | None = None
   4 programs a multiprocessor; pages of 64 tokens or more as contiguous;
   32-token pages a 32-row tile in 3 stages, ids read a tile ahead;
   16-token pages four a 64-row tile, each its own load and matmul
-  (`page_dots`), 2 programs a multiprocessor. Measurements:
-  benchmarks/NOTES.md, "The Triton decode tiling".
+  (`page_dots`), 2 programs a multiprocessor (the H200 sweeps behind
+  them: the lab log of December 2026, "paged decode").
   """
   hp = padded_head_dim(head_dim)
   tile = min(64 if hp <= 256 else 32,
