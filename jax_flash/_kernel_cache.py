@@ -1,24 +1,34 @@
-"""Lowered kernels kept across processes, beside JAX's persistent compilation cache.
+"""Lowered kernels kept across processes: on by default.
 
-JAX's persistent cache keeps XLA's executables, but a new process still
-traces and lowers every Pallas kernel before it can look one up (about 2 s
-of a Mosaic GPU forward+backward's first call on an H200's host). Where
-that cache is on (`jax_compilation_cache_dir` set), each distinct forward
-and backward of the attention primitive is also kept as a serialized
-`jax.export.Exported` (its StableHLO, the kernels' custom calls in it) in
-the folder's `jax_flash/` subfolder, keyed by everything static about the
-call (plan, tiles, mask, scores, operand layout), the input types, the
-device kind and the jax, jaxlib and jax-flash versions; a later process
-calls the stored program instead of tracing and lowering the kernels again.
-Calls with a user's mask_mod or score_mod (functions, whose identity does
-not survive a process) and calls split over several devices are not kept.
+A new process traces and lowers every Pallas kernel of a call before XLA
+compiles it (1.2-2 s of a Mosaic GPU forward+backward's first call on an
+H200's host). Each distinct forward and backward of the attention
+primitive is kept as a serialized `jax.export.Exported` (its StableHLO,
+the kernels' custom calls in it) in a folder of the user's
+(`cache_folder()`), keyed by everything static about the call (plan,
+tiles, mask, scores, operand layout), the input types, the device kind,
+the jax and jaxlib versions and the library's own code (a hash of its
+source files); a later process calls the stored program instead of
+tracing and lowering the kernels again. With JAX's persistent compilation
+cache on as well (`jax_compilation_cache_dir`), XLA's compile of the
+program is skipped too.
+
+`$JAX_FLASH_CACHE_DIR` moves the folder, or switches the cache off when
+empty or "off"; otherwise it is `$XDG_CACHE_HOME/jax_flash/kernels`
+(`~/.cache/jax_flash/kernels` without XDG_CACHE_HOME). Files are written
+whole under a temporary name and renamed into place, so concurrent
+processes read a program whole or not at all. Calls with a user's
+mask_mod or score_mod (functions, whose identity does not survive a
+process) and calls split over several devices are not kept.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import logging
 import os
+import pathlib
 import tempfile
 
 import jax
@@ -26,25 +36,40 @@ from jax import export
 
 logger = logging.getLogger(__name__)
 
+ENV = "JAX_FLASH_CACHE_DIR"
 # Custom calls of the kernels: Mosaic GPU's and Triton's. A stored program
-# is only ever read by the versions that wrote it (they are in the key).
+# is only ever read by the code that wrote it (its hash is in the key).
 _KERNEL_TARGETS = ("mosaic_gpu_v2", "__gpu$xla.gpu.triton")
+# Keys that failed to export in this process: not tried again.
+_unkeepable: set[str] = set()
 
 
-def _folder() -> str | None:
-  root = jax.config.jax_compilation_cache_dir
-  return None if not root else os.path.join(root, "jax_flash")
+def cache_folder() -> str | None:
+  """Where the programs are kept; None when the cache is off."""
+  chosen = os.environ.get(ENV)
+  if chosen is not None:
+    return None if chosen.strip().lower() in ("", "off", "0") else chosen
+  root = os.environ.get("XDG_CACHE_HOME") or os.path.join(
+      os.path.expanduser("~"), ".cache")
+  return os.path.join(root, "jax_flash", "kernels")
 
 
+@functools.cache
 def _versions() -> str:
-  names = ("jax", "jaxlib", "jax-flash")
+  """jax's and jaxlib's versions and a hash of the library's source."""
   versions = []
-  for name in names:
+  for name in ("jax", "jaxlib"):
     try:
       versions.append(importlib.metadata.version(name))
     except importlib.metadata.PackageNotFoundError:
       versions.append("-")
-  return " ".join(versions)
+  source = hashlib.sha256()
+  for package in ("jax_flash", "pallas_kernels"):
+    root = pathlib.Path(__file__).resolve().parent.parent / package
+    for path in sorted(root.rglob("*.py")):
+      source.update(str(path.relative_to(root)).encode())
+      source.update(path.read_bytes())
+  return " ".join(versions + [source.hexdigest()])
 
 
 def _key(static, args) -> str:
@@ -62,13 +87,13 @@ def _spec(x) -> jax.ShapeDtypeStruct:
 
 
 def keepable(cfg) -> bool:
-  """Whether a call's programs may be stored: a cache to store in, one
-  device (no partitioning), the machine's own (no abstract device to
-  compile for), no user functions in its mask or scores (their repr
-  names an address), and no collectives over a shard_map's axis
+  """Whether a call's programs may be stored: the cache on, one device
+  (no partitioning), the machine's own (no abstract device to compile
+  for), no user functions in its mask or scores (their repr names an
+  address), and no collectives over a shard_map's axis
   (`sequence_axis`)."""
   mesh = jax.sharding.get_abstract_mesh()
-  return (_folder() is not None and jax.device_count() == 1
+  return (cache_folder() is not None and jax.device_count() == 1
           and getattr(mesh, "abstract_device", None) is None
           and cfg.mask.mod is None and cfg.scores.mod is None
           and cfg.sequence_axis is None)
@@ -80,8 +105,11 @@ def call(jitted, static, *args):
   and the arguments' types; otherwise exported, stored, then called. Where
   a program cannot be exported or stored, `jitted(*args)` as it is (the
   cache only saves time)."""
-  folder = _folder()
-  path = os.path.join(folder, _key(static, args) + ".exported")
+  folder = cache_folder()
+  key = _key(static, args)
+  if key in _unkeepable:
+    return jitted(*args)
+  path = os.path.join(folder, key + ".exported")
   if os.path.exists(path):
     try:
       with open(path, "rb") as f:
@@ -100,6 +128,8 @@ def call(jitted, static, *args):
       f.write(data)
     os.replace(f.name, path)  # Whole or absent, for a reader beside us.
   except Exception as e:
-    logger.warning("jax_flash: cannot keep a kernel in %s: %s", folder, e)
+    _unkeepable.add(key)
+    logger.warning("jax_flash: cannot keep a kernel in %s (%s: %s); set "
+                   "%s=off to stop trying", folder, type(e).__name__, e, ENV)
     return jitted(*args)
   return exported.call(*args)

@@ -16,6 +16,10 @@ if not (os.path.exists("/dev/nvidiactl") or shutil.which("nvidia-smi") or
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " " + OPTIMIZATION_LEVEL_0).strip()
 
+# The suite's calls keep no kernels in the user's cache folder
+# (`jax_flash._kernel_cache`; tests/test_compile_cache.py names its own).
+os.environ.setdefault("JAX_FLASH_CACHE_DIR", "off")
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 

@@ -1,6 +1,8 @@
-"""With JAX's persistent compilation cache on, a second process calls the
+"""The kernel cache (`jax_flash._kernel_cache`): a second process calls the
 attention primitive's stored programs instead of tracing and lowering its
-kernels again, with the same results."""
+kernels again, with the same results; processes writing the same programs
+at once leave them whole; the folder follows $JAX_FLASH_CACHE_DIR and
+$XDG_CACHE_HOME."""
 import os
 import subprocess
 import sys
@@ -13,8 +15,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = r"""
 import sys
 import jax, jax.numpy as jnp, numpy as np
-jax.config.update("jax_compilation_cache_dir", sys.argv[1])
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 import jax_flash
 from pallas_kernels.triton.backend import TritonBackend
 traced = []
@@ -37,25 +37,73 @@ print("traced", len(traced))
 """
 
 
-def _run(folder, out):
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
+def _start(folder, out):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_FLASH_CACHE_DIR=folder,
              PYTHONPATH=os.pathsep.join([os.path.dirname(HERE)] + sys.path))
-  result = subprocess.run([sys.executable, "-c", SCRIPT, folder, out],
-                          capture_output=True, text=True, env=env,
-                          timeout=600)
-  assert result.returncode == 0, result.stderr[-3000:]
-  return int(result.stdout.split("traced")[-1])
+  return subprocess.Popen([sys.executable, "-c", SCRIPT, "-", out],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, env=env)
+
+
+def _traced(process) -> int:
+  """How many forwards the process traced (0: all came from the cache)."""
+  stdout, stderr = process.communicate(timeout=600)
+  assert process.returncode == 0, stderr[-3000:]
+  return int(stdout.split("traced")[-1])
+
+
+def _run(folder, out):
+  return _traced(_start(folder, out))
 
 
 def test_a_second_process_reads_the_stored_kernels(tmp_path):
   pytest.importorskip("flatbuffers")
   folder = str(tmp_path / "cache")
   first = _run(folder, str(tmp_path / "first.npy"))
-  stored = os.listdir(os.path.join(folder, "jax_flash"))
+  stored = os.listdir(folder)
   second = _run(folder, str(tmp_path / "second.npy"))
   assert first >= 1 and second == 0, (first, second)
   assert len(stored) == 2  # The forward and the backward.
-  assert sorted(os.listdir(os.path.join(folder, "jax_flash"))) == sorted(
-      stored)
+  assert sorted(os.listdir(folder)) == sorted(stored)
   np.testing.assert_array_equal(np.load(tmp_path / "first.npy"),
                                 np.load(tmp_path / "second.npy"))
+
+
+def test_processes_writing_at_once_leave_whole_programs(tmp_path):
+  """Two processes storing the same programs at the same time: each runs,
+  the folder holds the two programs and nothing else, and a third process
+  reads them."""
+  pytest.importorskip("flatbuffers")
+  folder = str(tmp_path / "cache")
+  both = [_start(folder, str(tmp_path / f"{i}.npy")) for i in range(2)]
+  assert all(_traced(p) >= 1 for p in both)
+  assert len(os.listdir(folder)) == 2, os.listdir(folder)
+  assert _run(folder, str(tmp_path / "third.npy")) == 0
+  for i in range(2):
+    np.testing.assert_array_equal(np.load(tmp_path / f"{i}.npy"),
+                                  np.load(tmp_path / "third.npy"))
+
+
+def test_the_folder_follows_the_environment(monkeypatch, tmp_path):
+  from jax_flash import _kernel_cache
+  monkeypatch.delenv("JAX_FLASH_CACHE_DIR", raising=False)
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+  assert _kernel_cache.cache_folder() == str(tmp_path / "jax_flash" /
+                                             "kernels")
+  monkeypatch.delenv("XDG_CACHE_HOME")
+  monkeypatch.setenv("HOME", str(tmp_path / "home"))
+  assert _kernel_cache.cache_folder() == str(
+      tmp_path / "home" / ".cache" / "jax_flash" / "kernels")
+  monkeypatch.setenv("JAX_FLASH_CACHE_DIR", str(tmp_path / "mine"))
+  assert _kernel_cache.cache_folder() == str(tmp_path / "mine")
+  for off in ("", "off", "0"):
+    monkeypatch.setenv("JAX_FLASH_CACHE_DIR", off)
+    assert _kernel_cache.cache_folder() is None
+
+
+def test_the_key_holds_the_versions_and_the_code():
+  import jax
+
+  from jax_flash import _kernel_cache
+  versions = _kernel_cache._versions().split()
+  assert versions[0] == jax.__version__ and len(versions[-1]) == 64
