@@ -10,7 +10,9 @@ default dispatch on bf16 inputs), "fp8" (the same with fp8=True: on an
 H100/H200 the Mosaic FP8 forward, and the FP8 backward at head dims 128
 and 256, the bf16 one on the rounded values at 64), "fp8_bwd16" (the
 same with the bf16 backward on the rounded values,
-`MosaicBlockSizes(fp8_backward=False)`), "fp8_e4m3" (forward only: float8
+`MosaicBlockSizes(fp8_backward=False)`), "fp8_stmatrix" (the fp8 call with
+its e4m3 tiles stored by `stmatrix`, `MosaicBlockSizes.e4m3_stmatrix`),
+"fp8_e4m3" (forward only: float8
 inputs quantized beforehand, with descale), "cudnn" (jax.nn, bf16) and, forward only, "cudnn_fp8" (cuDNN's
 FP8 attention through jax's private `fused_attention_stablehlo` API, the
 inputs rounded with one scale a tensor, its output e4m3 with V's scale).
@@ -92,6 +94,17 @@ def _float8_inputs(q, k, v):
                    for x, s in zip((q, k, v), descale)]
 
 
+def fp8_variant(causal, **changes):
+  """fp8=True on the Mosaic kernels at the tiles the default gives the
+  call, with `changes` (BlockSizes fields), as f(q, k, v)."""
+  def f(q, k, v):
+    return jax_flash.flash_attention(
+        q, k, v, is_causal=causal, fp8=True, implementation="mosaic",
+        block_sizes=dataclasses.replace(_call_blocks(q, k, causal),
+                                        **changes))
+  return f
+
+
 def fp8_backward(causal, on=True, **changes):
   """fp8=True on the Mosaic kernels with the FP8 backward
   (`MosaicBlockSizes.fp8_backward`; `on` False: the bf16 backward on the
@@ -141,7 +154,9 @@ def _inputs(head_dim, causal, seq_len, tokens, hidden):
   return q, k, v, do, flops
 
 
-def speed(head_dim, causal, seq_len, tokens, hidden, calls, repeats):
+def speed(head_dim, causal, seq_len, tokens, hidden, calls, repeats,
+          names=None):
+  """The speed rows of the implementations `names` (None: all)."""
   q, k, v, do, flops = _inputs(head_dim, causal, seq_len, tokens, hidden)
   batch, heads = q.shape[0], q.shape[2]
   impls = {
@@ -153,12 +168,16 @@ def speed(head_dim, causal, seq_len, tokens, hidden, calls, repeats):
           q, k, v, is_causal=causal, implementation="cudnn"),
       "cudnn_fp8": cudnn_fp8(causal),
       "fp8_bwd16": fp8_backward(causal, on=False),
+      # The e4m3 tiles stored by stmatrix (`MosaicBlockSizes.e4m3_stmatrix`).
+      "fp8_stmatrix": fp8_variant(causal, e4m3_stmatrix=True),
   }
   # Inputs the caller quantized (forward only): float8 with descale.
   descale, e4m3 = _float8_inputs(q, k, v)
   impls["fp8_e4m3"] = lambda q, k, v: jax_flash.flash_attention(
       q, k, v, is_causal=causal, descale=descale)
   for name, fn in impls.items():
+    if names is not None and name not in names:
+      continue
     forward_only = name in ("cudnn_fp8", "fp8_e4m3")
     args = e4m3 if name == "fp8_e4m3" else (q, k, v)
     for mode in ("fwd",) if forward_only else ("fwd", "bwd", "fwd+bwd"):
@@ -486,6 +505,8 @@ def main():
   parser.add_argument("--block-kvs", type=int, nargs="+",
                       default=[64, 128, 192, 256])
   parser.add_argument("--stages", type=int, nargs="+", default=[2, 3])
+  parser.add_argument("--impls", nargs="+", default=None,
+                      help="the speed part's implementations (default: all)")
   parser.add_argument("--masks", nargs="+", default=["causal", "none"],
                       choices=["causal", "none"],
                       help="the causalities the per-causality parts run")
@@ -498,7 +519,7 @@ def main():
       "persistent": lambda h, c: persistent(h, c, *shape),
       "backward_tiles": lambda h, c: backward_tiles(h, c, *shape,
                                                     args.stages),
-      "speed": lambda h, c: speed(h, c, *shape),
+      "speed": lambda h, c: speed(h, c, *shape, args.impls),
   }
   for part, run in per_causality.items():
     for head_dim in args.head_dims if part in args.parts else ():

@@ -194,6 +194,10 @@ def cases():
       "mosaic", (2, 2048, 2048, 8, 2, 64), is_causal=True, fp8=True,
       block_sizes=dataclasses.replace(m.get_default(64, True, kv_len=2048),
                                       fp8_backward=True))
+  out["mosaic/fp8/h128_stmatrix"] = lambda: _grad(
+      "mosaic", (2, 2048, 2048, 8, 2, 128), is_causal=True, fp8=True,
+      block_sizes=dataclasses.replace(m.get_default(128, True, kv_len=2048),
+                                      fp8_backward=True, e4m3_stmatrix=True))
   out["mosaic/fp8/float8_inputs"] = lambda: _float8_forward(
       (2, 2048, 2048, 8, 2, 128))
   return out

@@ -24,6 +24,9 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 ON_GPU = jax.default_backend() == "gpu"
+# An H100/H200 (sm90): where the Mosaic GPU kernels run.
+HOPPER = ON_GPU and all(getattr(d, "compute_capability", "") == "9.0"
+                        for d in jax.local_devices())
 # The implementation every kernel test runs: real kernels where possible.
 KERNEL_IMPL = "pallas" if ON_GPU else "interpret"
 

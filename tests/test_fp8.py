@@ -12,6 +12,7 @@ import pytest
 import jax_flash
 from jax_flash.core import fp8
 from tests.cases import random_inputs
+from tests.conftest import HOPPER
 
 
 def _rel(a, b):
@@ -350,8 +351,8 @@ def test_mosaic_fp8_forward_is_as_close_as_the_rounding(shape, causal,
   maximum). `outliers`: two feature columns of Q and K 20x the rest
   (large logits: a backward whose logits differ from the forward's by
   the rounding would be far off)."""
-  if "H200" not in jax.devices()[0].device_kind:
-    pytest.skip("not an H200")
+  if not HOPPER:
+    pytest.skip("not a Hopper GPU")
   q, k, v, do = random_inputs(*shape, jnp.bfloat16)
   if outliers:
     q, k = _outliers(q, k)
@@ -378,8 +379,8 @@ def test_mosaic_fp8_forward_overlap_is_the_same_forward(shape, causal,
   tile's P V; H200): the same operations in the same order, so the same
   output and gradients bitwise as without it, on fp8=True and on float8
   inputs; and within the bounds of `_check_against_rounding`."""
-  if "H200" not in jax.devices()[0].device_kind:
-    pytest.skip("not an H200")
+  if not HOPPER:
+    pytest.skip("not a Hopper GPU")
   q, k, v, do = random_inputs(*shape, jnp.bfloat16)
   calls = {}
   for overlap in (False, True):
@@ -415,8 +416,8 @@ def test_mosaic_fp8_forward_reads_float8_inputs_as_they_are(shape, causal):
   Mosaic forward on fp8=True (P rounded against another running maximum),
   and that of float32 attention on the dequantized values to FP8's
   error."""
-  if "H200" not in jax.devices()[0].device_kind:
-    pytest.skip("not an H200")
+  if not HOPPER:
+    pytest.skip("not a Hopper GPU")
   q, k, v, _ = random_inputs(*shape, jnp.bfloat16)
   num_kv_heads = shape[4]
   descale = tuple(fp8.scales(x, num_kv_heads) * 0.77 for x in (q, k, v))
@@ -440,8 +441,8 @@ def test_mosaic_fp8_forward_reads_float8_inputs_as_they_are(shape, causal):
 def test_mosaic_fp8_forward_with_a_traced_scale():
   """A traced scale on the Mosaic FP8 forward (H200): the e4m3 values it
   reads are the scaled query's, as the blockwise path's are."""
-  if "H200" not in jax.devices()[0].device_kind:
-    pytest.skip("not an H200")
+  if not HOPPER:
+    pytest.skip("not a Hopper GPU")
   q, k, v, _ = random_inputs(1, 512, 512, 4, 2, 128, jnp.bfloat16)
   scale = jnp.float32(0.3 / 128 ** 0.5)
   calls = {implementation: jax.jit(lambda q, k, v, s: jax_flash.flash_attention(
@@ -470,8 +471,8 @@ def test_mosaic_fp8_backward_is_as_close_as_the_rounding(shape, causal,
   (outliers at 2048 tokens: keys whose dS^T rows lie far below e4m3's
   range), and bitwise the same from one run to the next; at head dim 256
   the dK/dV kernel's warpgroups split dV and dK."""
-  if "H200" not in jax.devices()[0].device_kind:
-    pytest.skip("not an H200")
+  if not HOPPER:
+    pytest.skip("not a Hopper GPU")
   q, k, v, do = random_inputs(*shape, jnp.bfloat16)
   if outliers:
     q, k = _outliers(q, k)
@@ -491,3 +492,63 @@ def test_mosaic_fp8_backward_is_as_close_as_the_rounding(shape, causal,
   for a, b_ in zip(first, second):
     assert bool(jnp.all(jnp.isfinite(a.astype(jnp.float32))))
     assert bool(jnp.all(a == b_))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, causal", [
+    ((2, 1000, 1003, 8, 2, 128), True),
+    ((1, 512, 777, 4, 4, 64), False),
+    ((1, 300, 1000, 4, 2, 256), True),
+    ((1, 2048, 2048, 8, 8, 128), False)])
+def test_mosaic_fp8_stmatrix_stores_are_the_same_attention(shape, causal):
+  """`MosaicBlockSizes.e4m3_stmatrix` (e4m3 tiles stored by `stmatrix`,
+  permuted, the operands they meet permuted alike): the same products in
+  another order of their terms, so output and gradients within float32's
+  rounding of the 16-bit stores' (forward and the FP8 backward), within
+  the bounds of `_check_against_rounding`, and bitwise the same from one
+  run to the next."""
+  if not HOPPER:
+    pytest.skip("not a Hopper GPU")
+  q, k, v, do = random_inputs(*shape, jnp.bfloat16)
+  calls = {}
+  for on in (False, True):
+    blocks = jax_flash.MosaicBlockSizes(
+        fp8_backward=True, block_kv=64 if shape[-1] == 256 else 128,
+        e4m3_stmatrix=on)
+    calls[on] = functools.partial(
+        jax_flash.flash_attention, is_causal=causal, fp8=True,
+        implementation="mosaic", block_sizes=blocks)
+  outs = {on: jax.jit(f)(q, k, v) for on, f in calls.items()}
+  assert _rel(outs[True], outs[False]) < 1e-2
+  grads = {on: jax.jit(lambda *a, f=f: _grads(f, *a))(q, k, v, do)
+           for on, f in calls.items()}
+  for a, b in zip(grads[True], grads[False]):
+    assert _rel(a, b) < 2e-2
+  again = jax.jit(lambda *a: _grads(calls[True], *a))(q, k, v, do)
+  for a, b in zip(grads[True], again):
+    assert bool(jnp.all(a == b))
+  _check_against_rounding(calls[True], q, k, v, do, causal)
+
+
+def test_e4m3_column_permutation_is_the_stores():
+  """`tiles.E4m3Tiles.permute` moves column 8 h + 2 t + b of each
+  16-column window to 4 t + 2 h + b (t < 4, h < 2, b < 2): where
+  `stmatrix` stores put lane t's column pairs of two adjacent 8-column
+  tiles; any axis; a matmul contracting two operands both permuted so
+  gives the same product; without `stmatrix`, nothing moves."""
+  import numpy as np
+
+  from pallas_kernels.mosaic_gpu.tiles import E4m3Tiles
+  tiles = E4m3Tiles(stmatrix=True)
+  got = np.asarray(tiles.permute(jnp.arange(48)))
+  for window in range(3):
+    for t in range(4):
+      for h in range(2):
+        for b in range(2):
+          assert got[16 * window + 4 * t + 2 * h + b] == (
+              16 * window + 8 * h + 2 * t + b)
+  a = jax.random.normal(jax.random.key(0), (8, 32))
+  b = jax.random.normal(jax.random.key(1), (32, 5))
+  permuted = tiles.permute(a) @ tiles.permute(b, axis=0)
+  np.testing.assert_allclose(permuted, a @ b, rtol=1e-5, atol=1e-5)
+  assert E4m3Tiles().permute(a) is a

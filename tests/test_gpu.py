@@ -15,6 +15,7 @@ import jax_flash
 from pallas_kernels.mosaic_gpu import config, flash_fwd
 from jax_flash.testing import assert_attention_close
 from tests.cases import Case, compare_with_reference, inputs, plain_attention
+from tests.conftest import HOPPER
 from tests.test_correctness import _check
 
 pytestmark = pytest.mark.gpu
@@ -398,8 +399,8 @@ def test_mosaic_head_dims_match_reference(name, persistent, monkeypatch):
 
 
 def test_default_on_h200_is_mosaic_where_it_takes_the_call():
-  if "H200" not in jax.devices()[0].device_kind:
-    pytest.skip("not an H200")
+  if not HOPPER:
+    pytest.skip("not a Hopper GPU")
   q, k, v, _ = inputs(MOSAIC_CASES["h128_causal_gqa"])
   hlo = jax.jit(lambda q, k, v: jax_flash.flash_attention(
       q, k, v, is_causal=True)).lower(q, k, v).as_text()
@@ -431,8 +432,8 @@ DEFAULT_SHORT_KEYS = {
 def test_default_short_keys_pair_the_backends(name):
   """The default's forward and backward kernels (named in the program) and
   its results against the reference."""
-  if "H200" not in jax.devices()[0].device_kind:
-    pytest.skip("not an H200")
+  if not HOPPER:
+    pytest.skip("not a Hopper GPU")
   case, mosaic_forward, mosaic_backward = DEFAULT_SHORT_KEYS[name]
   q, k, v, _ = inputs(case)
   hlo = jax.jit(jax.grad(lambda q, k, v: jnp.sum(jax_flash.flash_attention(

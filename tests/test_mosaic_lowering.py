@@ -8,6 +8,7 @@ bad tile or layout fails on the CPU. (ptxas runs when XLA compiles on the
 GPU; the kernel's numbers are checked there: tests/test_gpu.py.)
 """
 import dataclasses
+import functools
 import re
 
 import jax
@@ -1314,3 +1315,21 @@ def test_fp8_forward_overlaps_by_default(head_dim, causal, persistent):
   with pytest.raises(ValueError, match="overlap=True is the FP8 forward's"):
     _lower_grad("mosaic", (2, 256, 520, 8, 2, head_dim), is_causal=causal,
                 block_sizes=jax_flash.MosaicBlockSizes(overlap=True))
+
+
+@pytest.mark.parametrize("head_dim, causal", [(64, False), (128, True),
+                                              (256, True)])
+def test_fp8_stmatrix_stores_lower(head_dim, causal):
+  """`MosaicBlockSizes.e4m3_stmatrix`: the FP8 forward and backward lower
+  with their e4m3 tiles stored by `stmatrix` (other kernels), V^T, Q^T,
+  dO^T and K^T permuted to meet them. (Off, the default, lowers the
+  programs of the commits before the field: scripts/lowered_programs.py.)"""
+  shape = (2, 256, 520, 8, 2, head_dim)
+  blocks = functools.partial(jax_flash.MosaicBlockSizes, fp8_backward=True,
+                             block_kv=64)
+  on = _lower_grad("mosaic", shape, is_causal=causal, fp8=True,
+                   block_sizes=blocks(e4m3_stmatrix=True))
+  off = _lower_grad("mosaic", shape, is_causal=causal, fp8=True,
+                    block_sizes=blocks())
+  assert all(name in on for name in MOSAIC_BACKWARD)
+  assert on != off

@@ -161,6 +161,9 @@ class BlockSizes:
     overlap (the FP8 forward only): each consumer issues a tile's QK^T
       with the previous tile's P V and runs the softmax while P V runs,
       the consumers taking turns at the tensor cores (`flash_fwd._Turns`).
+    e4m3_stmatrix (the FP8 kernels): their e4m3 tiles (P, P^T, dS, dS^T)
+      stored by `stmatrix`, their columns permuted and the operand each
+      meets permuted alike (`tiles.E4m3Tiles`), instead of 16-bit stores.
   """
   block_q: int = 64
   block_kv: int = 128
@@ -177,6 +180,7 @@ class BlockSizes:
   persistent: bool = False
   fp8_backward: bool = False
   overlap: bool = False
+  e4m3_stmatrix: bool = False
 
   def __post_init__(self):
     for name in ("block_q", "block_q_dkv", "block_kv_dkv", "block_q_dq",
@@ -192,7 +196,7 @@ class BlockSizes:
                       lambda x: 24 <= x <= 128 and x % 8 == 0,
                       "a multiple of 8 in [24, 128]")
     for name in ("named_barriers", "dv_before_ds", "fused_dq", "persistent",
-                 "fp8_backward", "overlap"):
+                 "fp8_backward", "overlap", "e4m3_stmatrix"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"block_sizes.{name}={getattr(self, name)!r} must "
                          f"be a bool")

@@ -71,7 +71,8 @@ from pallas_kernels.mosaic_gpu.layout import (COMPUTE_WGS, Columns,
                                               backward_columns, dq_warpgroups,
                                               smem_transforms, split_dkv,
                                               tail_rows, tma_rows)
-from pallas_kernels.mosaic_gpu.tiles import (COL, ROW, await_last_releases,
+from pallas_kernels.mosaic_gpu.tiles import (COL, ROW, E4m3Tiles,
+                                             await_last_releases,
                                              columns, cta_row_tile, dropped,
                                              load_ids, logits2,
                                              needs_positions, pad_ids,
@@ -181,9 +182,10 @@ def _zeros(shape, layout=plgpu.Layout.WGMMA):
 _DS_FLOOR = 2.0 ** -100
 
 
-def _quantize_ds(ds, m, ds_smem):
+def _quantize_ds(ds, m, ds_smem, e4m3: E4m3Tiles):
   """FP8's dS tile (float32 [rows, cols], an accumulator's layout) into
-  ds_smem as e4m3 values of dS * 448 / m_new, m_new the running maximum of
+  ds_smem (stored by `e4m3`) as e4m3 values of dS * 448 / m_new, m_new the
+  running maximum of
   each row's |dS| (m: the rows' maximum before this tile, 0 at first);
   returns (m_new, alpha = m / m_new), by which the caller rescales the rows
   of the accumulator this tile's product adds to (the online softmax's
@@ -192,8 +194,8 @@ def _quantize_ds(ds, m, ds_smem):
   positive = m_new > _DS_FLOOR
   alpha = jnp.where(positive, m / m_new, 1.0)
   inverse = jnp.where(positive, fp8_lib.E4M3_MAX / m_new, 0.0)
-  ds_smem[...] = (ds * lax.broadcast_in_dim(inverse, ds.shape, [0])).astype(
-      fp8_lib.E4M3)
+  e4m3.store((ds * lax.broadcast_in_dim(inverse, ds.shape, [0])).astype(
+      fp8_lib.E4M3), ds_smem)
   plgpu.commit_smem()
   return m_new, alpha
 
@@ -258,6 +260,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
   num_parts = len(layout.parts)
   bq, bkv = blocks.block_q_dkv, blocks.block_kv_dkv
   stages = blocks.num_stages_bwd
+  e4m3 = E4m3Tiles(blocks.e4m3_stmatrix)
   q_len = q_ref.shape[1]
   dtype = q_ref.dtype
   split = split_dkv(layout.width)
@@ -339,7 +342,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
     maxima of |dS^T|)."""
     dk, m = carry
     pt_smem, ds_smem = fp8_smem["p"].at[wg], fp8_smem["ds"].at[wg]
-    pt_smem[...] = (p * fp8_lib.E4M3_MAX).astype(fp8_lib.E4M3)
+    e4m3.store((p * fp8_lib.E4M3_MAX).astype(fp8_lib.E4M3), pt_smem)
     plgpu.commit_smem()
     plgpu.barrier_wait(do_ready.at[ring])
 
@@ -349,7 +352,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
       return plgpu.wgmma_accumulator_load(acc, wait_n=1)  # dV runs.
     dp = pl.run_scoped(dp_dv, plgpu.ACC(p.shape, jnp.float32))
     ds = p * (dp * scales_ref[batch, kv_head, 1] - delta)
-    m, alpha = _quantize_ds(ds, m, ds_smem)
+    m, alpha = _quantize_ds(ds, m, ds_smem, e4m3)
     dk = _fp8_product(dk, alpha, ds_smem, qt_smem.at[ring].T)
     plgpu.barrier_arrive(do_free.at[ring])  # dV's matmul is done too.
     plgpu.barrier_arrive(q_free.at[ring])
@@ -363,7 +366,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
     def dv_part(carry):
       acc, m = carry
       pt_smem = fp8_smem["p"].at[wg]
-      pt_smem[...] = (p * fp8_lib.E4M3_MAX).astype(fp8_lib.E4M3)
+      e4m3.store((p * fp8_lib.E4M3_MAX).astype(fp8_lib.E4M3), pt_smem)
       plgpu.commit_smem()
       plgpu.barrier_wait(do_ready.at[ring])
       return _fp8_product(acc, None, pt_smem, dot_smem.at[ring].T), m
@@ -378,7 +381,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
       dp = pl.run_scoped(dp_t, plgpu.ACC(p.shape, jnp.float32))
       ds_smem = fp8_smem["ds"].at[wg]
       m, alpha = _quantize_ds(p * (dp * scales_ref[batch, kv_head, 1]
-                                   - delta), m, ds_smem)
+                                   - delta), m, ds_smem, e4m3)
       return _fp8_product(acc, alpha, ds_smem, qt_smem.at[ring].T), m
     carry = lax.cond(wg == 0, dv_part, dk_part, carry)
     plgpu.barrier_arrive(do_free.at[ring])
@@ -637,6 +640,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
   wgs = dq_warpgroups(layout.width)
   bq, bkv = blocks.block_q_dq, blocks.block_kv_dq
   stages = blocks.num_stages_bwd
+  e4m3 = E4m3Tiles(blocks.e4m3_stmatrix)
   dtype = q_ref.dtype
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
   kv_head = lax.div(head, jnp.int32(group))
@@ -719,7 +723,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
       ds_smem = fp8_smem["ds"].at[wg]
       m, alpha = _quantize_ds(
           pd * (dp * scales_ref[batch, kv_head, 1]
-                - lax.broadcast_in_dim(delta, shape, [0])), m, ds_smem)
+                - lax.broadcast_in_dim(delta, shape, [0])), m, ds_smem,
+          e4m3)
       dq = _fp8_product(dq, alpha, ds_smem, fp8_smem["kt"].at[ring].T)
       plgpu.barrier_arrive(k_free.at[ring])
       return dq, m
@@ -785,12 +790,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
 
 def fp8_backward_operands(operands: Operands, do, softmax_scale: float,
                           q_rows: int, kv_rows: int,
-                          rounding: fp8_lib.Rounding):
+                          rounding: fp8_lib.Rounding, e4m3: E4m3Tiles):
   """(q8, k8, v8, do8, (qt8, dot8, kt8), scales) for the FP8 backward: the
   call's e4m3 values (`Operands.fp8_q`, ...) and dO quantized as the
   inputs are (`jax_flash.core.fp8`, by `rounding`), zero rows up to
   q_rows queries and kv_rows keys; Q, dO and K transposed to [B, heads,
-  H, rows]; scales [B, K, 5] float32: Q's times K's (the logits), V's
+  H, rows], their rows permuted as the e4m3 tiles they meet are stored
+  (`e4m3`: P^T, dS^T and dS); scales [B, K, 5] float32: Q's times K's (the logits), V's
   times dO's (dP), dO's / 448 (dV from P * 448), Q's and K's times
   softmax_scale / 448 (dK and dQ from dS * 448 over its row maxima)."""
   num_kv_heads = operands.fp8_k.shape[2]
@@ -799,7 +805,8 @@ def fp8_backward_operands(operands: Operands, do, softmax_scale: float,
   do8 = rounding.quantize(do, sdo, num_kv_heads)
   q8, do8 = (pad_to(x, 1, q_rows) for x in (operands.fp8_q, do8))
   k8, v8 = (pad_to(x, 1, kv_rows) for x in (operands.fp8_k, operands.fp8_v))
-  transposed = tuple(x.transpose(0, 2, 3, 1) for x in (q8, do8, k8))
+  transposed = tuple(e4m3.permute(x.transpose(0, 2, 3, 1))
+                     for x in (q8, do8, k8))
   scale = softmax_scale / fp8_lib.E4M3_MAX
   scales = jnp.stack([sq * sk, sv * sdo, sdo / fp8_lib.E4M3_MAX, sq * scale,
                       sk * scale], axis=-1).astype(jnp.float32)
@@ -853,7 +860,8 @@ def flash_backward(q, k, v, operands: Operands, delta, lse, do, *,
   qt8 = dot8 = kt8 = fp8_scales = None
   if fp8:
     q, k, v, do, (qt8, dot8, kt8), fp8_scales = fp8_backward_operands(
-        operands, do, scores.scale, tp, kv_cols, fp8_rounding)
+        operands, do, scores.scale, tp, kv_cols, fp8_rounding,
+        E4m3Tiles(blocks.e4m3_stmatrix))
   else:
     q, do = (pad_to(x.astype(q.dtype), 1, tma_rows(q_len, untiled))
              for x in (q, do))

@@ -48,7 +48,8 @@ from pallas_kernels.mosaic_gpu.layout import (COMPUTE_WGS, Columns,
                                               smem_transforms, tail_rows,
                                               tma_rows)
 from pallas_kernels.mosaic_gpu.scheduling import persistent_order
-from pallas_kernels.mosaic_gpu.tiles import (COL, ROW, await_last_releases,
+from pallas_kernels.mosaic_gpu.tiles import (COL, ROW, E4m3Tiles,
+                                             await_last_releases,
                                              columns, cta_row_tile, dropped,
                                              load_ids, logits2,
                                              needs_positions, online_softmax,
@@ -246,6 +247,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
   dtype = o_ref.dtype
   wg = lax.axis_index("wg")
   overlap = blocks.overlap
+  e4m3 = E4m3Tiles(blocks.e4m3_stmatrix)
   schedule = (_Turns(schedule_barrier, wg) if overlap else
               _Schedule(schedule_barrier, wg))
 
@@ -398,7 +400,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
       # l sums the undropped p; only P V sees the dropout.
       if fp8:  # As e4m3, the left operand from shared memory.
         p16 = p_smem
-        p16[...] = p.astype(fp8_lib.E4M3)
+        e4m3.store(p.astype(fp8_lib.E4M3), p16)
         plgpu.commit_smem()
       else:
         p16 = dropped(p, scores, seed_ref, batch, head, positions,
@@ -453,7 +455,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
           matmuls, plgpu.ACC((block_q, block_kv), jnp.float32),
           tuple(plgpu.ACC((block_q, w), jnp.float32)
                 for _, w in layout.parts))
-      p_smem[...] = p8
+      e4m3.store(p8, p_smem)
       plgpu.commit_smem()
       return acc, m, l
 
@@ -637,8 +639,10 @@ def flash_forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
             Columns.of(q.dtype, q.shape[3], blocks.block_kv, q_len, kv_len))
   q, k = (pad_to(x, 1, tma_rows(n, layout.untiled[0]))
           for x, n in ((q, q_len), (k, kv_len)))
-  if fp8:  # The tiled copies of V^T's [H, block_kv] tiles: whole tiles.
-    v = pad_to(v, 3, round_up(kv_len, blocks.block_kv))
+  if fp8:  # The tiled copies of V^T's [H, block_kv] tiles: whole tiles,
+    # their keys permuted as P's columns are stored (`tiles.E4m3Tiles`).
+    v = E4m3Tiles(blocks.e4m3_stmatrix).permute(
+        pad_to(v, 3, round_up(kv_len, blocks.block_kv)))
   else:
     v = pad_to(v, 1, tma_rows(kv_len, layout.untiled[1]))
   batch, _, num_heads, _ = q.shape

@@ -16,18 +16,25 @@ atom wide (`tile_buffer`, `tile_views`), a column part's index
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_flash.core import dropout
+from jax_flash.core import fp8 as fp8_lib
 from jax_flash.core.mask import (KV_PAD_ID, Q_PAD_ID, Mask, id_block_table,
                                   intersect_ranges, intersect_tables,
                                   kinds_block_table, without_full_tiles)
 from jax_flash.core.padding import pad_to
 from jax_flash.core.scores import Scores
+from pallas_kernels.mosaic_gpu.layout import smem_transforms
 
 ROW = plgpu.Layout.WGMMA.reduce(1)  # One value per row of a wgmma tile.
 COL = plgpu.Layout.WGMMA.reduce(0)  # One value per column.
@@ -234,3 +241,56 @@ def pad_ids(q_ids, kv_ids, q_rows: int, kv_rows: int):
     return None, None
   return (pad_to(q_ids, 1, q_rows, Q_PAD_ID),
           pad_to(kv_ids, 1, kv_rows, KV_PAD_ID))
+
+
+# An e4m3 tile stored by `stmatrix` holds its columns permuted within each
+# window of E4M3_WINDOW: stored column 4 t + 2 h + b is column 8 h + 2 t + b
+# (t < 4, h < 2, b < 2).
+E4M3_WINDOW = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class E4m3Tiles:
+  """How the FP8 kernels' e4m3 tiles (P, P^T, dS, dS^T) leave the wgmma
+  accumulator's layout for shared memory (`BlockSizes.e4m3_stmatrix`):
+  as they are (Mosaic GPU's own store writes 8-bit values by 16-bit
+  stores), or with `stmatrix`: a thread's two column pairs of adjacent
+  8-column tiles become one 32-bit word, a layout Mosaic GPU stores by
+  `stmatrix`, each window of E4M3_WINDOW columns then permuted. A matmul
+  reading such a tile contracts over its columns, so the operand it
+  meets is permuted alike (`permute`)."""
+  stmatrix: bool = False
+
+  def store(self, x, ref):
+    """e4m3 x ([rows, cols], the accumulator's layout; rows a multiple of
+    64, cols of E4M3_WINDOW) into ref, an e4m3 [rows, cols] tile
+    (`layout.smem_transforms`)."""
+    if not self.stmatrix:
+      ref[...] = x
+      return
+    tiling, swizzle = smem_transforms(fp8_lib.E4M3, ref.shape[-1])
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,
+                                  plgpu.RefType((tiling, swizzle))))
+    def store(_, x, smem):
+      pairs = x.registers  # [row tiles, 8-column tiles, 1, 1, halves, ...]
+      words = np.empty(mgpu.WGMMA_LAYOUT_8BIT.registers_shape(x.shape),
+                       object)
+      for idx in np.ndindex(words.shape):
+        words[idx] = mgpu_utils.vector_concat(
+            [pairs[(idx[0], 2 * idx[1] + h, *idx[2:])] for h in range(2)])
+      mgpu.FragmentedArray(_registers=words, _layout=mgpu.WGMMA_LAYOUT_8BIT,
+                           _is_signed=None).store_tiled(smem, swizzle.swizzle)
+    store(x, ref)
+
+  def permute(self, x, axis: int = -1):
+    """x with its `axis` (a multiple of E4M3_WINDOW long) permuted as
+    `store` permutes a tile's columns: the operand a stored tile meets in
+    a matmul, along the contracted axis (x itself without `stmatrix`)."""
+    if not self.stmatrix:
+      return x
+    axis %= x.ndim
+    shape = x.shape
+    view = x.reshape(*shape[:axis], shape[axis] // E4M3_WINDOW, 2, 4, 2,
+                     *shape[axis + 1:])
+    return jnp.swapaxes(view, axis + 1, axis + 2).reshape(shape)
