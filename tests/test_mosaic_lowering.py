@@ -1255,7 +1255,8 @@ def test_fp8_rounding_is_xlas_where_xla_may_split_the_arrays(monkeypatch):
     assert _dispatch.fp8_rounding(None, q) is fp8_round.ROUNDING
     assert _dispatch.fp8_rounding("mosaic", q) is fp8_round.ROUNDING
     assert _dispatch.fp8_rounding("xla", q) is fp8.XLA
-  assert _dispatch.fp8_rounding(None, jnp.zeros((1, 8, 1, 8))) is fp8.XLA
+  on_cpu = jax.device_put(jnp.zeros((1, 8, 1, 8)), jax.devices("cpu")[0])
+  assert _dispatch.fp8_rounding(None, on_cpu) is fp8.XLA
   monkeypatch.setattr(jax, "device_count", lambda: 8)
   with jax.sharding.use_abstract_mesh(one_gpu):
     assert _dispatch.fp8_rounding(None, q) is fp8.XLA
