@@ -55,8 +55,7 @@ class XlaBackend:
   config_type = blockwise.BlockSizes
   operand_gradients = frozenset(GRADIENT_OPERANDS)
 
-  def unsupported(self, problem, dtype, *, mask, scores, version=2,
-                  decode=False):
+  def unsupported(self, problem, dtype, *, mask, scores, decode=False):
     return None
 
   def copies(self, problem, dtype, *, mask):
@@ -65,13 +64,13 @@ class XlaBackend:
   def backward_unsupported(self, problem, dtype, *, mask, scores, operands):
     return None
 
-  def config(self, block_sizes, problem, dtype, *, is_causal, version=2,
-             scores=None, mask=None):
+  def config(self, block_sizes, problem, dtype, *, is_causal, scores=None,
+             mask=None):
     if isinstance(block_sizes, blockwise.BlockSizes):
       return block_sizes
     return blockwise.BlockSizes()
 
-  def forward(self, q, k, v, operands, *, mask, scores, config, version=2):
+  def forward(self, q, k, v, operands, *, mask, scores, config):
     return blockwise.forward(q, k, v, operands, mask=mask, scores=scores,
                              config=config)
 
@@ -158,14 +157,13 @@ class Configs:
 
 
 def configure(plan: Plan, block_sizes, problem: Problem, dtype, *,
-              is_causal: bool, version: int, scores: Scores,
-              mask: Mask) -> Configs:
+              is_causal: bool, scores: Scores, mask: Mask) -> Configs:
   """Each backend's block sizes: `block_sizes` for the backend whose type it
   is, the defaults for the others."""
   def one(backend):
     own = block_sizes if isinstance(block_sizes, backend.config_type) else None
     return backend.config(own, problem, dtype, is_causal=is_causal,
-                          version=version, scores=scores, mask=mask)
+                          scores=scores, mask=mask)
   return Configs(forward=one(plan.forward), backward=one(plan.backward),
                  gradients=tuple(one(b) for _, b in plan.gradients))
 
@@ -199,7 +197,7 @@ def check_block_sizes(block_sizes) -> None:
 
 def select(implementation, query, problem: Problem, dtype, *, mask: Mask,
            scores: Scores, operands: Operands | None = None,
-           version: int = 2, decode: Decode = False) -> Plan:
+           decode: Decode = False) -> Plan:
   """The backends of this call; ValueError if the one named cannot take it.
 
   The forward's backend as the module docstring says; the backward's is the
@@ -211,7 +209,7 @@ def select(implementation, query, problem: Problem, dtype, *, mask: Mask,
 
   def reason(backend):
     return backend.unsupported(problem, dtype, mask=mask, scores=scores,
-                               version=version, decode=decode)
+                               decode=decode)
 
   def best(candidates, reasons):
     """The first of `candidates` that takes the call (its `reasons` entry

@@ -35,7 +35,8 @@ from jax._src import dispatch  # The registry of device-bound lowerings.
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from jax_flash import _dispatch, _kernel_cache, _sharding, blockwise, ring
+from jax_flash import (_dispatch, _kernel_cache, _sharding, blockwise, fa1,
+                       ring)
 from jax_flash.core import softmax
 from jax_flash.core.backend import differentiable_leaves
 from jax_flash.core.checks import check_qkv, x64_scope
@@ -72,10 +73,15 @@ SECOND_ORDER = (
 # --- The forward and the backward of a plan. ---
 
 def _backend_forward(q, k, v, operands: Operands, cfg: Config):
+  """The plan's forward, or with `cfg.version` 1 the FlashAttention-1
+  forward (`fa1`) in its place."""
+  if cfg.version == 1:
+    return fa1.forward(q, k, v, operands, mask=cfg.mask, scores=cfg.scores,
+                       config=cfg.configs.forward,
+                       interpret=cfg.plan.forward.name == "interpret")
   return cfg.plan.forward.forward(q, k, v, operands, mask=cfg.mask,
                                   scores=cfg.scores,
-                                  config=cfg.configs.forward,
-                                  version=cfg.version)
+                                  config=cfg.configs.forward)
 
 
 def _local_backward(q, k, v, operands: Operands, delta, lse, do, dlse,
@@ -110,17 +116,19 @@ def _refit(cfg: Config, problem: Problem, dtype, offsets: bool) -> Config | str:
   mask = dataclasses.replace(cfg.mask, has_q_offsets=offsets)
   try:
     plan = _dispatch.select(cfg.plan.forward.name, None, problem, dtype,
-                            mask=mask, scores=cfg.scores,
-                            version=cfg.version)
+                            mask=mask, scores=cfg.scores)
   except ValueError as e:
     return str(e)
 
   def fitted(backend, was, config):
     return backend.config(config if backend == was else None, problem,
-                          dtype, is_causal=mask.is_causal,
-                          version=cfg.version, scores=cfg.scores, mask=mask)
+                          dtype, is_causal=mask.is_causal, scores=cfg.scores,
+                          mask=mask)
+  forward = (fa1.block_sizes(cfg.configs.forward, problem, dtype,
+                             is_causal=mask.is_causal) if cfg.version == 1
+             else fitted(plan.forward, cfg.plan.forward, cfg.configs.forward))
   configs = _dispatch.Configs(
-      forward=fitted(plan.forward, cfg.plan.forward, cfg.configs.forward),
+      forward=forward,
       backward=fitted(plan.backward, cfg.plan.backward,
                       cfg.configs.backward))
   return dataclasses.replace(cfg, plan=plan, configs=configs, mask=mask)

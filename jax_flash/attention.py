@@ -7,8 +7,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jax_flash import _dispatch, _primitive, _sequence_axis
-from jax_flash.core import checks, dropout
+from jax_flash import _dispatch, _primitive, _sequence_axis, fa1
+from jax_flash.core import checks, device, dropout
 from jax_flash.core import fp8 as fp8_lib
 from jax_flash.core.mask import Mask
 from jax_flash.core.operands import Operands
@@ -22,13 +22,17 @@ def config(plan: _dispatch.Plan, block_sizes, problem: Problem, dtype,
            mask: Mask, scores: Scores, *, is_causal: bool = False,
            version: int = 2, context_parallel: str = "auto",
            sequence_axis=None) -> _primitive.Config:
-  """The static part of one call: its plan, mask, scores and tiles."""
+  """The static part of one call: its plan, mask, scores and tiles (with
+  `version` 1, the forward's those of the FlashAttention-1 forward)."""
+  configs = _dispatch.configure(plan, block_sizes, problem, dtype,
+                                is_causal=is_causal, scores=scores, mask=mask)
+  if version == 1:
+    configs = dataclasses.replace(configs, forward=fa1.block_sizes(
+        block_sizes, problem, dtype, is_causal=is_causal))
   return _primitive.Config(
       plan=plan, mask=mask, scores=scores, version=version,
       context_parallel=context_parallel, sequence_axis=sequence_axis,
-      configs=_dispatch.configure(plan, block_sizes, problem, dtype,
-                                  is_causal=is_causal, version=version,
-                                  scores=scores, mask=mask))
+      configs=configs)
 
 
 def flash_call(query, key, value, operands: Operands, cfg: _primitive.Config):
@@ -240,7 +244,9 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
       `jax_flash.MosaicBlockSizes` for the Mosaic GPU forward, or a
       `jax_flash.XlaBlockSizes` for "xla"; a backend ignores the others'.
     version: 2 runs the FlashAttention-2 forward; 1 the FlashAttention-1
-      forward (for comparison). Both share the FlashAttention-2 backward.
+      forward (for comparison: a Triton kernel, so on a GPU or with
+      implementation="interpret"; no sinks, fp8 or value head dim of its
+      own). Both share the FlashAttention-2 backward.
     fp8: True quantizes query, key and value to float8_e4m3fn with a scale
       per (batch, KV head), and the probabilities before P V, as
       `jax_flash.core.fp8` describes; "rotate" first multiplies query and
@@ -335,9 +341,16 @@ def _attention(query, key, value, options: Options, head_offset=None):
   if p.batch * p.q_len * p.kv_len == 0:
     return _as(_empty(query, p, o.return_residual), out_dtype)
   spec = with_dense_kinds(masks_as_ids(spec))
-  plan = _dispatch.select(o.implementation, query, p, query.dtype,
+  implementation = o.implementation
+  if o.version == 1:  # Planned as FlashAttention-2 on the Triton kernels.
+    implementation = fa1.plan_implementation(implementation,
+                                             device.on_gpu(query))
+    why = fa1.unsupported(p, spec.scores)
+    if why:
+      raise ValueError(why)
+  plan = _dispatch.select(implementation, query, p, query.dtype,
                           mask=spec.mask, scores=spec.scores,
-                          operands=spec.operands, version=o.version)
+                          operands=spec.operands)
   if p.unbatched:
     query, key, value = query[None], key[None], value[None]
   cfg = config(plan, o.block_sizes, p, query.dtype, spec.mask, spec.scores,

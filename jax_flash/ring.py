@@ -387,8 +387,7 @@ def ring_attention(query, key, value, *, mesh, axis_name, is_causal=False,
                scores=scores, plan=plan,
                configs=_dispatch.configure(plan, block_sizes, pair,
                                            query.dtype, is_causal=is_causal,
-                                           version=2, scores=scores,
-                                           mask=mask))
+                                           scores=scores, mask=mask))
 
   def reorder(x, order):
     b, t = x.shape[:2]

@@ -171,6 +171,9 @@ BAD = {
         value_pages=jnp.zeros((4, 24, K, 32)),
         page_table=jnp.zeros((B, 2), I32)),
         "page_size=24 must be a power of two"),
+    "version_1_on_xla": (_attention(version=1, implementation="xla"),
+                         "version=1 runs the FlashAttention-1 forward, a "
+                         "Triton kernel"),
     "query_offset_shape": (_attention(is_causal=True,
                                       query_offset=jnp.array([1, 2, 3])),
                            r"query_offset must have shape \[batch\]"),

@@ -65,8 +65,7 @@ class Backend(Protocol):
   operand_gradients: frozenset[str]
 
   def unsupported(self, problem: Problem, dtype, *, mask: Mask,
-                  scores: Scores, version: int = 2,
-                  decode: Decode = False) -> str | None:
+                  scores: Scores, decode: Decode = False) -> str | None:
     """Why its forward (or, with `decode`, its decode) cannot take the
     call; None if it can."""
 
@@ -83,14 +82,14 @@ class Backend(Protocol):
     `unsupported` is None."""
 
   def config(self, block_sizes: Any | None, problem: Problem, dtype, *,
-             is_causal: bool, version: int = 2, scores: Scores | None = None,
+             is_causal: bool, scores: Scores | None = None,
              mask: Mask | None = None) -> Any:
     """Its block sizes for the call: `block_sizes` (of `config_type`) or
     its defaults, fitted to the lengths."""
 
   def forward(self, q: jax.Array, k: jax.Array, v: jax.Array,
-              operands: Operands, *, mask: Mask, scores: Scores, config: Any,
-              version: int = 2) -> tuple[jax.Array, jax.Array]:
+              operands: Operands, *, mask: Mask, scores: Scores,
+              config: Any) -> tuple[jax.Array, jax.Array]:
     """(o [B, T, N, Hv] in q.dtype, lse [B, N, T] float32 natural log) of
     q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv]."""
 

@@ -132,8 +132,7 @@ class MosaicGpuBackend:
   operand_gradients = frozenset()  # A bias's comes from another backend.
 
   def unsupported(self, problem: Problem, dtype, *, mask: Mask,
-                  scores: Scores, version: int = 2,
-                  decode: bool | str = False) -> str | None:
+                  scores: Scores, decode: bool | str = False) -> str | None:
     """Why the Mosaic GPU kernels cannot take the call, or None. decode:
     False, or the cache's storage ("contiguous" or "paged")."""
     if not device.hopper_target():
@@ -145,8 +144,6 @@ class MosaicGpuBackend:
                 f"{config.SPLIT_KV_MAX_QUERIES} new tokens, and fewer only "
                 f"where {why} (Triton's split-KV kernel takes them), got "
                 f"{problem.q_len}")
-    if version != 2:
-      return "the Mosaic GPU backend runs only the FlashAttention-2 forward"
     if scores.fp8:
       why = _fp8_unsupported(problem, mask, scores, decode)
       if why:
@@ -189,12 +186,11 @@ class MosaicGpuBackend:
                   backward=_backward_pads(problem, dtype, BlockSizes()))
 
   def config(self, block_sizes, problem: Problem, dtype, *, is_causal: bool,
-             version: int = 2, scores: Scores | None = None,
+             scores: Scores | None = None,
              mask: Mask | None = None) -> BlockSizes:
     """The call's tiles: `block_sizes`, or the defaults for its head dim,
     causality, key length, and (`persistent`) whether the call's mask is at
     most causality (the persistent schedule weighs items by the band)."""
-    del version  # Only 2 (see `unsupported`); the tiles take any.
     head_dim = config.kernel_head_dim(problem.head_dim, problem.value_head_dim)
     fp8 = scores is not None and bool(scores.fp8)
     # FP8 calls arrive as rounded values (bf16 or float32): their forward
@@ -243,8 +239,7 @@ class MosaicGpuBackend:
     return blocks
 
   def forward(self, q, k, v, operands: Operands, *, mask: Mask,
-              scores: Scores, config: BlockSizes, version: int = 2):
-    del version  # Only 2 (see `unsupported`).
+              scores: Scores, config: BlockSizes):
     from pallas_kernels.mosaic_gpu import flash_fwd
     if scores.fp8:
       if operands.fp8_q is None:

@@ -32,17 +32,11 @@ class TritonBackend:
     return not self.interpret
 
   def unsupported(self, problem: Problem, dtype, *, mask: Mask,
-                  scores: Scores, version: int = 2,
-                  decode: bool = False) -> str | None:
+                  scores: Scores, decode: bool = False) -> str | None:
     """Why this backend cannot take the call, or None."""
     del mask, decode  # It takes every one.
     if scores.fp8:
       return "the Triton kernels take no fp8 call (implementation='xla' does)"
-    if version == 1 and scores.sinks:
-      return "the FlashAttention-1 forward takes no sinks"
-    if version == 1 and problem.value_head_dim != problem.head_dim:
-      return ("the FlashAttention-1 forward needs value's head dim equal to "
-              "the query's")
     if jnp.dtype(dtype).name not in config.DTYPES:
       return (f"query dtype must be one of {', '.join(config.DTYPES)} for the "
               f"Triton kernels, got {jnp.dtype(dtype)}")
@@ -63,25 +57,22 @@ class TritonBackend:
     return None  # Its backward follows any forward it could have run.
 
   def config(self, block_sizes: BlockSizes | None, problem: Problem, dtype,
-             *, is_causal: bool, version: int = 2,
-             scores: Scores | None = None,
+             *, is_causal: bool, scores: Scores | None = None,
              mask: Mask | None = None) -> BlockSizes:
     del mask  # The tiles do not depend on it.
     if block_sizes is None:
-      block_sizes = BlockSizes.get_default(problem.head_dim, dtype, is_causal,
-                                           version)
+      block_sizes = BlockSizes.get_default(problem.head_dim, dtype, is_causal)
       if scores is not None and scores.mod_arrays:
         block_sizes = block_sizes.for_array_reads()
     return block_sizes.clipped(problem.q_len, problem.kv_len)
 
   def forward(self, q, k, v, operands: Operands, *, mask: Mask,
-              scores: Scores, config: BlockSizes, version: int = 2):
+              scores: Scores, config: BlockSizes):
     """(o [B, T, N, H], lse [B, N, T] natural log)."""
-    from pallas_kernels.triton import flash_fwd, flash_fwd_v1
-    forward = (flash_fwd.flash_forward if version == 2 else
-               flash_fwd_v1.flash_forward_v1)
-    return forward(q, k, v, operands, scores=scores, mask=mask,
-                   block_sizes=config, interpret=self.interpret)
+    from pallas_kernels.triton import flash_fwd
+    return flash_fwd.flash_forward(q, k, v, operands, scores=scores,
+                                   mask=mask, block_sizes=config,
+                                   interpret=self.interpret)
 
   def backward(self, q, k, v, operands: Operands, delta, lse, do, dlse, *,
                mask: Mask, scores: Scores, config: BlockSizes):
