@@ -1334,3 +1334,22 @@ def test_fp8_stmatrix_stores_lower(head_dim, causal):
                     block_sizes=blocks())
   assert all(name in on for name in MOSAIC_BACKWARD)
   assert on != off
+
+
+@pytest.mark.parametrize("head_dim, on", [(64, False), (128, True),
+                                          (256, False)])
+def test_fp8_stores_by_stmatrix_by_default_at_128(head_dim, on):
+  """fp8=True's default tiles store e4m3 tiles by `stmatrix` at head dim
+  128 only (`config.FP8_STMATRIX_DEFAULT_HEAD_DIMS`); a call's own
+  BlockSizes keep theirs."""
+  problem = Problem(batch=2, q_len=2048, kv_len=2048, num_heads=8,
+                    num_kv_heads=2, head_dim=head_dim, unbatched=False)
+  scores = Scores(scale=head_dim ** -0.5, fp8="amax")
+  backend = MosaicGpuBackend()
+  blocks = backend.config(None, problem, jnp.bfloat16, is_causal=True,
+                          scores=scores, mask=Mask(is_causal=True))
+  assert blocks.e4m3_stmatrix == on
+  own = jax_flash.MosaicBlockSizes(block_kv=64)
+  assert not backend.config(own, problem, jnp.bfloat16, is_causal=True,
+                            scores=scores,
+                            mask=Mask(is_causal=True)).e4m3_stmatrix

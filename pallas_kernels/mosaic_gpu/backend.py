@@ -215,6 +215,8 @@ class MosaicGpuBackend:
             head_dim, 1, fp8=True) <= config.SMEM_BYTES), tiles[-1])
       if head_dim in config.FP8_BACKWARD_DEFAULT_HEAD_DIMS:
         blocks = dataclasses.replace(blocks, fp8_backward=True)
+      if head_dim in config.FP8_STMATRIX_DEFAULT_HEAD_DIMS:
+        blocks = dataclasses.replace(blocks, e4m3_stmatrix=True)
     blocks.check_overlap(fp8)
     if fp8 and blocks.block_kv % 64:
       raise ValueError(f"block_sizes.block_kv must be a multiple of 64 with "

@@ -20,6 +20,10 @@ FP8_BLOCK_KV = {64: (128, 128), 128: (128, 256), 256: (64, 64)}
 # kernels on the rounded values: benchmarks/NOTES.md, "Mosaic GPU FP8").
 FP8_BACKWARD_HEAD_DIMS = (64, 128, 256)
 FP8_BACKWARD_DEFAULT_HEAD_DIMS = (128, 256)
+# Head dims where fp8=True stores its e4m3 tiles by `stmatrix` by default
+# (`BlockSizes.e4m3_stmatrix`: faster there, not at 256; benchmarks/NOTES.md,
+# "Mosaic GPU FP8").
+FP8_STMATRIX_DEFAULT_HEAD_DIMS = (128,)
 # Head dims a call may have (of query/key and of value): up to wgmma's
 # N <= 256. The kernels run at `kernel_head_dim`: a multiple of 16 (bf16
 # rows of 32 bytes, the narrowest swizzle TMA and wgmma take), at least 32.
