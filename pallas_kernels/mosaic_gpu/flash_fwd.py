@@ -53,7 +53,8 @@ from pallas_kernels.mosaic_gpu.tiles import (COL, ROW, E4m3Tiles,
                                              columns, cta_row_tile, dropped,
                                              load_ids, logits2,
                                              needs_positions, online_softmax,
-                                             pad_ids, range_table, rescaled,
+                                             pad_ids, present, range_table,
+                                             rescaled,
                                              softmax_step, split_refs,
                                              table_ranges, tile_buffer,
                                              tile_views, visible)
@@ -182,11 +183,517 @@ def _union(a, b):
   return first, jnp.maximum(stop, first)
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
-                    *, mask: Mask, scores: Scores, blocks: BlockSizes,
-                    group: int, q_len: int, kv_len: int, num_tiles: int,
-                    programs: int | None, layout: Columns, fp8: bool):
-  """q_ref/o_ref [B, T, N, H], k_ref/v_ref [B, S, K, H], lse_ref [B, N,
+@dataclasses.dataclass(frozen=True)
+class Extras:
+  """The forward's optional inputs, each None when the call has none (in
+  the launcher arrays, in the kernel their refs): the range table of
+  block_q-row query tiles (`range_table`), ALiBi slopes [B, N], query and
+  key ids [B, T], [B, S] (padded past the kernel's tiles), sink logits
+  [N], the dropout seed [4], query offsets [B] (row i of sequence b sits
+  at position i + q_offsets[b]; `mask.has_q_offsets`), a dense mask and a
+  bias (`pad_pairs`; `mask.has_dense`, `scores.bias`), the persistent
+  CTAs' items [rounds, programs] (`persistent_order`), and with FP8 the
+  scales [B, K, 2] float32 (`fp8_operands`)."""
+  table: object = None
+  slopes: object = None
+  q_ids: object = None
+  kv_ids: object = None
+  sinks: object = None
+  seed: object = None
+  q_offsets: object = None
+  dense: object = None
+  bias: object = None
+  order: object = None
+  scales: object = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cta:
+  """What every part of one CTA's kernel reads: refs, shared memory, the
+  call's statics and the warpgroup's own values (`_cta`)."""
+  q_ref: object
+  k_ref: object
+  v_ref: object
+  o_ref: object
+  lse_ref: object
+  extras: Extras
+  mask: Mask
+  scores: Scores
+  blocks: BlockSizes
+  group: int
+  q_len: int
+  kv_len: int
+  num_tiles: int
+  programs: int | None
+  layout: Columns
+  fp8: bool
+  q_views: list
+  k_views: list
+  v_views: list
+  lse_smem3: object
+  fp8_buffers: object
+  part_columns: list
+  ready: tuple  # (K's, V's, Q's) barriers.
+  free: tuple  # (K's, V's).
+  tail: int  # Rows of the last key tile a consumer runs on.
+  last_kv_tile: int
+  q_buffers: int
+  wg: object  # This warpgroup's index.
+  schedule: object  # `_Turns` with `overlap`, else `_Schedule`.
+  e4m3: E4m3Tiles
+  count: object  # `cta_schedule`'s: items, ids and coordinates.
+  item_id: object
+  item_coords: object
+
+  @property
+  def rows(self) -> int:
+    return COMPUTE_WGS * self.blocks.block_q
+
+  @property
+  def log2_scale(self) -> float:
+    """With FP8, P * 448 (l sums it too, until the epilogue)."""
+    return fp8_lib.LOG2_E4M3_MAX if self.fp8 else 0.0
+
+
+def _cta(refs, scratch, **statics) -> _Cta:
+  """The `_Cta` of a kernel's refs ((q, k, v, o, lse), `Extras` of refs)
+  and scratch ((buffers, ready, free, schedule barrier))."""
+  (q_ref, k_ref, v_ref, o_ref, lse_ref), extras = refs
+  ((q_buffers, k_buffers, v_buffers, lse_smem3, fp8_buffers), ready, free,
+   schedule_barrier) = scratch
+  layout, blocks, fp8 = statics["layout"], statics["blocks"], statics["fp8"]
+  qk_untiled, v_untiled = layout.untiled
+  # Per column part: (the view TMA copies through, the view wgmma reads).
+  q_views = [tile_views(x, qk_untiled) for x in q_buffers]
+  k_views = [tile_views(x, qk_untiled) for x in k_buffers]
+  v_views = [tile_views(x, v_untiled) for x in v_buffers]
+  part_columns = [columns(start, width, q_ref.shape[-1])
+                  for start, width in layout.parts]
+  kv_len, block_kv = statics["kv_len"], blocks.block_kv
+  last_kv_tile = cdiv(kv_len, block_kv) - 1
+  # The rows of the last key tile run (`tail_rows`; FP8's V^T tiles whole).
+  tail = block_kv if fp8 else tail_rows(
+      kv_len, block_kv, layout.contraction_rows(q_ref.dtype, block_kv))
+  wg = lax.axis_index("wg")
+  schedule = (_Turns(schedule_barrier, wg) if blocks.overlap else
+              _Schedule(schedule_barrier, wg))
+  count, item_id, item_coords = cta_schedule(
+      statics["mask"], statics["programs"], q_ref.shape[0], q_ref.shape[2],
+      statics["num_tiles"], extras.order)
+  return _Cta(q_ref=q_ref, k_ref=k_ref, v_ref=v_ref, o_ref=o_ref,
+              lse_ref=lse_ref, extras=extras, q_views=q_views,
+              k_views=k_views, v_views=v_views, lse_smem3=lse_smem3,
+              fp8_buffers=fp8_buffers, part_columns=part_columns,
+              ready=ready, free=free, tail=tail, last_kv_tile=last_kv_tile,
+              q_buffers=blocks.q_buffers(layout.width), wg=wg,
+              schedule=schedule, e4m3=E4m3Tiles(blocks.e4m3_stmatrix),
+              count=count, item_id=item_id, item_coords=item_coords,
+              **statics)
+
+
+def _item_ranges(cta: _Cta, batch, tile_start, q_offset):
+  """(first, steps, consumer_ranges) of one item: the key tiles [first,
+  steps) the producer loads (what either consumer needs) and, per
+  consumer warpgroup w, the ranges of its rows (the band's and the
+  table's)."""
+  mask, block_q, block_kv = cta.mask, cta.blocks.block_q, cta.blocks.block_kv
+
+  def consumer_ranges(w):
+    start = tile_start + w * block_q
+    ranges = table_ranges(
+        mask, kv_block_ranges(mask, start, block_q, block_kv, cta.kv_len,
+                              q_offset),
+        cta.extras.table, batch, lax.div(tile_start, block_q) + w)
+    if cta.num_tiles * COMPUTE_WGS * block_q - cta.q_len < block_q:
+      return ranges  # No warpgroup's rows lie past the queries.
+    return tuple(jnp.where(start >= cta.q_len, ranges[0], x) for x in ranges)
+  if cta.extras.table is None:  # The band of the CTA's rows.
+    first, _, _, steps = kv_block_ranges(mask, tile_start, cta.rows,
+                                         block_kv, cta.kv_len, q_offset)
+  else:
+    first, steps = _union(consumer_ranges(0), consumer_ranges(1))
+  return first, jnp.maximum(steps, first), consumer_ranges
+
+
+def _for_each_item(cta: _Cta, body):
+  """Runs body(i, item, next_item, base) -> base over the CTA's items i
+  (their ids, and the next one's: item_id(i + 1) for i + 1 < count), from
+  base 0; returns the last base. Ids are read two items ahead, so a
+  table's global-memory read has an item to arrive."""
+  def ahead(i):
+    return cta.item_id(jnp.minimum(i, cta.count - 1))
+
+  def run(i, carry):
+    base, item, next_item = carry
+    later = ahead(i + 2)
+    return body(i, item, next_item, base), next_item, later
+  if cta.programs is None:
+    return body(0, cta.item_id(0), cta.item_id(0), jnp.int32(0))
+  return lax.fori_loop(0, cta.count, run,
+                       (jnp.int32(0), ahead(0), ahead(1)))[0]
+
+
+def _load_q(cta: _Cta, item, buffer):
+  """This warpgroup's rows of item `item`'s Q into Q buffer `buffer`."""
+  b, h, tile = cta.item_coords(item)
+  block_q, wg = cta.blocks.block_q, cta.wg
+  q_rows = pl.ds(tile * cta.rows + wg * block_q, block_q)
+  for (copy, _), cols in zip(cta.q_views, cta.part_columns):
+    plgpu.copy_gmem_to_smem(cta.q_ref.at[b, q_rows, h, cols],
+                            copy.at[buffer, wg],
+                            cta.ready[2].at[buffer * COMPUTE_WGS + wg])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Item:
+  """One consumer warpgroup's view of one item: its coordinates and
+  rows, its key tiles (the producer's [first, steps) and its own
+  [lo, full_lo, full_hi, hi): `_item_ranges`), the ring's count of
+  tiles loaded before it (`base`), its Q buffer, and its per-item
+  operands."""
+  batch: object
+  head: object
+  q_start: object
+  buffer: object
+  q_offset: object
+  first: object
+  steps: object
+  ranges: tuple
+  base: object
+  slope: object
+  qk_scale: object
+  pv_scale: object
+  q_ids: object
+  q_smems: list
+  lse_smem: object
+  p_smem: object  # With FP8: its e4m3 P.
+
+  def slot(self, cta: _Cta, j):
+    """The ring slot of key tile j."""
+    return lax.rem(self.base + j - self.first, cta.blocks.num_stages)
+
+
+def _logits(cta: _Cta, it: _Item, j, s, *, masked: bool, width: int):
+  """(t, c, positions, cols) of key tile j's raw scores s: base-2 logits
+  t * c (c > 0; `factored_logits2`), hidden pairs -inf where `masked`;
+  the positions and columns a score_mod, ALiBi or dropout see (None where
+  unneeded)."""
+  mask, block_q, block_kv = cta.mask, cta.blocks.block_q, cta.blocks.block_kv
+  extras = cta.extras
+  rows = cols = None
+  shape = (block_q, width)
+  if masked or needs_positions(mask, cta.scores):
+    rows = it.q_start + plgpu.broadcasted_iota(jnp.int32, shape, 0,
+                                               layout=plgpu.Layout.WGMMA)
+    cols = j * block_kv + plgpu.broadcasted_iota(
+        jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+  tile = (pl.ds(it.q_start, block_q), pl.ds(j * block_kv, width))
+  positions = (rows if rows is None or extras.q_offsets is None else
+               rows + it.q_offset)  # What ALiBi and a score_mod see.
+  s, c, _ = logits2(cta.scores, s, positions, cols, slope=it.slope,
+                    bias_ref=extras.bias, pair=tile, batch=it.batch,
+                    head=it.head)
+  if cta.fp8:
+    c = c * it.qk_scale
+  if masked:
+    ids = {}
+    if mask.has_ids:
+      kv_ids = load_ids(extras.kv_ids, it.batch, j * block_kv, width, COL)
+      ids = dict(q_ids=lax.broadcast_in_dim(it.q_ids, shape, [0]),
+                 kv_ids=lax.broadcast_in_dim(kv_ids, shape, [1]))
+    ok = visible(mask, rows, cols, cta.kv_len, dense_ref=extras.dense,
+                 pair=tile, batch=it.batch, head=it.head,
+                 q_offset=it.q_offset, **ids)
+    s = jnp.where(ok, s, -jnp.inf)
+  return s, c, positions, cols
+
+
+def _step(cta: _Cta, it: _Item, j, carry, *, masked: bool, width: int):
+  """Key tile j on its first `width` rows (`tail_rows`): S = Q K^T, the
+  online-softmax step, then O += P V, the consumers staggered."""
+  acc, m, l = carry
+  (k_ready, v_ready, _), (k_free, v_free) = cta.ready, cta.free
+  schedule, fp8 = cta.schedule, cta.fp8
+  slot = it.slot(cta, j)
+  with jax.named_scope("k_wait"):
+    plgpu.barrier_wait(k_ready.at[slot])
+
+  def qk(acc_ref):
+    for q_smem, (_, k_smem) in zip(it.q_smems, cta.k_views):
+      plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot, pl.ds(0, width)].T)
+    schedule.both(0)
+    return acc_ref[...]
+  s = pl.run_scoped(qk, plgpu.ACC((cta.blocks.block_q, width), jnp.float32))
+  plgpu.barrier_arrive(k_free.at[slot])
+  s, c, positions, cols = _logits(cta, it, j, s, masked=masked, width=width)
+  p, m_new, l, acc = online_softmax(s, c, m, l, acc,
+                                    log2_scale=cta.log2_scale)
+  # l sums the undropped p; only P V sees the dropout.
+  if fp8:  # As e4m3, the left operand from shared memory.
+    p16 = it.p_smem
+    cta.e4m3.store(p.astype(fp8_lib.E4M3), p16)
+    plgpu.commit_smem()
+  else:
+    p16 = dropped(p, cta.scores, cta.extras.seed, it.batch, it.head,
+                  positions, cols).astype(cta.o_ref.dtype)
+  schedule.arrive(1)  # Softmax done: the other may compute.
+  with jax.named_scope("v_wait"):
+    plgpu.barrier_wait(v_ready.at[slot])
+  schedule.wait(1)  # The tensor cores are ours again.
+
+  def pv(acc_refs):
+    for acc_ref, (_, v_smem) in zip(acc_refs, cta.v_views):
+      plgpu.wgmma(acc_ref, p16, v_smem.at[slot].T if fp8 else
+                  v_smem.at[slot, pl.ds(0, width)])
+  acc = pl.run_state(pv)(tuple(plgpu.ACC.init(a) for a in acc))
+  plgpu.barrier_arrive(v_free.at[slot])
+  return acc, m_new, l
+
+
+def _overlapped_step(cta: _Cta, it: _Item, j, carry, *, masked: bool,
+                     first_tile: bool = False):
+  """Key tile j with `overlap` (FP8, whole tiles): its QK^T issued with
+  tile j - 1's P V (none for the first tile), its softmax while P V runs,
+  then the accumulator (P V's result) rescaled and tile j's P stored
+  where P V read tile j - 1's."""
+  acc, m, l = carry
+  (k_ready, v_ready, _), (k_free, v_free) = cta.ready, cta.free
+  block_q, block_kv = cta.blocks.block_q, cta.blocks.block_kv
+  slot, prev = it.slot(cta, j), it.slot(cta, j - 1)
+  with jax.named_scope("k_wait"):
+    plgpu.barrier_wait(k_ready.at[slot])
+  if not first_tile:
+    with jax.named_scope("v_wait"):
+      plgpu.barrier_wait(v_ready.at[prev])
+  cta.schedule.wait()
+
+  def matmuls(s_ref, acc_refs):
+    for q_smem, (_, k_smem) in zip(it.q_smems, cta.k_views):
+      plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].T)
+    if not first_tile:
+      for acc_ref, a, (_, v_smem) in zip(acc_refs, acc, cta.v_views):
+        acc_ref[...] = a
+        plgpu.wgmma(acc_ref, it.p_smem, v_smem.at[prev].T)
+    cta.schedule.arrive()
+    s = plgpu.wgmma_accumulator_load(s_ref, wait_n=0 if first_tile else 1)
+    plgpu.barrier_arrive(k_free.at[slot])
+    s, c, _, _ = _logits(cta, it, j, s, masked=masked, width=block_kv)
+    p, m_new, l_new, alpha = softmax_step(s, c, m, l,
+                                          log2_scale=cta.log2_scale)
+    p8 = p.astype(fp8_lib.E4M3)
+    if first_tile:
+      return acc, m_new, l_new, p8
+    new = tuple(acc_ref[...] for acc_ref in acc_refs)  # P V done.
+    plgpu.barrier_arrive(v_free.at[prev])
+    return rescaled(new, alpha), m_new, l_new, p8
+  acc, m, l, p8 = pl.run_scoped(
+      matmuls, plgpu.ACC((block_q, block_kv), jnp.float32),
+      tuple(plgpu.ACC((block_q, w), jnp.float32)
+            for _, w in cta.layout.parts))
+  cta.e4m3.store(p8, it.p_smem)
+  plgpu.commit_smem()
+  return acc, m, l
+
+
+def _finish(cta: _Cta, it: _Item, j, carry):
+  """The last tile's (j - 1's) P V, with `overlap`."""
+  acc, m, l = carry
+  prev = it.slot(cta, j - 1)
+  with jax.named_scope("v_wait"):
+    plgpu.barrier_wait(cta.ready[1].at[prev])
+
+  def pv(acc_refs):
+    for acc_ref, (_, v_smem) in zip(acc_refs, cta.v_views):
+      plgpu.wgmma(acc_ref, it.p_smem, v_smem.at[prev].T)
+  acc = pl.run_state(pv)(tuple(plgpu.ACC.init(a) for a in acc))
+  plgpu.barrier_arrive(cta.free[1].at[prev])
+  return acc, m, l
+
+
+def _release(cta: _Cta, it: _Item, j, carry):
+  """A tile the producer loaded for the other warpgroup's rows: awaited,
+  released, and the consumers' stagger kept."""
+  (k_ready, v_ready, _), (k_free, v_free) = cta.ready, cta.free
+  slot = it.slot(cta, j)
+  plgpu.barrier_wait(k_ready.at[slot])
+  plgpu.barrier_arrive(k_free.at[slot])
+  if cta.blocks.overlap:
+    cta.schedule.wait()
+    cta.schedule.arrive()
+  else:
+    cta.schedule.both(0)
+  plgpu.barrier_wait(v_ready.at[slot])
+  plgpu.barrier_arrive(v_free.at[slot])
+  if not cta.blocks.overlap:
+    cta.schedule.both(1)
+  return carry
+
+
+def _stepped_tiles(cta: _Cta, it: _Item, carry):
+  """Tiles [lo, hi), each by `_step`: masked, unmasked, masked."""
+  lo, full_lo, full_hi, hi = it.ranges
+  block_kv, tail = cta.blocks.block_kv, cta.tail
+  for start, stop, masked in ((lo, full_lo, True), (full_lo, full_hi, False),
+                              (full_hi, hi, True)):
+    # The last key tile (always masked where keys end inside it) on its
+    # first `tail` rows: a loop of none or one step after the rest.
+    end = (stop if not masked or tail == block_kv else
+           jnp.minimum(jnp.maximum(start, cta.last_kv_tile), stop))
+    carry = lax.fori_loop(start, end, functools.partial(
+        _step, cta, it, masked=masked, width=block_kv), carry)
+    if end is not stop:
+      carry = lax.fori_loop(end, stop, functools.partial(
+          _step, cta, it, masked=True, width=tail), carry)
+  return carry
+
+
+def _overlapped_tiles(cta: _Cta, it: _Item, carry):
+  """Tiles [lo, hi) by `_overlapped_step`: the first (taken as masked),
+  the rest, then the last one's P V."""
+  lo, full_lo, full_hi, hi = it.ranges
+  carry = lax.fori_loop(lo, jnp.minimum(lo + 1, hi), functools.partial(
+      _overlapped_step, cta, it, masked=True, first_tile=True), carry)
+  for start, stop, masked in ((lo + 1, full_lo, True),
+                              (jnp.maximum(full_lo, lo + 1), full_hi, False),
+                              (jnp.maximum(full_hi, lo + 1), hi, True)):
+    carry = lax.fori_loop(start, stop, functools.partial(
+        _overlapped_step, cta, it, masked=masked), carry)
+  return lax.fori_loop(hi, jnp.where(lo < hi, hi + 1, hi),
+                       functools.partial(_finish, cta, it), carry)
+
+
+def _epilogue(cta: _Cta, it: _Item, acc, m, l):
+  """O and the logsumexp of the item's rows, normalized once, through
+  shared memory to global memory."""
+  extras, fp8 = cta.extras, cta.fp8
+  sink2 = (None if extras.sinks is None else
+           extras.sinks[it.head].astype(jnp.float32) * softmax.LOG2E)
+  if fp8:
+    acc = tuple(a * (it.pv_scale / fp8_lib.E4M3_MAX) for a in acc)
+    l = l * (1 / fp8_lib.E4M3_MAX)
+  o, lse = softmax.finalize(acc, m, l, sink2=sink2)
+  o_views = ([(cta.fp8_buffers[0],) * 2] if fp8 else cta.q_views)
+  for (copy, mma), part in zip(o_views, o):
+    mma.at[it.buffer, cta.wg][...] = part.astype(cta.o_ref.dtype)
+  it.lse_smem[...] = lse
+  plgpu.commit_smem()
+  block_q = cta.blocks.block_q
+  for (copy, _), cols in zip(o_views, cta.part_columns):
+    plgpu.copy_smem_to_gmem(
+        copy.at[it.buffer, cta.wg],
+        cta.o_ref.at[it.batch, pl.ds(it.q_start, block_q), it.head, cols])
+  plgpu.copy_smem_to_gmem(
+      it.lse_smem, cta.lse_ref.at[it.batch, it.head,
+                                  pl.ds(it.q_start, block_q)])
+  if cta.q_buffers == 1:
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _consumer_item(cta: _Cta, i, item, next_item, base):
+  """A consumer warpgroup's part of item `item` (the CTA's i-th): its Q,
+  the key tiles its rows need (the rest only released), the epilogue.
+  With two Q buffers (persistent) item i uses buffer i % 2, and the next
+  item's Q loads into the other while this one's tiles run. Returns the
+  ring's count after the item."""
+  extras, block_q, wg = cta.extras, cta.blocks.block_q, cta.wg
+  batch, head, tile = cta.item_coords(item)
+  tile_start = tile * cta.rows
+  buffer = lax.rem(i, cta.q_buffers) if cta.q_buffers > 1 else 0
+  q_smems = [mma.at[buffer, wg] for _, mma in cta.q_views]
+  lse_smem = cta.lse_smem3.at[buffer, wg]
+  q_offset = 0 if extras.q_offsets is None else extras.q_offsets[batch]
+  first, steps, consumer_ranges = _item_ranges(cta, batch, tile_start,
+                                               q_offset)
+  q_start = tile_start + wg * block_q
+  lo, full_lo, full_hi, hi = consumer_ranges(wg)
+  empty = lo >= hi  # An empty range sits at the producer's first.
+  ranges = tuple(jnp.where(empty, first, x) for x in (lo, full_lo, full_hi,
+                                                        hi))
+  slope = None if extras.slopes is None else extras.slopes[batch, head]
+  qk_scale = pv_scale = None
+  if cta.fp8:  # Q's and K's scales in the logits, V's (over 448) in O.
+    kv_head = lax.div(head, jnp.int32(cta.group))
+    qk_scale = extras.scales[batch, kv_head, 0]
+    pv_scale = extras.scales[batch, kv_head, 1]
+  p_smem = cta.fp8_buffers[1].at[wg] if cta.fp8 else None
+  with jax.named_scope("q_load"):  # Profiler regions (`compiler_params`).
+    if cta.q_buffers == 1:
+      _load_q(cta, item, 0)
+    else:
+      pl.when(i == 0)(lambda: _load_q(cta, item, 0))
+    plgpu.barrier_wait(cta.ready[2].at[buffer * COMPUTE_WGS + wg])
+  if cta.q_buffers == 2:  # The other buffer's O and L stores have read it.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    pl.when(i + 1 < cta.count)(lambda: _load_q(cta, next_item, 1 - buffer))
+  it = _Item(batch=batch, head=head, q_start=q_start, buffer=buffer,
+             q_offset=q_offset, first=first, steps=steps, ranges=ranges,
+             base=base, slope=slope, qk_scale=qk_scale, pv_scale=pv_scale,
+             q_ids=load_ids(extras.q_ids, batch, q_start, block_q, ROW),
+             q_smems=q_smems, lse_smem=lse_smem, p_smem=p_smem)
+  m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), ROW)
+  l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), ROW)
+  acc = tuple(plgpu.layout_cast(jnp.zeros((block_q, width), jnp.float32),
+                                plgpu.Layout.WGMMA)
+              for _, width in cta.layout.parts)
+  overlap, schedule = cta.blocks.overlap, cta.schedule
+  # Warpgroup 1 runs half a step behind (as if the second of a step -1).
+  pl.when(wg == 1)(schedule.arrive if overlap else
+                   functools.partial(schedule.both, 1))
+  release = functools.partial(_release, cta, it)
+  with jax.named_scope("tiles"):
+    carry = lax.fori_loop(first, ranges[0], release, (acc, m, l))
+    carry = (_overlapped_tiles if overlap else _stepped_tiles)(cta, it,
+                                                               carry)
+    acc, m, l = lax.fori_loop(ranges[3], steps, release, carry)
+    pl.when(wg == 0)(schedule.wait if overlap else
+                     functools.partial(schedule.both, 0))
+  with jax.named_scope("epilogue"):
+    _epilogue(cta, it, acc, m, l)
+  return base + steps - first
+
+
+def _producer_item(cta: _Cta, i, item, next_item, base):
+  """The producer's part of item `item`: the K/V tiles either consumer
+  needs, into the ring, each slot refilled once both released it.
+  Returns the ring's count after the item."""
+  del i, next_item
+  extras, blocks, stages = cta.extras, cta.blocks, cta.blocks.num_stages
+  (k_ready, v_ready, _), (k_free, v_free) = cta.ready, cta.free
+  batch, head, tile = cta.item_coords(item)
+  tile_start = tile * cta.rows
+  q_offset = 0 if extras.q_offsets is None else extras.q_offsets[batch]
+  first, steps, _ = _item_ranges(cta, batch, tile_start, q_offset)
+  kv_head = lax.div(head, jnp.int32(cta.group))
+
+  @pl.loop(first, steps)
+  def _(j):
+    count = base + j - first  # The CTA's tile number.
+    slot = lax.rem(count, stages)
+
+    def await_release(free):  # The slot's previous tile's.
+      pl.when(count >= stages)(lambda: plgpu.barrier_wait(free.at[slot]))
+    keys = pl.ds(j * blocks.block_kv, blocks.block_kv)
+    tile = (batch, keys, kv_head)
+    # With `overlap` a consumer releases V a step after K, so K's copy
+    # waits for K's release alone.
+    await_release(k_free)
+    if not blocks.overlap:
+      await_release(v_free)
+    for (k_copy, _), cols in zip(cta.k_views, cta.part_columns):
+      plgpu.copy_gmem_to_smem(cta.k_ref.at[(*tile, cols)], k_copy.at[slot],
+                              k_ready.at[slot])
+    if blocks.overlap:
+      await_release(v_free)
+    for (v_copy, _), cols in zip(cta.v_views, cta.part_columns):
+      v_tile = (cta.v_ref.at[batch, kv_head, cols, keys] if cta.fp8 else
+                cta.v_ref.at[(*tile, cols)])
+      plgpu.copy_gmem_to_smem(v_tile, v_copy.at[slot], v_ready.at[slot])
+  return base + steps - first
+
+
+def _forward_kernel(refs, scratch, **statics):
+  """The forward's kernel: refs ((q, k, v, o, lse), `Extras` of refs);
+  q_ref/o_ref [B, T, N, H], k_ref/v_ref [B, S, K, H], lse_ref [B, N,
   num_tiles * 2 * block_q]; keys at or past kv_len (<= S: XLA's padding)
   are masked. The last of num_tiles query tiles may reach past T (and the
   last key tile past S): TMA reads zeros there and drops the stores of O's
@@ -194,18 +701,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
   (the call's T) only releases its tiles, so the other one's 64 rows run
   alone (257 tokens: the last query tile's second warpgroup), and the
   last key tile runs on the rows up to kv_len in V's groups of rows
-  (`tail_rows`: 257 keys in 256-row tiles take 256 + 64). `layout`:
-  the head dim's column parts, each with tiles of its own, and whether
-  they are copied untiled
-  (`tiles.Columns`); the last part may reach past H. extra_refs
-  (each None when absent): the range table of block_q-row query tiles
-  (`range_table`), ALiBi slopes [B, N], query and key ids [B, T], [B, S]
-  (padded past the kernel's tiles), sink logits [N], the dropout seed
-  [4], query offsets [B] (row i of sequence b sits at position
-  i + q_offsets[b]; `mask.has_q_offsets`), a dense mask and a bias
-  (`pad_pairs`; `mask.has_dense`, `scores.bias`), the persistent CTAs'
-  items [rounds, programs] (`persistent_order`), and with `fp8` the
-  scales [B, K, 2] float32 (`fp8_operands`).
+  (`tail_rows`: 257 keys in 256-row tiles take 256 + 64). `layout`: the
+  head dim's column parts, each with tiles of its own, and whether they
+  are copied untiled (`layout.Columns`); the last part may reach past H.
 
   With `fp8`, Q and K are e4m3 and v_ref holds V transposed, [B, K, H,
   S'] (FP8 wgmma takes only K-major operands): the logits' factor c takes
@@ -215,9 +713,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
   layout the accumulator's cannot be converted to), and the epilogue
   multiplies by V's scale / 448 and l by 1 / 448; O is staged in a bf16
   buffer of its own. With `BlockSizes.overlap` (FP8 only) each consumer
-  issues a tile's QK^T together with the previous tile's P V and runs the
-  tile's softmax while P V runs (`overlapped`), the consumers taking turns
-  at the tensor cores without waiting for each other's softmax (`_Turns`).
+  runs `_overlapped_step` (a tile's softmax while the previous P V runs,
+  the consumers taking turns at the tensor cores: `_Turns`), else
+  `_step` (`_Schedule`'s ping-pong).
 
   A CTA runs the items (batch, head, 2 * block_q query rows)
   `cta_schedule` gives it (`programs`: None, one; else the persistent
@@ -225,373 +723,23 @@ def _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref, scratch,
   far (`base`), and tile number base + i of the CTA sits in ring slot
   (base + i) % num_stages, so the ring carries over from one item to the
   next."""
-  (table_ref, slopes_ref, q_ids_ref, kv_ids_ref, sinks_ref, seed_ref,
-   offsets_ref, dense_ref, bias_ref, order_ref, scales_ref) = extra_refs
-  ((q_buffers, k_buffers, v_buffers, lse_smem3, fp8_buffers), ready, free,
-   schedule_barrier) = scratch
-  qk_untiled, v_untiled = layout.untiled
-  # Per column part: (the view TMA copies through, the view wgmma reads).
-  q_views = [tile_views(x, qk_untiled) for x in q_buffers]
-  k_views = [tile_views(x, qk_untiled) for x in k_buffers]
-  v_views = [tile_views(x, v_untiled) for x in v_buffers]
-  part_columns = [columns(start, width, q_ref.shape[-1])
-                  for start, width in layout.parts]
-  k_ready, v_ready, q_ready = ready
-  k_free, v_free = free
-  block_q, block_kv, stages = blocks.block_q, blocks.block_kv, blocks.num_stages
-  # The rows of the last key tile run (`tail_rows`; FP8's V^T tiles whole).
-  last_kv_tile = cdiv(kv_len, block_kv) - 1
-  tail = block_kv if fp8 else tail_rows(
-      kv_len, block_kv, layout.contraction_rows(q_ref.dtype, block_kv))
-  q_buffers = blocks.q_buffers(layout.width)
-  dtype = o_ref.dtype
-  wg = lax.axis_index("wg")
-  overlap = blocks.overlap
-  e4m3 = E4m3Tiles(blocks.e4m3_stmatrix)
-  schedule = (_Turns(schedule_barrier, wg) if overlap else
-              _Schedule(schedule_barrier, wg))
+  cta = _cta(refs, scratch, **statics)
+  blocks = cta.blocks
 
-  def item_ranges(batch, tile_start, q_offset):
-    """(first, steps, consumer_ranges) of one item: the key tiles [first,
-    steps) the producer loads (what either consumer needs) and, per
-    consumer warpgroup w, the ranges of its rows (the band's and the
-    table's)."""
-    def consumer_ranges(w):
-      start = tile_start + w * block_q
-      ranges = table_ranges(
-          mask, kv_block_ranges(mask, start, block_q, block_kv, kv_len,
-                                q_offset),
-          table_ref, batch, lax.div(tile_start, block_q) + w)
-      if num_tiles * COMPUTE_WGS * block_q - q_len < block_q:  # None past.
-        return ranges
-      return tuple(jnp.where(start >= q_len, ranges[0], x) for x in ranges)
-    if table_ref is None:  # The band of the CTA's rows.
-      first, _, _, steps = kv_block_ranges(mask, tile_start,
-                                           COMPUTE_WGS * block_q, block_kv,
-                                           kv_len, q_offset)
-    else:
-      first, steps = _union(consumer_ranges(0), consumer_ranges(1))
-    return first, jnp.maximum(steps, first), consumer_ranges
-
-  count, item_id, item_coords = cta_schedule(
-      mask, programs, q_ref.shape[0], q_ref.shape[2], num_tiles, order_ref)
-  rows = COMPUTE_WGS * block_q
-
-  def for_each_item(body):
-    """Runs body(i, item, next_item, base) -> base over the CTA's items i
-    (their ids, and the next one's: item_id(i + 1) for i + 1 < count), from
-    base 0; returns the last base. Ids are read two items ahead, so a
-    table's global-memory read has an item to arrive."""
-    def ahead(i):
-      return item_id(jnp.minimum(i, count - 1))
-
-    def run(i, carry):
-      base, item, next_item = carry
-      later = ahead(i + 2)
-      return body(i, item, next_item, base), next_item, later
-    if programs is None:
-      return body(0, item_id(0), item_id(0), jnp.int32(0))
-    return lax.fori_loop(0, count, run,
-                         (jnp.int32(0), ahead(0), ahead(1)))[0]
-
-  def load_q(item, buffer):
-    """This warpgroup's rows of item `item`'s Q into Q buffer `buffer`."""
-    b, h, tile = item_coords(item)
-    q_rows = pl.ds(tile * rows + wg * block_q, block_q)
-    for (copy, _), cols in zip(q_views, part_columns):
-      plgpu.copy_gmem_to_smem(q_ref.at[b, q_rows, h, cols],
-                              copy.at[buffer, wg],
-                              q_ready.at[buffer * COMPUTE_WGS + wg])
-
-  def consumer_item(i, item, next_item, base):
-    # With two Q buffers (persistent) item i uses buffer i % 2, and the
-    # next item's Q loads into the other while this one's tiles run.
-    batch, head, tile = item_coords(item)
-    tile_start = tile * rows
-    buffer = lax.rem(i, q_buffers) if q_buffers > 1 else 0
-    q_smems = [mma.at[buffer, wg] for _, mma in q_views]
-    lse_smem = lse_smem3.at[buffer, wg]
-    q_offset = 0 if offsets_ref is None else offsets_ref[batch]
-    first, steps, consumer_ranges = item_ranges(batch, tile_start, q_offset)
-    q_start = tile_start + wg * block_q
-    lo, full_lo, full_hi, hi = consumer_ranges(wg)
-    empty = lo >= hi  # An empty range sits at the producer's first.
-    lo, full_lo, full_hi, hi = (jnp.where(empty, first, x)
-                                for x in (lo, full_lo, full_hi, hi))
-    slope = None if slopes_ref is None else slopes_ref[batch, head]
-    if fp8:  # Q's and K's scales in the logits, V's (over 448) in O.
-      kv_head = lax.div(head, jnp.int32(group))
-      qk_scale = scales_ref[batch, kv_head, 0]
-      pv_scale = scales_ref[batch, kv_head, 1]
-    coords = needs_positions(mask, scores)
-    p_smem = fp8_buffers[1].at[wg] if fp8 else None  # Its e4m3 P.
-    with jax.named_scope("q_load"):  # Profiler regions (`compiler_params`).
-      if q_buffers == 1:
-        load_q(item, 0)
-      else:
-        pl.when(i == 0)(lambda: load_q(item, 0))
-      plgpu.barrier_wait(q_ready.at[buffer * COMPUTE_WGS + wg])
-    if q_buffers == 2:  # The other buffer's O and L stores have read it.
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      pl.when(i + 1 < count)(lambda: load_q(next_item, 1 - buffer))
-    q_ids = load_ids(q_ids_ref, batch, q_start, block_q, ROW)
-    m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), ROW)
-    l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), ROW)
-    acc = tuple(plgpu.layout_cast(jnp.zeros((block_q, width), jnp.float32),
-                                  plgpu.Layout.WGMMA)
-                for _, width in layout.parts)
-    # Warpgroup 1 runs half a step behind (as if the second of a step -1).
-    pl.when(wg == 1)(schedule.arrive if overlap else
-                     functools.partial(schedule.both, 1))
-
-    def slot_of(j):
-      return lax.rem(base + j - first, stages)
-
-    def logits(j, s, *, masked: bool, width: int):
-      """(t, c, positions, cols) of key tile j's raw scores s: base-2
-      logits t * c, hidden pairs -inf where `masked`; the positions and
-      columns a score_mod, ALiBi or dropout see (None where unneeded)."""
-      rows = cols = None
-      shape = (block_q, width)
-      if masked or coords:
-        rows = q_start + plgpu.broadcasted_iota(jnp.int32, shape, 0,
-                                                layout=plgpu.Layout.WGMMA)
-        cols = j * block_kv + plgpu.broadcasted_iota(
-            jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-      tile = (pl.ds(q_start, block_q), pl.ds(j * block_kv, width))
-      # Base-2 logits s * c (c > 0; `factored_logits2`).
-      positions = (rows if rows is None or offsets_ref is None else
-                   rows + q_offset)  # What ALiBi and a score_mod see.
-      s, c, _ = logits2(scores, s, positions, cols, slope=slope,
-                        bias_ref=bias_ref, pair=tile, batch=batch, head=head)
-      if fp8:
-        c = c * qk_scale
-      if masked:
-        ids = {}
-        if mask.has_ids:
-          kv_ids = load_ids(kv_ids_ref, batch, j * block_kv, width, COL)
-          ids = dict(q_ids=lax.broadcast_in_dim(q_ids, shape, [0]),
-                     kv_ids=lax.broadcast_in_dim(kv_ids, shape, [1]))
-        ok = visible(mask, rows, cols, kv_len, dense_ref=dense_ref, pair=tile,
-                     batch=batch, head=head, q_offset=q_offset, **ids)
-        s = jnp.where(ok, s, -jnp.inf)
-      return s, c, positions, cols
-
-    # With fp8, P * 448 (l sums it too, until the epilogue).
-    log2_scale = fp8_lib.LOG2_E4M3_MAX if fp8 else 0.0
-
-    def step(j, carry, *, masked: bool, width: int = block_kv):
-      """Key tile j on its first `width` rows (`tail_rows`)."""
-      acc, m, l = carry
-      slot = slot_of(j)
-      with jax.named_scope("k_wait"):
-        plgpu.barrier_wait(k_ready.at[slot])
-
-      def qk(acc_ref):
-        for q_smem, (_, k_smem) in zip(q_smems, k_views):
-          plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot, pl.ds(0, width)].T)
-        schedule.both(0)
-        return acc_ref[...]
-      s = pl.run_scoped(qk, plgpu.ACC((block_q, width), jnp.float32))
-      plgpu.barrier_arrive(k_free.at[slot])
-      s, c, positions, cols = logits(j, s, masked=masked, width=width)
-      p, m_new, l, acc = online_softmax(s, c, m, l, acc,
-                                        log2_scale=log2_scale)
-      # l sums the undropped p; only P V sees the dropout.
-      if fp8:  # As e4m3, the left operand from shared memory.
-        p16 = p_smem
-        e4m3.store(p.astype(fp8_lib.E4M3), p16)
-        plgpu.commit_smem()
-      else:
-        p16 = dropped(p, scores, seed_ref, batch, head, positions,
-                      cols).astype(dtype)
-      schedule.arrive(1)  # Softmax done: the other may compute.
-      with jax.named_scope("v_wait"):
-        plgpu.barrier_wait(v_ready.at[slot])
-      schedule.wait(1)  # The tensor cores are ours again.
-      def pv(acc_refs):
-        for acc_ref, (_, v_smem) in zip(acc_refs, v_views):
-          plgpu.wgmma(acc_ref, p16, v_smem.at[slot].T if fp8 else
-                      v_smem.at[slot, pl.ds(0, width)])
-      acc = pl.run_state(pv)(tuple(plgpu.ACC.init(a) for a in acc))
-      plgpu.barrier_arrive(v_free.at[slot])
-      return acc, m_new, l
-
-    def overlapped(j, carry, *, masked: bool, first_tile: bool = False):
-      """Key tile j with `overlap` (FP8, whole tiles): its QK^T issued
-      with tile j - 1's P V (none for the first tile), its softmax while
-      P V runs, then the accumulator (P V's result) rescaled and tile j's
-      P stored where P V read tile j - 1's."""
-      acc, m, l = carry
-      slot, prev = slot_of(j), slot_of(j - 1)
-      with jax.named_scope("k_wait"):
-        plgpu.barrier_wait(k_ready.at[slot])
-      if not first_tile:
-        with jax.named_scope("v_wait"):
-          plgpu.barrier_wait(v_ready.at[prev])
-      schedule.wait()
-
-      def matmuls(s_ref, acc_refs):
-        for q_smem, (_, k_smem) in zip(q_smems, k_views):
-          plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].T)
-        if not first_tile:
-          for acc_ref, a, (_, v_smem) in zip(acc_refs, acc, v_views):
-            acc_ref[...] = a
-            plgpu.wgmma(acc_ref, p_smem, v_smem.at[prev].T)
-        schedule.arrive()
-        s = plgpu.wgmma_accumulator_load(s_ref,
-                                         wait_n=0 if first_tile else 1)
-        plgpu.barrier_arrive(k_free.at[slot])
-        s, c, _, _ = logits(j, s, masked=masked, width=block_kv)
-        p, m_new, l_new, alpha = softmax_step(s, c, m, l,
-                                              log2_scale=log2_scale)
-        p8 = p.astype(fp8_lib.E4M3)
-        if first_tile:
-          return acc, m_new, l_new, p8
-        new = tuple(acc_ref[...] for acc_ref in acc_refs)  # P V done.
-        plgpu.barrier_arrive(v_free.at[prev])
-        return rescaled(new, alpha), m_new, l_new, p8
-      acc, m, l, p8 = pl.run_scoped(
-          matmuls, plgpu.ACC((block_q, block_kv), jnp.float32),
-          tuple(plgpu.ACC((block_q, w), jnp.float32)
-                for _, w in layout.parts))
-      e4m3.store(p8, p_smem)
-      plgpu.commit_smem()
-      return acc, m, l
-
-    def finish(j, carry):
-      """The last tile's (j - 1's) P V, with `overlap`."""
-      acc, m, l = carry
-      prev = slot_of(j - 1)
-      with jax.named_scope("v_wait"):
-        plgpu.barrier_wait(v_ready.at[prev])
-
-      def pv(acc_refs):
-        for acc_ref, (_, v_smem) in zip(acc_refs, v_views):
-          plgpu.wgmma(acc_ref, p_smem, v_smem.at[prev].T)
-      acc = pl.run_state(pv)(tuple(plgpu.ACC.init(a) for a in acc))
-      plgpu.barrier_arrive(v_free.at[prev])
-      return acc, m, l
-
-    def release(j, carry):
-      """A tile the producer loaded for the other warpgroup's rows."""
-      slot = slot_of(j)
-      plgpu.barrier_wait(k_ready.at[slot])
-      plgpu.barrier_arrive(k_free.at[slot])
-      if overlap:
-        schedule.wait()
-        schedule.arrive()
-      else:
-        schedule.both(0)
-      plgpu.barrier_wait(v_ready.at[slot])
-      plgpu.barrier_arrive(v_free.at[slot])
-      if not overlap:
-        schedule.both(1)
-      return carry
-
-    def stepped_tiles(carry):
-      """Tiles [lo, hi), each by `step`."""
-      for start, stop, masked in ((lo, full_lo, True),
-                                  (full_lo, full_hi, False),
-                                  (full_hi, hi, True)):
-        # The last key tile (always masked where keys end inside it) on
-        # its first `tail` rows: a loop of none or one step after the rest.
-        end = (stop if not masked or tail == block_kv else
-               jnp.minimum(jnp.maximum(start, last_kv_tile), stop))
-        carry = lax.fori_loop(start, end,
-                              functools.partial(step, masked=masked), carry)
-        if end is not stop:
-          carry = lax.fori_loop(end, stop, functools.partial(
-              step, masked=True, width=tail), carry)
-      return carry
-
-    def overlapped_tiles(carry):
-      """Tiles [lo, hi) by `overlapped`: the first (taken as masked), the
-      rest, then the last one's P V."""
-      carry = lax.fori_loop(lo, jnp.minimum(lo + 1, hi), functools.partial(
-          overlapped, masked=True, first_tile=True), carry)
-      for start, stop, masked in ((lo + 1, full_lo, True),
-                                  (jnp.maximum(full_lo, lo + 1), full_hi,
-                                   False),
-                                  (jnp.maximum(full_hi, lo + 1), hi, True)):
-        carry = lax.fori_loop(start, stop, functools.partial(
-            overlapped, masked=masked), carry)
-      return lax.fori_loop(hi, jnp.where(lo < hi, hi + 1, hi), finish, carry)
-
-    with jax.named_scope("tiles"):
-      carry = lax.fori_loop(first, lo, release, (acc, m, l))
-      carry = (overlapped_tiles if overlap else stepped_tiles)(carry)
-      acc, m, l = lax.fori_loop(hi, steps, release, carry)
-      pl.when(wg == 0)(schedule.wait if overlap else
-                       functools.partial(schedule.both, 0))
-
-    with jax.named_scope("epilogue"):
-      sink2 = (None if sinks_ref is None else
-               sinks_ref[head].astype(jnp.float32) * softmax.LOG2E)
-      if fp8:
-        acc = tuple(a * (pv_scale / fp8_lib.E4M3_MAX) for a in acc)
-        l = l * (1 / fp8_lib.E4M3_MAX)
-      o, lse = softmax.finalize(acc, m, l, sink2=sink2)
-      o_views = ([(fp8_buffers[0],) * 2] if fp8 else q_views)
-      for (copy, mma), part in zip(o_views, o):
-        mma.at[buffer, wg][...] = part.astype(dtype)
-      lse_smem[...] = lse
-      plgpu.commit_smem()
-      for (copy, _), cols in zip(o_views, part_columns):
-        plgpu.copy_smem_to_gmem(
-            copy.at[buffer, wg],
-            o_ref.at[batch, pl.ds(q_start, block_q), head, cols])
-      plgpu.copy_smem_to_gmem(
-          lse_smem, lse_ref.at[batch, head, pl.ds(q_start, block_q)])
-      if q_buffers == 1:
-        plgpu.wait_smem_to_gmem(0)
-    return base + steps - first
-
-  def producer_item(i, item, next_item, base):
-    del i, next_item
-    batch, head, tile = item_coords(item)
-    tile_start = tile * rows
-    q_offset = 0 if offsets_ref is None else offsets_ref[batch]
-    first, steps, _ = item_ranges(batch, tile_start, q_offset)
-    kv_head = lax.div(head, jnp.int32(group))
-
-    @pl.loop(first, steps)
-    def _(j):
-      count = base + j - first  # The CTA's tile number.
-      slot = lax.rem(count, stages)
-
-      def await_release(free):  # The slot's previous tile's.
-        pl.when(count >= stages)(lambda: plgpu.barrier_wait(free.at[slot]))
-      keys = pl.ds(j * block_kv, block_kv)
-      tile = (batch, keys, kv_head)
-      # With `overlap` a consumer releases V a step after K, so K's copy
-      # waits for K's release alone.
-      await_release(k_free)
-      if not overlap:
-        await_release(v_free)
-      for (k_copy, _), cols in zip(k_views, part_columns):
-        plgpu.copy_gmem_to_smem(k_ref.at[(*tile, cols)], k_copy.at[slot],
-                                k_ready.at[slot])
-      if overlap:
-        await_release(v_free)
-      for (v_copy, _), cols in zip(v_views, part_columns):
-        v_tile = (v_ref.at[batch, kv_head, cols, keys] if fp8 else
-                  v_ref.at[(*tile, cols)])
-        plgpu.copy_gmem_to_smem(v_tile, v_copy.at[slot], v_ready.at[slot])
-    return base + steps - first
-
-  @pl.when(wg < COMPUTE_WGS)
+  @pl.when(cta.wg < COMPUTE_WGS)
   def _consumer():
     plgpu.set_max_registers(blocks.consumer_registers(COMPUTE_WGS),
                             action="increase")
-    for_each_item(consumer_item)
-    if q_buffers == 2:
+    _for_each_item(cta, functools.partial(_consumer_item, cta))
+    if cta.q_buffers == 2:
       plgpu.wait_smem_to_gmem(0)
 
-  @pl.when(wg == COMPUTE_WGS)
+  @pl.when(cta.wg == COMPUTE_WGS)
   def _producer():
     plgpu.set_max_registers(blocks.producer_registers, action="decrease")
-    await_last_releases(for_each_item(producer_item), stages, k_free, v_free)
+    await_last_releases(
+        _for_each_item(cta, functools.partial(_producer_item, cta)),
+        blocks.num_stages, *cta.free)
 
 
 def fp8_operands(operands: Operands):
@@ -603,6 +751,56 @@ def fp8_operands(operands: Operands):
   return (operands.fp8_q, operands.fp8_k,
           operands.fp8_v.transpose(0, 2, 3, 1),
           jnp.stack([sq * sk, sv], axis=-1))
+
+
+def _scratch(blocks: BlockSizes, layout: Columns, dtype, out_dtype,
+             fp8: bool) -> dict:
+  """The forward's shared memory and barriers: per column part Q's tiles
+  (a buffer a warpgroup, two when persistent), the K/V ring (V^T's tiles
+  with FP8), the logsumexp's rows, with FP8 O's bf16 staging and each
+  consumer's e4m3 P; ready barriers (one arrival a column part's copy)
+  for K, V and Q, free barriers for K and V (one arrival a consumer),
+  and the consumers' schedule barrier (`_Schedule`, `_Turns`; none with
+  named barriers)."""
+  widths = [w for _, w in layout.parts]
+  stages, q_buffers = blocks.num_stages, blocks.q_buffers(layout.width)
+  untiled = layout.untiled
+  scratch = dict(
+      buffers=(
+          tuple(tile_buffer((q_buffers, COMPUTE_WGS, blocks.block_q, w),
+                            dtype, smem_transforms(dtype, w), untiled[0])
+                for w in widths),
+          tuple(tile_buffer((stages, blocks.block_kv, w), dtype,
+                            smem_transforms(dtype, w), untiled[0])
+                for w in widths),
+          tuple((plgpu.SMEM((stages, w, blocks.block_kv), dtype,
+                            transforms=smem_transforms(dtype,
+                                                       blocks.block_kv))
+                 if fp8 else
+                 tile_buffer((stages, blocks.block_kv, w), dtype,
+                             smem_transforms(dtype, w, blocks.block_kv),
+                             untiled[1]))
+                for w in widths),
+          plgpu.SMEM((q_buffers, COMPUTE_WGS, blocks.block_q), jnp.float32),
+          (plgpu.SMEM((q_buffers, COMPUTE_WGS, blocks.block_q, widths[0]),
+                      out_dtype, transforms=smem_transforms(out_dtype,
+                                                            widths[0])),
+           plgpu.SMEM((COMPUTE_WGS, blocks.block_q, blocks.block_kv),
+                      dtype, transforms=smem_transforms(
+                          dtype, blocks.block_kv))) if fp8 else None,
+      ),
+      ready=(plgpu.Barrier(num_arrivals=len(widths), num_barriers=stages),
+             plgpu.Barrier(num_arrivals=len(widths), num_barriers=stages),
+             plgpu.Barrier(num_arrivals=len(widths),
+                           num_barriers=q_buffers * COMPUTE_WGS)),
+      free=(plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2,
+  )
+  if blocks.overlap:  # One barrier a consumer, the other arrives (`_Turns`).
+    scratch["schedule"] = plgpu.Barrier(num_arrivals=1,
+                                        num_barriers=COMPUTE_WGS)
+  elif not blocks.named_barriers:
+    scratch["schedule"] = plgpu.Barrier(num_arrivals=COMPUTE_WGS)
+  return scratch
 
 
 def flash_forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
@@ -665,58 +863,23 @@ def flash_forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
     programs = None
     grid = (num_heads, num_tiles, batch)
     grid_names = ("heads", "q_seq", "batch")
-  extras = (table, operands.alibi_slopes,
-            *pad_ids(operands.q_ids, operands.kv_ids, padded_len, kv_rows),
-            operands.sinks, operands.dropout_seed, operands.q_offsets,
-            *(pad_pairs(x, padded_len, kv_rows)
-              for x in (operands.dense_mask, operands.bias)),
-            None if order is None else jnp.asarray(order), fp8_scales)
-  widths = [w for _, w in layout.parts]
+  q_ids, kv_ids = pad_ids(operands.q_ids, operands.kv_ids, padded_len,
+                          kv_rows)
+  dense, bias = (pad_pairs(x, padded_len, kv_rows)
+                 for x in (operands.dense_mask, operands.bias))
+  extras = Extras(table=table, slopes=operands.alibi_slopes, q_ids=q_ids,
+                  kv_ids=kv_ids, sinks=operands.sinks,
+                  seed=operands.dropout_seed, q_offsets=operands.q_offsets,
+                  dense=dense, bias=bias,
+                  order=None if order is None else jnp.asarray(order),
+                  scales=fp8_scales)
   out_dtype = jnp.dtype(jnp.bfloat16) if fp8 else q.dtype
-  stages, q_buffers = blocks.num_stages, blocks.q_buffers(layout.width)
-  untiled = layout.untiled
-  scratch = dict(
-      buffers=(
-          tuple(tile_buffer((q_buffers, COMPUTE_WGS, blocks.block_q, w),
-                            q.dtype, smem_transforms(q.dtype, w), untiled[0])
-                for w in widths),
-          tuple(tile_buffer((stages, blocks.block_kv, w), k.dtype,
-                            smem_transforms(k.dtype, w), untiled[0])
-                for w in widths),
-          tuple((plgpu.SMEM((stages, w, blocks.block_kv), v.dtype,
-                            transforms=smem_transforms(v.dtype,
-                                                       blocks.block_kv))
-                 if fp8 else
-                 tile_buffer((stages, blocks.block_kv, w), v.dtype,
-                             smem_transforms(v.dtype, w, blocks.block_kv),
-                             untiled[1]))
-                for w in widths),
-          plgpu.SMEM((q_buffers, COMPUTE_WGS, blocks.block_q), jnp.float32),
-          # With fp8: O's staging (bf16) and each consumer's P (e4m3).
-          (plgpu.SMEM((q_buffers, COMPUTE_WGS, blocks.block_q, widths[0]),
-                      out_dtype, transforms=smem_transforms(out_dtype,
-                                                            widths[0])),
-           plgpu.SMEM((COMPUTE_WGS, blocks.block_q, blocks.block_kv),
-                      q.dtype, transforms=smem_transforms(
-                          q.dtype, blocks.block_kv))) if fp8 else None,
-      ),
-      # One arrival a column part's copy.
-      ready=(plgpu.Barrier(num_arrivals=len(widths), num_barriers=stages),
-             plgpu.Barrier(num_arrivals=len(widths), num_barriers=stages),
-             plgpu.Barrier(num_arrivals=len(widths),
-                           num_barriers=q_buffers * COMPUTE_WGS)),
-      free=(plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2,
-  )
-  if blocks.overlap:  # One barrier a consumer, the other arrives (`_Turns`).
-    scratch["schedule"] = plgpu.Barrier(num_arrivals=1,
-                                        num_barriers=COMPUTE_WGS)
-  elif not blocks.named_barriers:
-    scratch["schedule"] = plgpu.Barrier(num_arrivals=COMPUTE_WGS)
+  scratch = _scratch(blocks, layout, q.dtype, out_dtype, fp8)
 
   def body(*refs, buffers, ready, free, schedule=None):
     (q_ref, k_ref, v_ref), extra_refs, (o_ref, lse_ref) = split_refs(
         refs, 3, extras)
-    _forward_kernel(q_ref, k_ref, v_ref, extra_refs, o_ref, lse_ref,
+    _forward_kernel(((q_ref, k_ref, v_ref, o_ref, lse_ref), extra_refs),
                     (buffers, ready, free, schedule), mask=mask,
                     scores=scores, blocks=blocks, group=group, q_len=q_len,
                     kv_len=kv_len, num_tiles=num_tiles, programs=programs,
@@ -734,7 +897,7 @@ def flash_forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
       thread_name="wg",
       compiler_params=compiler_params(blocks.reduction_scratch()),
       kernel_name="flash_attention_forward_mosaic",
-  )(q, k, v, *(x for x in extras if x is not None))
+  )(q, k, v, *present(extras))
   return o[:, :q_len], lse[:, :, :q_len]
 
 

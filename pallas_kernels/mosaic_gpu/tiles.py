@@ -175,12 +175,26 @@ def online_softmax(s, c, m, l, acc, *, log2_scale: float = 0.0):
   return p, m_new, l, rescaled(acc, alpha)
 
 
+def present(extras) -> list:
+  """The arrays of `extras` (a dataclass of optional arrays, or a tuple)
+  that are not None, in order: a kernel's inputs after its fixed ones."""
+  if dataclasses.is_dataclass(extras):
+    extras = [getattr(extras, f.name) for f in dataclasses.fields(extras)]
+  return [x for x in extras if x is not None]
+
+
 def split_refs(refs, num_inputs: int, extras):
   """A kernel's refs as (inputs, extras' refs, outputs): `extras` are the
-  optional inputs after the first num_inputs, None for those absent (their
-  ref is then None)."""
+  optional inputs after the first num_inputs (`present`), as a dataclass
+  of them (its refs in the same fields) or a tuple, None for those absent
+  (their ref is then None)."""
   inputs, rest = refs[:num_inputs], iter(refs[num_inputs:])
-  extra_refs = tuple(None if x is None else next(rest) for x in extras)
+  if dataclasses.is_dataclass(extras):
+    extra_refs = dataclasses.replace(extras, **{
+        f.name: next(rest) for f in dataclasses.fields(extras)
+        if getattr(extras, f.name) is not None})
+  else:
+    extra_refs = tuple(None if x is None else next(rest) for x in extras)
   return inputs, extra_refs, tuple(rest)
 
 
