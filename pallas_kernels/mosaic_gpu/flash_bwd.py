@@ -50,6 +50,7 @@ order that varies, so dQ is not bitwise deterministic.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -76,7 +77,8 @@ from pallas_kernels.mosaic_gpu.tiles import (COL, ROW, E4m3Tiles,
                                              columns, cta_row_tile, dropped,
                                              load_ids, logits2,
                                              needs_positions, pad_ids,
-                                             range_table, split_refs,
+                                             present, range_table,
+                                             split_refs,
                                              table_ranges, tile_buffer,
                                              tile_views, visible)
 
@@ -210,367 +212,522 @@ def _fp8_product(acc, alpha, a_smem, b_smem):
   return pl.run_state(product)((plgpu.ACC.init(acc),))[0]
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
-                slopes_ref, q_ids_ref, kv_ids_ref, seed_ref, dense_ref,
-                bias_ref, dq_ref, qt_ref, dot_ref, scales_ref, dk_ref, dv_ref,
-                scratch, *, mask: Mask, scores: Scores, blocks: BlockSizes,
-                group: int, kv_len: int, layout: Columns, fp8: bool):
-  """q/do [B, T, N, H], k/v and dk/dv [B, S, K, H], lse/delta [B, N, T']
-  (T' >= T: whole tiles); keys at or past kv_len (<= S: XLA's padding) are
-  masked, tiles past T or S read zeros and store nothing there. Each None when
-  absent: table_ref, the range table of the CTA's key rows (transposed,
-  `range_table`); slopes_ref, ALiBi slopes [B, N]; q_ids_ref / kv_ids_ref,
-  ids [B, T] / [B, S] padded past the kernel's tiles; seed_ref, dropout
-  seed [4]; dense_ref, bias_ref: a dense mask and a bias, transposed
-  (`pad_pairs`); dq_ref, with `blocks.fused_dq` (then scratch's `fused`
-  holds its buffers, `_accumulate_dq`): float32 [B, T, N, H], zeros, to
-  which the kernel adds dS K. `layout`: the head dim's column parts, each
-  with tiles of its own, and whether TMA copies them untiled
-  (`tiles.Columns`; the last part may reach past H).
+@dataclasses.dataclass(frozen=True)
+class Extras:
+  """The backward kernels' optional inputs, each None when absent (in the
+  launcher arrays, in a kernel their refs): a kernel's range table (the
+  dK/dV kernel's transposed, `range_table`), ALiBi slopes [B, N], query
+  and key ids [B, T], [B, S] (padded past the kernels' tiles), the dropout
+  seed [4], a dense mask and a bias (`pad_pairs`; the dK/dV kernel's
+  transposed), with `fused_dq` the float32 dQ the dK/dV kernel adds into
+  [B, T, N, H], and with FP8 Q^T and dO^T [B, N, H, T'] (the dK/dV
+  kernel's), K^T [B, K, H, S'] (the dQ kernel's) and the scales [B, K, 5]
+  (`fp8_backward_operands`)."""
+  table: object = None
+  slopes: object = None
+  q_ids: object = None
+  kv_ids: object = None
+  seed: object = None
+  dense: object = None
+  bias: object = None
+  dq_sum: object = None
+  qt: object = None
+  dot: object = None
+  kt: object = None
+  scales: object = None
 
-  Warpgroup 2 streams the (query tile, query head) steps' Q and dO tiles,
-  L and D rows through `num_stages_bwd` slots: Q with L and D once the
-  slot's Q is released (`q_free`, after dK's matmul), dO once its dO is
-  (`do_free`, after dV's).
 
-  Head dims above 128 (`split_dkv`): dK and dV together would need H
-  registers a thread, so the CTA owns block_kv_dkv key rows that both
-  warpgroups share (one K/V copy in shared memory): warpgroup 0 accumulates
-  dV, warpgroup 1 dK, each recomputing S^T (5 matmuls a step instead of 4).
+@dataclasses.dataclass(frozen=True)
+class _Dkv:
+  """What every part of a dK/dV CTA reads: refs, shared memory, statics
+  and the warpgroup's own values (`_dkv_cta`)."""
+  refs: tuple  # (q, k, v, do, lse, delta, dk, dv)
+  extras: Extras
+  scratch: dict
+  mask: Mask
+  scores: Scores
+  blocks: BlockSizes
+  group: int
+  kv_len: int
+  layout: Columns
+  fp8: bool
+  views: tuple  # (K's, V's, Q's, dO's) per column part.
+  part_columns: list
+  e4m3: E4m3Tiles
+  split: bool
+  batch: object
+  kv_head: object
+  wg: object
+  kv_start: object
+  ranges: tuple  # (lo, full_lo, full_hi, hi) of query tiles.
+  last_tile: object
+  tail: int
+  steps: object
+  slot: int  # This warpgroup's K/V copy.
+  kv_own: tuple  # (K's, V's) views of its copy.
+  rows: object  # Its key rows.
+  first_head: object
 
-  With `fp8` (whole tiles): Q, K, V and dO are e4m3, qt_ref/dot_ref hold
-  Q and dO transposed, [B, N, H, T'] (streamed beside Q and dO: dV and dK
-  contract over queries, and FP8 wgmma takes only K-major operands),
-  scales_ref [B, K, 5] (`fp8_backward_operands`); dK is carried as a
-  value (its rows rescale), and so is dV where the warpgroups split them;
-  scratch's `fp8` holds the Q^T/dO^T ring, whose memory stages dK and dV
-  for the store once both warpgroups are done, and each warpgroup's e4m3
-  P^T and dS^T.
-  """
-  (k_buffers, v_buffers, q_buffers, do_buffers, lse_smem2,
-   delta_smem2) = scratch["buffers"]
-  kv_ready, q_ready, do_ready = scratch["ready"]
-  q_free, do_free = scratch["free"]
-  done, fused = scratch.get("done"), scratch.get("fused")
-  fp8_smem = scratch.get("fp8")
-  if fp8:  # dK's and dV's staging shares the memory of the Q^T/dO^T ring.
-    (qt_smem, dot_smem), out_smem = fp8_smem["ring"]
-  (k_views, v_views, q_views, do_views), part_columns = _part_views(
-      layout, q_ref.shape[3], k_buffers, v_buffers, q_buffers, do_buffers)
-  num_parts = len(layout.parts)
+  def q_tile(self, i):
+    """The query tile of step i (the last one past the range)."""
+    return jnp.minimum(self.ranges[0] + i, self.last_tile)
+
+  def step_index(self, n):
+    """(query tile step i, head of the group g, ring slot) of step n."""
+    return (lax.div(n, self.group), lax.rem(n, self.group),
+            lax.rem(n, self.blocks.num_stages_bwd))
+
+
+def _dkv_cta(refs, extras: Extras, scratch, **statics) -> _Dkv:
+  """The `_Dkv` of a dK/dV kernel's refs, `Extras` of refs and scratch."""
+  q_ref = refs[0]
+  layout, blocks, mask = statics["layout"], statics["blocks"], statics["mask"]
+  k_buffers, v_buffers, q_buffers, do_buffers, _, _ = scratch["buffers"]
+  views, part_columns = _part_views(layout, q_ref.shape[3], k_buffers,
+                                    v_buffers, q_buffers, do_buffers)
   bq, bkv = blocks.block_q_dkv, blocks.block_kv_dkv
-  stages = blocks.num_stages_bwd
-  e4m3 = E4m3Tiles(blocks.e4m3_stmatrix)
   q_len = q_ref.shape[1]
-  dtype = q_ref.dtype
   split = split_dkv(layout.width)
   batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
   wg = lax.axis_index("wg")
   cta_rows = bkv if split else COMPUTE_WGS * bkv
   tile_start = lax.axis_index("kv_seq") * cta_rows
   kv_start = tile_start if split else tile_start + wg * bkv
-  lo, full_lo, full_hi, hi = table_ranges(
-      mask, q_block_ranges(mask, tile_start, cta_rows, bq, q_len), table_ref,
-      batch, lax.axis_index("kv_seq"))
-  coords = needs_positions(mask, scores)
+  ranges = table_ranges(
+      mask, q_block_ranges(mask, tile_start, cta_rows, bq, q_len),
+      extras.table, batch, lax.axis_index("kv_seq"))
   last_tile = cdiv(q_len, bq) - 1
   # The last Q/dO tile's rows computed on (`fused_dq` and FP8: whole tiles).
-  tail = bq if fused is not None or fp8 else tail_rows(
-      q_len, bq, layout.contraction_rows(dtype))
+  tail = bq if "fused" in scratch or statics["fp8"] else tail_rows(
+      q_len, bq, layout.contraction_rows(q_ref.dtype))
   # One step at least: keys no query sees get a fully masked tile (P = 0),
-  # so their dK/dV are written as zeros by the same code.
-  steps = jnp.maximum(hi - lo, 1) * group  # (query tile, head of the group)
+  # so their dK/dV are written as zeros by the same code. A step: (query
+  # tile, head of the group).
+  lo, _, _, hi = ranges
+  steps = jnp.maximum(hi - lo, 1) * statics["group"]
   slot = 0 if split else wg
-  k_own = [(copy.at[slot], mma.at[slot]) for copy, mma in k_views]
-  v_own = [(copy.at[slot], mma.at[slot]) for copy, mma in v_views]
+  kv_own = tuple([(copy.at[slot], mma.at[slot]) for copy, mma in v]
+                 for v in views[:2])
   rows = pl.ds(kv_start, bkv)
-  first_head = kv_head * group
+  first_head = kv_head * statics["group"]
+  return _Dkv(refs=refs, extras=extras, scratch=scratch, views=views,
+              part_columns=part_columns,
+              e4m3=E4m3Tiles(blocks.e4m3_stmatrix), split=split,
+              batch=batch, kv_head=kv_head, wg=wg, kv_start=kv_start,
+              ranges=ranges, last_tile=last_tile, tail=tail, steps=steps,
+              slot=slot, kv_own=kv_own, rows=rows, first_head=first_head,
+              **statics)
 
-  def q_tile(i):
-    return jnp.minimum(lo + i, last_tile)
 
-  def step_index(n):
-    """(query tile step i, head of the group g, ring slot) of step n."""
-    return lax.div(n, group), lax.rem(n, group), lax.rem(n, stages)
+def _dkv_producer(cta: _Dkv):
+  """Streams the (query tile, query head) steps' Q and dO tiles, L and D
+  rows through the ring: Q with L and D once the slot's Q is released
+  (`q_free`, after dK's matmul), dO once its dO is (`do_free`, after
+  dV's); with FP8 Q^T and dO^T beside them."""
+  q_ref, _, _, do_ref, lse_ref, delta_ref, _, _ = cta.refs
+  _, _, q_views, do_views = cta.views
+  _, q_ready, do_ready = cta.scratch["ready"]
+  q_free, do_free = cta.scratch["free"]
+  lse_smem2, delta_smem2 = cta.scratch["buffers"][4:]
+  bq, stages = cta.blocks.block_q_dkv, cta.blocks.num_stages_bwd
+  if cta.fp8:
+    (qt_smem, dot_smem), _ = cta.scratch["fp8"]["ring"]
+  plgpu.set_max_registers(cta.blocks.producer_registers, action="decrease")
 
-  @pl.when(wg == COMPUTE_WGS)
-  def _producer():
-    plgpu.set_max_registers(blocks.producer_registers, action="decrease")
+  @pl.loop(0, cta.steps)
+  def _(n):
+    i, g, ring = cta.step_index(n)
+    tile = (cta.batch, pl.ds(cta.q_tile(i) * bq, bq), cta.first_head + g)
 
-    @pl.loop(0, steps)
-    def _(n):
-      i, g, ring = step_index(n)
-      tile = (batch, pl.ds(q_tile(i) * bq, bq), first_head + g)
+    @pl.when(n >= stages)
+    def _():
+      plgpu.barrier_wait(q_free.at[ring])
+    for (copy, _), cols in zip(q_views, cta.part_columns):
+      plgpu.copy_gmem_to_smem(q_ref.at[(*tile, cols)], copy.at[ring],
+                              q_ready.at[ring])
+    if cta.fp8:
+      plgpu.copy_gmem_to_smem(cta.extras.qt.at[tile[0], tile[2], :, tile[1]],
+                              qt_smem.at[ring], q_ready.at[ring])
+    for ref, smem in ((lse_ref, lse_smem2), (delta_ref, delta_smem2)):
+      plgpu.copy_gmem_to_smem(ref.at[cta.batch, cta.first_head + g, tile[1]],
+                              smem.at[ring], q_ready.at[ring])
 
-      @pl.when(n >= stages)
-      def _():
-        plgpu.barrier_wait(q_free.at[ring])
-      for (copy, _), cols in zip(q_views, part_columns):
-        plgpu.copy_gmem_to_smem(q_ref.at[(*tile, cols)], copy.at[ring],
-                                q_ready.at[ring])
-      if fp8:
-        plgpu.copy_gmem_to_smem(qt_ref.at[tile[0], tile[2], :, tile[1]],
-                                qt_smem.at[ring], q_ready.at[ring])
-      for ref, smem in ((lse_ref, lse_smem2), (delta_ref, delta_smem2)):
-        plgpu.copy_gmem_to_smem(ref.at[batch, first_head + g, tile[1]],
-                                smem.at[ring], q_ready.at[ring])
+    @pl.when(n >= stages)
+    def _():
+      plgpu.barrier_wait(do_free.at[ring])
+    for (copy, _), cols in zip(do_views, cta.part_columns):
+      plgpu.copy_gmem_to_smem(do_ref.at[(*tile, cols)], copy.at[ring],
+                              do_ready.at[ring])
+    if cta.fp8:
+      plgpu.copy_gmem_to_smem(cta.extras.dot.at[tile[0], tile[2], :,
+                                                tile[1]],
+                              dot_smem.at[ring], do_ready.at[ring])
+  await_last_releases(cta.steps, stages, q_free, do_free)
 
-      @pl.when(n >= stages)
-      def _():
-        plgpu.barrier_wait(do_free.at[ring])
-      for (copy, _), cols in zip(do_views, part_columns):
-        plgpu.copy_gmem_to_smem(do_ref.at[(*tile, cols)], copy.at[ring],
-                                do_ready.at[ring])
-      if fp8:
-        plgpu.copy_gmem_to_smem(dot_ref.at[tile[0], tile[2], :, tile[1]],
-                                dot_smem.at[ring], do_ready.at[ring])
-    await_last_releases(steps, stages, q_free, do_free)
 
-  def load_kv():
-    for own, ref, ready in ((k_own, k_ref, kv_ready.at[0, slot]),
-                            (v_own, v_ref, kv_ready.at[1, slot])):
-      for (copy, _), cols in zip(own, part_columns):
-        plgpu.copy_gmem_to_smem(ref.at[batch, rows, kv_head, cols], copy,
-                                ready)
+def _load_kv(cta: _Dkv):
+  """This warpgroup's K and V rows (its copy's) into shared memory."""
+  _, k_ref, v_ref = cta.refs[:3]
+  kv_ready = cta.scratch["ready"][0]
+  for own, ref, ready in ((cta.kv_own[0], k_ref, kv_ready.at[0, cta.slot]),
+                          (cta.kv_own[1], v_ref, kv_ready.at[1, cta.slot])):
+    for (copy, _), cols in zip(own, cta.part_columns):
+      plgpu.copy_gmem_to_smem(ref.at[cta.batch, cta.rows, cta.kv_head, cols],
+                              copy, ready)
 
-  def accumulators():
-    return [plgpu.ACC((bkv, width), jnp.float32) for _, width in layout.parts]
 
-  def fp8_products(carry, dv_acc, p, delta, ring, do_smem):
-    """FP8's dV += P^T dO (into dv_acc, running while dS^T forms), dP^T = V
-    dO^T, dS^T and dK += dS^T Q for one step, on carry (dK, the running row
-    maxima of |dS^T|)."""
-    dk, m = carry
-    pt_smem, ds_smem = fp8_smem["p"].at[wg], fp8_smem["ds"].at[wg]
-    e4m3.store((p * fp8_lib.E4M3_MAX).astype(fp8_lib.E4M3), pt_smem)
+def _fp8_products(cta: _Dkv, carry, dv_acc, p, delta, ring, do_smem):
+  """FP8's dV += P^T dO (into dv_acc, running while dS^T forms), dP^T = V
+  dO^T, dS^T and dK += dS^T Q for one step, on carry (dK, the running row
+  maxima of |dS^T|)."""
+  dk, m = carry
+  fp8_smem, wg = cta.scratch["fp8"], cta.wg
+  (qt_smem, dot_smem), _ = fp8_smem["ring"]
+  _, q_ready, do_ready = cta.scratch["ready"]
+  q_free, do_free = cta.scratch["free"]
+  scales_ref = cta.extras.scales
+  pt_smem, ds_smem = fp8_smem["p"].at[wg], fp8_smem["ds"].at[wg]
+  cta.e4m3.store((p * fp8_lib.E4M3_MAX).astype(fp8_lib.E4M3), pt_smem)
+  plgpu.commit_smem()
+  plgpu.barrier_wait(do_ready.at[ring])
+
+  def dp_dv(acc):
+    plgpu.wgmma(acc, cta.kv_own[1][0][1], do_smem.T)
+    plgpu.wgmma(dv_acc, pt_smem, dot_smem.at[ring].T)
+    return plgpu.wgmma_accumulator_load(acc, wait_n=1)  # dV runs.
+  dp = pl.run_scoped(dp_dv, plgpu.ACC(p.shape, jnp.float32))
+  ds = p * (dp * scales_ref[cta.batch, cta.kv_head, 1] - delta)
+  m, alpha = _quantize_ds(ds, m, ds_smem, cta.e4m3)
+  dk = _fp8_product(dk, alpha, ds_smem, qt_smem.at[ring].T)
+  plgpu.barrier_arrive(do_free.at[ring])  # dV's matmul is done too.
+  plgpu.barrier_arrive(q_free.at[ring])
+  return dk, m
+
+
+def _fp8_split(cta: _Dkv, carry, p, delta, ring, do_smem):
+  """`_fp8_products` above head dim 128 (`split_dkv`), on carry (this
+  warpgroup's accumulator, the row maxima of |dS^T|): warpgroup 0 adds
+  P^T dO to dV's, warpgroup 1 forms dP^T and dS^T and adds dS^T Q to
+  dK's."""
+  fp8_smem, wg = cta.scratch["fp8"], cta.wg
+  (qt_smem, dot_smem), _ = fp8_smem["ring"]
+  _, q_ready, do_ready = cta.scratch["ready"]
+  q_free, do_free = cta.scratch["free"]
+
+  def dv_part(carry):
+    acc, m = carry
+    pt_smem = fp8_smem["p"].at[wg]
+    cta.e4m3.store((p * fp8_lib.E4M3_MAX).astype(fp8_lib.E4M3), pt_smem)
     plgpu.commit_smem()
     plgpu.barrier_wait(do_ready.at[ring])
+    return _fp8_product(acc, None, pt_smem, dot_smem.at[ring].T), m
 
-    def dp_dv(acc):
-      plgpu.wgmma(acc, v_own[0][1], do_smem.T)
-      plgpu.wgmma(dv_acc, pt_smem, dot_smem.at[ring].T)
-      return plgpu.wgmma_accumulator_load(acc, wait_n=1)  # dV runs.
-    dp = pl.run_scoped(dp_dv, plgpu.ACC(p.shape, jnp.float32))
-    ds = p * (dp * scales_ref[batch, kv_head, 1] - delta)
-    m, alpha = _quantize_ds(ds, m, ds_smem, e4m3)
-    dk = _fp8_product(dk, alpha, ds_smem, qt_smem.at[ring].T)
-    plgpu.barrier_arrive(do_free.at[ring])  # dV's matmul is done too.
-    plgpu.barrier_arrive(q_free.at[ring])
-    return dk, m
+  def dk_part(carry):
+    acc, m = carry
+    plgpu.barrier_wait(do_ready.at[ring])
 
-  def fp8_split(carry, p, delta, ring, do_smem):
-    """`fp8_products` above head dim 128 (`split_dkv`), on carry (this
-    warpgroup's accumulator, the row maxima of |dS^T|): warpgroup 0 adds
-    P^T dO to dV's, warpgroup 1 forms dP^T and dS^T and adds dS^T Q to
-    dK's."""
-    def dv_part(carry):
-      acc, m = carry
-      pt_smem = fp8_smem["p"].at[wg]
-      e4m3.store((p * fp8_lib.E4M3_MAX).astype(fp8_lib.E4M3), pt_smem)
-      plgpu.commit_smem()
-      plgpu.barrier_wait(do_ready.at[ring])
-      return _fp8_product(acc, None, pt_smem, dot_smem.at[ring].T), m
+    def dp_t(dp_acc):
+      plgpu.wgmma(dp_acc, cta.kv_own[1][0][1], do_smem.T)
+      return dp_acc[...]
+    dp = pl.run_scoped(dp_t, plgpu.ACC(p.shape, jnp.float32))
+    ds_smem = fp8_smem["ds"].at[wg]
+    m, alpha = _quantize_ds(
+        p * (dp * cta.extras.scales[cta.batch, cta.kv_head, 1] - delta), m,
+        ds_smem, cta.e4m3)
+    return _fp8_product(acc, alpha, ds_smem, qt_smem.at[ring].T), m
+  carry = lax.cond(wg == 0, dv_part, dk_part, carry)
+  plgpu.barrier_arrive(do_free.at[ring])
+  plgpu.barrier_arrive(q_free.at[ring])
+  return carry
 
-    def dk_part(carry):
-      acc, m = carry
-      plgpu.barrier_wait(do_ready.at[ring])
 
-      def dp_t(dp_acc):
-        plgpu.wgmma(dp_acc, v_own[0][1], do_smem.T)
-        return dp_acc[...]
-      dp = pl.run_scoped(dp_t, plgpu.ACC(p.shape, jnp.float32))
-      ds_smem = fp8_smem["ds"].at[wg]
-      m, alpha = _quantize_ds(p * (dp * scales_ref[batch, kv_head, 1]
-                                   - delta), m, ds_smem, e4m3)
-      return _fp8_product(acc, alpha, ds_smem, qt_smem.at[ring].T), m
-    carry = lax.cond(wg == 0, dv_part, dk_part, carry)
-    plgpu.barrier_arrive(do_free.at[ring])
-    plgpu.barrier_arrive(q_free.at[ring])
-    return carry
+def _dkv_probabilities(cta: _Dkv, i, s, lse, width, head, kv_ids):
+  """(P^T, aux, the tile's positions or None) of step i's scores S^T
+  ([its key rows, `width` query rows]): `_probabilities` on its query
+  tile, masked on a boundary tile of the range."""
+  mask, bq, extras = cta.mask, cta.blocks.block_q_dkv, cta.extras
+  shape = (cta.blocks.block_kv_dkv, width)
+  lo, full_lo, full_hi, _ = cta.ranges
 
-  def step(n, carry, accs, kv_ids, width):
-    """Step n on the first `width` rows of its Q/dO tile (`tail_rows`)."""
-    i, g, ring = step_index(n)
-    shape = (bkv, width)
-    head = first_head + g
-    q_smems, do_smems = (_parts(views, ring, width)
-                         for views in (q_views, do_views))
-    plgpu.barrier_wait(q_ready.at[ring])
+  def positions():  # Transposed: queries across, keys down.
+    return cta.q_tile(i) * bq + _iota(shape, 1), cta.kv_start + _iota(shape, 0)
+  rows_cols = positions() if needs_positions(mask, cta.scores) else None
+  ids = {}
+  if mask.has_ids:
+    q_ids = load_ids(extras.q_ids, cta.batch, cta.q_tile(i) * bq, width, COL)
+    ids = dict(q_ids=lax.broadcast_in_dim(q_ids, shape, [1]),
+               kv_ids=lax.broadcast_in_dim(kv_ids, shape, [0]))
+  tile = lo + i
+  p, aux = _probabilities(
+      s, lax.broadcast_in_dim(lse, shape, [1]),
+      (tile < full_lo) | (tile >= full_hi), mask=mask, scores=cta.scores,
+      kv_len=cta.kv_len, positions=positions, rows_cols=rows_cols, ids=ids,
+      # Keys down, queries across.
+      pair=(cta.rows, pl.ds(cta.q_tile(i) * bq, width)),
+      refs=(extras.slopes, extras.bias, extras.dense), batch=cta.batch,
+      head=head, c_scale=(extras.scales[cta.batch, cta.kv_head, 0]
+                          if cta.fp8 else None))
+  return p, aux, rows_cols
 
-    def scores_t(acc):
-      for (_, k_smem), q_smem in zip(k_own, q_smems):
-        plgpu.wgmma(acc, k_smem, q_smem.T)
-      lse, delta = (plgpu.load(x.at[ring, pl.ds(0, width)], layout=COL)
-                    for x in (lse_smem2, delta_smem2))
-      return acc[...], lse, delta
-    s, lse, delta = pl.run_scoped(scores_t, plgpu.ACC(shape, jnp.float32))
-    def positions():  # Transposed: queries across, keys down.
-      return q_tile(i) * bq + _iota(shape, 1), kv_start + _iota(shape, 0)
-    rows_cols = positions() if coords else None
-    ids = {}
-    if mask.has_ids:
-      q_ids = load_ids(q_ids_ref, batch, q_tile(i) * bq, width, COL)
-      ids = dict(q_ids=lax.broadcast_in_dim(q_ids, shape, [1]),
-                 kv_ids=lax.broadcast_in_dim(kv_ids, shape, [0]))
-    tile = lo + i
-    p, aux = _probabilities(
-        s, lax.broadcast_in_dim(lse, shape, [1]),
-        (tile < full_lo) | (tile >= full_hi), mask=mask, scores=scores,
-        kv_len=kv_len, positions=positions, rows_cols=rows_cols, ids=ids,
-        pair=(rows, pl.ds(q_tile(i) * bq, width)),  # Keys down, queries across.
-        refs=(slopes_ref, bias_ref, dense_ref), batch=batch, head=head,
-        c_scale=scales_ref[batch, kv_head, 0] if fp8 else None)
-    if fp8:
-      delta = lax.broadcast_in_dim(delta, shape, [1])
-      if split:
-        return fp8_split(carry, p, delta, ring, do_smems[0])
-      return fp8_products(carry, accs[0], p, delta, ring, do_smems[0])
 
-    def drop(x):  # P^T or dP^T with dropout (the forward's bits).
-      return dropped(x, scores, seed_ref, batch, head, *(rows_cols or
-                                                         (None, None)))
+def _dkv_step(cta: _Dkv, n, carry, accs, kv_ids, width):
+  """Step n on the first `width` rows of its Q/dO tile (`tail_rows`): S^T
+  = K Q^T, P^T, then dV += P^T dO, dP^T = V dO^T, dS^T and dK += dS^T Q
+  (in FP8 `_fp8_products`; above head dim 128 the warpgroups split dV and
+  dK: `_dkv_split_products`)."""
+  i, g, ring = cta.step_index(n)
+  shape = (cta.blocks.block_kv_dkv, width)
+  head = cta.first_head + g
+  _, _, q_views, do_views = cta.views
+  lse_smem2, delta_smem2 = cta.scratch["buffers"][4:]
+  q_smems, do_smems = (_parts(views, ring, width)
+                       for views in (q_views, do_views))
+  plgpu.barrier_wait(cta.scratch["ready"][1].at[ring])
 
-    def dp_parts(acc):  # dP^T = V dO^T, issued.
-      for (_, v_smem), do_smem in zip(v_own, do_smems):
-        plgpu.wgmma(acc, v_smem, do_smem.T)
+  def scores_t(acc):
+    for (_, k_smem), q_smem in zip(cta.kv_own[0], q_smems):
+      plgpu.wgmma(acc, k_smem, q_smem.T)
+    lse, delta = (plgpu.load(x.at[ring, pl.ds(0, width)], layout=COL)
+                  for x in (lse_smem2, delta_smem2))
+    return acc[...], lse, delta
+  s, lse, delta = pl.run_scoped(scores_t, plgpu.ACC(shape, jnp.float32))
+  p, aux, rows_cols = _dkv_probabilities(cta, i, s, lse, width, head,
+                                         kv_ids)
+  if cta.fp8:
+    delta = lax.broadcast_in_dim(delta, shape, [1])
+    if cta.split:
+      return _fp8_split(cta, carry, p, delta, ring, do_smems[0])
+    return _fp8_products(cta, carry, accs[0], p, delta, ring, do_smems[0])
+  def drop(x):  # P^T or dP^T with dropout (the forward's bits).
+    return dropped(x, cta.scores, cta.extras.seed, cta.batch, head,
+                   *(rows_cols or (None, None)))
+  plgpu.barrier_wait(cta.scratch["ready"][2].at[ring])
+  products = _dkv_split_products if cta.split else _dkv_products
+  products(cta, (n, i, head, ring), accs, p, aux, delta, drop, q_smems,
+           do_smems)
+  return carry
+
+
+def _dp_parts(cta: _Dkv, acc, do_smems):
+  """dP^T = V dO^T, issued."""
+  for (_, v_smem), do_smem in zip(cta.kv_own[1], do_smems):
+    plgpu.wgmma(acc, v_smem, do_smem.T)
+
+
+def _dkv_split_products(cta: _Dkv, step, accs, p, aux, delta, drop,
+                        q_smems, do_smems):
+  """Above head dim 128: warpgroup 0 adds P^T dO to dV's accumulators,
+  warpgroup 1 forms dP^T and dS^T and adds dS^T Q to dK's; then the
+  step's dO and Q are released. step: (n, its query tile step, head, ring
+  slot)."""
+  ring = step[3]
+  dtype, wg = cta.refs[0].dtype, cta.wg
+  shape = p.shape
+
+  @pl.when(wg == 0)
+  def _():
+    p16 = drop(p).astype(dtype)
+    for acc, do_smem in zip(accs, do_smems):
+      plgpu.wgmma(acc, p16, do_smem)
+    plgpu.wgmma_wait(0)
+
+  @pl.when(wg == 1)
+  def _():
+    pd = cta.scores.dqk(p, aux)  # Before dP: aux dies (fewer registers).
 
     def dp_only(acc):
-      dp_parts(acc)
+      _dp_parts(cta, acc, do_smems)
       return acc[...]
-
-    plgpu.barrier_wait(do_ready.at[ring])
-    if split:
-      @pl.when(wg == 0)
-      def _():
-        p16 = drop(p).astype(dtype)
-        for acc, do_smem in zip(accs, do_smems):
-          plgpu.wgmma(acc, p16, do_smem)
-        plgpu.wgmma_wait(0)
-
-      @pl.when(wg == 1)
-      def _():
-        pd = scores.dqk(p, aux)  # Before dP: aux dies (fewer registers).
-        dp = drop(pl.run_scoped(dp_only, plgpu.ACC(shape, jnp.float32)))
-        ds = (pd * (dp - lax.broadcast_in_dim(delta, shape, [1]))).astype(
-            dtype)
-        for acc, q_smem in zip(accs, q_smems):
-          plgpu.wgmma(acc, ds, q_smem)
-        plgpu.wgmma_wait(0)
-      plgpu.barrier_arrive(do_free.at[ring])
-      plgpu.barrier_arrive(q_free.at[ring])
-      return carry
-
-    dk_accs, dv_accs = accs[:num_parts], accs[num_parts:]
-    # With modified scores (aux), P's copy for dV and P times the scores'
-    # derivative for dS are formed before dP, so that P and aux die.
-    p16 = None if aux is None else drop(p).astype(dtype)
-    pd = scores.dqk(p, aux)
-
-    def dp_t(acc):
-      dp_parts(acc)
-      p_16 = drop(p).astype(dtype) if p16 is None else p16
-      for dv_acc, do_smem in zip(dv_accs, do_smems):
-        plgpu.wgmma(dv_acc, p_16, do_smem)
-      # dV still runs, unless `dv_before_ds` waits for it (P's copy dies).
-      return plgpu.wgmma_accumulator_load(
-          acc, wait_n=0 if blocks.dv_before_ds else num_parts)
-    dp = drop(pl.run_scoped(dp_t, plgpu.ACC(shape, jnp.float32)))
+    dp = drop(pl.run_scoped(dp_only, plgpu.ACC(shape, jnp.float32)))
     ds = (pd * (dp - lax.broadcast_in_dim(delta, shape, [1]))).astype(dtype)
-    for dk_acc, q_smem in zip(dk_accs, q_smems):
-      plgpu.wgmma(dk_acc, ds, q_smem)
-    plgpu.wgmma_wait(num_parts)  # dV is done (dK may run): dO may go.
-    plgpu.barrier_arrive(do_free.at[ring])
-    if fused is not None:
-      _accumulate_dq(ds, k_views[0][1], dq_ref.at[
-          batch, pl.ds(q_tile(i) * bq, bq), head], fused, wg,
-                     parity=lax.rem(n, 2))
+    for acc, q_smem in zip(accs, q_smems):
+      plgpu.wgmma(acc, ds, q_smem)
     plgpu.wgmma_wait(0)
-    plgpu.barrier_arrive(q_free.at[ring])
-    return carry
+  q_free, do_free = cta.scratch["free"]
+  plgpu.barrier_arrive(do_free.at[ring])
+  plgpu.barrier_arrive(q_free.at[ring])
 
-  def release(n, carry):
-    """A step of a warpgroup whose key rows all lie at or past kv_len."""
-    _release(step_index(n)[2], (q_ready, q_free), (do_ready, do_free))
-    return carry
 
-  def consumer():
-    if split:
-      pl.when(wg == 0)(load_kv)  # One copy, both warpgroups wait on it.
-    else:
-      load_kv()
-    kv_ids = load_ids(kv_ids_ref, batch, kv_start, bkv, ROW)
-    plgpu.barrier_wait(kv_ready.at[0, slot])
-    plgpu.barrier_wait(kv_ready.at[1, slot])
+def _dkv_products(cta: _Dkv, step, accs, p, aux, delta, drop, q_smems,
+                  do_smems):
+  """dV += P^T dO, dP^T = V dO^T, dS^T and dK += dS^T Q (with `fused_dq`,
+  also dQ += dS K: `_accumulate_dq`), releasing dO after dV and Q after
+  dK. step: (n, its query tile step, head, ring slot)."""
+  n, i, head, ring = step
+  dtype, num_parts = cta.refs[0].dtype, len(cta.layout.parts)
+  shape = p.shape
+  dk_accs, dv_accs = accs[:num_parts], accs[num_parts:]
+  # With modified scores (aux), P's copy for dV and P times the scores'
+  # derivative for dS are formed before dP, so that P and aux die.
+  p16 = None if aux is None else drop(p).astype(dtype)
+  pd = cta.scores.dqk(p, aux)
 
-    def run(*accs, carry=None):
-      carry = lax.fori_loop(0, steps, functools.partial(
-          _with_tail, step, lambda n: q_tile(step_index(n)[0]) == last_tile,
-          bq, tail, accs=accs, kv_ids=kv_ids), carry)
-      return carry if fp8 else [acc[...] for acc in accs]
-    if fp8:  # The rows' scales: dS^T's (m / 448) and dO's for dV.
-      width = layout.width
-      zeros = (_zeros((bkv, width)), _zeros((bkv,), ROW))
-      if split:  # One accumulator a warpgroup, carried: dV's or dK's.
-        acc, m = run(carry=zeros)
-        dk = dv = acc
-      else:
-        def run_fp8(dv_acc):
-          dk, m = run(dv_acc, carry=zeros)
-          return dk, m, dv_acc[...]
-        dk, m, dv = pl.run_scoped(run_fp8,
-                                  plgpu.ACC((bkv, width), jnp.float32))
-      _meet(done)  # Both are done with the ring the staging shares.
-      index = (batch, rows, kv_head)
+  def dp_t(acc):
+    _dp_parts(cta, acc, do_smems)
+    p_16 = drop(p).astype(dtype) if p16 is None else p16
+    for dv_acc, do_smem in zip(dv_accs, do_smems):
+      plgpu.wgmma(dv_acc, p_16, do_smem)
+    # dV still runs, unless `dv_before_ds` waits for it (P's copy dies).
+    return plgpu.wgmma_accumulator_load(
+        acc, wait_n=0 if cta.blocks.dv_before_ds else num_parts)
+  dp = drop(pl.run_scoped(dp_t, plgpu.ACC(shape, jnp.float32)))
+  ds = (pd * (dp - lax.broadcast_in_dim(delta, shape, [1]))).astype(dtype)
+  for dk_acc, q_smem in zip(dk_accs, q_smems):
+    plgpu.wgmma(dk_acc, ds, q_smem)
+  plgpu.wgmma_wait(num_parts)  # dV is done (dK may run): dO may go.
+  q_free, do_free = cta.scratch["free"]
+  plgpu.barrier_arrive(do_free.at[ring])
+  fused = cta.scratch.get("fused")
+  if fused is not None:
+    bq = cta.blocks.block_q_dkv
+    _accumulate_dq(ds, cta.views[0][0][1], cta.extras.dq_sum.at[
+        cta.batch, pl.ds(cta.q_tile(i) * bq, bq), head], fused, cta.wg,
+                   parity=lax.rem(n, 2))
+  plgpu.wgmma_wait(0)
+  plgpu.barrier_arrive(q_free.at[ring])
 
-      def dk_tile():
-        scale = lax.broadcast_in_dim(m * scales_ref[batch, kv_head, 3],
-                                     dk.shape, [0])
-        return (out_smem.at[0, slot], out_smem.at[0, slot], dk * scale,
-                dk_ref, part_columns[0])
 
-      def dv_tile():
-        return (out_smem.at[1, slot], out_smem.at[1, slot],
-                dv * scales_ref[batch, kv_head, 2], dv_ref, part_columns[0])
-      if split:
-        pl.when(wg == 0)(lambda: _store([dv_tile()], index, dv_ref.dtype))
-        pl.when(wg == 1)(lambda: _store([dk_tile()], index, dk_ref.dtype))
-      else:
-        _store([dk_tile(), dv_tile()], index, dk_ref.dtype)
-      return
-    grads = pl.run_scoped(run, *accumulators() * (1 if split else 2))
-    # Both read the other's K or V (above head dim 128, or `fused_dq`'s
-    # dS K): neither overwrites them before both are done.
-    if done is not None:
-      _meet(done)
-    index = (batch, rows, kv_head)
+def _dkv_release(cta: _Dkv, n, carry):
+  """A step of a warpgroup whose key rows all lie at or past kv_len."""
+  _, q_ready, do_ready = cta.scratch["ready"]
+  q_free, do_free = cta.scratch["free"]
+  _release(cta.step_index(n)[2], (q_ready, q_free), (do_ready, do_free))
+  return carry
 
-    def tiles(views, values, out_ref):
-      return [(*view, value, out_ref, cols) for view, value, cols in
-              zip(views, values, part_columns)]
-    if split:
-      pl.when(wg == 0)(lambda: _store(tiles(v_own, grads, dv_ref), index,
-                                      dtype))
-      pl.when(wg == 1)(lambda: _store(
-          tiles(k_own, [g * scores.scale for g in grads], dk_ref), index,
-          dtype))
-    else:
-      _store(tiles(k_own, [g * scores.scale for g in grads[:num_parts]],
-                   dk_ref) + tiles(v_own, grads[num_parts:], dv_ref),
-             index, dtype)
 
-  @pl.when(wg < COMPUTE_WGS)
+def _dkv_fp8_store(cta: _Dkv, run):
+  """FP8: the steps (`run`), then dK (rows scaled by m, dS^T's row maxima,
+  and Q's scale) and dV (dO's scale) through the bfloat16 staging that
+  takes the Q^T/dO^T ring's memory once both warpgroups are done."""
+  bkv, width = cta.blocks.block_kv_dkv, cta.layout.width
+  scales_ref = cta.extras.scales
+  batch, kv_head, slot = cta.batch, cta.kv_head, cta.slot
+  _, out_smem = cta.scratch["fp8"]["ring"]
+  dk_ref, dv_ref = cta.refs[6:]
+  zeros = (_zeros((bkv, width)), _zeros((bkv,), ROW))
+  if cta.split:  # One accumulator a warpgroup, carried: dV's or dK's.
+    acc, m = run(carry=zeros)
+    dk = dv = acc
+  else:
+    def run_fp8(dv_acc):
+      dk, m = run(dv_acc, carry=zeros)
+      return dk, m, dv_acc[...]
+    dk, m, dv = pl.run_scoped(run_fp8, plgpu.ACC((bkv, width), jnp.float32))
+  _meet(cta.scratch.get("done"))  # Both are done with the shared memory.
+  index = (batch, cta.rows, kv_head)
+
+  def dk_tile():
+    scale = lax.broadcast_in_dim(m * scales_ref[batch, kv_head, 3],
+                                 dk.shape, [0])
+    return (out_smem.at[0, slot], out_smem.at[0, slot], dk * scale, dk_ref,
+            cta.part_columns[0])
+
+  def dv_tile():
+    return (out_smem.at[1, slot], out_smem.at[1, slot],
+            dv * scales_ref[batch, kv_head, 2], dv_ref, cta.part_columns[0])
+  if cta.split:
+    pl.when(cta.wg == 0)(lambda: _store([dv_tile()], index, dv_ref.dtype))
+    pl.when(cta.wg == 1)(lambda: _store([dk_tile()], index, dk_ref.dtype))
+  else:
+    _store([dk_tile(), dv_tile()], index, dk_ref.dtype)
+
+
+def _dkv_consumer(cta: _Dkv):
+  """A consumer warpgroup: its K and V rows, the steps, then dK and dV
+  (dK times the softmax scale) through K's and V's shared memory."""
+  bkv, bq = cta.blocks.block_kv_dkv, cta.blocks.block_q_dkv
+  kv_ready, done = cta.scratch["ready"][0], cta.scratch.get("done")
+  if cta.split:
+    pl.when(cta.wg == 0)(lambda: _load_kv(cta))  # One copy; both wait on it.
+  else:
+    _load_kv(cta)
+  kv_ids = load_ids(cta.extras.kv_ids, cta.batch, cta.kv_start, bkv, ROW)
+  plgpu.barrier_wait(kv_ready.at[0, cta.slot])
+  plgpu.barrier_wait(kv_ready.at[1, cta.slot])
+
+  def run(*accs, carry=None):
+    carry = lax.fori_loop(0, cta.steps, functools.partial(
+        _with_tail, functools.partial(_dkv_step, cta),
+        lambda n: cta.q_tile(cta.step_index(n)[0]) == cta.last_tile, bq,
+        cta.tail, accs=accs, kv_ids=kv_ids), carry)
+    return carry if cta.fp8 else [acc[...] for acc in accs]
+  if cta.fp8:
+    _dkv_fp8_store(cta, run)
+    return
+  accumulators = [plgpu.ACC((bkv, width), jnp.float32)
+                  for _, width in cta.layout.parts]
+  grads = pl.run_scoped(run, *accumulators * (1 if cta.split else 2))
+  # Both read the other's K or V (above head dim 128, or `fused_dq`'s
+  # dS K): neither overwrites them before both are done.
+  if done is not None:
+    _meet(done)
+  index = (cta.batch, cta.rows, cta.kv_head)
+  dtype, scale = cta.refs[0].dtype, cta.scores.scale
+  (k_own, v_own), (dk_ref, dv_ref) = cta.kv_own, cta.refs[6:]
+
+  def tiles(views, values, out_ref):
+    return [(*view, value, out_ref, cols) for view, value, cols in
+            zip(views, values, cta.part_columns)]
+  if cta.split:
+    pl.when(cta.wg == 0)(lambda: _store(tiles(v_own, grads, dv_ref), index,
+                                        dtype))
+    pl.when(cta.wg == 1)(lambda: _store(
+        tiles(k_own, [g * scale for g in grads], dk_ref), index, dtype))
+  else:
+    num_parts = len(cta.layout.parts)
+    _store(tiles(k_own, [g * scale for g in grads[:num_parts]], dk_ref) +
+           tiles(v_own, grads[num_parts:], dv_ref), index, dtype)
+
+
+def _dkv_kernel(refs, extras: Extras, scratch, **statics):
+  """The dK/dV kernel: refs (q, k, v, do, lse, delta, dk, dv): q/do [B, T,
+  N, H], k/v and dk/dv [B, S, K, H], lse/delta [B, N, T'] (T' >= T: whole
+  tiles); keys at or past kv_len (<= S: XLA's padding) are masked, tiles
+  past T or S read zeros and store nothing there. `extras`: `Extras` of
+  refs (with `blocks.fused_dq`, `dq_sum`, to which the kernel adds dS K:
+  scratch's `fused` holds its buffers, `_accumulate_dq`). `layout`: the
+  head dim's column parts, each with tiles of its own, and whether TMA
+  copies them untiled (`layout.Columns`; the last part may reach past H).
+
+  Warpgroup 2 streams the (query tile, query head) steps' Q and dO tiles,
+  L and D rows through `num_stages_bwd` slots (`_dkv_producer`); the two
+  consumers own `block_kv_dkv` key rows each (`_dkv_consumer`), a
+  consumer with no key rows (257 keys: the last CTA's second) only
+  releasing its slots.
+
+  Head dims above 128 (`split_dkv`): dK and dV together would need H
+  registers a thread, so the CTA owns block_kv_dkv key rows that both
+  warpgroups share (one K/V copy in shared memory): warpgroup 0
+  accumulates dV, warpgroup 1 dK, each recomputing S^T (5 matmuls a step
+  instead of 4).
+
+  With `fp8` (whole tiles): Q, K, V and dO are e4m3, `extras.qt` and
+  `extras.dot` hold Q and dO transposed, [B, N, H, T'] (streamed beside Q
+  and dO: dV and dK contract over queries, and FP8 wgmma takes only
+  K-major operands), `extras.scales` [B, K, 5] (`fp8_backward_operands`);
+  dK is carried as a value (its rows rescale), and so is dV where the
+  warpgroups split them; scratch's `fp8` holds the Q^T/dO^T ring, whose
+  memory stages dK and dV for the store once both warpgroups are done,
+  and each warpgroup's e4m3 P^T and dS^T.
+  """
+  cta = _dkv_cta(refs, extras, scratch, **statics)
+  pl.when(cta.wg == COMPUTE_WGS)(lambda: _dkv_producer(cta))
+
+  @pl.when(cta.wg < COMPUTE_WGS)
   def _():
-    plgpu.set_max_registers(blocks.consumer_registers(COMPUTE_WGS),
+    plgpu.set_max_registers(cta.blocks.consumer_registers(COMPUTE_WGS),
                             action="increase")
-    if split or done is not None:  # Both warpgroups share their rows' work
-      # (or, with fp8, the memory dK's and dV's staging takes after it).
-      consumer()
+    if cta.split or scratch.get("done") is not None:
+      # Both warpgroups share their rows' work (or, with fp8, the memory
+      # dK's and dV's staging takes after it).
+      _dkv_consumer(cta)
       return
     # A warpgroup with no key rows (257 keys: the last CTA's second) only
     # releases its slots, so the other's 64 rows run alone.
-    idle = kv_start >= kv_len
-    pl.when(idle)(lambda: lax.fori_loop(0, steps, release, None))
-    pl.when(~idle)(consumer)
+    idle = cta.kv_start >= cta.kv_len
+    pl.when(idle)(lambda: lax.fori_loop(
+        0, cta.steps, functools.partial(_dkv_release, cta), None))
+    pl.when(~idle)(lambda: _dkv_consumer(cta))
 
 
 def _accumulate_dq(ds, k_smem2, dq_tile_ref, fused, wg, *, parity):
@@ -610,182 +767,248 @@ def _accumulate_dq(ds, k_smem2, dq_tile_ref, fused, wg, *, parity):
   plgpu.copy_smem_to_gmem(stage, dq_tile_ref.at[:, cols], reduction_op="add")
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
-               slopes_ref, q_ids_ref, kv_ids_ref, seed_ref, dense_ref,
-               bias_ref, kt_ref, scales_ref, dq_ref, scratch, *, mask: Mask,
-               scores: Scores, blocks: BlockSizes, group: int, kv_len: int,
-               layout: Columns, fp8: bool):
-  """q/do/dq [B, T, N, H], k/v [B, S, K, H], lse/delta [B, N, T'] (T' >=
-  T: whole tiles); keys at or past kv_len (<= S: XLA's padding) are
-  masked, tiles past T or S read zeros and store nothing there. Each None when absent:
-  table_ref, the range table of the CTA's query rows (`range_table`);
-  slopes_ref, ALiBi slopes [B, N]; q_ids_ref / kv_ids_ref, ids [B, T] /
-  [B, S] padded past the kernel's tiles; seed_ref, the dropout seed [4];
-  dense_ref, bias_ref: a dense mask and a bias (`pad_pairs`). `layout`:
-  the head dim's column parts (`tiles.Columns`, as `_dkv_kernel`'s). The
-  last warpgroup streams K and V tiles through `num_stages_bwd` slots, each
-  refilled once the consumers release it (K after dQ's matmul, V after
-  dP's).
+@dataclasses.dataclass(frozen=True)
+class _Dq:
+  """What every part of a dQ CTA reads (`_dq_cta`)."""
+  refs: tuple  # (q, k, v, do, lse, delta, dq)
+  extras: Extras
+  scratch: dict
+  mask: Mask
+  scores: Scores
+  blocks: BlockSizes
+  group: int
+  kv_len: int
+  layout: Columns
+  fp8: bool
+  views: tuple  # (Q's, dO's, K's, V's) per column part.
+  part_columns: list
+  e4m3: E4m3Tiles
+  wgs: int
+  batch: object
+  head: object
+  kv_head: object
+  wg: object
+  q_start: object
+  ranges: tuple  # (lo, full_lo, full_hi, hi) of key tiles.
+  last_tile: object
+  steps: object
+  rows: object  # Its query rows.
 
-  With `fp8` (as `_dkv_kernel`'s): kt_ref holds K transposed, [B, K, H,
-  S'] (for dQ += dS K), streamed beside K; dQ is carried as a value and
-  staged in scratch's `fp8` buffers, with each warpgroup's e4m3 dS."""
-  q_buffers, do_buffers, k_buffers, v_buffers = scratch["buffers"]
-  fp8_smem = scratch.get("fp8")
-  q_ready, k_ready, v_ready = scratch["ready"]
-  k_free, v_free = scratch["free"]
-  (q_views, do_views, k_views, v_views), part_columns = _part_views(
-      layout, q_ref.shape[3], q_buffers, do_buffers, k_buffers, v_buffers)
-  num_parts = len(layout.parts)
+  def kv_tile(self, j):
+    """The key tile of step j (the last one past the range)."""
+    return jnp.minimum(self.ranges[0] + j, self.last_tile)
+
+
+def _dq_cta(refs, extras: Extras, scratch, **statics) -> _Dq:
+  """The `_Dq` of a dQ kernel's refs, `Extras` of refs and scratch."""
+  q_ref, lse_ref = refs[0], refs[4]
+  layout, blocks, mask = statics["layout"], statics["blocks"], statics["mask"]
+  views, part_columns = _part_views(layout, q_ref.shape[3],
+                                    *scratch["buffers"])
   wgs = dq_warpgroups(layout.width)
   bq, bkv = blocks.block_q_dq, blocks.block_kv_dq
-  stages = blocks.num_stages_bwd
-  e4m3 = E4m3Tiles(blocks.e4m3_stmatrix)
-  dtype = q_ref.dtype
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
-  kv_head = lax.div(head, jnp.int32(group))
+  kv_head = lax.div(head, jnp.int32(statics["group"]))
   wg = lax.axis_index("wg")
   q_tile = cta_row_tile(mask, "q_seq", lse_ref.shape[2] // (wgs * bq))
   tile_start = q_tile * (wgs * bq)
   q_start = tile_start + wg * bq
-  lo, full_lo, full_hi, hi = table_ranges(
-      mask, kv_block_ranges(mask, tile_start, wgs * bq, bkv, kv_len),
-      table_ref, batch, q_tile)
-  coords = needs_positions(mask, scores)
-  last_tile = cdiv(kv_len, bkv) - 1
+  ranges = table_ranges(
+      mask, kv_block_ranges(mask, tile_start, wgs * bq, bkv,
+                            statics["kv_len"]),
+      extras.table, batch, q_tile)
+  last_tile = cdiv(statics["kv_len"], bkv) - 1
+  lo, _, _, hi = ranges
   steps = jnp.maximum(hi - lo, 1)  # A row that sees nothing: dQ = 0.
-  rows = pl.ds(q_start, bq)
+  return _Dq(refs=refs, extras=extras, scratch=scratch, views=views,
+             part_columns=part_columns,
+             e4m3=E4m3Tiles(blocks.e4m3_stmatrix), wgs=wgs, batch=batch,
+             head=head, kv_head=kv_head, wg=wg, q_start=q_start,
+             ranges=ranges, last_tile=last_tile, steps=steps,
+             rows=pl.ds(q_start, bq), **statics)
 
-  def kv_tile(j):
-    return jnp.minimum(lo + j, last_tile)
 
-  @pl.when(wg == wgs)
-  def _producer():
-    plgpu.set_max_registers(blocks.producer_registers, action="decrease")
+def _dq_producer(cta: _Dq):
+  """Streams K and V tiles through the ring, each slot refilled once the
+  consumers release it (K after dQ's matmul, V after dP's); with FP8 K^T
+  beside K."""
+  _, k_ref, v_ref = cta.refs[:3]
+  _, _, k_views, v_views = cta.views
+  _, k_ready, v_ready = cta.scratch["ready"]
+  k_free, v_free = cta.scratch["free"]
+  bkv, stages = cta.blocks.block_kv_dq, cta.blocks.num_stages_bwd
+  plgpu.set_max_registers(cta.blocks.producer_registers, action="decrease")
 
-    @pl.loop(0, steps)
-    def _(j):
-      ring = lax.rem(j, stages)
-      tile = (batch, pl.ds(kv_tile(j) * bkv, bkv), kv_head)
-      for views, ref, ready, free in ((k_views, k_ref, k_ready, k_free),
-                                      (v_views, v_ref, v_ready, v_free)):
-        @pl.when(j >= stages)
-        def _():
-          plgpu.barrier_wait(free.at[ring])
-        for (copy, _), cols in zip(views, part_columns):
-          plgpu.copy_gmem_to_smem(ref.at[(*tile, cols)], copy.at[ring],
-                                  ready.at[ring])
-        if fp8 and ref is k_ref:
-          plgpu.copy_gmem_to_smem(kt_ref.at[batch, kv_head, :, tile[1]],
-                                  fp8_smem["kt"].at[ring], ready.at[ring])
-    await_last_releases(steps, stages, k_free, v_free)
-
-  def step(j, carry, dq_accs, lse, delta, q_ids, width):
-    """Step j on the first `width` rows of its K/V tile (`tail_rows`)."""
+  @pl.loop(0, cta.steps)
+  def _(j):
     ring = lax.rem(j, stages)
-    k_smems, v_smems = (_parts(views, ring, width)
-                        for views in (k_views, v_views))
-    q_smems, do_smems = _parts(q_views, wg), _parts(do_views, wg)
-    shape = (bq, width)
-    ids = {}
-    if mask.has_ids:
-      kv_ids = load_ids(kv_ids_ref, batch, kv_tile(j) * bkv, width, COL)
-      ids = dict(q_ids=lax.broadcast_in_dim(q_ids, shape, [0]),
-                 kv_ids=lax.broadcast_in_dim(kv_ids, shape, [1]))
+    tile = (cta.batch, pl.ds(cta.kv_tile(j) * bkv, bkv), cta.kv_head)
+    for views, ref, ready, free in ((k_views, k_ref, k_ready, k_free),
+                                    (v_views, v_ref, v_ready, v_free)):
+      @pl.when(j >= stages)
+      def _():
+        plgpu.barrier_wait(free.at[ring])
+      for (copy, _), cols in zip(views, cta.part_columns):
+        plgpu.copy_gmem_to_smem(ref.at[(*tile, cols)], copy.at[ring],
+                                ready.at[ring])
+      if cta.fp8 and ref is k_ref:
+        plgpu.copy_gmem_to_smem(
+            cta.extras.kt.at[cta.batch, cta.kv_head, :, tile[1]],
+            cta.scratch["fp8"]["kt"].at[ring], ready.at[ring])
+  await_last_releases(cta.steps, stages, k_free, v_free)
 
-    def positions():
-      return q_start + _iota(shape, 0), kv_tile(j) * bkv + _iota(shape, 1)
-    rows_cols = positions() if coords else None
 
-    def s_dp(s_acc, dp_acc):
-      plgpu.barrier_wait(k_ready.at[ring])
-      for q_smem, k_smem in zip(q_smems, k_smems):
-        plgpu.wgmma(s_acc, q_smem, k_smem.T)
-      plgpu.barrier_wait(v_ready.at[ring])
-      for do_smem, v_smem in zip(do_smems, v_smems):
-        plgpu.wgmma(dp_acc, do_smem, v_smem.T)
-      s = plgpu.wgmma_accumulator_load(s_acc, wait_n=num_parts)  # dP runs.
-      tile = lo + j
-      p, aux = _probabilities(
-          s, lax.broadcast_in_dim(lse, shape, [0]),
-          (tile < full_lo) | (tile >= full_hi), mask=mask, scores=scores,
-          kv_len=kv_len, positions=positions, rows_cols=rows_cols, ids=ids,
-          pair=(rows, pl.ds(kv_tile(j) * bkv, width)),
-          refs=(slopes_ref, bias_ref, dense_ref), batch=batch, head=head,
-          c_scale=scales_ref[batch, kv_head, 0] if fp8 else None)
-      # P times the scores' derivative, all dS needs of P and aux.
-      return scores.dqk(p, aux), dp_acc[...]
-    pd, dp = pl.run_scoped(s_dp, plgpu.ACC(shape, jnp.float32),
-                           plgpu.ACC(shape, jnp.float32))
-    plgpu.barrier_arrive(v_free.at[ring])
-    if fp8:  # carry: dQ and the running row maxima of |dS|.
-      dq, m = carry
-      ds_smem = fp8_smem["ds"].at[wg]
-      m, alpha = _quantize_ds(
-          pd * (dp * scales_ref[batch, kv_head, 1]
-                - lax.broadcast_in_dim(delta, shape, [0])), m, ds_smem,
-          e4m3)
-      dq = _fp8_product(dq, alpha, ds_smem, fp8_smem["kt"].at[ring].T)
-      plgpu.barrier_arrive(k_free.at[ring])
-      return dq, m
-    dp = dropped(dp, scores, seed_ref, batch, head,
-                 *(rows_cols or (None, None)))
-    ds = (pd * (dp - lax.broadcast_in_dim(delta, shape, [0]))).astype(dtype)
-    for dq_acc, k_smem in zip(dq_accs, k_smems):
-      plgpu.wgmma(dq_acc, ds, k_smem)
-    plgpu.wgmma_wait(0)
+def _dq_step(cta: _Dq, j, carry, dq_accs, lse, delta, q_ids, width):
+  """Step j on the first `width` rows of its K/V tile (`tail_rows`): S =
+  Q K^T and dP = dO V^T, P, dS, then dQ += dS K (in FP8 with dS scaled per
+  row: `_quantize_ds`)."""
+  mask, extras, fp8 = cta.mask, cta.extras, cta.fp8
+  bq, bkv = cta.blocks.block_q_dq, cta.blocks.block_kv_dq
+  q_views, do_views, k_views, v_views = cta.views
+  _, k_ready, v_ready = cta.scratch["ready"]
+  k_free, v_free = cta.scratch["free"]
+  num_parts = len(cta.layout.parts)
+  ring = lax.rem(j, cta.blocks.num_stages_bwd)
+  k_smems, v_smems = (_parts(views, ring, width)
+                      for views in (k_views, v_views))
+  q_smems, do_smems = _parts(q_views, cta.wg), _parts(do_views, cta.wg)
+  shape = (bq, width)
+  ids = {}
+  if mask.has_ids:
+    kv_ids = load_ids(extras.kv_ids, cta.batch, cta.kv_tile(j) * bkv, width,
+                      COL)
+    ids = dict(q_ids=lax.broadcast_in_dim(q_ids, shape, [0]),
+               kv_ids=lax.broadcast_in_dim(kv_ids, shape, [1]))
+
+  def positions():
+    return cta.q_start + _iota(shape, 0), cta.kv_tile(j) * bkv + _iota(shape,
+                                                                       1)
+  rows_cols = positions() if needs_positions(mask, cta.scores) else None
+
+  def s_dp(s_acc, dp_acc):
+    plgpu.barrier_wait(k_ready.at[ring])
+    for q_smem, k_smem in zip(q_smems, k_smems):
+      plgpu.wgmma(s_acc, q_smem, k_smem.T)
+    plgpu.barrier_wait(v_ready.at[ring])
+    for do_smem, v_smem in zip(do_smems, v_smems):
+      plgpu.wgmma(dp_acc, do_smem, v_smem.T)
+    s = plgpu.wgmma_accumulator_load(s_acc, wait_n=num_parts)  # dP runs.
+    lo, full_lo, full_hi, _ = cta.ranges
+    tile = lo + j
+    p, aux = _probabilities(
+        s, lax.broadcast_in_dim(lse, shape, [0]),
+        (tile < full_lo) | (tile >= full_hi), mask=mask, scores=cta.scores,
+        kv_len=cta.kv_len, positions=positions, rows_cols=rows_cols,
+        ids=ids, pair=(cta.rows, pl.ds(cta.kv_tile(j) * bkv, width)),
+        refs=(extras.slopes, extras.bias, extras.dense), batch=cta.batch,
+        head=cta.head,
+        c_scale=extras.scales[cta.batch, cta.kv_head, 0] if fp8 else None)
+    # P times the scores' derivative, all dS needs of P and aux.
+    return cta.scores.dqk(p, aux), dp_acc[...]
+  pd, dp = pl.run_scoped(s_dp, plgpu.ACC(shape, jnp.float32),
+                         plgpu.ACC(shape, jnp.float32))
+  plgpu.barrier_arrive(v_free.at[ring])
+  if fp8:  # carry: dQ and the running row maxima of |dS|.
+    dq, m = carry
+    fp8_smem = cta.scratch["fp8"]
+    ds_smem = fp8_smem["ds"].at[cta.wg]
+    m, alpha = _quantize_ds(
+        pd * (dp * extras.scales[cta.batch, cta.kv_head, 1]
+              - lax.broadcast_in_dim(delta, shape, [0])), m, ds_smem,
+        cta.e4m3)
+    dq = _fp8_product(dq, alpha, ds_smem, fp8_smem["kt"].at[ring].T)
     plgpu.barrier_arrive(k_free.at[ring])
-    return carry
+    return dq, m
+  dp = dropped(dp, cta.scores, extras.seed, cta.batch, cta.head,
+               *(rows_cols or (None, None)))
+  ds = (pd * (dp - lax.broadcast_in_dim(delta, shape, [0]))).astype(
+      cta.refs[0].dtype)
+  for dq_acc, k_smem in zip(dq_accs, k_smems):
+    plgpu.wgmma(dq_acc, ds, k_smem)
+  plgpu.wgmma_wait(0)
+  plgpu.barrier_arrive(k_free.at[ring])
+  return carry
 
-  def release(j, carry):
-    """A step of a warpgroup whose query rows all lie at or past q_len."""
-    _release(lax.rem(j, stages), (k_ready, k_free), (v_ready, v_free))
-    return carry
 
-  def consumer():
-    for views, ref, ready in ((q_views, q_ref, q_ready.at[0, wg]),
-                              (do_views, do_ref, q_ready.at[1, wg])):
-      for (copy, _), cols in zip(views, part_columns):
-        plgpu.copy_gmem_to_smem(ref.at[batch, rows, head, cols],
-                                copy.at[wg], ready)
-    lse = plgpu.load(lse_ref.at[batch, head, rows], layout=ROW,
+def _dq_release(cta: _Dq, j, carry):
+  """A step of a warpgroup whose query rows all lie at or past q_len."""
+  _, k_ready, v_ready = cta.scratch["ready"]
+  k_free, v_free = cta.scratch["free"]
+  _release(lax.rem(j, cta.blocks.num_stages_bwd), (k_ready, k_free),
+           (v_ready, v_free))
+  return carry
+
+
+def _dq_consumer(cta: _Dq):
+  """A consumer warpgroup: its Q and dO rows, L and D, the steps, then dQ
+  (times the softmax scale) through Q's shared memory."""
+  q_ref, _, _, do_ref, lse_ref, delta_ref, dq_ref = cta.refs
+  q_views, do_views, _, _ = cta.views
+  q_ready = cta.scratch["ready"][0]
+  batch, head, rows, wg = cta.batch, cta.head, cta.rows, cta.wg
+  bq, bkv, kv_len = cta.blocks.block_q_dq, cta.blocks.block_kv_dq, cta.kv_len
+  for views, ref, ready in ((q_views, q_ref, q_ready.at[0, wg]),
+                            (do_views, do_ref, q_ready.at[1, wg])):
+    for (copy, _), cols in zip(views, cta.part_columns):
+      plgpu.copy_gmem_to_smem(ref.at[batch, rows, head, cols], copy.at[wg],
+                              ready)
+  lse = plgpu.load(lse_ref.at[batch, head, rows], layout=ROW,
+                   optimized=False)
+  delta = plgpu.load(delta_ref.at[batch, head, rows], layout=ROW,
                      optimized=False)
-    delta = plgpu.load(delta_ref.at[batch, head, rows], layout=ROW,
-                       optimized=False)
-    q_ids = load_ids(q_ids_ref, batch, q_start, bq, ROW)
-    plgpu.barrier_wait(q_ready.at[0, wg])
-    plgpu.barrier_wait(q_ready.at[1, wg])
+  q_ids = load_ids(cta.extras.q_ids, batch, cta.q_start, bq, ROW)
+  plgpu.barrier_wait(q_ready.at[0, wg])
+  plgpu.barrier_wait(q_ready.at[1, wg])
+  dtype = q_ref.dtype
 
-    def run(*dq_accs, carry=None):
-      carry = lax.fori_loop(0, steps, functools.partial(
-          _with_tail, step, lambda j: kv_tile(j) == last_tile, bkv,
-          bkv if fp8 else tail_rows(kv_len, bkv,
-                                    layout.contraction_rows(dtype)),
-          dq_accs=dq_accs, lse=lse, delta=delta,
-          q_ids=q_ids), carry)
-      return carry if fp8 else [acc[...] for acc in dq_accs]
-    if fp8:  # dS's row scales (m / 448), K's and the softmax scale.
-      dq, m = run(carry=(_zeros((bq, layout.width)), _zeros((bq,), ROW)))
-      out = fp8_smem["out"].at[wg]
-      _store([(out, out, dq * lax.broadcast_in_dim(
-          m * scales_ref[batch, kv_head, 4], dq.shape, [0]), dq_ref,
-               part_columns[0])], (batch, rows, head), dq_ref.dtype)
-      return
-    dq = pl.run_scoped(run, *[plgpu.ACC((bq, width), jnp.float32)
-                              for _, width in layout.parts])
-    _store([(copy.at[wg], mma.at[wg], part * scores.scale, dq_ref, cols)
-            for (copy, mma), part, cols in zip(q_views, dq, part_columns)],
-           (batch, rows, head), dtype)
+  def run(*dq_accs, carry=None):
+    carry = lax.fori_loop(0, cta.steps, functools.partial(
+        _with_tail, functools.partial(_dq_step, cta),
+        lambda j: cta.kv_tile(j) == cta.last_tile, bkv,
+        bkv if cta.fp8 else tail_rows(kv_len, bkv,
+                                      cta.layout.contraction_rows(dtype)),
+        dq_accs=dq_accs, lse=lse, delta=delta, q_ids=q_ids), carry)
+    return carry if cta.fp8 else [acc[...] for acc in dq_accs]
+  if cta.fp8:  # dS's row scales (m / 448), K's and the softmax scale.
+    dq, m = run(carry=(_zeros((bq, cta.layout.width)), _zeros((bq,), ROW)))
+    out = cta.scratch["fp8"]["out"].at[wg]
+    _store([(out, out, dq * lax.broadcast_in_dim(
+        m * cta.extras.scales[batch, cta.kv_head, 4], dq.shape, [0]),
+             dq_ref, cta.part_columns[0])], (batch, rows, head),
+           dq_ref.dtype)
+    return
+  dq = pl.run_scoped(run, *[plgpu.ACC((bq, width), jnp.float32)
+                            for _, width in cta.layout.parts])
+  _store([(copy.at[wg], mma.at[wg], part * cta.scores.scale, dq_ref, cols)
+          for (copy, mma), part, cols in zip(q_views, dq, cta.part_columns)],
+         (batch, rows, head), dtype)
 
-  @pl.when(wg < wgs)
+
+def _dq_kernel(refs, extras: Extras, scratch, **statics):
+  """The dQ kernel: refs (q, k, v, do, lse, delta, dq): q/do/dq [B, T, N,
+  H], k/v [B, S, K, H], lse/delta [B, N, T'] (T' >= T: whole tiles); keys
+  at or past kv_len (<= S: XLA's padding) are masked, tiles past T or S
+  read zeros and store nothing there. `extras`: `Extras` of refs.
+  `layout`: the head dim's column parts (`layout.Columns`, as
+  `_dkv_kernel`'s). The last warpgroup streams K and V tiles
+  (`_dq_producer`); each consumer owns `block_q_dq` query rows
+  (`_dq_consumer`), a consumer with no query rows (257 queries: the last
+  CTA's second) only releasing its slots.
+
+  With `fp8` (as `_dkv_kernel`'s): `extras.kt` holds K transposed, [B, K,
+  H, S'] (for dQ += dS K), streamed beside K; dQ is carried as a value
+  and staged in scratch's `fp8` buffers, with each warpgroup's e4m3 dS."""
+  cta = _dq_cta(refs, extras, scratch, **statics)
+  pl.when(cta.wg == cta.wgs)(lambda: _dq_producer(cta))
+
+  @pl.when(cta.wg < cta.wgs)
   def _():
-    plgpu.set_max_registers(blocks.consumer_registers(wgs),
+    plgpu.set_max_registers(cta.blocks.consumer_registers(cta.wgs),
                             action="increase")
-    # A warpgroup with no query rows (257 queries: the last CTA's second)
-    # only releases its slots, so the other's 64 rows run alone.
-    idle = q_start >= q_ref.shape[1]
-    pl.when(idle)(lambda: lax.fori_loop(0, steps, release, None))
-    pl.when(~idle)(consumer)
+    idle = cta.q_start >= cta.refs[0].shape[1]
+    pl.when(idle)(lambda: lax.fori_loop(
+        0, cta.steps, functools.partial(_dq_release, cta), None))
+    pl.when(~idle)(lambda: _dq_consumer(cta))
 
 
 def fp8_backward_operands(operands: Operands, do, softmax_scale: float,
@@ -811,6 +1034,191 @@ def fp8_backward_operands(operands: Operands, do, softmax_scale: float,
   scales = jnp.stack([sq * sk, sv * sdo, sdo / fp8_lib.E4M3_MAX, sq * scale,
                       sk * scale], axis=-1).astype(jnp.float32)
   return q8, k8, v8, do8, transposed, scales
+
+
+@dataclasses.dataclass(frozen=True)
+class _Launch:
+  """What both backward kernels' launches share (`flash_backward`)."""
+  mask: Mask
+  scores: Scores
+  blocks: BlockSizes
+  layout: Columns
+  operands: Operands
+  q_len: int
+  kv_len: int
+  tp: int  # Queries and keys the kernels' tiles cover.
+  sp: int
+  kv_cols: int  # Both kernels' key tiles cover.
+  kv_rows: int  # A dK/dV CTA's key rows.
+  wgs: int  # The dQ kernel's consumer warpgroups.
+  split: bool
+  dtype: object
+  out_dtype: object
+  fp8: bool
+  ids: tuple  # (q_ids, kv_ids) padded to both kernels' tiles.
+  num_heads: int
+  num_kv_heads: int
+  batch: int
+
+  @property
+  def widths(self):
+    return [w for _, w in self.layout.parts]
+
+  @property
+  def kernel_args(self) -> dict:
+    return dict(mask=self.mask, scores=self.scores, blocks=self.blocks,
+                group=self.num_heads // self.num_kv_heads,
+                kv_len=self.kv_len, layout=self.layout, fp8=self.fp8)
+
+  def buffers(self, lead, rows):
+    """One tile buffer a column part, [*lead, rows, width]."""
+    untiled = all(self.layout.untiled)
+    return tuple(tile_buffer((*lead, rows, w), self.dtype,
+                             smem_transforms(self.dtype, w), untiled)
+                 for w in self.widths)
+
+  def table(self, transposed: bool):
+    """The range table of one kernel's CTA rows, or None."""
+    blocks, ops = self.blocks, self.operands
+    kinds_and_ids = (ops.tile_kinds, ops.q_ids, ops.kv_ids)
+    if transposed:
+      return range_table(self.mask, *kinds_and_ids, self.kv_rows,
+                         blocks.block_q_dkv, self.q_len, self.kv_len,
+                         self.sp // self.kv_rows, transposed=True)
+    rows = self.wgs * blocks.block_q_dq
+    return range_table(self.mask, *kinds_and_ids, rows, blocks.block_kv_dq,
+                       self.q_len, self.kv_len, self.tp // rows)
+
+  def body(self, kernel, extras: Extras):
+    """A kernel's body: its refs (6 inputs, extras, outputs) split."""
+    def run(*refs, **scratch):
+      inputs, extra_refs, outputs = split_refs(refs, 6, extras)
+      kernel(inputs + outputs, extra_refs, scratch, **self.kernel_args)
+    return run
+
+  def fp8_tiles(self, shape, minor):
+    """An e4m3 tile buffer for wgmma, its minor dim `minor` wide."""
+    e4m3 = fp8_lib.E4M3
+    return plgpu.SMEM(shape, e4m3, transforms=smem_transforms(e4m3, minor))
+
+  def staging(self, shape):
+    """FP8's bfloat16 buffer that gradient tiles are stored through."""
+    return plgpu.SMEM(shape, self.out_dtype, transforms=smem_transforms(
+        self.out_dtype, self.layout.width))
+
+
+def _dq_call(launch: _Launch, inputs, kt8, fp8_scales):
+  """The dQ kernel's launch: grid (heads, query tiles, batch)."""
+  blocks, ops, fp8 = launch.blocks, launch.operands, launch.fp8
+  tp, kv_cols, wgs = launch.tp, launch.kv_cols, launch.wgs
+  parts, stages = len(launch.widths), blocks.num_stages_bwd
+  dq_rows, kv_tile = blocks.block_q_dq, blocks.block_kv_dq
+  extras = Extras(
+      table=launch.table(False), slopes=ops.alibi_slopes,
+      q_ids=launch.ids[0], kv_ids=launch.ids[1], seed=ops.dropout_seed,
+      dense=pad_pairs(ops.dense_mask, tp, kv_cols),
+      bias=pad_pairs(ops.bias, tp, kv_cols), kt=kt8, scales=fp8_scales)
+  scratch = dict(
+      buffers=(launch.buffers((wgs,), dq_rows),
+               launch.buffers((wgs,), dq_rows),
+               launch.buffers((stages,), kv_tile),
+               launch.buffers((stages,), kv_tile)),
+      # One arrival a column part's copy (and K's slot: K^T's with fp8).
+      ready=(plgpu.Barrier(num_arrivals=parts, num_barriers=(2, wgs)),
+             plgpu.Barrier(num_arrivals=parts + fp8, num_barriers=stages),
+             plgpu.Barrier(num_arrivals=parts, num_barriers=stages)),
+      free=(plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),) * 2)
+  if fp8:
+    width = launch.layout.width
+    scratch["fp8"] = dict(
+        kt=launch.fp8_tiles((stages, width, kv_tile), kv_tile),
+        ds=launch.fp8_tiles((wgs, dq_rows, kv_tile), kv_tile),
+        out=launch.staging((wgs, dq_rows, width)))
+  q = inputs[0]
+  return plgpu.kernel(
+      launch.body(_dq_kernel, extras),
+      out_type=jax.ShapeDtypeStruct(q.shape, launch.out_dtype),
+      scratch_types=scratch,
+      grid=(launch.num_heads, tp // (wgs * dq_rows), launch.batch),
+      grid_names=("heads", "q_seq", "batch"),
+      num_threads=wgs + 1, thread_name="wg",
+      compiler_params=compiler_params(),
+      kernel_name="flash_attention_dq_mosaic",
+  )(*inputs, *present(extras))
+
+
+def _dkv_call(launch: _Launch, inputs, qt8, dot8, fp8_scales):
+  """The dK/dV kernel's launch: grid (KV heads, key tiles, batch); with
+  `fused_dq` also dQ (float32, unscaled). Returns (dk, dv, dq or None)."""
+  blocks, ops, fp8 = launch.blocks, launch.operands, launch.fp8
+  tp, kv_cols, width = launch.tp, launch.kv_cols, launch.layout.width
+  parts, stages = len(launch.widths), blocks.num_stages_bwd
+  dkv_rows, copies = blocks.block_kv_dkv, 1 if launch.split else COMPUTE_WGS
+  bq_dkv, dtype = blocks.block_q_dkv, launch.dtype
+  k = inputs[1]
+  kv_out = jax.ShapeDtypeStruct(k.shape, launch.out_dtype)
+  # With `fused_dq` the dK/dV kernel adds dS K into float32 zeros in place
+  # (a mutable array: the kernel's operand aliases it).
+  assert not blocks.fused_dq or width in FUSED_DQ_HEAD_DIMS, launch.widths
+  dq_sum = (jax.new_ref(jnp.zeros((launch.batch, tp, launch.num_heads,
+                                   width), jnp.float32))
+            if blocks.fused_dq else None)
+  extras = Extras(
+      table=launch.table(True), slopes=ops.alibi_slopes,
+      q_ids=launch.ids[0], kv_ids=launch.ids[1], seed=ops.dropout_seed,
+      dense=pad_pairs(ops.dense_mask, tp, kv_cols, transposed=True),
+      bias=pad_pairs(ops.bias, tp, kv_cols, transposed=True),
+      dq_sum=dq_sum, qt=qt8, dot=dot8, scales=fp8_scales)
+  scratch = dict(
+      buffers=(launch.buffers((copies,), dkv_rows),
+               launch.buffers((copies,), dkv_rows),
+               launch.buffers((stages,), bq_dkv),
+               launch.buffers((stages,), bq_dkv),
+               plgpu.SMEM((stages, bq_dkv), jnp.float32),
+               plgpu.SMEM((stages, bq_dkv), jnp.float32)),
+      # One arrival a column part's copy (and Q's slot: L's and D's; with
+      # fp8 each slot's transposed tile too).
+      ready=(plgpu.Barrier(num_arrivals=parts, num_barriers=(2, copies)),
+             plgpu.Barrier(num_arrivals=parts + 2 + fp8,
+                           num_barriers=stages),
+             plgpu.Barrier(num_arrivals=parts + fp8, num_barriers=stages)),
+      free=(plgpu.Barrier(num_arrivals=COMPUTE_WGS,
+                          num_barriers=stages),) * 2)
+  # Both warpgroups read K/V of the other's rows (head dims above 128, or
+  # `fused_dq`'s exchange of dS): they meet at `done` before writing dK/dV
+  # through K/V's shared memory.
+  exchange = blocks.fused_dq and fused_dq_columns(width) < width
+  if launch.split or exchange or fp8:
+    scratch["done"] = plgpu.Barrier(num_arrivals=COMPUTE_WGS)
+  if fp8:  # The Q^T and dO^T ring, whose memory dK's and dV's staging takes
+    # after the loop; each warpgroup's P^T and dS^T.
+    scratch["fp8"] = dict(
+        ring=plgpu.RefUnion(
+            (launch.fp8_tiles((stages, width, bq_dkv), bq_dkv),
+             launch.fp8_tiles((stages, width, bq_dkv), bq_dkv)),
+            launch.staging((2, copies, dkv_rows, width))),
+        p=launch.fp8_tiles((COMPUTE_WGS, dkv_rows, bq_dkv), bq_dkv),
+        ds=launch.fp8_tiles((COMPUTE_WGS, dkv_rows, bq_dkv), bq_dkv))
+  if blocks.fused_dq:
+    dq_width = fused_dq_columns(width)
+    scratch["fused"] = dict(
+        ds=plgpu.SMEM((2, COMPUTE_WGS, dkv_rows, bq_dkv), dtype,
+                      transforms=smem_transforms(dtype, bq_dkv)),
+        dq=plgpu.SMEM((COMPUTE_WGS, bq_dkv, dq_width), jnp.float32,
+                      transforms=smem_transforms(jnp.float32, dq_width)),
+        **({"ds_ready": plgpu.Barrier(num_arrivals=COMPUTE_WGS)}
+           if exchange else {}))
+  dk, dv = plgpu.kernel(
+      launch.body(_dkv_kernel, extras),
+      out_type=(kv_out, kv_out),
+      scratch_types=scratch,
+      grid=(launch.num_kv_heads, launch.sp // launch.kv_rows, launch.batch),
+      grid_names=("heads", "kv_seq", "batch"),
+      num_threads=COMPUTE_WGS + 1, thread_name="wg",
+      compiler_params=compiler_params(),
+      kernel_name="flash_attention_dkv_mosaic",
+  )(*inputs, *present(extras))
+  return dk, dv, dq_sum
 
 
 def flash_backward(q, k, v, operands: Operands, delta, lse, do, *,
@@ -842,7 +1250,6 @@ def flash_backward(q, k, v, operands: Operands, delta, lse, do, *,
   fp8 = bool(scores.fp8)
   layout = (Columns(((0, q.shape[3]),), (False, False)) if fp8 else
             backward_columns(q.dtype, q.shape[3], q_len, kv_len, blocks))
-  widths = [w for _, w in layout.parts]
   split, wgs = split_dkv(layout.width), dq_warpgroups(layout.width)
   kv_rows = blocks.block_kv_dkv * (1 if split else COMPUTE_WGS)
   q_rows = math.lcm(wgs * blocks.block_q_dq, blocks.block_q_dkv)
@@ -856,7 +1263,6 @@ def flash_backward(q, k, v, operands: Operands, delta, lse, do, *,
                 tp, jnp.inf)
   untiled = all(layout.untiled)
   kv_cols = round_up(sp, blocks.block_kv_dq)  # Both kernels' key tiles.
-  out_dtype = jnp.dtype(jnp.bfloat16) if fp8 else q.dtype
   qt8 = dot8 = kt8 = fp8_scales = None
   if fp8:
     q, k, v, do, (qt8, dot8, kt8), fp8_scales = fp8_backward_operands(
@@ -866,148 +1272,20 @@ def flash_backward(q, k, v, operands: Operands, delta, lse, do, *,
     q, do = (pad_to(x.astype(q.dtype), 1, tma_rows(q_len, untiled))
              for x in (q, do))
     k, v = (pad_to(x, 1, tma_rows(kv_len, untiled)) for x in (k, v))
-  batch, _, num_heads, _ = q.shape
-  num_kv_heads = k.shape[2]
-  group = num_heads // num_kv_heads
-  dtype = q.dtype
-  params = compiler_params()
-  kernel_args = dict(mask=mask, scores=scores, blocks=blocks, group=group,
-                     kv_len=kv_len, layout=layout, fp8=fp8)
-  stages = blocks.num_stages_bwd
-
-  def buffers(lead, rows):
-    """One tile buffer a column part, [*lead, rows, width]."""
-    return tuple(tile_buffer((*lead, rows, w), dtype,
-                             smem_transforms(dtype, w), untiled)
-                 for w in widths)
-
-  def tables(transposed):
-    """The range table of one kernel's CTA rows, or None."""
-    kinds_and_ids = (operands.tile_kinds, operands.q_ids, operands.kv_ids)
-    if transposed:
-      return range_table(mask, *kinds_and_ids, kv_rows, blocks.block_q_dkv,
-                         q_len, kv_len, sp // kv_rows, transposed=True)
-    rows = wgs * blocks.block_q_dq
-    return range_table(mask, *kinds_and_ids, rows, blocks.block_kv_dq, q_len,
-                       kv_len, tp // rows)
-
-  # Ids and per-pair operands padded once to both kernels' rows (the dK/dV
-  # kernel reads the per-pair ones transposed).
-  ids = pad_ids(operands.q_ids, operands.kv_ids, tp, kv_cols)
-
-  def flat(refs, extras):
-    """A kernel's refs (6 inputs, extras, outputs), None for absent extras."""
-    inputs, extra_refs, outputs = split_refs(refs, 6, extras)
-    return inputs + extra_refs + outputs
-
-  parts = len(widths)
-  width = layout.width
-  e4m3 = fp8_lib.E4M3
-
-  def fp8_tiles(shape, minor):
-    """An e4m3 tile buffer for wgmma, its minor dim `minor` wide."""
-    return plgpu.SMEM(shape, e4m3, transforms=smem_transforms(e4m3, minor))
-
-  def staging(shape):
-    """FP8's bfloat16 buffer that gradient tiles are stored through."""
-    return plgpu.SMEM(shape, out_dtype,
-                      transforms=smem_transforms(out_dtype, width))
-
+  launch = _Launch(
+      mask=mask, scores=scores, blocks=blocks, layout=layout,
+      operands=operands, q_len=q_len, kv_len=kv_len, tp=tp, sp=sp,
+      kv_cols=kv_cols, kv_rows=kv_rows, wgs=wgs, split=split,
+      dtype=q.dtype, out_dtype=jnp.dtype(jnp.bfloat16) if fp8 else q.dtype,
+      fp8=fp8,
+      # Ids and per-pair operands padded once to both kernels' rows (the
+      # dK/dV kernel reads the per-pair ones transposed).
+      ids=pad_ids(operands.q_ids, operands.kv_ids, tp, kv_cols),
+      num_heads=q.shape[2], num_kv_heads=k.shape[2], batch=q.shape[0])
+  inputs = (q, k, v, do, lse2, delta)
   if not blocks.fused_dq:
-    dq_rows, kv_tile = blocks.block_q_dq, blocks.block_kv_dq
-    dq_extras = (tables(False), operands.alibi_slopes, *ids,
-                 operands.dropout_seed,
-                 *(pad_pairs(x, tp, kv_cols)
-                   for x in (operands.dense_mask, operands.bias)), kt8,
-                 fp8_scales)
-    dq_scratch = dict(
-        buffers=(buffers((wgs,), dq_rows), buffers((wgs,), dq_rows),
-                 buffers((stages,), kv_tile),
-                 buffers((stages,), kv_tile)),
-        # One arrival a column part's copy (and K's slot: K^T's with fp8).
-        ready=(plgpu.Barrier(num_arrivals=parts, num_barriers=(2, wgs)),
-               plgpu.Barrier(num_arrivals=parts + fp8, num_barriers=stages),
-               plgpu.Barrier(num_arrivals=parts, num_barriers=stages)),
-        free=(plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),) * 2)
-    if fp8:
-      dq_scratch["fp8"] = dict(
-          kt=fp8_tiles((stages, width, kv_tile), kv_tile),
-          ds=fp8_tiles((wgs, dq_rows, kv_tile), kv_tile),
-          out=staging((wgs, dq_rows, width)))
-    dq = plgpu.kernel(
-        lambda *refs, **scratch: _dq_kernel(
-            *flat(refs, dq_extras), scratch, **kernel_args),
-        out_type=jax.ShapeDtypeStruct(q.shape, out_dtype),
-        scratch_types=dq_scratch,
-        grid=(num_heads, tp // (wgs * dq_rows), batch),
-        grid_names=("heads", "q_seq", "batch"),
-        num_threads=wgs + 1, thread_name="wg",
-        compiler_params=params, kernel_name="flash_attention_dq_mosaic",
-    )(q, k, v, do, lse2, delta, *(x for x in dq_extras if x is not None))
-
-  dkv_rows, copies = blocks.block_kv_dkv, 1 if split else COMPUTE_WGS
-  bq_dkv = blocks.block_q_dkv
-  kv_out = jax.ShapeDtypeStruct(k.shape, out_dtype)
-  # With `fused_dq` the dK/dV kernel adds dS K into float32 zeros in place
-  # (a mutable array: the kernel's operand aliases it).
-  assert not blocks.fused_dq or layout.width in FUSED_DQ_HEAD_DIMS, widths
-  dq_sum = (jax.new_ref(jnp.zeros((batch, tp, num_heads, layout.width),
-                                  jnp.float32))
-            if blocks.fused_dq else None)
-  dkv_extras = (tables(True), operands.alibi_slopes, *ids,
-                operands.dropout_seed,
-                *(pad_pairs(x, tp, kv_cols, transposed=True)
-                  for x in (operands.dense_mask, operands.bias)), dq_sum,
-                qt8, dot8, fp8_scales)
-  scratch = dict(
-      buffers=(buffers((copies,), dkv_rows), buffers((copies,), dkv_rows),
-               buffers((stages,), bq_dkv), buffers((stages,), bq_dkv),
-               plgpu.SMEM((stages, bq_dkv), jnp.float32),
-               plgpu.SMEM((stages, bq_dkv), jnp.float32)),
-      # One arrival a column part's copy (and Q's slot: L's and D's; with
-      # fp8 each slot's transposed tile too).
-      ready=(plgpu.Barrier(num_arrivals=parts, num_barriers=(2, copies)),
-             plgpu.Barrier(num_arrivals=parts + 2 + fp8,
-                           num_barriers=stages),
-             plgpu.Barrier(num_arrivals=parts + fp8, num_barriers=stages)),
-      free=(plgpu.Barrier(num_arrivals=COMPUTE_WGS,
-                          num_barriers=stages),) * 2)
-  # Both warpgroups read K/V of the other's rows (head dims above 128, or
-  # `fused_dq`'s exchange of dS): they meet at `done` before writing dK/dV
-  # through K/V's shared memory.
-  exchange = (blocks.fused_dq
-              and fused_dq_columns(layout.width) < layout.width)
-  if split or exchange or fp8:
-    scratch["done"] = plgpu.Barrier(num_arrivals=COMPUTE_WGS)
-  if fp8:  # The Q^T and dO^T ring, whose memory dK's and dV's staging takes
-    # after the loop; each warpgroup's P^T and dS^T.
-    scratch["fp8"] = dict(
-        ring=plgpu.RefUnion(
-            (fp8_tiles((stages, width, bq_dkv), bq_dkv),
-             fp8_tiles((stages, width, bq_dkv), bq_dkv)),
-            staging((2, copies, dkv_rows, width))),
-        p=fp8_tiles((COMPUTE_WGS, dkv_rows, bq_dkv), bq_dkv),
-        ds=fp8_tiles((COMPUTE_WGS, dkv_rows, bq_dkv), bq_dkv))
+    dq = _dq_call(launch, inputs, kt8, fp8_scales)
+  dk, dv, dq_sum = _dkv_call(launch, inputs, qt8, dot8, fp8_scales)
   if blocks.fused_dq:
-    dq_width = fused_dq_columns(layout.width)
-    transforms = smem_transforms(dtype, bq_dkv)
-    scratch["fused"] = dict(
-        ds=plgpu.SMEM((2, COMPUTE_WGS, dkv_rows, bq_dkv), dtype,
-                      transforms=transforms),
-        dq=plgpu.SMEM((COMPUTE_WGS, bq_dkv, dq_width), jnp.float32,
-                      transforms=smem_transforms(jnp.float32, dq_width)),
-        **({"ds_ready": plgpu.Barrier(num_arrivals=COMPUTE_WGS)}
-           if exchange else {}))
-  dk, dv = plgpu.kernel(
-      lambda *refs, **scratch: _dkv_kernel(
-          *flat(refs, dkv_extras), scratch, **kernel_args),
-      out_type=(kv_out, kv_out),
-      scratch_types=scratch,
-      grid=(num_kv_heads, sp // kv_rows, batch),
-      grid_names=("heads", "kv_seq", "batch"),
-      num_threads=COMPUTE_WGS + 1, thread_name="wg",
-      compiler_params=params, kernel_name="flash_attention_dkv_mosaic",
-  )(q, k, v, do, lse2, delta, *(x for x in dkv_extras if x is not None))
-  if blocks.fused_dq:
-    dq = (dq_sum[...] * scores.scale).astype(dtype)
+    dq = (dq_sum[...] * scores.scale).astype(q.dtype)
   return dq[:, :q_len], dk[:, :kv_len], dv[:, :kv_len]
