@@ -12,7 +12,7 @@ batch 1, bf16, N query heads of H on K KV heads), forward+backward:
   pairs (the diagonal step, two causal and one full, does the same work).
 * all_gather: the balanced halves of a chunk (rows at offsets dL/2 and
   (2P-1-d)L/2, here d = 0) against all `total` keys, forward and backward
-  of each half timed apart (the per-device functions of `_sharding`).
+  of each half timed apart (the per-device functions of `context_parallel.lowerings`).
 * all_to_all: the whole sequence of N/P heads on K/P KV heads (K >= P).
 
 Each row: ms, TFLOP/s (causal FLOPs as the benchmark counts them), and the

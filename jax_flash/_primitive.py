@@ -35,8 +35,9 @@ from jax._src import dispatch  # The registry of device-bound lowerings.
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from jax_flash import (_dispatch, _kernel_cache, _sharding, blockwise, fa1,
-                       ring)
+from jax_flash import _dispatch, _kernel_cache, blockwise, fa1
+from jax_flash import context_parallel
+from jax_flash.context_parallel import ring
 from jax_flash.core import softmax
 from jax_flash.core.backend import differentiable_leaves
 from jax_flash.core.checks import check_qkv, x64_scope
@@ -58,7 +59,7 @@ class Config:
   context_parallel: str = "auto"
   # Inside a shard_map, the mesh axis (or axes) whose devices hold the
   # sequence in chunks, run by `context_parallel`'s ring or all_gather
-  # (`_sharding`'s `on_axis`); None: the arrays are the call's.
+  # (`context_parallel`'s `on_axis`); None: the arrays are the call's.
   sequence_axis: object = None
 
 
@@ -154,12 +155,12 @@ def _chunk_backward(q, k, v, operands: Operands, delta, lse, do, dlse,
                          _chunk_config(cfg, q, k, v))
 
 
-def _ring_of(cfg: Config, q, k, v, seq, size: int) -> ring._Ring:
+def _ring_of(cfg: Config, q, k, v, seq, size: int) -> ring.Ring:
   """The ring over mesh axes `seq` for this device's chunks (in the zigzag
   layout when causal: its two halves are the pairs' chunks). Sinks join
   the merge of the pairs' partials, not a pair's kernel."""
   p = check_qkv(q, k, v)
-  window, right = cfg.mask.band()  # A causal window (`_sharding._plan`).
+  window, right = cfg.mask.band()  # A causal window (`context_parallel.plan`).
   half = 2 if cfg.mask.is_causal and window is None else 1
   pair = dataclasses.replace(p, q_len=p.q_len // half,
                              kv_len=p.kv_len // half)
@@ -167,14 +168,14 @@ def _ring_of(cfg: Config, q, k, v, seq, size: int) -> ring._Ring:
       cfg, scores=dataclasses.replace(cfg.scores, sinks=False))
   part = _refit(cfg, pair, q.dtype, False)
   band = None if window is None else _refit(cfg, pair, q.dtype, True)
-  return ring._Ring(axis=seq, size=size, causal=right == 0,
+  return ring.Ring(axis=seq, size=size, causal=right == 0,
                     scores=cfg.scores, plan=part.plan, configs=part.configs,
                     window=window, band_plan=band and band.plan,
                     band_configs=band and band.configs)
 
 
 def _ring_forward(q, k, v, operands: Operands, seq, size, cfg: Config):
-  return ring._ring_forward(q, k, v, operands.q_ids, operands.kv_ids,
+  return ring.forward(q, k, v, operands.q_ids, operands.kv_ids,
                             operands.sinks, _ring_of(cfg, q, k, v, seq, size),
                             operands.dropout_seed)
 
@@ -184,7 +185,7 @@ def _ring_backward(q, k, v, operands: Operands, delta, lse, do, dlse, seq,
   """(dq, dk, dv, the operands' gradients: the sinks' over this device's
   queries, zeros for the ids)."""
   del dlse  # In delta; the ring's pairs take no bias that would read it.
-  dq, dk, dv = ring._ring_backward(q, k, v, operands.q_ids, operands.kv_ids,
+  dq, dk, dv = ring.backward(q, k, v, operands.q_ids, operands.kv_ids,
                                    delta, lse, do,
                                    _ring_of(cfg, q, k, v, seq, size),
                                    operands.dropout_seed)
@@ -196,16 +197,16 @@ def _ring_backward(q, k, v, operands: Operands, delta, lse, do, dlse, seq,
 
 
 # Batch-, head- and (without optional operands) sequence-sharded inputs
-# run shard by shard: see `_sharding`.
-_sharded_forward = _sharding.sharded_forward(
+# run shard by shard: see `context_parallel`.
+_sharded_forward = context_parallel.sharded_forward(
     _backend_forward, _chunk_forward, _ring_forward, _refit_why)
-_sharded_backward = _sharding.sharded_backward(
+_sharded_backward = context_parallel.sharded_backward(
     _local_backward, _chunk_backward, _ring_backward, _refit_why)
 
 
 def _partitioned(operands: Operands, cfg: Config) -> bool:
   """Use the partitioned op: several devices, and a call a device's shard
-  can take (`_sharding.splittable`: no dropout, no mod's arrays or mod
+  can take (`context_parallel.splittable`: no dropout, no mod's arrays or mod
   reading the batch or head index).
 
   (On one device there is nothing to partition, and the plain call also
@@ -213,7 +214,7 @@ def _partitioned(operands: Operands, cfg: Config) -> bool:
   shards carry their e4m3 values (`Operands.fp8_q`, ...).
   """
   return (jax.device_count() > 1 and cfg.sequence_axis is None
-          and _sharding.splittable(operands, cfg.mask, cfg.scores))
+          and context_parallel.splittable(operands, cfg.mask, cfg.scores))
 
 
 def _forward(q, k, v, operands: Operands, cfg: Config):
@@ -292,7 +293,7 @@ def _tangent_jit(cfg: Config, tree):
 
 def _twins(name):
   """(primitive, its twin for a call whose lowering splits it over devices:
-  `_sharding`'s custom_partitioning, which needs the program's devices as
+  `context_parallel`'s custom_partitioning, which needs the program's devices as
   it lowers)."""
   prims = (Primitive(name), Primitive(name + "_partitioned"))
   for prim in prims:

@@ -7,7 +7,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jax_flash import _dispatch, _primitive, _sequence_axis, fa1
+from jax_flash import _dispatch, _primitive, fa1
+from jax_flash.context_parallel.sequence_axis import attend as attend_on_axis
 from jax_flash.core import checks, device, dropout
 from jax_flash.core import fp8 as fp8_lib
 from jax_flash.core.mask import Mask
@@ -314,17 +315,17 @@ def attend(query, key, value, options: Options):
   already `Options` (the Flax modules build theirs once)."""
   query, key, value = checks.common_rank(query, key, value)
   if options.sequence_axis is not None:
-    return _sequence_axis.attend(_attention, query, key, value, options)
+    return attend_on_axis(_attention, query, key, value, options)
   return _attention(query, key, value, options)
 
 
 def _attention(query, key, value, options: Options, head_offset=None):
   """`flash_attention` on one device's arrays; `head_offset` (traced int or
   None): the place of its first query head among the whole call's, where
-  dropout's keep bits are drawn (`_sequence_axis`); with
+  dropout's keep bits are drawn (`context_parallel.sequence_axis`); with
   `options.sequence_axis`, the arrays are chunks of the sequence over that
   shard_map axis, run by the ring or all_gather `options.context_parallel`
-  names (`_sequence_axis`)."""
+  names (`context_parallel.sequence_axis`)."""
   o = options
   query, scale, descale = _fold_scale(query, o.scale, o.descale)
   query, key, value, out_dtype, fp8_operands = _fp8_inputs(

@@ -79,14 +79,14 @@ def test_query_chunk_at_offsets_matches_whole_rows(case, implementation):
 
 
 def test_cost_model_orders_the_strategies():
-  """`_sharding.cost`, elements a device sends: all_to_all the least where
+  """`plan.cost`, elements a device sends: all_to_all the least where
   it runs; ring_all_to_all (all_to_all over 4 of 8 devices, a ring of 2)
   under all_gather with few KV heads; ring never under all_gather."""
-  from jax_flash import _sharding
+  from jax_flash.context_parallel import plan
   shape = dict(p=8, q_rows=16, kv_rows=16, heads=8, kv_heads=4,
                head_dims=64, kv_seq=True, inner=4)
   for balanced in (False, True):
-    cost = {s: _sharding.cost(s, balanced=balanced, **shape)
+    cost = {s: plan.cost(s, balanced=balanced, **shape)
             for s in STRATEGIES[1:]}
     q, kv = 16 * 8 * 64, 16 * 4 * 64
     assert cost["all_to_all"] == (q + kv) * 7 // 8

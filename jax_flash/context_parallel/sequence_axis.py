@@ -8,7 +8,7 @@ is a JAX collective or array op, so gradients, vmap and shard_map's checks
 of varying values follow from JAX's own rules. With context_parallel
 "ring" or "all_gather" the primitive itself runs that strategy's
 per-device function on the chunks, the code a sequence-sharded call under
-jit runs (`_sharding`), its collectives over the axis inside the
+jit runs (`partition`), its collectives over the axis inside the
 primitive's lowering."""
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
-from jax_flash._sharding import localize
+from jax_flash.context_parallel.collectives import localize
 from jax_flash.core.options import Options
 
 
@@ -35,7 +35,7 @@ def _axis_size(axis) -> int:
 
 def _pairs(x, name: str, num_heads: int, q_chunk: int, kv_chunk: int,
            kv_len: int, p: int):
-  """(a bias or mask as 4-D, its `_sharding.localize` factors): x
+  """(a bias or mask as 4-D, its `localize` factors): x
   broadcastable to [B, N, T / P, S] (its query rows a chunk, its keys
   whole), its dims of 1 factors of their own."""
   x = jnp.asarray(x)

@@ -1,0 +1,222 @@
+"""How a sharded call splits: its batch and heads as the query is sharded,
+its sequence by one of the strategies (`STRATEGIES`), chosen by the bytes
+a device sends (`cost`) among those that can run the call (`plan`; the
+optional arrays each strategy takes: `STRATEGY_OPERANDS`)."""
+from __future__ import annotations
+
+import dataclasses
+
+from jax.sharding import PartitionSpec as P
+
+from jax_flash.core.mask import Mask
+from jax_flash.core.operands import Operands
+from jax_flash.core.options import STRATEGIES
+from jax_flash.core.problem import Problem
+
+
+def axis_names(axes):
+  return () if axes is None else axes if isinstance(axes, tuple) else (axes,)
+
+
+def axes_size(mesh, axes) -> int:
+  size = 1
+  for name in axis_names(axes):
+    size *= mesh.shape[name]
+  return size
+
+
+def _spec(sharding, dim):
+  spec = getattr(sharding, "spec", P())
+  return spec[dim] if len(spec) > dim else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+  """How one call is split: mesh axes of the batch, the heads and the
+  sequence (None: not split), whether the keys are split along the
+  sequence too, the strategy of a split sequence, and whether its queries
+  are exchanged into balanced halves (all_gather, causal)."""
+  batch: object = None
+  heads: object = None
+  seq: object = None
+  kv_seq: bool = False
+  strategy: str | None = None
+  balanced: bool = False
+
+  def specs(self, shapes, kv_positions):
+    """The sharding spec of each of `shapes` ([B, L, N, H] or [B, N, L]);
+    those at `kv_positions` are keys, values or their gradients."""
+    def one(i, shape):
+      seq = self.seq if i not in kv_positions or self.kv_seq else None
+      if len(shape.shape) == 4:
+        return P(self.batch, seq, self.heads, None)
+      return P(self.batch, self.heads, seq)
+    return [one(i, s) for i, s in enumerate(shapes)]
+
+
+def cost(strategy: str, *, p: int, q_rows: int, kv_rows: int, heads: int,
+         kv_heads: int, head_dims: int, kv_seq: bool, balanced: bool,
+         inner: int = 1) -> int:
+  """Elements a device sends in a forward (its backward moves about twice
+  as many, in the same proportion), P devices along the sequence, each
+  holding `q_rows` queries of `heads` heads and `kv_rows` keys of
+  `kv_heads` heads (`head_dims`: query + value head dims). all_to_all:
+  (P-1)/P of its queries, keys, values and outputs; all_gather: its keys
+  and values to the P-1 others (none when the keys are not split), and
+  with balanced halves its queries and outputs (each half to a device);
+  ring: as all_gather, its keys and values also exchanged into the
+  balanced halves. (ring never sends fewer than all_gather: what it
+  spares is memory, one chunk of keys a device instead of all.)
+  ring_all_to_all: all_to_all over the last sequence axis (`inner`
+  devices), then a ring of blocks as large as a chunk over the P / inner
+  others."""
+  q, kv = q_rows * heads * head_dims, kv_rows * kv_heads * head_dims
+  if strategy == "all_to_all":
+    return (q + kv) * (p - 1) // p
+  if strategy == "ring_all_to_all":
+    return ((q + kv) * (inner - 1) // inner + kv * (p // inner - 1)
+            + (q + kv if balanced else 0))
+  if strategy == "ring":  # As all_gather, and keys into the zigzag too.
+    return kv * (p - 1) + (q + kv if balanced else 0)
+  return (kv * (p - 1) if kv_seq else 0) + (q if balanced else 0)
+
+
+def plan(mesh, arg_shapes, cfg, refit_why, refused=None) -> Split:
+  """The split of a call whose first three arguments are q, k, v: batch
+  and heads as the query is sharded (heads where whole GQA groups fit a
+  device), the sequence where the keys are sharded alike or not at all,
+  by the strategy `cfg.context_parallel` names (or the cheaper one);
+  `refused`: {strategy: why it cannot run} known beforehand."""
+  q, k, v = arg_shapes[:3]
+  batch, heads, seq = (_spec(q.sharding, d) for d in (0, 2, 1))
+  num_kv_heads = k.shape[2]
+  if heads is not None and num_kv_heads % axes_size(mesh, heads):
+    heads = None  # Whole GQA groups per device, or no head sharding.
+  k_seq = _spec(k.sharding, 1)
+  p = axes_size(mesh, seq)
+  if (seq is None or p == 1 or k_seq not in (None, seq)
+      or _spec(v.sharding, 1) != k_seq
+      or set(axis_names(seq)) & set(axis_names(batch) + axis_names(heads))):
+    return Split(batch, heads)
+  kv_seq = k_seq is not None
+  hs = axes_size(mesh, heads)
+  local = dict(p=p, q_rows=q.shape[1] // p,
+               kv_rows=k.shape[1] // p if kv_seq else k.shape[1],
+               heads=q.shape[2] // hs, kv_heads=num_kv_heads // hs,
+               head_dims=q.shape[3] + v.shape[3], kv_seq=kv_seq)
+  left, right = cfg.mask.band()
+  windowed = left is not None and right == 0  # Causal sliding windows.
+  balanced = cfg.mask.is_causal and local["q_rows"] % 2 == 0
+  why = dict(refused or {})
+  if not kv_seq:
+    why["all_to_all"] = "the keys are not sharded like the queries"
+  elif local["kv_heads"] % p:
+    why["all_to_all"] = (f"the {local['kv_heads']} KV heads a device holds "
+                         f"do not divide by the {p} devices of the sequence")
+  chunk = Problem(batch=q.shape[0] // axes_size(mesh, batch),
+                  q_len=local["q_rows"] // (2 if balanced else 1),
+                  kv_len=k.shape[1], num_heads=local["heads"],
+                  num_kv_heads=local["kv_heads"], head_dim=q.shape[3],
+                  unbatched=False, value_head_dim=v.shape[3])
+  offsets_why = "all_gather" not in why and refit_why(cfg, chunk, q.dtype,
+                                                     True)
+  if offsets_why:
+    why["all_gather"] = offsets_why
+  causal = cfg.mask.is_causal or windowed
+  ring_masks = (Mask(is_causal=causal),
+                Mask(is_causal=causal, has_ids=True, segments_only=True))
+  ring_mask = dataclasses.replace(cfg.mask, is_causal=causal,
+                                  window_left=None, window_right=None)
+
+  def ring_why(r: int, a: int):
+    """Why a ring over r devices cannot run, its blocks a chunks of the
+    sequence and 1 / a of the heads (or None)."""
+    if not kv_seq or q.shape[1] != k.shape[1]:
+      return "ring runs self-attention with keys sharded as queries"
+    if ring_mask not in ring_masks or (
+        (cfg.mask.window_left, cfg.mask.window_right) != (None, None)
+        and not windowed):
+      return ("ring runs causal or full masks and causal sliding windows, "
+              "alone or with segment ids (no lengths)")
+    if cfg.mask.is_causal and not balanced and not windowed:
+      return "a causal ring needs chunks of an even length"
+    rows = q.shape[1] // r // (2 if balanced and not windowed else 1)
+    pair = dataclasses.replace(chunk, q_len=rows, kv_len=rows,
+                               num_heads=local["heads"] // a,
+                               num_kv_heads=local["kv_heads"] // a)
+    return (refit_why(cfg, pair, q.dtype, False)
+            or (windowed and refit_why(cfg, pair, q.dtype, True)) or None)
+
+  axes = axis_names(seq)
+  local["inner"] = mesh.shape[axes[-1]] if len(axes) > 1 else 1
+  if "ring" not in why and (reason := ring_why(p, 1)):
+    why["ring"] = reason
+  if "ring_all_to_all" in why:  # Refused beforehand.
+    pass
+  elif len(axes) < 2:
+    why["ring_all_to_all"] = (
+        "ring_all_to_all needs the sequence sharded over several mesh "
+        "axes: a ring over the first, all_to_all over the last")
+  elif local["kv_heads"] % local["inner"]:
+    why["ring_all_to_all"] = (
+        f"the {local['kv_heads']} KV heads a device holds do not divide by "
+        f"the {local['inner']} devices of {axes[-1]!r}")
+  elif reason := ring_why(p // local["inner"], local["inner"]):
+    why["ring_all_to_all"] = reason
+  costs = {s: cost(s, balanced=balanced, **local) for s in STRATEGIES[1:]
+           if s not in why}
+  want = cfg.context_parallel
+  if want == "auto":
+    if not costs:  # Nothing fits: XLA gathers the sequence.
+      return Split(batch, heads)
+    want = min(costs, key=costs.get)
+  elif want in why:
+    raise ValueError(f"context_parallel={want!r} cannot run this call: "
+                     f"{why[want]}")
+  return Split(batch, heads, seq, kv_seq, want,
+                balanced and want != "all_to_all"
+                and not (windowed and want.startswith("ring")))
+
+
+# The optional arrays each strategy splits the sequence with; with others a
+# call's sequence stays whole. all_to_all: ids gathered whole, per-head
+# arrays cut to a device's heads, a bias (its gradient back to chunks) and
+# a dense mask (sharded along its queries,
+# every key's column on each device) moved to a device's heads with the
+# queries (gathered whole where it broadcasts over heads); its tile kinds
+# cover the whole sequence each device then holds. all_gather: key ids
+# gathered with the keys, query ids and a bias's rows cut with the queries
+# (its key dim whole on every device), per-head arrays whole, dropout's
+# bits at the queries' positions, a dense mask's rows cut with the queries
+# and its tile kinds taken again from a chunk's rows (`_at_offsets`; a
+# flex block mask's kinds, which cover the whole call's grid, are refused:
+# `refused_by`). ring: key ids travel with the keys, sinks join the merge,
+# dropout draws each pair's bits at its place (`ring._pair_seed`). FP8's
+# e4m3 arrays and scales (`_FP8`) move as q, k, v and the per-head arrays
+# do in all_to_all and all_gather; a ring's pairs would not get them.
+_FP8 = ("fp8_q", "fp8_k", "fp8_v", "fp8_scales")
+
+
+STRATEGY_OPERANDS = {
+    "all_to_all": frozenset(("q_ids", "kv_ids", "alibi_slopes", "sinks",
+                             "bias", "dense_mask", "tile_kinds",
+                             "dropout_seed", "q_offsets") + _FP8),
+    "all_gather": frozenset(("q_ids", "kv_ids", "alibi_slopes", "sinks",
+                             "bias", "dense_mask", "tile_kinds",
+                             "dropout_seed", "q_offsets") + _FP8),
+    "ring": frozenset(("q_ids", "kv_ids", "sinks", "dropout_seed")),
+    "ring_all_to_all": frozenset(),
+}
+
+
+def refused_by(operands: Operands) -> dict:
+  """{strategy: why it cannot run a call with `operands`}."""
+  present = {f.name for f in dataclasses.fields(Operands)
+             if getattr(operands, f.name) is not None}
+  refused = {name: f"{name} runs no {sorted(present - allowed)}"
+             for name, allowed in STRATEGY_OPERANDS.items()
+             if not present <= allowed}
+  if "tile_kinds" in present and "dense_mask" not in present:
+    refused.setdefault("all_gather", "all_gather runs no flex block mask "
+                       "(its tile kinds cover the whole call's grid)")
+  return refused

@@ -1,0 +1,303 @@
+"""The ring: each device holds a chunk of the sequence (queries, keys,
+values); the key/value chunks travel around the devices with `ppermute`
+while each device runs its (query chunk, key chunk) pairs on the flash
+kernels, merging the partial outputs by their logsumexps. The backward
+travels the ring again: dQ accumulates where the queries live, and the
+dK/dV partials travel with their keys and values back to their owners.
+
+Causal rings run in the balanced (zigzag) layout: the sequence cut into 2P
+chunks, device d holding chunks d and 2P-1-d, so that every device does the
+same work at every step (`lowerings.ring` moves the arrays into it).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import jax.numpy as jnp
+from jax import lax
+
+from jax_flash.context_parallel.collectives import moved
+from jax_flash.core import dropout, softmax
+from jax_flash.core.mask import Mask
+from jax_flash.core.operands import Operands
+from jax_flash.core.scores import Scores
+
+if TYPE_CHECKING:
+  from jax_flash._dispatch import Configs, Plan
+
+FULL, CAUSAL, SKIP = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Ring:
+  """This device's ring: over mesh axis (or axes) `axis` of `size`
+  devices, causal or not, each pair of chunks run by `plan`'s backends
+  with `configs`' block sizes."""
+  axis: str
+  size: int
+  causal: bool
+  scores: Scores
+  plan: Plan  # The backends of one pair of chunks,
+  configs: Configs  # and their block sizes.
+  # A causal sliding window of `window` keys to the left of each query
+  # (`Mask.window_left`): contiguous chunks (no zigzag), only the steps
+  # whose keys the window reaches (`_steps`); after the first, a pair's
+  # queries sit at an offset from its keys (`band_plan`, `band_configs`:
+  # the backends of such a pair).
+  window: int | None = None
+  band_plan: Plan | None = None
+  band_configs: Configs | None = None
+
+  @property
+  def zigzag(self) -> bool:
+    return self.causal and self.window is None
+
+
+def _steps(ring: Ring, chunk: int) -> int:
+  """How many key chunks a device's queries visit: all P, or with a window
+  of w keys to the left the chunks d - i with (i - 1) * chunk < w."""
+  if ring.window is None:
+    return ring.size
+  return min(ring.size, (ring.window - 1) // chunk + 2)
+
+
+def _masks(ids, ring: Ring):
+  """The masks of a pair's kinds FULL and CAUSAL (with segment ids if
+  given: the ring takes no lengths, so no id marks padding); with a
+  window, FULL is a key chunk before the queries' (at query offsets) and
+  CAUSAL the queries' own."""
+  has_ids = ids[0] is not None
+  kw = dict(has_ids=has_ids, segments_only=has_ids)
+  if ring.window is None:
+    return Mask(**kw), Mask(is_causal=True, **kw)
+  return (Mask(is_causal=True, window_left=ring.window, has_q_offsets=True,
+               **kw),
+          Mask(is_causal=True, window_left=ring.window, **kw))
+
+
+def _plan_of(ring: Ring, mask: Mask):
+  if mask.has_q_offsets:
+    return ring.band_plan, ring.band_configs
+  return ring.plan, ring.configs
+
+
+def _pair_operands(mask: Mask, ids, offsets, seed) -> Operands:
+  """A pair's operands: its ids, the query offsets of a windowed ring's
+  FULL pair, and dropout's seed at the pair's place (`_pair_seed`)."""
+  return Operands(q_ids=ids[0], kv_ids=ids[1],
+                  q_offsets=offsets if mask.has_q_offsets else None,
+                  dropout_seed=seed)
+
+
+def _pair_forward(kind, q, k, v, ids, offsets, seed, ring: Ring):
+  """(o, lse) of one (query chunk, key chunk) pair: full, causal or skipped
+  (`offsets`: the queries' positions past the keys' first, for a windowed
+  ring's FULL pairs; `seed`: dropout's, at the pair's rows and columns)."""
+  def run(mask):
+    plan, configs = _plan_of(ring, mask)
+    return lambda q, k, v, ids: plan.forward.forward(
+        q, k, v, _pair_operands(mask, ids, offsets, seed), mask=mask,
+        scores=ring.scores, config=configs.forward)
+
+  def skip(q, k, v, ids):
+    b, t, n, _ = q.shape
+    return (jnp.zeros(q.shape, q.dtype),
+            jnp.full((b, n, t), -jnp.inf, jnp.float32))
+
+  full, causal = _masks(ids, ring)
+  return lax.switch(kind, [run(full), run(causal), skip], q, k, v, ids)
+
+
+def _pair_backward(kind, q, k, v, ids, offsets, seed, delta, lse, do,
+                   ring: Ring):
+  """Float32 (dq, dk, dv) of one pair, from the merged lse, dO and D =
+  rowsum(dO * O) - dlse of the merged O (`delta`)."""
+  def run(mask):
+    plan, configs = _plan_of(ring, mask)
+
+    def f(q, k, v, ids, delta, lse, do):
+      dq, dk, dv, _ = plan.backward.backward(
+          q, k, v, _pair_operands(mask, ids, offsets, seed), delta, lse, do,
+          None, mask=mask, scores=ring.scores, config=configs.backward)
+      return tuple(x.astype(jnp.float32) for x in (dq, dk, dv))
+    return f
+
+  def skip(q, k, v, ids, delta, lse, do):
+    return tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
+
+  full, causal = _masks(ids, ring)
+  return lax.switch(kind, [run(full), run(causal), skip], q, k, v, ids,
+                    delta, lse, do)
+
+
+def _offsets(q, step):
+  """A windowed ring's query offsets at `step`: its keys are `step` chunks
+  before the queries."""
+  return jnp.full((q.shape[0],), step * q.shape[1], jnp.int32)
+
+
+def _pairs(ring: Ring, step):
+  """[(query half, key half, kind)] for this device at this step.
+
+  Without causality each device holds one chunk and every pair is full. With
+  the zigzag layout device d holds chunks (d, 2P-1-d) as halves (0, 1); at
+  step i it holds the keys of device s = d - i. With a window, chunk d
+  against chunk d - i: its own (causal), an earlier one (FULL: the window
+  at offsets), or one after it, come round the ring (skipped).
+  """
+  if ring.window is not None:
+    d = lax.axis_index(ring.axis)
+    kind = jnp.where(step == 0, CAUSAL, jnp.where(d >= step, FULL, SKIP))
+    return [(None, None, kind)]
+  if not ring.causal:
+    return [(None, None, jnp.int32(FULL))]
+  d = lax.axis_index(ring.axis)
+  s = lax.rem(d - step + ring.size, ring.size)
+  # Chunk d vs chunk s: earlier keys are full, the same chunk is causal.
+  first = jnp.where(s < d, FULL, jnp.where(s == d, CAUSAL, SKIP))
+  last = jnp.where(s > d, FULL, jnp.where(s == d, CAUSAL, SKIP))
+  return [(0, 0, first), (1, 0, jnp.int32(FULL)), (1, 1, last)]
+  # (Half 0 never sees key half 1: chunk 2P-1-s comes after chunk d.)
+
+
+def _pair_seed(seed, ring: Ring, step, qh, kh, rows: int):
+  """Dropout's seed for this device's pair (query half qh, key half kh)
+  at `step`: offset to the pair's first row and column in the whole
+  sequence (chunk d of the queries, d - step of the keys; in the zigzag
+  layout halves 0 and 1 are chunks d and 2P-1-d of 2P), so its bits are
+  the unsharded call's. With a window the rows' offset is the keys'
+  chunk's: its kernels count a pair's rows from there, adding the
+  queries' offsets themselves (`_offsets`). `rows`: a device's rows (both
+  halves). None without dropout."""
+  if seed is None:
+    return None
+  d = lax.axis_index(ring.axis)
+  s = lax.rem(d - step + ring.size, ring.size)
+  if qh is None:
+    first_row = s if ring.window is not None else d
+    return dropout.at_positions(seed, first_row * rows, s * rows)
+  half = rows // 2
+  chunk = lambda c, h: c if h == 0 else 2 * ring.size - 1 - c
+  return dropout.at_positions(seed, chunk(d, qh) * half,
+                              chunk(s, kh) * half)
+
+
+def _half(x, half):
+  if half is None:
+    return x
+  n = x.shape[1] // 2
+  return x[:, half * n:(half + 1) * n]
+
+
+def _halves(ring: Ring):
+  """The halves a device's chunk is cut into: the zigzag's two, else one."""
+  return [0, 1] if ring.zigzag else [None]
+
+
+def _parts(x, ring: Ring):
+  """x [B, L, ...] as a tuple of its halves (`_halves`). Arrays that travel
+  the ring are carried so, each half sent on its own, so that what is in
+  flight beside what a device keeps need not be a whole chunk."""
+  return tuple(_half(x, h) for h in _halves(ring))
+
+
+def _rotate(ring: Ring, *xs):
+  perm = [(j, (j + 1) % ring.size) for j in range(ring.size)]
+  return tuple(moved(lax.ppermute, x, ring.axis, perm) for x in xs)
+
+
+def _ids_half(q_ids, kv_ids, qh, kh):
+  if q_ids is None:
+    return (None, None)
+  return _half(q_ids, qh), _half(kv_ids, kh)
+
+
+def forward(q, k, v, q_ids, kv_ids, sinks, ring: Ring, seed=None):
+  """(out, lse) of this device's query chunk: the P steps in a loop (one
+  step's buffers live at a time), each pair's partial merged into the
+  running (o, lse) of its query half by their logsumexps. `seed`:
+  dropout's (int32 [4]), drawn at each pair's place in the sequence."""
+  halves = _halves(ring)
+  b, _, n, _ = q.shape
+  rows = q.shape[1] // len(halves)
+  steps = _steps(ring, q.shape[1])
+
+  def pairs(step, k, v, kv_ids, acc):
+    acc = dict(zip(halves, acc))
+    for qh, kh, kind in _pairs(ring, step):
+      o, part_lse = _pair_forward(
+          kind, _half(q, qh), k[halves.index(kh)], v[halves.index(kh)],
+          _ids_half(q_ids, kv_ids, qh, kh), _offsets(q, step),
+          _pair_seed(seed, ring, step, qh, kh, q.shape[1]), ring)
+      o = o.transpose(0, 2, 1, 3).astype(jnp.float32)  # [B, N, T, H]
+      acc[qh] = softmax.merge(jnp.stack([acc[qh][0], o]),
+                              jnp.stack([acc[qh][1], part_lse]), axis=0)
+    return tuple(acc[h] for h in halves)
+
+  def step_and_rotate(step, carry):  # Segment ids travel with their keys.
+    k, v, kv_ids, acc = carry
+    acc = pairs(step, k, v, kv_ids, acc)
+    k, v = _rotate(ring, *k), _rotate(ring, *v)
+    if kv_ids is not None:
+      (kv_ids,) = _rotate(ring, kv_ids)
+    return k, v, kv_ids, acc
+
+  empty = (jnp.zeros((b, n, rows, v.shape[-1]), jnp.float32),
+           jnp.full((b, n, rows), -jnp.inf, jnp.float32))
+  k, v, kv_ids, acc = lax.fori_loop(
+      0, steps - 1, step_and_rotate,
+      (_parts(k, ring), _parts(v, ring), kv_ids, (empty,) * len(halves)))
+  acc = pairs(steps - 1, k, v, kv_ids, acc)  # The last: no rotation.
+  out, lse = [], []
+  for merged, merged_lse in acc:
+    if sinks is not None:  # Each head's sink joins the merged denominator.
+      merged, merged_lse = softmax.with_sink(merged, merged_lse,
+                                             sinks[None, :, None])
+    out.append(merged.transpose(0, 2, 1, 3).astype(q.dtype))
+    lse.append(merged_lse)
+  return jnp.concatenate(out, axis=1), jnp.concatenate(lse, axis=-1)
+
+
+def backward(q, k, v, q_ids, kv_ids, delta, lse, do, ring: Ring,
+                   seed=None):
+  """(dq, dk, dv) of this device's chunks from its lse, dO and D =
+  rowsum(dO * O) - dlse (`delta`): the pairs' gradients, float32
+  dK/dV travelling with their keys as halves (`_parts`; after P moves
+  they are home again; a windowed ring's, after fewer, are sent home)."""
+  do = do.astype(q.dtype)
+  halves = _halves(ring)
+  zeros = lambda x: tuple(jnp.zeros(y.shape, jnp.float32)
+                          for y in _parts(x, ring))
+
+  def lse_half(x, qh):
+    n = x.shape[-1] // 2
+    return x if qh is None else x[..., qh * n:(qh + 1) * n]
+
+  def step(i, carry):  # One step's buffers live at a time.
+    k, v, kv_ids, dq, dk, dv = carry
+    dq, dk, dv = list(dq), list(dk), list(dv)
+    for qh, kh, kind in _pairs(ring, i):
+      g_q, g_k, g_v = _pair_backward(
+          kind, _half(q, qh), k[halves.index(kh)], v[halves.index(kh)],
+          _ids_half(q_ids, kv_ids, qh, kh), _offsets(q, i),
+          _pair_seed(seed, ring, i, qh, kh, q.shape[1]),
+          lse_half(delta, qh), lse_half(lse, qh), _half(do, qh), ring)
+      a, b = halves.index(qh), halves.index(kh)
+      dq[a] = dq[a] + g_q
+      dk[b] = dk[b] + g_k
+      dv[b] = dv[b] + g_v
+    k, v, dk, dv = (_rotate(ring, *x) for x in (k, v, dk, dv))
+    if kv_ids is not None:
+      (kv_ids,) = _rotate(ring, kv_ids)
+    return k, v, kv_ids, tuple(dq), dk, dv
+
+  steps = _steps(ring, q.shape[1])
+  _, _, _, dq, dk, dv = lax.fori_loop(
+      0, steps, step, (_parts(k, ring), _parts(v, ring), kv_ids, zeros(q),
+                       zeros(k), zeros(v)))
+  dq, dk, dv = (jnp.concatenate(x, axis=1) for x in (dq, dk, dv))
+  if steps % ring.size:  # dK/dV are `steps` devices past their keys' home.
+    home = [(j, (j - steps) % ring.size) for j in range(ring.size)]
+    dk, dv = (lax.ppermute(x, ring.axis, home) for x in (dk, dv))
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
