@@ -35,6 +35,8 @@
 #                                       # speed and error vs bf16 and cuDNN (bf16 and FP8),
 #                                       # train_lm with --fp8 on and off (~12 min)
 #   bash scripts/gpu_check.sh fp8_train # train_lm --fp8 off/on at head dims 64 and 128
+#   bash scripts/gpu_check.sh head_splits # the dK/dV kernel split over query-head shares:
+#                                       # its tests, then group sizes 1-71 vs cuDNN (fwd+bwd)
 #   bash scripts/gpu_check.sh mosaic    # the Mosaic kernels: correctness sweep + 8k benchmark
 #                                       # (with tokamax if .whl/ is carried: scripts/tokamax_wheels.sh)
 # TESTS="tests/a.py::b ..." limits `tests` to those; BENCH_ARGS replaces
@@ -109,6 +111,16 @@ for mode in "$@"; do
         --ignore=tests/test_ring.py > "$OUT/gpu_tests.log" 2>&1
       echo "pytest exit: $?; passed: $(grep -c ' PASSED ' "$OUT/gpu_tests.log")"
       grep -E " FAILED |^(FAILED|ERROR)| passed| failed" "$OUT/gpu_tests.log" | tail -30
+      ;;
+    head_splits)
+      XLA_FLAGS=$TEST_XLA_FLAGS timeout 300 python3 -m pytest -q -n 8 \
+        -p no:cacheprovider tests/test_gpu.py -k head_splits \
+        > "$OUT/head_splits_tests.log" 2>&1
+      grep -E "FAILED|passed|failed" "$OUT/head_splits_tests.log" | tail -n 20
+      timeout "${BENCH_LIMIT:-300}" python3 benchmarks/head_splits.py \
+        ${HEAD_SPLITS_ARGS:-} > "$OUT/head_splits.jsonl" 2> /tmp/head_splits.log \
+        || tail -n 20 /tmp/head_splits.log
+      cut -c1-200 "$OUT/head_splits.jsonl"
       ;;
     models)
       bench models "${BENCH_LIMIT:-400}" --scenario models

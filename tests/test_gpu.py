@@ -265,6 +265,39 @@ def test_mosaic_register_options_match_reference(name, option):
   _compare_mosaic(case, blocks=_default_with(case, **option))
 
 
+@pytest.mark.parametrize("group", [1, 4, 8, 16, 32, 64, 71])
+@pytest.mark.parametrize("splits", [3, 8])
+def test_mosaic_dkv_head_splits_match_reference(group, splits):
+  """`MosaicBlockSizes(dkv_head_splits=...)`: the dK/dV kernel's CTAs take
+  shares of a KV head's query heads (uneven where the group does not
+  divide), the partials summed after it; unaligned lengths."""
+  kv_heads = 2 if group <= 8 else 1
+  case = Case(2, 777, 1003, group * kv_heads, kv_heads, 64, "bfloat16",
+              True)
+  _compare_mosaic(case, blocks=_default_with(case, dkv_head_splits=splits))
+
+
+@pytest.mark.parametrize("name", [
+    "causal_window_gqa", "dropout_causal_gqa", "soft_cap_alibi_h256_causal",
+    "sinks_window_gqa", "lengths_causal_gqa", "dense_mask_causal_gqa"])
+def test_mosaic_dkv_head_splits_with_options(name):
+  case, options = MOSAIC_OPTIONS[name]
+  _compare_mosaic(case, options,
+                  blocks=_default_with(case, dkv_head_splits=2))
+
+
+def test_mosaic_dkv_head_splits_are_deterministic():
+  case = Case(4, 2048, 2048, 71, 1, 64, "bfloat16", True)
+  q, k, v, _ = inputs(case)
+  blocks = _default_with(case, dkv_head_splits=8)
+  grad = jax.jit(jax.grad(lambda q, k, v: jax_flash.flash_attention(
+      q, k, v, is_causal=True, implementation="mosaic",
+      block_sizes=blocks).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
+  first, second = grad(q, k, v), grad(q, k, v)
+  for a, b in zip(first, second):
+    assert jnp.array_equal(a, b)
+
+
 FUSED_DQ_CASES = {  # Head dims 128 and 64 (what `fused_dq` takes).
     **{name: (MOSAIC_CASES[name], {}) for name in (
         "h128_causal_gqa", "t_less_than_s_causal", "any_length_causal",

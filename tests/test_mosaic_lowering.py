@@ -79,6 +79,40 @@ def test_mosaic_backward_tiles_by_keyword():
   assert all(name in text for name in MOSAIC_BACKWARD)
 
 
+@pytest.mark.parametrize("heads, kv_heads, splits", [
+    (8, 8, 4), (8, 2, 4), (16, 2, 8), (71, 1, 8), (71, 1, 71), (64, 1, 3)])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_mosaic_dkv_head_splits_lower(heads, kv_heads, splits, head_dim):
+  """dkv_head_splits: the dK/dV kernel over KV heads x shares of the
+  group (the last share smaller where the group does not divide), the
+  partials summed in float32 after it."""
+  blocks = dataclasses.replace(
+      jax_flash.MosaicBlockSizes.get_default(head_dim, is_causal=True),
+      dkv_head_splits=splits)
+  text = _lower_grad("mosaic", (2, 200, 200, heads, kv_heads, head_dim),
+                     jnp.bfloat16, is_causal=True, block_sizes=blocks)
+  assert all(name in text for name in MOSAIC_BACKWARD)
+  share = -(-(heads // kv_heads) // min(splits, heads // kv_heads))
+  parts = -(-(heads // kv_heads) // share)
+  if parts > 1:
+    assert re.search(rf"tensor<2x\d+x{kv_heads}x{parts}x{head_dim}xf32>",
+                     text)
+
+
+def test_head_splits_give_every_share_a_head():
+  from pallas_kernels.mosaic_gpu.flash_bwd import head_splits
+  blocks = lambda s: jax_flash.MosaicBlockSizes(dkv_head_splits=s)
+  assert head_splits(blocks(8), 71, fp8=False) == 8  # Shares of 9, then 8.
+  assert head_splits(blocks(7), 8, fp8=False) == 4  # Shares of 2.
+  assert head_splits(blocks(200), 64, fp8=False) == 64
+  assert head_splits(blocks(8), 71, fp8=True) == 1
+  assert head_splits(jax_flash.MosaicBlockSizes(dkv_head_splits=8,
+                                                fused_dq=True), 8,
+                     fp8=False) == 1
+  with pytest.raises(ValueError, match="dkv_head_splits=0 must be"):
+    blocks(0)
+
+
 @pytest.mark.parametrize("head_dim", [64, 256])
 @pytest.mark.parametrize("q_len, kv_len", [(77, 77), (300, 1003), (1, 1),
                                           (1, 300), (300, 1)])

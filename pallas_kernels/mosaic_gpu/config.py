@@ -168,6 +168,12 @@ class BlockSizes:
     e4m3_stmatrix (the FP8 kernels): their e4m3 tiles (P, P^T, dS, dS^T)
       stored by `stmatrix`, their columns permuted and the operand each
       meets permuted alike (`tiles.E4m3Tiles`), instead of 16-bit stores.
+    dkv_head_splits (not with fp8_backward or fused_dq): the dK/dV
+      kernel's CTAs a KV head, each taking a share of the group's query
+      heads (shares of ceil(G / splits)) and writing its partial dK and dV,
+      which XLA sums in float32 in a fixed order (still deterministic):
+      more CTAs where (batch, KV heads, key tiles) underfill the GPU, as
+      with multi-query attention.
   """
   block_q: int = 64
   block_kv: int = 128
@@ -185,6 +191,7 @@ class BlockSizes:
   fp8_backward: bool = False
   overlap: bool = False
   e4m3_stmatrix: bool = False
+  dkv_head_splits: int = 1
 
   def __post_init__(self):
     for name in ("block_q", "block_q_dkv", "block_kv_dkv", "block_q_dq",
@@ -196,6 +203,8 @@ class BlockSizes:
     for name in ("num_stages", "num_stages_bwd"):
       check_block_field(self, name, lambda x: 2 <= x <= 6,
                         "an int in [2, 6]")
+    check_block_field(self, "dkv_head_splits",
+                      lambda x: x >= 1, "an int from 1 up")
     check_block_field(self, "producer_registers",
                       lambda x: 24 <= x <= 128 and x % 8 == 0,
                       "a multiple of 8 in [24, 128]")

@@ -247,7 +247,7 @@ class _Dkv:
   mask: Mask
   scores: Scores
   blocks: BlockSizes
-  group: int
+  group: object  # Query heads this CTA takes: its share of the group.
   kv_len: int
   layout: Columns
   fp8: bool
@@ -256,7 +256,8 @@ class _Dkv:
   e4m3: E4m3Tiles
   split: bool
   batch: object
-  kv_head: object
+  kv_head: object  # K's and V's head,
+  out_head: object  # and dK's and dV's (a share's partial: dkv_head_splits).
   wg: object
   kv_start: object
   ranges: tuple  # (lo, full_lo, full_hi, hi) of query tiles.
@@ -278,8 +279,22 @@ class _Dkv:
             lax.rem(n, self.blocks.num_stages_bwd))
 
 
-def _dkv_cta(refs, extras: Extras, scratch, **statics) -> _Dkv:
-  """The `_Dkv` of a dK/dV kernel's refs, `Extras` of refs and scratch."""
+def _group_share(heads, group: int, splits: int):
+  """(KV head, the offset of this CTA's first query head in the group, its
+  query heads) of a dK/dV CTA at grid index `heads`: the whole group of
+  its KV head, or with `splits` a share of ceil(group / splits) heads (the
+  last may be smaller)."""
+  if splits == 1:
+    return heads, 0, group
+  share = -(-group // splits)
+  kv_head, part = lax.div(heads, splits), lax.rem(heads, splits)
+  return kv_head, part * share, jnp.minimum(share, group - part * share)
+
+
+def _dkv_cta(refs, extras: Extras, scratch, head_splits: int = 1,
+             **statics) -> _Dkv:
+  """The `_Dkv` of a dK/dV kernel's refs, `Extras` of refs and scratch
+  (`head_splits`: CTAs a KV head, `_group_share`)."""
   q_ref = refs[0]
   layout, blocks, mask = statics["layout"], statics["blocks"], statics["mask"]
   k_buffers, v_buffers, q_buffers, do_buffers, _, _ = scratch["buffers"]
@@ -288,7 +303,9 @@ def _dkv_cta(refs, extras: Extras, scratch, **statics) -> _Dkv:
   bq, bkv = blocks.block_q_dkv, blocks.block_kv_dkv
   q_len = q_ref.shape[1]
   split = split_dkv(layout.width)
-  batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
+  batch, out_head = lax.axis_index("batch"), lax.axis_index("heads")
+  kv_head, offset, group = _group_share(out_head, statics["group"],
+                                        head_splits)
   wg = lax.axis_index("wg")
   cta_rows = bkv if split else COMPUTE_WGS * bkv
   tile_start = lax.axis_index("kv_seq") * cta_rows
@@ -304,19 +321,21 @@ def _dkv_cta(refs, extras: Extras, scratch, **statics) -> _Dkv:
   # so their dK/dV are written as zeros by the same code. A step: (query
   # tile, head of the group).
   lo, _, _, hi = ranges
-  steps = jnp.maximum(hi - lo, 1) * statics["group"]
+  steps = jnp.maximum(hi - lo, 1) * group
   slot = 0 if split else wg
   kv_own = tuple([(copy.at[slot], mma.at[slot]) for copy, mma in v]
                  for v in views[:2])
   rows = pl.ds(kv_start, bkv)
   first_head = kv_head * statics["group"]
+  if head_splits > 1:
+    first_head = first_head + offset
   return _Dkv(refs=refs, extras=extras, scratch=scratch, views=views,
               part_columns=part_columns,
               e4m3=E4m3Tiles(blocks.e4m3_stmatrix), split=split,
-              batch=batch, kv_head=kv_head, wg=wg, kv_start=kv_start,
-              ranges=ranges, last_tile=last_tile, tail=tail, steps=steps,
-              slot=slot, kv_own=kv_own, rows=rows, first_head=first_head,
-              **statics)
+              batch=batch, kv_head=kv_head, out_head=out_head, wg=wg,
+              kv_start=kv_start, ranges=ranges, last_tile=last_tile,
+              tail=tail, steps=steps, slot=slot, kv_own=kv_own, rows=rows,
+              first_head=first_head, **{**statics, "group": group})
 
 
 def _dkv_producer(cta: _Dkv):
@@ -661,7 +680,7 @@ def _dkv_consumer(cta: _Dkv):
   # dS K): neither overwrites them before both are done.
   if done is not None:
     _meet(done)
-  index = (cta.batch, cta.rows, cta.kv_head)
+  index = (cta.batch, cta.rows, cta.out_head)
   dtype, scale = cta.refs[0].dtype, cta.scores.scale
   (k_own, v_own), (dk_ref, dv_ref) = cta.kv_own, cta.refs[6:]
 
@@ -679,7 +698,8 @@ def _dkv_consumer(cta: _Dkv):
            tiles(v_own, grads[num_parts:], dv_ref), index, dtype)
 
 
-def _dkv_kernel(refs, extras: Extras, scratch, **statics):
+def _dkv_kernel(refs, extras: Extras, scratch, head_splits: int = 1,
+                **statics):
   """The dK/dV kernel: refs (q, k, v, do, lse, delta, dk, dv): q/do [B, T,
   N, H], k/v and dk/dv [B, S, K, H], lse/delta [B, N, T'] (T' >= T: whole
   tiles); keys at or past kv_len (<= S: XLA's padding) are masked, tiles
@@ -710,7 +730,7 @@ def _dkv_kernel(refs, extras: Extras, scratch, **statics):
   memory stages dK and dV for the store once both warpgroups are done,
   and each warpgroup's e4m3 P^T and dS^T.
   """
-  cta = _dkv_cta(refs, extras, scratch, **statics)
+  cta = _dkv_cta(refs, extras, scratch, head_splits, **statics)
   pl.when(cta.wg == COMPUTE_WGS)(lambda: _dkv_producer(cta))
 
   @pl.when(cta.wg < COMPUTE_WGS)
@@ -1147,8 +1167,18 @@ def _dq_call(launch: _Launch, inputs, kt8, fp8_scales):
   )(*inputs, *present(extras))
 
 
+def head_splits(blocks: BlockSizes, group: int, fp8: bool) -> int:
+  """The dK/dV kernel's CTAs a KV head: `blocks.dkv_head_splits`, as many
+  as give every share of the group a head (1 with FP8 or `fused_dq`)."""
+  if fp8 or blocks.fused_dq:
+    return 1
+  share = -(-group // min(blocks.dkv_head_splits, group))
+  return -(-group // share)
+
+
 def _dkv_call(launch: _Launch, inputs, qt8, dot8, fp8_scales):
-  """The dK/dV kernel's launch: grid (KV heads, key tiles, batch); with
+  """The dK/dV kernel's launch: grid (KV heads x `head_splits`, key tiles,
+  batch), the shares' partial dK and dV summed here in float32; with
   `fused_dq` also dQ (float32, unscaled). Returns (dk, dv, dq or None)."""
   blocks, ops, fp8 = launch.blocks, launch.operands, launch.fp8
   tp, kv_cols, width = launch.tp, launch.kv_cols, launch.layout.width
@@ -1156,7 +1186,10 @@ def _dkv_call(launch: _Launch, inputs, qt8, dot8, fp8_scales):
   dkv_rows, copies = blocks.block_kv_dkv, 1 if launch.split else COMPUTE_WGS
   bq_dkv, dtype = blocks.block_q_dkv, launch.dtype
   k = inputs[1]
-  kv_out = jax.ShapeDtypeStruct(k.shape, launch.out_dtype)
+  splits = head_splits(blocks, launch.num_heads // launch.num_kv_heads, fp8)
+  b, s, kv_heads, h = k.shape
+  kv_out = jax.ShapeDtypeStruct((b, s, kv_heads * splits, h),
+                                launch.out_dtype)
   # With `fused_dq` the dK/dV kernel adds dS K into float32 zeros in place
   # (a mutable array: the kernel's operand aliases it).
   assert not blocks.fused_dq or width in FUSED_DQ_HEAD_DIMS, launch.widths
@@ -1208,16 +1241,21 @@ def _dkv_call(launch: _Launch, inputs, qt8, dot8, fp8_scales):
                       transforms=smem_transforms(jnp.float32, dq_width)),
         **({"ds_ready": plgpu.Barrier(num_arrivals=COMPUTE_WGS)}
            if exchange else {}))
+  kernel = (_dkv_kernel if splits == 1 else
+            functools.partial(_dkv_kernel, head_splits=splits))
   dk, dv = plgpu.kernel(
-      launch.body(_dkv_kernel, extras),
+      launch.body(kernel, extras),
       out_type=(kv_out, kv_out),
       scratch_types=scratch,
-      grid=(launch.num_kv_heads, launch.sp // launch.kv_rows, launch.batch),
+      grid=(kv_heads * splits, launch.sp // launch.kv_rows, launch.batch),
       grid_names=("heads", "kv_seq", "batch"),
       num_threads=COMPUTE_WGS + 1, thread_name="wg",
       compiler_params=compiler_params(),
       kernel_name="flash_attention_dkv_mosaic",
   )(*inputs, *present(extras))
+  if splits > 1:  # The shares' partials, summed in a fixed order.
+    dk, dv = (x.reshape(b, s, kv_heads, splits, h).astype(jnp.float32)
+              .sum(3).astype(x.dtype) for x in (dk, dv))
   return dk, dv, dq_sum
 
 
