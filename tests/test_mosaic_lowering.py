@@ -102,15 +102,26 @@ def test_mosaic_dkv_head_splits_lower(heads, kv_heads, splits, head_dim):
 def test_head_splits_give_every_share_a_head():
   from pallas_kernels.mosaic_gpu.flash_bwd import head_splits
   blocks = lambda s: jax_flash.MosaicBlockSizes(dkv_head_splits=s)
-  assert head_splits(blocks(8), 71, fp8=False) == 8  # Shares of 9, then 8.
-  assert head_splits(blocks(7), 8, fp8=False) == 4  # Shares of 2.
-  assert head_splits(blocks(200), 64, fp8=False) == 64
-  assert head_splits(blocks(8), 71, fp8=True) == 1
+  assert head_splits(blocks(8), 71, 64, fp8=False) == 8  # Shares of 9, 8.
+  assert head_splits(blocks(7), 8, 64, fp8=False) == 4  # Shares of 2.
+  assert head_splits(blocks(200), 64, 64, fp8=False) == 64
+  assert head_splits(blocks(8), 71, 64, fp8=True) == 1
   assert head_splits(jax_flash.MosaicBlockSizes(dkv_head_splits=8,
-                                                fused_dq=True), 8,
+                                                fused_dq=True), 8, 64,
                      fp8=False) == 1
   with pytest.raises(ValueError, match="dkv_head_splits=0 must be"):
     blocks(0)
+
+
+@pytest.mark.parametrize("group, ctas, splits", [
+    (71, 64, 15), (64, 64, 16), (32, 128, 8), (16, 256, 4), (8, 512, 2),
+    (4, 1024, 1), (1, 64, 1), (3, 64, 3), (8, 100, 8)])
+def test_default_head_splits_reach_the_ctas(group, ctas, splits):
+  """None: the fewest shares giving `config.DKV_CTAS` CTAs (the group's
+  heads at most; shares as even as the group allows)."""
+  from pallas_kernels.mosaic_gpu.flash_bwd import head_splits
+  assert head_splits(jax_flash.MosaicBlockSizes(), group, ctas,
+                     fp8=False) == splits
 
 
 @pytest.mark.parametrize("head_dim", [64, 256])

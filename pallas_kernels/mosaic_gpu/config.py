@@ -40,6 +40,10 @@ SPLIT_KV_MAX_QUERIES = 64
 SPLIT_KV_HEAD_DIMS = (64, 128)
 DECODE_ROWS = 64  # wgmma's rows: the most query rows a split-KV CTA takes.
 DECODE_BLOCK_K = 64  # Cache rows a split-KV K/V tile by default.
+# The dK/dV kernel's CTAs `BlockSizes.dkv_head_splits=None` splits KV heads
+# up to (about 8 a multiprocessor; benchmarks/NOTES.md, "Mosaic GPU
+# backward").
+DKV_CTAS = 1024
 
 
 # `BlockSizes.fused_dq`'s head dims: 128-byte swizzled K rows, which the
@@ -173,7 +177,8 @@ class BlockSizes:
       heads (shares of ceil(G / splits)) and writing its partial dK and dV,
       which XLA sums in float32 in a fixed order (still deterministic):
       more CTAs where (batch, KV heads, key tiles) underfill the GPU, as
-      with multi-query attention.
+      with multi-query attention. None: the fewest that give the kernel
+      `DKV_CTAS` CTAs (or G).
   """
   block_q: int = 64
   block_kv: int = 128
@@ -191,7 +196,7 @@ class BlockSizes:
   fp8_backward: bool = False
   overlap: bool = False
   e4m3_stmatrix: bool = False
-  dkv_head_splits: int = 1
+  dkv_head_splits: int | None = None
 
   def __post_init__(self):
     for name in ("block_q", "block_q_dkv", "block_kv_dkv", "block_q_dq",
@@ -203,8 +208,9 @@ class BlockSizes:
     for name in ("num_stages", "num_stages_bwd"):
       check_block_field(self, name, lambda x: 2 <= x <= 6,
                         "an int in [2, 6]")
-    check_block_field(self, "dkv_head_splits",
-                      lambda x: x >= 1, "an int from 1 up")
+    if self.dkv_head_splits is not None:
+      check_block_field(self, "dkv_head_splits", lambda x: x >= 1,
+                        "None or an int from 1 up")
     check_block_field(self, "producer_registers",
                       lambda x: 24 <= x <= 128 and x % 8 == 0,
                       "a multiple of 8 in [24, 128]")

@@ -66,8 +66,9 @@ from jax_flash.core.mask import Mask, cdiv, kv_block_ranges, q_block_ranges
 from jax_flash.core.operands import Operands
 from jax_flash.core.padding import pad_pairs, pad_to, round_up
 from jax_flash.core.scores import Scores
-from pallas_kernels.mosaic_gpu.config import (FUSED_DQ_HEAD_DIMS, BlockSizes,
-                                              compiler_params, fused_dq_columns)
+from pallas_kernels.mosaic_gpu.config import (DKV_CTAS, FUSED_DQ_HEAD_DIMS,
+                                              BlockSizes, compiler_params,
+                                              fused_dq_columns)
 from pallas_kernels.mosaic_gpu.layout import (COMPUTE_WGS, Columns,
                                               backward_columns, dq_warpgroups,
                                               smem_transforms, split_dkv,
@@ -1167,12 +1168,17 @@ def _dq_call(launch: _Launch, inputs, kt8, fp8_scales):
   )(*inputs, *present(extras))
 
 
-def head_splits(blocks: BlockSizes, group: int, fp8: bool) -> int:
-  """The dK/dV kernel's CTAs a KV head: `blocks.dkv_head_splits`, as many
-  as give every share of the group a head (1 with FP8 or `fused_dq`)."""
+def head_splits(blocks: BlockSizes, group: int, ctas: int, fp8: bool) -> int:
+  """The dK/dV kernel's CTAs a KV head (`ctas`: the grid's without a
+  split): `blocks.dkv_head_splits`, or where None the fewest that give
+  `DKV_CTAS`, as many as give every share of the group a head (1 with FP8
+  or `fused_dq`)."""
   if fp8 or blocks.fused_dq:
     return 1
-  share = -(-group // min(blocks.dkv_head_splits, group))
+  splits = blocks.dkv_head_splits
+  if splits is None:
+    splits = -(-DKV_CTAS // ctas)
+  share = -(-group // min(splits, group))
   return -(-group // share)
 
 
@@ -1186,8 +1192,9 @@ def _dkv_call(launch: _Launch, inputs, qt8, dot8, fp8_scales):
   dkv_rows, copies = blocks.block_kv_dkv, 1 if launch.split else COMPUTE_WGS
   bq_dkv, dtype = blocks.block_q_dkv, launch.dtype
   k = inputs[1]
-  splits = head_splits(blocks, launch.num_heads // launch.num_kv_heads, fp8)
   b, s, kv_heads, h = k.shape
+  splits = head_splits(blocks, launch.num_heads // kv_heads,
+                       kv_heads * (launch.sp // launch.kv_rows) * b, fp8)
   kv_out = jax.ShapeDtypeStruct((b, s, kv_heads * splits, h),
                                 launch.out_dtype)
   # With `fused_dq` the dK/dV kernel adds dS K into float32 zeros in place
