@@ -235,7 +235,7 @@ def test_mosaic_impls_lower_for_an_h200(name, causal):
   lowers for CUDA (on the CPU), forward and gradient."""
   import jax
   from jax._src import mesh as mesh_lib
-  from tests.test_mosaic_lowering import H200
+  from tests.lowering import H200
   fn, _ = benchmark._impls(causal)[name]
   x = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
   loss = lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32))

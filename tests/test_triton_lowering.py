@@ -13,11 +13,9 @@ import pytest
 from jax._src import mesh as mesh_lib
 
 import jax_flash
-from tests.test_mosaic_lowering import (TRITON_BACKWARD, _lower_decode,
-                                        _lower_grad)
+from tests.lowering import (H200, TRITON_BACKWARD, lower_decode,
+                            lower_grad)
 
-H200 = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
-                               platform="gpu")
 B, T, S, N, K = 2, 300, 250, 8, 2
 
 
@@ -148,7 +146,7 @@ def test_decode_of_a_prompt_chunk_lowers(page_size):
   """More than 64 new tokens: the training kernel with query offsets; a
   paged cache gathered into a contiguous one first (pages smaller and
   larger than the kernel's key tile)."""
-  text = _lower_decode("triton", 256, page_size)
+  text = lower_decode("triton", 256, page_size)
   assert "flash_attention_forward" in text
   assert ("stablehlo.gather" in text) == (page_size is not None)
 
@@ -230,7 +228,7 @@ def test_score_mod_reading_a_table_gets_tiles_that_fit():
 def test_head_dims_above_256_run_triton_by_default(head_dim):
   """The default on an H200 runs head dims 257..512 on the Triton kernels,
   forward and backward (the Mosaic kernels stop at 256)."""
-  text = _lower_grad(None, (B, T, S, N, K, head_dim), is_causal=True)
+  text = lower_grad(None, (B, T, S, N, K, head_dim), is_causal=True)
   assert "mosaic_gpu" not in text
   assert all(name in text for name in ("flash_attention_forward",)
              + TRITON_BACKWARD)
