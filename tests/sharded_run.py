@@ -1,7 +1,13 @@
-"""Run by tests/test_sharding.py in a fresh process with 8 host devices."""
+"""Run by tests/test_sharding.py in a fresh process with 8 host devices.
+
+A scenario runs each of its cases in `failures.case(...)`, which records a
+failing case and goes on, and ends with `failures.report`, which raises
+once listing every failing case (or prints that all matched)."""
+import contextlib
 import os
 import re
 import sys
+import traceback
 import typing
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -15,6 +21,43 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jax_flash  # noqa: E402
 from jax_flash.testing import relative_error, tolerance  # noqa: E402
 from tests.cases import random_inputs  # noqa: E402
+
+
+class Failures:
+  """The failing cases of this process's scenario."""
+
+  def __init__(self):
+    self.failed = []
+
+  @contextlib.contextmanager
+  def case(self, *labels):
+    """Runs the `with` body as one case: a failure is recorded, not raised."""
+    try:
+      yield
+    except Exception as e:  # Recorded; `report` raises.
+      traceback.print_exc(limit=4)
+      name = " ".join(_label(x) for x in labels)
+      self.failed.append(f"{name}: {type(e).__name__}: {str(e)[:600]}")
+
+  def report(self, success: str):
+    if self.failed:
+      raise AssertionError(f"{len(self.failed)} failing cases:\n"
+                           + "\n".join(self.failed))
+    print(success)
+
+
+def _label(x) -> str:
+  """A case's label: arrays by dtype and shape, others by a short repr."""
+  if hasattr(x, "shape") and hasattr(x, "dtype"):
+    return f"{x.dtype}{list(x.shape)}"
+  if callable(x):
+    return getattr(x, "__name__", type(x).__name__)
+  if isinstance(x, dict):
+    return "{" + ", ".join(f"{k}={_label(v)}" for k, v in x.items()) + "}"
+  return repr(x)[:80]
+
+
+failures = Failures()
 
 
 def main(num_kv_heads):
@@ -181,57 +224,58 @@ def context_parallel():
       ("auto", 4, 128, 128, "seq2", dict(is_causal=True)),
   ]
   for strategy, kv_heads, t, s, layout, options in cases:
-    q, k, v, do = random_inputs(b, t, s, n, kv_heads, h, jnp.float32,
-                                seed=t + s + kv_heads)
+    with failures.case(strategy, kv_heads, t, s, layout, options):
+      q, k, v, do = random_inputs(b, t, s, n, kv_heads, h, jnp.float32,
+                                  seed=t + s + kv_heads)
 
-    def loss(q, k, v):
-      out = jax_flash.flash_attention(q, k, v, context_parallel=strategy,
-                                      **options)
-      return jnp.sum(out * do), out
+      def loss(q, k, v):
+        out = jax_flash.flash_attention(q, k, v, context_parallel=strategy,
+                                        **options)
+        return jnp.sum(out * do), out
 
-    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
-    (_, out), grads = grad(q, k, v)
-    q_spec = layouts["seq2" if layout == "seq2" else "seq"]
-    args = [jax.device_put(q, q_spec)] + [jax.device_put(x, layouts[layout])
-                                          for x in (k, v)]
-    hlo = grad.lower(*args).compile().as_text()
-    (_, out_s), grads_s = grad(*args)
-    errors = [relative_error(out_s, out)] + [
-        relative_error(x, y) for x, y in zip(grads_s, grads)]
-    gathered = [line.split("=")[1].split()[0] for line in hlo.splitlines()
-                if " all-gather(" in line]
-    print(f"context_parallel={strategy} kv_heads={kv_heads} T={t} S={s} "
-          f"keys {layout} {options}: all-gathers {gathered} "
-          f"all-to-alls={hlo.count('all-to-all(')} "
-          f"permutes={hlo.count('collective-permute(')} errors={errors}")
-    assert errors[0] <= bound.out and max(errors[1:]) <= bound.grad, errors
-    assert out_s.sharding.is_equivalent_to(q_spec, 4), out_s.sharding
-    if strategy == "auto":  # all_to_all where it runs (4 KV heads).
-      strategy = ("ring_all_to_all" if layout == "seq2" else
-                  "all_to_all" if kv_heads % 4 == 0 else "all_gather")
-    assert (hlo.count("all-to-all(") > 0) == (
-        strategy in ("all_to_all", "ring_all_to_all"))
-    if strategy == "all_to_all":
-      # Head-sized exchanges: Q, K, V in and O out, then Q, K, V, dO in and
-      # dQ, dK, dV out; D = rowsum(dO * O) travels in O's place.
-      moved = [re.search(r"\w+\[[\d,]*\]", line.split("=", 1)[1])[0]
-               for line in hlo.splitlines() if " all-to-all(" in line]
-      assert sum(x.endswith(f",{h}]") for x in moved) == 11, moved
-    # Only K and V are gathered ([1, S, kv heads, H]), and only by
-    # all_gather when the keys are sharded.
-    want = [f"f32[1,{s},{kv_heads},{h}]"] * 4 if (
-        strategy == "all_gather" and layout != "whole") else []
-    assert [g.split("{")[0] for g in gathered] == want, gathered
-    if strategy.startswith("ring") or (options.get("is_causal")
-                                       and strategy == "all_gather"):
-      # The ring's steps; balanced halves.
-      assert hlo.count("collective-permute(") > 0
-    if strategy == "ring" and "local_window_size" in options:
-      # The backward's loop runs one step a key chunk the window reaches.
-      trips = [int(n) for n in re.findall(r'known_trip_count":\{"n":"(\d+)"',
-                                          hlo)]
-      reach = options["local_window_size"][0]
-      assert max(trips) == (reach - 1) // (t // 4) + 2, trips
+      grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+      (_, out), grads = grad(q, k, v)
+      q_spec = layouts["seq2" if layout == "seq2" else "seq"]
+      args = [jax.device_put(q, q_spec)] + [jax.device_put(x, layouts[layout])
+                                            for x in (k, v)]
+      hlo = grad.lower(*args).compile().as_text()
+      (_, out_s), grads_s = grad(*args)
+      errors = [relative_error(out_s, out)] + [
+          relative_error(x, y) for x, y in zip(grads_s, grads)]
+      gathered = [line.split("=")[1].split()[0] for line in hlo.splitlines()
+                  if " all-gather(" in line]
+      print(f"context_parallel={strategy} kv_heads={kv_heads} T={t} S={s} "
+            f"keys {layout} {options}: all-gathers {gathered} "
+            f"all-to-alls={hlo.count('all-to-all(')} "
+            f"permutes={hlo.count('collective-permute(')} errors={errors}")
+      assert errors[0] <= bound.out and max(errors[1:]) <= bound.grad, errors
+      assert out_s.sharding.is_equivalent_to(q_spec, 4), out_s.sharding
+      if strategy == "auto":  # all_to_all where it runs (4 KV heads).
+        strategy = ("ring_all_to_all" if layout == "seq2" else
+                    "all_to_all" if kv_heads % 4 == 0 else "all_gather")
+      assert (hlo.count("all-to-all(") > 0) == (
+          strategy in ("all_to_all", "ring_all_to_all"))
+      if strategy == "all_to_all":
+        # Head-sized exchanges: Q, K, V in and O out, then Q, K, V, dO in and
+        # dQ, dK, dV out; D = rowsum(dO * O) travels in O's place.
+        moved = [re.search(r"\w+\[[\d,]*\]", line.split("=", 1)[1])[0]
+                 for line in hlo.splitlines() if " all-to-all(" in line]
+        assert sum(x.endswith(f",{h}]") for x in moved) == 11, moved
+      # Only K and V are gathered ([1, S, kv heads, H]), and only by
+      # all_gather when the keys are sharded.
+      want = [f"f32[1,{s},{kv_heads},{h}]"] * 4 if (
+          strategy == "all_gather" and layout != "whole") else []
+      assert [g.split("{")[0] for g in gathered] == want, gathered
+      if strategy.startswith("ring") or (options.get("is_causal")
+                                         and strategy == "all_gather"):
+        # The ring's steps; balanced halves.
+        assert hlo.count("collective-permute(") > 0
+      if strategy == "ring" and "local_window_size" in options:
+        # The backward's loop runs one step a key chunk the window reaches.
+        trips = [int(n) for n in re.findall(r'known_trip_count":\{"n":"(\d+)"',
+                                            hlo)]
+        reach = options["local_window_size"][0]
+        assert max(trips) == (reach - 1) // (t // 4) + 2, trips
   _fp8_context_parallel(mesh, seq, bound)
   q = jax.device_put(jnp.ones((b, 96, n, h)), seq)
   kv = jax.device_put(jnp.ones((b, 96, 1, h)), seq)
@@ -241,16 +285,17 @@ def context_parallel():
       ("ring_all_to_all", {}, "needs the sequence sharded over several mesh"),
   ]
   for strategy, options, why in refused:
-    try:
-      jax.jit(lambda q, k: jax_flash.flash_attention(
-          q, k, k, context_parallel=strategy, **options)).lower(
-              q, kv).compile()
-    except Exception as e:  # Raised in XLA's partitioner, wrapped by it.
-      assert f"context_parallel={strategy!r} cannot run this call" in str(e)
-      assert why in str(e), str(e)
-    else:
-      raise AssertionError(f"{strategy} ran {options}")
-  print("context_parallel: every case matches one device")
+    with failures.case(strategy, options, why):
+      try:
+        jax.jit(lambda q, k: jax_flash.flash_attention(
+            q, k, k, context_parallel=strategy, **options)).lower(
+                q, kv).compile()
+      except Exception as e:  # Raised in XLA's partitioner, wrapped by it.
+        assert f"context_parallel={strategy!r} cannot run this call" in str(e)
+        assert why in str(e), str(e)
+      else:
+        raise AssertionError(f"{strategy} ran {options}")
+  failures.report("context_parallel: every case matches one device")
 
 
 def all_to_all_forward_one_block():
@@ -282,25 +327,26 @@ def _fp8_context_parallel(mesh, seq, bound):
   q, k, v, do = random_inputs(b, 96, 96, n, kv_heads, h, jnp.float32, seed=7)
   for strategy, options in (("all_gather", dict(is_causal=True)),
                             ("all_to_all", {})):
-    def loss(q, k, v):
-      out = jax_flash.flash_attention(q, k, v, context_parallel=strategy,
-                                      fp8=True, **options)
-      return jnp.sum(out * do), out
+    with failures.case(strategy, options):
+      def loss(q, k, v):
+        out = jax_flash.flash_attention(q, k, v, context_parallel=strategy,
+                                        fp8=True, **options)
+        return jnp.sum(out * do), out
 
-    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
-    (_, out), grads = grad(q, k, v)
-    args = [jax.device_put(x, seq) for x in (q, k, v)]
-    hlo = grad.lower(*args).compile().as_text()
-    (_, out_s), grads_s = grad(*args)
-    errors = [relative_error(out_s, out)] + [
-        relative_error(x, y) for x, y in zip(grads_s, grads)]
-    print(f"fp8 context_parallel={strategy} {options}: errors={errors}")
-    assert errors[0] <= bound.out and max(errors[1:]) <= bound.grad, errors
-    if strategy == "all_gather":
-      assert f"f32[1,96,{kv_heads},{h}]" in "".join(
-          line for line in hlo.splitlines() if " all-gather(" in line)
-    else:
-      assert "all-gather(" not in hlo and hlo.count("all-to-all(") > 0
+      grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+      (_, out), grads = grad(q, k, v)
+      args = [jax.device_put(x, seq) for x in (q, k, v)]
+      hlo = grad.lower(*args).compile().as_text()
+      (_, out_s), grads_s = grad(*args)
+      errors = [relative_error(out_s, out)] + [
+          relative_error(x, y) for x, y in zip(grads_s, grads)]
+      print(f"fp8 context_parallel={strategy} {options}: errors={errors}")
+      assert errors[0] <= bound.out and max(errors[1:]) <= bound.grad, errors
+      if strategy == "all_gather":
+        assert f"f32[1,96,{kv_heads},{h}]" in "".join(
+            line for line in hlo.splitlines() if " all-gather(" in line)
+      else:
+        assert "all-gather(" not in hlo and hlo.count("all-to-all(") > 0
   try:
     jax.jit(lambda q, k, v: jax_flash.flash_attention(
         q, k, v, fp8=True, is_causal=True, context_parallel="ring")).lower(
@@ -391,35 +437,36 @@ def operands():
           bias=x, is_causal=True)), shared_bias, seq, P(), True),
   ]
   for name, fn, x, sharding, x_spec, split in cases:
-    def loss(q, k, v, x):
-      out = fn(q, k, v, x)
-      return jnp.sum(out * do), out
+    with failures.case(name, fn, x, sharding, x_spec, split):
+      def loss(q, k, v, x):
+        out = fn(q, k, v, x)
+        return jnp.sum(out * do), out
 
-    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3),
-                                      has_aux=True))
-    (_, out), grads = grad(q, k, v, x)
-    args = [jax.device_put(a, sharding) for a in (q, k, v)] + [
-        jax.device_put(x, NamedSharding(mesh, x_spec))]
-    hlo = grad.lower(*args).compile().as_text()
-    (_, out_s), grads_s = grad(*args)
-    errors = [relative_error(out_s, out)] + [
-        relative_error(a, c) for a, c in zip(grads_s, grads)
-        if jnp.any(c != 0)]
-    gathered = [line.split("=")[1].split()[0] for line in hlo.splitlines()
-                if " all-gather(" in line]
-    print(f"operands {name}: all-gathers {gathered} "
-          f"all-to-alls={hlo.count('all-to-all(')} errors={errors}")
-    assert errors[0] <= bound.out and max(errors[1:]) <= bound.grad, errors
-    # Ids ([B, T] int32), the sinks' gradient ([N]) and a dense mask or
-    # bias shared by the heads ([.., 1, T, S]; all_to_all: each device needs
-    # every head's rows) may be gathered (sequence-sharded); no query, key,
-    # value or per-head bias.
-    tensors = [g for g in gathered if g.split("{")[0].count(",") >= 3
-               and not g.split("[")[1].split(",")[1] == "1"]
-    assert (not tensors) == split, (name, gathered)
-    if sharding is seq:
-      assert (hlo.count("all-to-all(") > 0) == split, name
-  print("operands: every case matches one device")
+      grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3),
+                                        has_aux=True))
+      (_, out), grads = grad(q, k, v, x)
+      args = [jax.device_put(a, sharding) for a in (q, k, v)] + [
+          jax.device_put(x, NamedSharding(mesh, x_spec))]
+      hlo = grad.lower(*args).compile().as_text()
+      (_, out_s), grads_s = grad(*args)
+      errors = [relative_error(out_s, out)] + [
+          relative_error(a, c) for a, c in zip(grads_s, grads)
+          if jnp.any(c != 0)]
+      gathered = [line.split("=")[1].split()[0] for line in hlo.splitlines()
+                  if " all-gather(" in line]
+      print(f"operands {name}: all-gathers {gathered} "
+            f"all-to-alls={hlo.count('all-to-all(')} errors={errors}")
+      assert errors[0] <= bound.out and max(errors[1:]) <= bound.grad, errors
+      # Ids ([B, T] int32), the sinks' gradient ([N]) and a dense mask or
+      # bias shared by the heads ([.., 1, T, S]; all_to_all: each device needs
+      # every head's rows) may be gathered (sequence-sharded); no query, key,
+      # value or per-head bias.
+      tensors = [g for g in gathered if g.split("{")[0].count(",") >= 3
+                 and not g.split("[")[1].split(",")[1] == "1"]
+      assert (not tensors) == split, (name, gathered)
+      if sharding is seq:
+        assert (hlo.count("all-to-all(") > 0) == split, name
+  failures.report("operands: every case matches one device")
 
 
 def operands_by_strategy():
@@ -475,51 +522,53 @@ def operands_by_strategy():
                                     sinks=x), sinks, None),
   ]
   for strategy, options, x, x_sharding in sequence_cases:
-    def loss(q, k, v, x):
-      out = jax_flash.flash_attention(q, k, v, implementation="interpret",
-                                      context_parallel=strategy, **options(x))
-      return jnp.sum(out * do), out
+    with failures.case(strategy, options, x, x_sharding):
+      def loss(q, k, v, x):
+        out = jax_flash.flash_attention(q, k, v, implementation="interpret",
+                                        context_parallel=strategy, **options(x))
+        return jnp.sum(out * do), out
 
-    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3),
-                                      has_aux=True))
-    (_, out), grads = grad(q, k, v, x)
-    args = [jax.device_put(a, seq) for a in (q, k, v)] + [
-        x if x_sharding is None else jax.device_put(x, x_sharding)]
-    hlo = grad.lower(*args).compile().as_text()
-    (_, out_s), grads_s = grad(*args)
-    errors = [relative_error(out_s, out)] + [
-        relative_error(a, c) for a, c in zip(grads_s, grads)]
-    gathered = [line.split("=")[1].split()[0].split("{")[0]
-                for line in hlo.splitlines() if " all-gather(" in line]
-    named = sorted(options(x))
-    print(f"operands sequence {strategy} {named}: all-gathers {gathered} "
-          f"all-to-alls={hlo.count('all-to-all(')} errors={errors}")
-    assert errors[0] <= bound.out and max(errors[1:]) <= bound.grad, errors
-    # all_gather: K and V ([1, T, 2, H]; forward and backward) and the key
-    # ids ([1, T]) gathered; ring: no array gathered, key chunks and ids
-    # permuted; never the queries.
-    if strategy == "ring":
-      assert not gathered and hlo.count("collective-permute(") > 0, gathered
-    else:
-      assert sorted(g for g in gathered if g.count(",") >= 3) == [
-          f"f32[1,{t},2,{h}]"] * 4, gathered
-      assert ("segment_ids" in named) == (f"s32[1,{t}]" in gathered)
-    assert hlo.count("all-to-all(") == 0
-    if x_sharding is not None:
-      assert grads_s[3].sharding.is_equivalent_to(x_sharding, x.ndim)
+      grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3),
+                                        has_aux=True))
+      (_, out), grads = grad(q, k, v, x)
+      args = [jax.device_put(a, seq) for a in (q, k, v)] + [
+          x if x_sharding is None else jax.device_put(x, x_sharding)]
+      hlo = grad.lower(*args).compile().as_text()
+      (_, out_s), grads_s = grad(*args)
+      errors = [relative_error(out_s, out)] + [
+          relative_error(a, c) for a, c in zip(grads_s, grads)]
+      gathered = [line.split("=")[1].split()[0].split("{")[0]
+                  for line in hlo.splitlines() if " all-gather(" in line]
+      named = sorted(options(x))
+      print(f"operands sequence {strategy} {named}: all-gathers {gathered} "
+            f"all-to-alls={hlo.count('all-to-all(')} errors={errors}")
+      assert errors[0] <= bound.out and max(errors[1:]) <= bound.grad, errors
+      # all_gather: K and V ([1, T, 2, H]; forward and backward) and the key
+      # ids ([1, T]) gathered; ring: no array gathered, key chunks and ids
+      # permuted; never the queries.
+      if strategy == "ring":
+        assert not gathered and hlo.count("collective-permute(") > 0, gathered
+      else:
+        assert sorted(g for g in gathered if g.count(",") >= 3) == [
+            f"f32[1,{t},2,{h}]"] * 4, gathered
+        assert ("segment_ids" in named) == (f"s32[1,{t}]" in gathered)
+      assert hlo.count("all-to-all(") == 0
+      if x_sharding is not None:
+        assert grads_s[3].sharding.is_equivalent_to(x_sharding, x.ndim)
   _all_gather_structured_mask(mesh, seq, bound)
   for strategy, options, why in (
       ("ring", dict(mask=dense), "ring runs no ['dense_mask'"),):
-    try:
-      jax.jit(lambda q: jax_flash.flash_attention(
-          q, q, q, segment_ids=segments, context_parallel=strategy,
-          **options)).lower(jax.device_put(q, seq)).compile()
-    except Exception as e:  # Raised in XLA's partitioner, wrapped by it.
-      assert f"context_parallel={strategy!r} cannot run this call" in str(e)
-      assert why in str(e), str(e)
-    else:
-      raise AssertionError(f"{strategy} ran with segment ids and {options}")
-  print("operands by strategy: every case matches one device")
+    with failures.case(strategy, options, why):
+      try:
+        jax.jit(lambda q: jax_flash.flash_attention(
+            q, q, q, segment_ids=segments, context_parallel=strategy,
+            **options)).lower(jax.device_put(q, seq)).compile()
+      except Exception as e:  # Raised in XLA's partitioner, wrapped by it.
+        assert f"context_parallel={strategy!r} cannot run this call" in str(e)
+        assert why in str(e), str(e)
+      else:
+        raise AssertionError(f"{strategy} ran with segment ids and {options}")
+  failures.report("operands by strategy: every case matches one device")
 
 
 def _all_gather_structured_mask(mesh, seq, bound):
@@ -532,20 +581,21 @@ def _all_gather_structured_mask(mesh, seq, bound):
   mask = ((rows // 64 + cols // 64) % 3 != 0) | (rows == cols)
   mask = (mask & ~((rows % 64 == 5) & (cols // 64 == 1)))[None, None]
   for causal in (False, True):
-    def loss(q, k, v):
-      out = jax_flash.flash_attention(
-          q, k, v, implementation="interpret", context_parallel="all_gather",
-          is_causal=causal, mask=mask)
-      return jnp.sum(out * do), out
+    with failures.case(causal):
+      def loss(q, k, v):
+        out = jax_flash.flash_attention(
+            q, k, v, implementation="interpret", context_parallel="all_gather",
+            is_causal=causal, mask=mask)
+        return jnp.sum(out * do), out
 
-    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
-    (_, out), grads = grad(q, k, v)
-    (_, out_s), grads_s = grad(*(jax.device_put(a, seq) for a in (q, k, v)))
-    errors = [relative_error(out_s, out)] + [
-        relative_error(a, c) for a, c in zip(grads_s, grads)]
-    print(f"operands sequence all_gather structured mask causal={causal}: "
-          f"errors={errors}")
-    assert errors[0] <= bound.out and max(errors[1:]) <= bound.grad, errors
+      grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+      (_, out), grads = grad(q, k, v)
+      (_, out_s), grads_s = grad(*(jax.device_put(a, seq) for a in (q, k, v)))
+      errors = [relative_error(out_s, out)] + [
+          relative_error(a, c) for a, c in zip(grads_s, grads)]
+      print(f"operands sequence all_gather structured mask causal={causal}: "
+            f"errors={errors}")
+      assert errors[0] <= bound.out and max(errors[1:]) <= bound.grad, errors
 
 
 class _OnChunks(typing.NamedTuple):
@@ -617,35 +667,37 @@ def sequence_axis():
                           dict(mask=mask)),
   }
   for name, (kv_heads, options, chunked) in cases.items():
-    run = _on_chunks(mesh, keys, (b, t, n, kv_heads, h), options, chunked)
-    (got, got_lse), (want, want_lse), errors = run.results
-    hlo = jax.jit(run.local).lower(*run.args).compile().as_text()
-    finite = jnp.isfinite(want_lse)  # -inf past a query length.
-    np.testing.assert_array_equal(jnp.isfinite(got_lse), finite)
-    out_errors = [relative_error(got, want), relative_error(
-        jnp.where(finite, got_lse, 0.0), jnp.where(finite, want_lse, 0.0))]
-    print(f"sequence_axis {name}: all-to-alls={hlo.count('all-to-all(')} "
-          f"all-gathers={hlo.count('all-gather(')} out, lse errors="
-          f"{out_errors} grad errors={errors}")
-    bound = tolerance(jnp.float32)
-    assert max(out_errors) <= bound.out and max(errors) <= bound.grad, (
-        out_errors, errors)
-    assert hlo.count("all-to-all(") >= 4
-    assert hlo.count("all-gather(") == ("segment_ids" in chunked) + (
-        "mask" in chunked), hlo.count("all-gather(")
+    with failures.case(name, kv_heads, options, chunked):
+      run = _on_chunks(mesh, keys, (b, t, n, kv_heads, h), options, chunked)
+      (got, got_lse), (want, want_lse), errors = run.results
+      hlo = jax.jit(run.local).lower(*run.args).compile().as_text()
+      finite = jnp.isfinite(want_lse)  # -inf past a query length.
+      np.testing.assert_array_equal(jnp.isfinite(got_lse), finite)
+      out_errors = [relative_error(got, want), relative_error(
+          jnp.where(finite, got_lse, 0.0), jnp.where(finite, want_lse, 0.0))]
+      print(f"sequence_axis {name}: all-to-alls={hlo.count('all-to-all(')} "
+            f"all-gathers={hlo.count('all-gather(')} out, lse errors="
+            f"{out_errors} grad errors={errors}")
+      bound = tolerance(jnp.float32)
+      assert max(out_errors) <= bound.out and max(errors) <= bound.grad, (
+          out_errors, errors)
+      assert hlo.count("all-to-all(") >= 4
+      assert hlo.count("all-gather(") == ("segment_ids" in chunked) + (
+          "mask" in chunked), hlo.count("all-gather(")
   q = run.args[0]
   bad = {"sequence_axis='nope' names no axis": dict(sequence_axis="nope"),
          "context_parallel='ring_all_to_all' with sequence_axis":
              dict(sequence_axis="sp", context_parallel="ring_all_to_all")}
   for match, kw in bad.items():
-    try:
-      jax.jit(jax.shard_map(
-          lambda q: jax_flash.flash_attention(q, q, q, **kw), mesh=mesh,
-          in_specs=P(None, "sp"), out_specs=P(None, "sp")))(q)
-    except ValueError as e:
-      assert match in str(e), e
-    else:
-      raise AssertionError(f"no error for {kw}")
+    with failures.case(match, kw):
+      try:
+        jax.jit(jax.shard_map(
+            lambda q: jax_flash.flash_attention(q, q, q, **kw), mesh=mesh,
+            in_specs=P(None, "sp"), out_specs=P(None, "sp")))(q)
+      except ValueError as e:
+        assert match in str(e), e
+      else:
+        raise AssertionError(f"no error for {kw}")
   q6 = jnp.ones((b, t, 6, h))
   try:
     jax.jit(jax.shard_map(
@@ -656,7 +708,7 @@ def sequence_axis():
   else:
     raise AssertionError("no error for 6 heads on 4 devices")
   _modules_on_sequence_chunks(mesh)
-  print("every sequence_axis case matches one device")
+  failures.report("every sequence_axis case matches one device")
 
 
 def _gathered_shapes(hlo):
@@ -696,24 +748,25 @@ def sequence_axis_strategies():
           is_causal=True, fp8=True), {}),
   }
   for name, (strategy, kv_heads, options, chunked) in cases.items():
-    run = _on_chunks(mesh, keys, (b, t, n, kv_heads, h), options, chunked,
-                     context_parallel=strategy)
-    (got, got_lse), (want, want_lse), errors = run.results
-    out_errors = [relative_error(got, want), relative_error(got_lse,
-                                                            want_lse)]
-    hlo = run.grad.lower(*run.args[:3]).compile().as_text()
-    gathered = _gathered_shapes(hlo)
-    print(f"sequence_axis {name}: all-gathers={gathered} "
-          f"collective-permutes={hlo.count('collective-permute')} "
-          f"out, lse errors={out_errors} grad errors={errors}")
-    bound = tolerance(jnp.float32)
-    assert max(out_errors) <= bound.out and max(errors) <= bound.grad, (
-        out_errors, errors)
-    if strategy == "ring":
-      assert not gathered and hlo.count("collective-permute") > 0, gathered
-    else:  # K and V whole (the backward's too), no Q.
-      assert [g for g in gathered if g.count(",") == 3] == [
-          f"{b},{t},{kv_heads},{h}"] * 2, gathered
+    with failures.case(name, strategy, kv_heads, options, chunked):
+      run = _on_chunks(mesh, keys, (b, t, n, kv_heads, h), options, chunked,
+                       context_parallel=strategy)
+      (got, got_lse), (want, want_lse), errors = run.results
+      out_errors = [relative_error(got, want), relative_error(got_lse,
+                                                              want_lse)]
+      hlo = run.grad.lower(*run.args[:3]).compile().as_text()
+      gathered = _gathered_shapes(hlo)
+      print(f"sequence_axis {name}: all-gathers={gathered} "
+            f"collective-permutes={hlo.count('collective-permute')} "
+            f"out, lse errors={out_errors} grad errors={errors}")
+      bound = tolerance(jnp.float32)
+      assert max(out_errors) <= bound.out and max(errors) <= bound.grad, (
+          out_errors, errors)
+      if strategy == "ring":
+        assert not gathered and hlo.count("collective-permute") > 0, gathered
+      else:  # K and V whole (the backward's too), no Q.
+        assert [g for g in gathered if g.count(",") == 3] == [
+            f"{b},{t},{kv_heads},{h}"] * 2, gathered
   bad = {"ring runs no ['alibi_slopes']": (
              "ring", dict(alibi_slopes=jnp.ones((n,)))),
          "key_value_seq_lengths with sequence_axis": (
@@ -722,15 +775,16 @@ def sequence_axis_strategies():
              "all_gather", dict(bias=jnp.ones((b, 1, t // 4, t))))}
   q = jnp.ones((b, t, n, h))
   for match, (strategy, kw) in bad.items():
-    try:
-      jax.jit(jax.shard_map(
-          lambda q: jax_flash.flash_attention(
-              q, q, q, sequence_axis="sp", context_parallel=strategy, **kw),
-          mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp")))(q)
-    except ValueError as e:
-      assert match in str(e), e
-    else:
-      raise AssertionError(f"no error for {strategy} {kw}")
+    with failures.case(match, strategy, kw):
+      try:
+        jax.jit(jax.shard_map(
+            lambda q: jax_flash.flash_attention(
+                q, q, q, sequence_axis="sp", context_parallel=strategy, **kw),
+            mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp")))(q)
+      except ValueError as e:
+        assert match in str(e), e
+      else:
+        raise AssertionError(f"no error for {strategy} {kw}")
   ring = jax.shard_map(
       lambda q: jax_flash.flash_attention(q, q, q, sequence_axis="sp",
                                           context_parallel="ring"),
@@ -741,7 +795,7 @@ def sequence_axis_strategies():
     assert "forward-mode" in str(e), e
   else:
     raise AssertionError("no error for jvp of a ring on an axis")
-  print("every sequence_axis strategy case matches one device")
+  failures.report("every sequence_axis strategy case matches one device")
 
 
 def _modules_on_sequence_chunks(mesh):
