@@ -28,7 +28,9 @@ decode".
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +53,6 @@ from pallas_kernels.mosaic_gpu.tiles import (ROW, await_last_releases,
                                              online_softmax)
 
 
-
 def _segment(bounds_ref, lengths_ref, s: int, *, groups: int,
              head_groups: int, tiles: int, positions: int):
   """Segment s of this CTA's run: (group, batch, head group, whether the
@@ -71,158 +72,231 @@ def _segment(bounds_ref, lengths_ref, s: int, *, groups: int,
           count)
 
 
-def _decode_kernel(q_ref, k_ref, v_ref, lengths_ref, bounds_ref, owners_ref,
-                   o_ref, lse_ref, *, buffers, ready, free, scores: Scores,
-                   mask: Mask, q_len: int, heads: int, group: int,
-                   block_k: int, stages: int, consumers: int,
-                   segments: int, segment):
-  """q_ref [B, K / heads, Rq, H] (rows (h * G + g) * T + t for the
-  group's KV head h < heads, zero past heads * G * T; Rq <= DECODE_ROWS, a
-  multiple of 8 or DECODE_ROWS: the buffer's rows past Rq are never written, and
-  only rows that are dropped or masked read them); k_ref/v_ref [B, S, K, H]
-  when heads == 1, else [B, S * K, H] (row p * K + h: position p, KV head
-  h); lengths_ref int32 [B]; bounds_ref int32 [CTAs + 1] (CTA c streams
-  flattened tiles bounds[c] to bounds[c + 1]); owners_ref int32 [groups]
-  (the first CTA whose run crosses each head group); o_ref [groups, M,
-  consumers, R, H] and lse_ref [groups, M, consumers, R] float32: part (m,
-  w) of a group from the group's m-th CTA's consumer w (the first R of the
-  DECODE_ROWS rows; natural log, -inf for a part that saw no key; parts past a
-  group's CTAs are not written)."""
-  q_smem, k_smem, v_smem, o_smem, lse_smem = buffers
-  k_ready, v_ready, q_ready = ready
-  k_free, v_free, q_free = free
-  q_buffers = q_smem.shape[0]
-  q_rows = q_ref.shape[-2]
+@dataclasses.dataclass(frozen=True)
+class _Cta:
+  """What every part of a decode CTA reads: refs, shared memory, barriers,
+  statics, and this CTA and warpgroup (`_decode_kernel`)."""
+  refs: tuple  # (q, k, v, lengths, bounds, owners, o, lse)
+  buffers: tuple  # (Q, K, V, O, lse) in shared memory.
+  ready: tuple  # (K, V, Q) barriers,
+  free: tuple  # and their releases.
+  scores: Scores
+  mask: Mask
+  q_len: int
+  heads: int
+  group: int
+  block_k: int
+  stages: int
+  consumers: int
+  segments: int
+  segment: object  # `_segment` with the schedule's statics.
+  wg: object
+  cta: object
 
-  def q_buffer(seg):
-    q = q_smem.at[seg % q_buffers]
+  @property
+  def positions(self) -> int:
+    return self.block_k // self.heads  # Cache positions a tile.
+
+  @property
+  def q_buffers(self) -> int:
+    return self.buffers[0].shape[0]
+
+  def q_buffer(self, seg: int):
+    """Segment seg's Q buffer (the rows the kernel's Q has)."""
+    q = self.buffers[0].at[seg % self.q_buffers]
+    q_rows = self.refs[0].shape[-2]
     return q if q_rows == DECODE_ROWS else q.at[pl.ds(0, q_rows)]
-  wg = lax.axis_index("wg")
-  cta = lax.axis_index("cta")
-  positions = block_k // heads  # Cache positions a tile.
-  dtype = q_ref.dtype
 
-  @pl.when(wg < consumers)
-  def _consumer():
-    plgpu.set_max_registers(232, action="increase")
-    shape = (DECODE_ROWS, block_k)
-    rows = plgpu.broadcasted_iota(jnp.int32, shape, 0,
-                                  layout=plgpu.Layout.WGMMA)
-    query = lax.rem(rows, q_len)
-    tile_cols = plgpu.broadcasted_iota(jnp.int32, shape, 1,
-                                       layout=plgpu.Layout.WGMMA)
-    # A row's KV head against a column's (heads > 1: rows of padding match
-    # none).
-    same_head = (lax.div(rows, group * q_len) == lax.rem(tile_cols, heads)
-                 if heads > 1 else None)
-    tile_positions = lax.div(tile_cols, heads) if heads > 1 else tile_cols
-    base = jnp.int32(0)  # Tiles of the run before the segment.
-    for seg in range(segments):
-      group_index, batch, _, in_run, lo, count = segment(
-          bounds_ref, lengths_ref, seg)
-      kv_len = lengths_ref[batch]
-      q_seg = q_smem.at[seg % q_buffers]  # The producer's load of it.
-      plgpu.barrier_wait(q_ready.at[seg % q_buffers])
 
-      def step(i, carry):  # Traced below, in this segment's iteration.
-        acc, m, l = carry
-        n = first + consumers * i  # The tile's place in the run.
-        j = lo + n - base
-        slot = lax.rem(n, stages)
-        plgpu.barrier_wait(k_ready.at[slot])
+class _Lanes(typing.NamedTuple):
+  """A consumer's per-element values of an S tile: each row's query, its
+  match of a column's KV head (heads > 1, else None), each column's
+  position in the tile."""
+  query: object
+  same_head: object
+  tile_positions: object
 
-        def qk(acc_ref):
-          plgpu.wgmma(acc_ref, q_seg, k_smem.at[slot].T)
-          return acc_ref[...]
-        s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
-        plgpu.barrier_arrive(k_free.at[slot])
-        cols = j * positions + tile_positions
-        s, c, _ = scores.factored_logits2(s, query, cols)
-        ok = mask.visible(query, cols, kv_len, q_offset=kv_len - q_len)
-        if same_head is not None:
-          ok = jnp.logical_and(ok, same_head)
-        s = jnp.where(ok, s, -jnp.inf)
-        p, m_new, l, acc = online_softmax(s, c, m, l, acc)
-        plgpu.barrier_wait(v_ready.at[slot])
-        valid = (kv_len - j * positions) * heads  # V rows past it: NaN?
 
-        @pl.when(valid < block_k)
-        def _():  # Zeroed, or 0 * NaN would reach P V.
-          v = plgpu.load(v_smem.at[slot], layout=plgpu.Layout.WGMMA)
-          v_rows = plgpu.broadcasted_iota(jnp.int32, v.shape, 0,
-                                          layout=plgpu.Layout.WGMMA)
-          v_smem.at[slot][...] = jnp.where(v_rows < valid, v,
-                                           jnp.zeros_like(v))
-          plgpu.commit_smem()
-        acc = pl.run_state(lambda acc_ref: plgpu.wgmma(
-            acc_ref, p.astype(dtype), v_smem.at[slot]))(plgpu.ACC.init(acc))
-        plgpu.barrier_arrive(v_free.at[slot])
-        return acc, m_new, l
+class _Run(typing.NamedTuple):
+  """A consumer's segment: its Q, the sequence's length, the segment's
+  first tile, the run's tiles before it, the consumer's first place."""
+  q: object
+  kv_len: object
+  lo: object
+  base: object
+  first: object
 
-      # This consumer's tiles: run places base + t, t < count, that are
-      # wg modulo `consumers` (the slots it always takes).
-      first = base + lax.rem(wg - lax.rem(base, consumers) + consumers,
-                             consumers)
-      mine = cdiv(jnp.maximum(base + count - first, 0), consumers)
-      m = plgpu.layout_cast(jnp.full((DECODE_ROWS,), -jnp.inf, jnp.float32), ROW)
-      l = plgpu.layout_cast(jnp.zeros((DECODE_ROWS,), jnp.float32), ROW)
-      acc = plgpu.layout_cast(
-          jnp.zeros((DECODE_ROWS, v_smem.shape[-1]), jnp.float32),
-          plgpu.Layout.WGMMA)
-      acc, m, l = lax.fori_loop(0, mine, step, (acc, m, l))
-      plgpu.barrier_arrive(q_free.at[seg % q_buffers])
-      o, lse = softmax.finalize(acc, m, l)
-      # The last segment's store has read the buffer (it ran meanwhile).
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      o_smem.at[wg][...] = o
-      lse_smem.at[wg][...] = lse
-      plgpu.commit_smem()
-      out_rows = pl.ds(0, o_ref.shape[-2])
-      part = cta - owners_ref[group_index]
 
-      @pl.when(in_run)
-      def _():
-        plgpu.copy_smem_to_gmem(o_smem.at[wg, out_rows],
-                                o_ref.at[group_index, part, wg])
-        plgpu.copy_smem_to_gmem(lse_smem.at[wg, out_rows],
-                                lse_ref.at[group_index, part, wg])
-      base = base + count
-    plgpu.wait_smem_to_gmem(0)
+def _lanes(cta: _Cta) -> _Lanes:
+  shape = (DECODE_ROWS, cta.block_k)
+  rows = plgpu.broadcasted_iota(jnp.int32, shape, 0,
+                                layout=plgpu.Layout.WGMMA)
+  query = lax.rem(rows, cta.q_len)
+  tile_cols = plgpu.broadcasted_iota(jnp.int32, shape, 1,
+                                     layout=plgpu.Layout.WGMMA)
+  # A row's KV head against a column's (heads > 1: rows of padding match
+  # none).
+  heads = cta.heads
+  same_head = (lax.div(rows, cta.group * cta.q_len) == lax.rem(tile_cols,
+                                                                heads)
+               if heads > 1 else None)
+  tile_positions = lax.div(tile_cols, heads) if heads > 1 else tile_cols
+  return _Lanes(query, same_head, tile_positions)
 
-  @pl.when(wg == consumers)
-  def _producer():
-    plgpu.set_max_registers(40, action="decrease")
-    base = jnp.int32(0)
-    for seg in range(segments):
-      _, batch, head, _, lo, count = segment(bounds_ref, lengths_ref, seg)
-      # The segment's Q, into a buffer both consumers have released (the
-      # next segment's Q loads while they stream this one's tiles).
-      if seg >= q_buffers:
-        plgpu.barrier_wait(q_free.at[seg % q_buffers])
-      plgpu.copy_gmem_to_smem(q_ref.at[batch, head], q_buffer(seg),
-                              q_ready.at[seg % q_buffers])
 
-      @pl.loop(0, count)
-      def _(t, base=base, batch=batch, head=head, lo=lo):
-        n = base + t
-        slot = lax.rem(n, stages)
+def _decode_step(cta: _Cta, lanes: _Lanes, run: _Run, i, carry):
+  """One tile of a consumer: S = Q K^T, the masked online-softmax update,
+  O += P V (V's rows past the length zeroed first)."""
+  _, k_smem, v_smem, _, _ = cta.buffers
+  k_ready, v_ready, _ = cta.ready
+  k_free, v_free, _ = cta.free
+  acc, m, l = carry
+  n = run.first + cta.consumers * i  # The tile's place in the run.
+  j = run.lo + n - run.base
+  slot = lax.rem(n, cta.stages)
+  plgpu.barrier_wait(k_ready.at[slot])
 
-        @pl.when(n >= stages)  # The slot's previous tile released.
-        def _():
-          plgpu.barrier_wait(k_free.at[slot])
-          plgpu.barrier_wait(v_free.at[slot])
-        rows = pl.ds((lo + t) * block_k, block_k)
-        # heads > 1: every KV head of block_k / K positions, contiguous.
-        tile = (batch, rows, head) if heads == 1 else (batch, rows)
-        plgpu.copy_gmem_to_smem(k_ref.at[tile], k_smem.at[slot],
-                                k_ready.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[tile], v_smem.at[slot],
-                                v_ready.at[slot])
-      base = base + count
-    # Await the last releases too: every completion of a barrier is waited.
-    for seg in range(max(segments - q_buffers, 0), segments):
+  def qk(acc_ref):
+    plgpu.wgmma(acc_ref, run.q, k_smem.at[slot].T)
+    return acc_ref[...]
+  s = pl.run_scoped(qk, plgpu.ACC((DECODE_ROWS, cta.block_k), jnp.float32))
+  plgpu.barrier_arrive(k_free.at[slot])
+  cols = j * cta.positions + lanes.tile_positions
+  s, c, _ = cta.scores.factored_logits2(s, lanes.query, cols)
+  ok = cta.mask.visible(lanes.query, cols, run.kv_len,
+                        q_offset=run.kv_len - cta.q_len)
+  if lanes.same_head is not None:
+    ok = jnp.logical_and(ok, lanes.same_head)
+  s = jnp.where(ok, s, -jnp.inf)
+  p, m_new, l, acc = online_softmax(s, c, m, l, acc)
+  plgpu.barrier_wait(v_ready.at[slot])
+  valid = (run.kv_len - j * cta.positions) * cta.heads  # V rows past it: NaN?
+
+  @pl.when(valid < cta.block_k)
+  def _():  # Zeroed, or 0 * NaN would reach P V.
+    v = plgpu.load(v_smem.at[slot], layout=plgpu.Layout.WGMMA)
+    v_rows = plgpu.broadcasted_iota(jnp.int32, v.shape, 0,
+                                    layout=plgpu.Layout.WGMMA)
+    v_smem.at[slot][...] = jnp.where(v_rows < valid, v, jnp.zeros_like(v))
+    plgpu.commit_smem()
+  acc = pl.run_state(lambda acc_ref: plgpu.wgmma(
+      acc_ref, p.astype(cta.refs[0].dtype), v_smem.at[slot]))(
+          plgpu.ACC.init(acc))
+  plgpu.barrier_arrive(v_free.at[slot])
+  return acc, m_new, l
+
+
+def _consumer_segment(cta: _Cta, lanes: _Lanes, seg: int, base):
+  """A consumer's tiles of segment seg (run places base + t, t < count,
+  that are wg modulo `consumers`: the slots it always takes), then its
+  normalized part stored in the group's slot. Returns the next base."""
+  q_ref, _, _, lengths_ref, bounds_ref, owners_ref, o_ref, lse_ref = cta.refs
+  q_smem, _, v_smem, o_smem, lse_smem = cta.buffers
+  q_ready, q_free, wg = cta.ready[2], cta.free[2], cta.wg
+  group_index, batch, _, in_run, lo, count = cta.segment(
+      bounds_ref, lengths_ref, seg)
+  kv_len = lengths_ref[batch]
+  q_seg = q_smem.at[seg % cta.q_buffers]  # The producer's load of it.
+  plgpu.barrier_wait(q_ready.at[seg % cta.q_buffers])
+  consumers = cta.consumers
+  first = base + lax.rem(wg - lax.rem(base, consumers) + consumers,
+                         consumers)
+  mine = cdiv(jnp.maximum(base + count - first, 0), consumers)
+  m = plgpu.layout_cast(jnp.full((DECODE_ROWS,), -jnp.inf, jnp.float32), ROW)
+  l = plgpu.layout_cast(jnp.zeros((DECODE_ROWS,), jnp.float32), ROW)
+  acc = plgpu.layout_cast(
+      jnp.zeros((DECODE_ROWS, v_smem.shape[-1]), jnp.float32),
+      plgpu.Layout.WGMMA)
+  run = _Run(q_seg, kv_len, lo, base, first)
+  acc, m, l = lax.fori_loop(0, mine, functools.partial(
+      _decode_step, cta, lanes, run), (acc, m, l))
+  plgpu.barrier_arrive(q_free.at[seg % cta.q_buffers])
+  o, lse = softmax.finalize(acc, m, l)
+  # The last segment's store has read the buffer (it ran meanwhile).
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  o_smem.at[wg][...] = o
+  lse_smem.at[wg][...] = lse
+  plgpu.commit_smem()
+  out_rows = pl.ds(0, o_ref.shape[-2])
+  part = cta.cta - owners_ref[group_index]
+
+  @pl.when(in_run)
+  def _():
+    plgpu.copy_smem_to_gmem(o_smem.at[wg, out_rows],
+                            o_ref.at[group_index, part, wg])
+    plgpu.copy_smem_to_gmem(lse_smem.at[wg, out_rows],
+                            lse_ref.at[group_index, part, wg])
+  return base + count
+
+
+def _decode_consumer(cta: _Cta):
+  plgpu.set_max_registers(232, action="increase")
+  lanes = _lanes(cta)
+  base = jnp.int32(0)  # Tiles of the run before the segment.
+  for seg in range(cta.segments):
+    base = _consumer_segment(cta, lanes, seg, base)
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _decode_producer(cta: _Cta):
+  """Each segment's Q (into a buffer both consumers have released: the next
+  segment's Q loads while they stream this one's tiles), then its K/V
+  tiles through the ring of `stages` slots."""
+  q_ref, k_ref, v_ref, lengths_ref, bounds_ref = cta.refs[:5]
+  _, k_smem, v_smem, _, _ = cta.buffers
+  k_ready, v_ready, q_ready = cta.ready
+  k_free, v_free, q_free = cta.free
+  stages, block_k, q_buffers = cta.stages, cta.block_k, cta.q_buffers
+  plgpu.set_max_registers(40, action="decrease")
+  base = jnp.int32(0)
+  for seg in range(cta.segments):
+    _, batch, head, _, lo, count = cta.segment(bounds_ref, lengths_ref, seg)
+    if seg >= q_buffers:
       plgpu.barrier_wait(q_free.at[seg % q_buffers])
-    await_last_releases(base, stages, k_free, v_free)
+    plgpu.copy_gmem_to_smem(q_ref.at[batch, head], cta.q_buffer(seg),
+                            q_ready.at[seg % q_buffers])
+
+    @pl.loop(0, count)
+    def _(t, base=base, batch=batch, head=head, lo=lo):
+      n = base + t
+      slot = lax.rem(n, stages)
+
+      @pl.when(n >= stages)  # The slot's previous tile released.
+      def _():
+        plgpu.barrier_wait(k_free.at[slot])
+        plgpu.barrier_wait(v_free.at[slot])
+      rows = pl.ds((lo + t) * block_k, block_k)
+      # heads > 1: every KV head of block_k / K positions, contiguous.
+      tile = (batch, rows, head) if cta.heads == 1 else (batch, rows)
+      plgpu.copy_gmem_to_smem(k_ref.at[tile], k_smem.at[slot],
+                              k_ready.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[tile], v_smem.at[slot],
+                              v_ready.at[slot])
+    base = base + count
+  # Await the last releases too: every completion of a barrier is waited.
+  for seg in range(max(cta.segments - q_buffers, 0), cta.segments):
+    plgpu.barrier_wait(q_free.at[seg % q_buffers])
+  await_last_releases(base, stages, k_free, v_free)
+
+
+def _decode_kernel(*refs, **statics):
+  """refs (q, k, v, lengths, bounds, owners, o, lse): q [B, K / heads, Rq,
+  H] (rows (h * G + g) * T + t for the group's KV head h < heads, zero
+  past heads * G * T; Rq <= DECODE_ROWS, a multiple of 8 or DECODE_ROWS:
+  the buffer's rows past Rq are never written, and only rows that are
+  dropped or masked read them); k/v [B, S, K, H] when heads == 1, else
+  [B, S * K, H] (row p * K + h: position p, KV head h); lengths int32 [B];
+  bounds int32 [CTAs + 1] (CTA c streams flattened tiles bounds[c] to
+  bounds[c + 1]); owners int32 [groups] (the first CTA whose run crosses
+  each head group); o [groups, M, consumers, R, H] and lse [groups, M,
+  consumers, R] float32: part (m, w) of a group from the group's m-th
+  CTA's consumer w (the first R of the DECODE_ROWS rows; natural log, -inf
+  for a part that saw no key; parts past a group's CTAs are not written).
+  `statics`: `_Cta`'s fields from buffers to segment."""
+  cta = _Cta(refs=refs, wg=lax.axis_index("wg"), cta=lax.axis_index("cta"),
+             **statics)
+  pl.when(cta.wg < cta.consumers)(lambda: _decode_consumer(cta))
+  pl.when(cta.wg == cta.consumers)(lambda: _decode_producer(cta))
 
 
 def max_stages(head_dim: int, block_k: int, itemsize: int,
