@@ -314,6 +314,32 @@ def max_stages(head_dim: int, block_k: int, itemsize: int,
   return stages - stages % consumers
 
 
+def _scratch(dtype, k_dtype, v_dtype, head_dim: int, block_k: int,
+             stages: int, q_buffers: int, consumers: int) -> dict:
+  """The decode kernel's shared memory (Q buffers, the K/V ring, each
+  consumer's output and logsumexp) and barriers."""
+  transforms = smem_transforms(dtype, head_dim)
+  return dict(
+      buffers=(
+          plgpu.SMEM((q_buffers, DECODE_ROWS, head_dim), dtype,
+                     transforms=transforms),
+          plgpu.SMEM((stages, block_k, head_dim), k_dtype,
+                     transforms=transforms),
+          plgpu.SMEM((stages, block_k, head_dim), v_dtype,
+                     transforms=smem_transforms(v_dtype, head_dim,
+                                                block_k)),
+          plgpu.SMEM((consumers, DECODE_ROWS, head_dim), jnp.float32,
+                     transforms=smem_transforms(jnp.float32, head_dim)),
+          plgpu.SMEM((consumers, DECODE_ROWS), jnp.float32),
+      ),
+      ready=(plgpu.Barrier(num_barriers=stages),
+             plgpu.Barrier(num_barriers=stages),
+             plgpu.Barrier(num_barriers=q_buffers)),
+      free=(plgpu.Barrier(num_barriers=stages),) * 2 + (
+          plgpu.Barrier(num_arrivals=consumers, num_barriers=q_buffers),),
+  )
+
+
 def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
                  mask: Mask, block_k: int = DECODE_BLOCK_K, num_stages: int = 4,
                  heads_per_cta: int = 1, consumers: int = 1,
@@ -378,26 +404,8 @@ def flash_decode(q, k_cache, v_cache, kv_lengths, *, scores: Scores,
                      f"shared memory ({config.SMEM_BYTES} bytes)")
   num_stages = max(consumers, min(num_stages, fits))
   num_stages -= num_stages % consumers
-  transforms = smem_transforms(q.dtype, head_dim)
-  scratch = dict(
-      buffers=(
-          plgpu.SMEM((q_buffers, DECODE_ROWS, head_dim), q.dtype,
-                     transforms=transforms),
-          plgpu.SMEM((num_stages, block_k, head_dim), k_cache.dtype,
-                     transforms=transforms),
-          plgpu.SMEM((num_stages, block_k, head_dim), v_cache.dtype,
-                     transforms=smem_transforms(v_cache.dtype, head_dim,
-                                                block_k)),
-          plgpu.SMEM((consumers, DECODE_ROWS, head_dim), jnp.float32,
-                     transforms=smem_transforms(jnp.float32, head_dim)),
-          plgpu.SMEM((consumers, DECODE_ROWS), jnp.float32),
-      ),
-      ready=(plgpu.Barrier(num_barriers=num_stages),
-             plgpu.Barrier(num_barriers=num_stages),
-             plgpu.Barrier(num_barriers=q_buffers)),
-      free=(plgpu.Barrier(num_barriers=num_stages),) * 2 + (
-          plgpu.Barrier(num_arrivals=consumers, num_barriers=q_buffers),),
-  )
+  scratch = _scratch(q.dtype, k_cache.dtype, v_cache.dtype, head_dim,
+                     block_k, num_stages, q_buffers, consumers)
   kernel = functools.partial(
       _decode_kernel, scores=scores, mask=mask, q_len=q_len, heads=heads,
       group=group, block_k=block_k, stages=num_stages, consumers=consumers,
