@@ -22,6 +22,7 @@ mask predicate only on the tiles that cross its boundary.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -276,6 +277,134 @@ def dkdv_splits(programs: int, q_tiles: int, multiprocessors: int) -> int:
   return max(1, min(wanted, q_tiles // DKDV_MIN_RUN))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Launch:
+  """What the backward's kernel launches share (`flash_backward`)."""
+  scores: Scores
+  mask: Mask
+  blocks: BlockSizes
+  interpret: bool
+  head_dim: int
+  value_head_dim: int
+  group: int
+
+  @property
+  def static(self) -> dict:
+    return dict(scores=self.scores, mask=self.mask, head_dim=self.head_dim,
+                value_head_dim=self.value_head_dim)
+
+  @property
+  def widths(self):  # Q/K's and V's head dims, padded.
+    return padded_head_dim(self.head_dim), padded_head_dim(
+        self.value_head_dim)
+
+  @property
+  def compiler_params(self):
+    return plgpu.CompilerParams(num_warps=self.blocks.num_warps_bwd,
+                                num_stages=self.blocks.num_stages_bwd)
+
+
+def _dkdv_call(launch: _Launch, q, k, v, operands: Operands, delta, lse, do):
+  """dK, dV: grid over (key tiles x splits, batch, kv heads); the group's
+  query heads are one block of `group` consecutive heads; with several
+  splits of the query tiles, their float32 shares summed in a fixed
+  order."""
+  batch, q_len, _, _ = q.shape
+  kv_len, num_kv_heads = k.shape[1], k.shape[2]
+  group, (hp, hvp) = launch.group, launch.widths
+  bq, bk = launch.blocks.block_q_dkv, launch.blocks.block_k_dkv
+  def group_spec(width):
+    return pl.BlockSpec((None, q_len, group, width),
+                        lambda j, b, h: (b, 0, h, 0))
+
+  def kv_spec(width):
+    return pl.BlockSpec((None, kv_len, None, width),
+                        lambda j, b, h: (b, 0, h, 0))
+  group_stat_spec = pl.BlockSpec((None, group, q_len), lambda j, b, h: (b, h, 0))
+  extra = operand_specs.for_key_tiles(operands, launch.mask, bq, bk, q_len,
+                                      kv_len, group)
+  splits = dkdv_splits(pl.cdiv(kv_len, bk) * batch * num_kv_heads,
+                       pl.cdiv(q_len, bq), device.num_multiprocessors())
+
+  def out_spec(width):
+    if splits == 1:
+      return kv_spec(width)
+    return pl.BlockSpec((None, None, kv_len, None, width),
+                        lambda j, b, h: (lax.rem(j, splits), b, 0, h, 0))
+
+  def out_shape(x):
+    if splits == 1:
+      return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return jax.ShapeDtypeStruct((splits, *x.shape), jnp.float32)
+  dk, dv = pl.pallas_call(
+      functools.partial(_dkdv_kernel, block_q=bq, block_k=bk, splits=splits,
+                        **launch.static),
+      grid=(pl.cdiv(kv_len, bk) * splits, batch, num_kv_heads),
+      in_specs=[group_spec(hp), kv_spec(hp), kv_spec(hvp), group_spec(hvp),
+                group_stat_spec, group_stat_spec, *extra.in_specs()],
+      out_specs=[out_spec(hp), out_spec(hvp)],
+      out_shape=[out_shape(k), out_shape(v)],
+      compiler_params=launch.compiler_params,
+      interpret=launch.interpret,
+      name="flash_attention_backward_dkdv",
+  )(q, k, v, do, lse, delta, *extra.args())
+  if splits > 1:  # The runs' shares summed in a fixed order.
+    dk, dv = (x.sum(axis=0).astype(y.dtype) for x, y in ((dk, k), (dv, v)))
+  return dk, dv
+
+
+def _query_tile_calls(launch: _Launch, q, k, v, operands: Operands, delta,
+                      lse, do, dlse):
+  """dQ and dBias (None without a bias): grid over (query tiles, batch,
+  heads)."""
+  batch, q_len, num_heads, _ = q.shape
+  kv_len = k.shape[1]
+  group, (hp, hvp) = launch.group, launch.widths
+  bq, bk = launch.blocks.block_q_dq, launch.blocks.block_k_dq
+  num_q_tiles = pl.cdiv(q_len, bq)
+  def q_spec(width):
+    return pl.BlockSpec((None, q_len, None, width),
+                        lambda i, b, n: (b, 0, n, 0))
+
+  def kv_spec(width):
+    return pl.BlockSpec((None, kv_len, None, width),
+                        lambda i, b, n: (b, 0, lax.div(n, group), 0))
+  stat_spec = pl.BlockSpec((None, None, q_len), lambda i, b, n: (b, n, 0))
+  extra = operand_specs.for_query_tiles(operands, launch.mask, bq, bk, q_len,
+                                        kv_len)
+
+  def query_tile_call(kernel, name, out_spec, out_shape, row_stat=delta):
+    return pl.pallas_call(
+        functools.partial(kernel, block_q=bq, block_k=bk, **launch.static),
+        grid=(num_q_tiles, batch, num_heads),
+        in_specs=[q_spec(hp), kv_spec(hp), kv_spec(hvp), q_spec(hvp),
+                  stat_spec, stat_spec, *extra.in_specs()],
+        out_specs=out_spec,
+        out_shape=out_shape,
+        compiler_params=launch.compiler_params,
+        interpret=launch.interpret,
+        name=name,
+    )(q, k, v, do, lse, row_stat, *extra.args())
+
+  dq = query_tile_call(_dq_kernel, "flash_attention_backward_dq", q_spec(hp),
+                       jax.ShapeDtypeStruct(q.shape, q.dtype))
+  if operands.bias is None:
+    return dq, None
+  bm, nm, tm, sm = operands.bias.shape
+  sum_keys, sum_queries = sm == 1, tm == 1 and sm > 1
+  shape = (batch, num_heads, num_q_tiles if sum_queries else q_len,
+           1 if sum_keys else kv_len)
+  buf = query_tile_call(
+      functools.partial(_dbias_kernel, sum_keys=sum_keys,
+                        sum_queries=sum_queries),
+      "flash_attention_backward_dbias",
+      pl.BlockSpec((None, None) + shape[2:], lambda i, b, n: (b, n, 0, 0)),
+      jax.ShapeDtypeStruct(shape, jnp.float32),
+      row_stat=softmax.lse_cotangent(dlse, delta) if sum_keys else delta)
+  axes = tuple(a for a, d in enumerate((bm, nm, tm, sm)) if d == 1)
+  return dq, jnp.sum(buf, axis=axes, keepdims=True)
+
+
 def flash_backward(q, k, v, operands: Operands, delta, lse, do, dlse, *,
                    scores: Scores, mask: Mask, block_sizes: BlockSizes,
                    interpret: bool = False):
@@ -293,100 +422,11 @@ def flash_backward(q, k, v, operands: Operands, delta, lse, do, dlse, *,
     the query heads that share each key/value head; dbias shaped like
     operands.bias (float32), or None without a bias.
   """
-  batch, q_len, num_heads, head_dim = q.shape
-  kv_len, num_kv_heads = k.shape[1], k.shape[2]
-  group = num_heads // num_kv_heads
-  value_head_dim = v.shape[-1]
-  hp, hvp = padded_head_dim(head_dim), padded_head_dim(value_head_dim)
-  static = dict(scores=scores, mask=mask, head_dim=head_dim,
-                value_head_dim=value_head_dim)
-  compiler_params = plgpu.CompilerParams(
-      num_warps=block_sizes.num_warps_bwd,
-      num_stages=block_sizes.num_stages_bwd)
-
-  # dK/dV: grid over (key tiles, batch, kv heads); the group's query heads
-  # are one block of `group` consecutive heads.
-  bq, bk = block_sizes.block_q_dkv, block_sizes.block_k_dkv
-  def group_spec(width):
-    return pl.BlockSpec((None, q_len, group, width),
-                        lambda j, b, h: (b, 0, h, 0))
-
-  def kv_spec(width):
-    return pl.BlockSpec((None, kv_len, None, width),
-                        lambda j, b, h: (b, 0, h, 0))
-  group_stat_spec = pl.BlockSpec((None, group, q_len), lambda j, b, h: (b, h, 0))
-  extra = operand_specs.for_key_tiles(operands, mask, bq, bk, q_len, kv_len,
-                                      group)
-  splits = dkdv_splits(pl.cdiv(kv_len, bk) * batch * num_kv_heads,
-                       pl.cdiv(q_len, bq), device.num_multiprocessors())
-
-  def out_spec(width):
-    if splits == 1:
-      return kv_spec(width)
-    return pl.BlockSpec((None, None, kv_len, None, width),
-                        lambda j, b, h: (lax.rem(j, splits), b, 0, h, 0))
-
-  def out_shape(x):
-    if splits == 1:
-      return jax.ShapeDtypeStruct(x.shape, x.dtype)
-    return jax.ShapeDtypeStruct((splits, *x.shape), jnp.float32)
-  dk, dv = pl.pallas_call(
-      functools.partial(_dkdv_kernel, block_q=bq, block_k=bk, splits=splits,
-                        **static),
-      grid=(pl.cdiv(kv_len, bk) * splits, batch, num_kv_heads),
-      in_specs=[group_spec(hp), kv_spec(hp), kv_spec(hvp), group_spec(hvp),
-                group_stat_spec, group_stat_spec, *extra.in_specs()],
-      out_specs=[out_spec(hp), out_spec(hvp)],
-      out_shape=[out_shape(k), out_shape(v)],
-      compiler_params=compiler_params,
-      interpret=interpret,
-      name="flash_attention_backward_dkdv",
-  )(q, k, v, do, lse, delta, *extra.args())
-  if splits > 1:  # The runs' shares summed in a fixed order.
-    dk, dv = (x.sum(axis=0).astype(y.dtype) for x, y in ((dk, k), (dv, v)))
-
-  # dQ and dBias: grid over (query tiles, batch, heads).
-  bq, bk = block_sizes.block_q_dq, block_sizes.block_k_dq
-  num_q_tiles = pl.cdiv(q_len, bq)
-  def q_spec(width):
-    return pl.BlockSpec((None, q_len, None, width),
-                        lambda i, b, n: (b, 0, n, 0))
-
-  def kv_spec(width):
-    return pl.BlockSpec((None, kv_len, None, width),
-                        lambda i, b, n: (b, 0, lax.div(n, group), 0))
-  stat_spec = pl.BlockSpec((None, None, q_len), lambda i, b, n: (b, n, 0))
-  extra = operand_specs.for_query_tiles(operands, mask, bq, bk, q_len,
-                                        kv_len)
-
-  def query_tile_call(kernel, name, out_spec, out_shape, row_stat=delta):
-    return pl.pallas_call(
-        functools.partial(kernel, block_q=bq, block_k=bk, **static),
-        grid=(num_q_tiles, batch, num_heads),
-        in_specs=[q_spec(hp), kv_spec(hp), kv_spec(hvp), q_spec(hvp),
-                  stat_spec, stat_spec, *extra.in_specs()],
-        out_specs=out_spec,
-        out_shape=out_shape,
-        compiler_params=compiler_params,
-        interpret=interpret,
-        name=name,
-    )(q, k, v, do, lse, row_stat, *extra.args())
-
-  dq = query_tile_call(_dq_kernel, "flash_attention_backward_dq", q_spec(hp),
-                       jax.ShapeDtypeStruct(q.shape, q.dtype))
-  dbias = None
-  if operands.bias is not None:
-    bm, nm, tm, sm = operands.bias.shape
-    sum_keys, sum_queries = sm == 1, tm == 1 and sm > 1
-    shape = (batch, num_heads, num_q_tiles if sum_queries else q_len,
-             1 if sum_keys else kv_len)
-    buf = query_tile_call(
-        functools.partial(_dbias_kernel, sum_keys=sum_keys,
-                          sum_queries=sum_queries),
-        "flash_attention_backward_dbias",
-        pl.BlockSpec((None, None) + shape[2:], lambda i, b, n: (b, n, 0, 0)),
-        jax.ShapeDtypeStruct(shape, jnp.float32),
-        row_stat=softmax.lse_cotangent(dlse, delta) if sum_keys else delta)
-    axes = tuple(a for a, d in enumerate((bm, nm, tm, sm)) if d == 1)
-    dbias = jnp.sum(buf, axis=axes, keepdims=True)
+  launch = _Launch(scores=scores, mask=mask, blocks=block_sizes,
+                   interpret=interpret, head_dim=q.shape[-1],
+                   value_head_dim=v.shape[-1],
+                   group=q.shape[2] // k.shape[2])
+  dk, dv = _dkdv_call(launch, q, k, v, operands, delta, lse, do)
+  dq, dbias = _query_tile_calls(launch, q, k, v, operands, delta, lse, do,
+                                dlse)
   return dq, dk, dv, dbias
