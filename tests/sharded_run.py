@@ -115,10 +115,8 @@ def main(num_kv_heads):
     assert gathers == 0, gathers
     assert tuple(out_s.sharding.spec)[:3] == ("data", None, "model")
   # Sequence-sharded query, key and value (over "model"): all-to-all
-  # context parallelism where 4 divides the KV heads (no all-gather,
-  # bitwise equal to one device), else all-gather of K and V (float32
-  # sums of the dK/dV partials: within tolerance); the output left
-  # sequence-sharded either way.
+  # context parallelism, no all-gather (bitwise equal to one device where
+  # 4 divides the KV heads); the output left sequence-sharded.
   seq = NamedSharding(mesh, P("data", "model"))
   sharded = jax.jit(grad)
   args = [jax.device_put(x, seq) for x in (q, k, v)]
@@ -133,9 +131,10 @@ def main(num_kv_heads):
     assert max(errors) == 0.0, errors
     assert hlo.count("all-gather(") == 0 and hlo.count("all-to-all(") > 0
     _module_on_a_sequence_mesh(mesh, num_kv_heads)
-  else:
+  else:  # 1 KV head: sent as 4 copies, one a device's query heads, its
+    # dK/dV summed over them (float32 sums: within tolerance).
     assert max(errors) <= tolerance(jnp.float32).grad, errors
-    assert hlo.count("all-gather(") == 4  # K and V, forward and backward.
+    assert hlo.count("all-gather(") == 0 and hlo.count("all-to-all(") > 0
 
 
 def _module_on_a_sequence_mesh(mesh, num_kv_heads):
@@ -198,6 +197,11 @@ def context_parallel():
       ("auto", 2, 96, 72, "whole", dict(is_causal=True)),  # Whole keys.
       ("auto", 1, 96, 96, "seq", dict(is_causal=True, scale=0.3)),
       ("all_to_all", 4, 96, 96, "seq", dict(local_window_size=(20, 5))),
+      # Fewer KV heads than devices: each sent as copies, one a device's
+      # query heads (4 of 1, 2 of 2), dK/dV summed over them.
+      ("all_to_all", 1, 96, 96, "seq", dict(is_causal=True)),
+      ("all_to_all", 2, 96, 96, "seq", dict(local_window_size=(20, 5),
+                                            logits_soft_cap=5.0)),
       # Queries at offsets of their own: added to each chunk's.
       ("all_gather", 2, 96, 96, "seq", dict(
           is_causal=True, query_offset=jnp.array([5, 40]),
@@ -215,13 +219,14 @@ def context_parallel():
                                       logits_soft_cap=5.0)),
       # The sequence over both axes (8 chunks): all_to_all over "model" (4
       # KV heads, one a device), a ring over "data" of blocks; "auto"
-      # picks it (all_to_all cannot split 4 KV heads over 8 devices, and
-      # it sends less than all_gather).
+      # picks all_to_all over all 8 (each KV head sent as 2 copies: it
+      # sends the least).
       ("ring_all_to_all", 4, 128, 128, "seq2", dict(is_causal=True)),
       ("ring_all_to_all", 4, 128, 128, "seq2",
        dict(local_window_size=(40, 0))),
       ("ring_all_to_all", 4, 128, 128, "seq2", dict(logits_soft_cap=5.0)),
       ("auto", 4, 128, 128, "seq2", dict(is_causal=True)),
+      ("ring_all_to_all", 2, 128, 128, "seq2", dict(is_causal=True)),
   ]
   for strategy, kv_heads, t, s, layout, options in cases:
     with failures.case(strategy, kv_heads, t, s, layout, options):
@@ -250,9 +255,8 @@ def context_parallel():
             f"permutes={hlo.count('collective-permute(')} errors={errors}")
       assert errors[0] <= bound.out and max(errors[1:]) <= bound.grad, errors
       assert out_s.sharding.is_equivalent_to(q_spec, 4), out_s.sharding
-      if strategy == "auto":  # all_to_all where it runs (4 KV heads).
-        strategy = ("ring_all_to_all" if layout == "seq2" else
-                    "all_to_all" if kv_heads % 4 == 0 else "all_gather")
+      if strategy == "auto":  # all_to_all where the keys are split.
+        strategy = "all_gather" if layout == "whole" else "all_to_all"
       assert (hlo.count("all-to-all(") > 0) == (
           strategy in ("all_to_all", "ring_all_to_all"))
       if strategy == "all_to_all":
@@ -277,10 +281,11 @@ def context_parallel():
         reach = options["local_window_size"][0]
         assert max(trips) == (reach - 1) // (t // 4) + 2, trips
   _fp8_context_parallel(mesh, seq, bound)
-  q = jax.device_put(jnp.ones((b, 96, n, h)), seq)
+  q = jax.device_put(jnp.ones((b, 96, 6, h)), seq)
   kv = jax.device_put(jnp.ones((b, 96, 1, h)), seq)
   refused = [  # (strategy, options, why)
-      ("all_to_all", {}, "1 KV heads a device holds do not divide by the 4"),
+      ("all_to_all", {}, "the 6 query heads a device holds do not split "
+       "into whole groups of its 1 KV heads over the 4 devices"),
       ("ring", dict(local_window_size=8), "ring runs causal or full masks"),
       ("ring_all_to_all", {}, "needs the sequence sharded over several mesh"),
   ]
@@ -479,9 +484,10 @@ def operands_by_strategy():
       env[name] for name in ("mesh", "bound", "b", "t", "n", "h", "keys",
                              "segments", "dense", "per_head", "seq",
                              "sinks"))
-  # all_gather with ids, ALiBi and sinks: 2 KV heads, which all_to_all
-  # cannot split over the sequence's 4 devices; named (causal: balanced
-  # halves) and chosen by "auto". Ring with ids and sinks (no ALiBi: a
+  # all_gather with ids, ALiBi and sinks (2 KV heads) named (causal:
+  # balanced halves); "auto" chooses all_to_all (each KV head sent as 2
+  # copies over the sequence's 4 devices: it sends the least, the ids
+  # gathered whole). Ring with ids and sinks (no ALiBi: a
   # ring's pairs have no offsets). all_gather with a bias sharded along the
   # queries (its rows cut with the queries, every key's column on each
   # device): not gathered, its gradient sharded so. all_gather with dropout.
@@ -545,14 +551,18 @@ def operands_by_strategy():
       assert errors[0] <= bound.out and max(errors[1:]) <= bound.grad, errors
       # all_gather: K and V ([1, T, 2, H]; forward and backward) and the key
       # ids ([1, T]) gathered; ring: no array gathered, key chunks and ids
-      # permuted; never the queries.
+      # permuted; all_to_all ("auto"): the ids gathered, the rest
+      # exchanged; never the queries.
       if strategy == "ring":
         assert not gathered and hlo.count("collective-permute(") > 0, gathered
+      elif strategy == "auto":
+        assert [g for g in gathered if g.count(",") >= 3] == [], gathered
+        assert hlo.count("all-to-all(") > 0
       else:
         assert sorted(g for g in gathered if g.count(",") >= 3) == [
             f"f32[1,{t},2,{h}]"] * 4, gathered
         assert ("segment_ids" in named) == (f"s32[1,{t}]" in gathered)
-      assert hlo.count("all-to-all(") == 0
+        assert hlo.count("all-to-all(") == 0
       if x_sharding is not None:
         assert grads_s[3].sharding.is_equivalent_to(x_sharding, x.ndim)
   _all_gather_structured_mask(mesh, seq, bound)

@@ -17,8 +17,9 @@ moves, `plan.cost`):
   of a few heads, attention runs on them as on one device (every mask of
   the call unchanged), and an all-to-all returns the output (and the
   backward's gradients) to sequence chunks. It needs keys sharded like the
-  queries and the KV heads of a device's head shard to divide by the
-  sequence axes' size.
+  queries and the query heads of a device's head shard in whole groups
+  of lcm(K, P) KV heads: KV heads fewer than the devices are sent as
+  copies, their gradients summed (`plan.kv_repeats`).
 * all_gather: each device gathers the whole of K and V and runs its own
   queries against them at their positions in the sequence (query offsets);
   the backward's dK and dV partials are reduce-scattered back. Causal

@@ -19,18 +19,34 @@ from jax_flash.core.mask import dense_tile_kinds
 from jax_flash.core.operands import Operands
 
 
-def heads(fn, in_factors, out_factors, seq, p: int):
+def heads(fn, in_factors, out_factors, seq, p: int, kv_repeats: int = 1):
   """all_to_all's per-device function over mesh axes `seq` (P = `p`
   devices): fn(*arrays) on the whole sequence of 1 / P of the heads, each
   array moved there from this device's sequence chunk of every head and
-  each result back (`localize`), one after another (`in_turn`)."""
-  def moves(factors, to_heads: bool):
-    return [functools.partial(localize, factors=f, seq=seq, p=p,
-                              to_heads=to_heads) for f in factors]
+  each result back (`localize`), one after another (`in_turn`). Arrays
+  with a KV-head factor ("k") are sent as `kv_repeats` copies of each head
+  (`plan.kv_repeats`), and results with one summed over the copies."""
+  def to_heads(x, factors):
+    axis = _axis(factors, "k")
+    if kv_repeats > 1 and axis is not None:
+      x = jnp.repeat(x, kv_repeats, axis=axis)
+    return localize(x, factors, seq, p, True)
+
+  def from_heads(y, factors):
+    y = localize(y, factors, seq, p, False)
+    axis = _axis(factors, "k")
+    if kv_repeats > 1 and axis is not None:
+      copies = y.reshape(y.shape[:axis] + (-1, kv_repeats)
+                         + y.shape[axis + 1:])
+      y = copies.astype(jnp.float32).sum(axis + 1).astype(y.dtype)
+    return y
+
+  def moves(move, factors):
+    return [functools.partial(move, factors=f) for f in factors]
 
   def run(*arrays):
-    outs = fn(*in_turn(moves(in_factors, True), arrays))
-    return tuple(in_turn(moves(out_factors, False), outs))
+    outs = fn(*in_turn(moves(to_heads, in_factors), arrays))
+    return tuple(in_turn(moves(from_heads, out_factors), outs))
   return run
 
 

@@ -123,10 +123,11 @@ def _per_device(fn, strategies, in_factors, out_factors, cfg, mesh,
     ring = strategies["ring"](cfg, dataclasses.replace(split, seq=outer),
                               axes_size(mesh, outer))
     return lowerings.heads(ring, in_factors, out_factors, inner,
-                           mesh.shape[inner])
+                           mesh.shape[inner], split.kv_repeats)
   if split.strategy in strategies:
     return strategies[split.strategy](cfg, split, p)
-  return lowerings.heads(whole, in_factors, out_factors, split.seq, p)
+  return lowerings.heads(whole, in_factors, out_factors, split.seq, p,
+                         split.kv_repeats)
 
 
 def _placed(run, mesh, split: Split, out_factors, seed_index, cfg):

@@ -5,6 +5,7 @@ optional arrays each strategy takes: `STRATEGY_OPERANDS`)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from jax.sharding import PartitionSpec as P
 
@@ -35,28 +36,29 @@ class Split:
   """How one call is split: mesh axes of the batch, the heads and the
   sequence (None: not split), whether the keys are split along the
   sequence too, the strategy of a split sequence, and whether its queries
-  are exchanged into balanced halves (all_gather, causal)."""
+  are exchanged into balanced halves (all_gather, causal), and the copies
+  of each KV head an all-to-all sends (`kv_repeats`)."""
   batch: object = None
   heads: object = None
   seq: object = None
   kv_seq: bool = False
   strategy: str | None = None
   balanced: bool = False
+  kv_repeats: int = 1
 
-  def specs(self, shapes, kv_positions):
-    """The sharding spec of each of `shapes` ([B, L, N, H] or [B, N, L]);
-    those at `kv_positions` are keys, values or their gradients."""
-    def one(i, shape):
-      seq = self.seq if i not in kv_positions or self.kv_seq else None
-      if len(shape.shape) == 4:
-        return P(self.batch, seq, self.heads, None)
-      return P(self.batch, self.heads, seq)
-    return [one(i, s) for i, s in enumerate(shapes)]
+
+def kv_repeats(heads: int, kv_heads: int, p: int) -> int | None:
+  """The copies of each of `kv_heads` KV heads an all-to-all over p devices
+  sends so that every device gets whole groups of the `heads` query heads
+  (lcm(K, P) / K: the copies of a KV head go to the devices of its query
+  heads), or None where the query heads do not split so."""
+  repeats = math.lcm(kv_heads, p) // kv_heads
+  return repeats if heads % (kv_heads * repeats) == 0 else None
 
 
 def cost(strategy: str, *, p: int, q_rows: int, kv_rows: int, heads: int,
          kv_heads: int, head_dims: int, kv_seq: bool, balanced: bool,
-         inner: int = 1) -> int:
+         inner: int = 1, repeats: int = 1) -> int:
   """Elements a device sends in a forward (its backward moves about twice
   as many, in the same proportion), P devices along the sequence, each
   holding `q_rows` queries of `heads` heads and `kv_rows` keys of
@@ -69,8 +71,11 @@ def cost(strategy: str, *, p: int, q_rows: int, kv_rows: int, heads: int,
   spares is memory, one chunk of keys a device instead of all.)
   ring_all_to_all: all_to_all over the last sequence axis (`inner`
   devices), then a ring of blocks as large as a chunk over the P / inner
-  others."""
+  others. `repeats`: the copies of each KV head an all-to-all sends
+  (`kv_repeats`)."""
   q, kv = q_rows * heads * head_dims, kv_rows * kv_heads * head_dims
+  if strategy in ("all_to_all", "ring_all_to_all"):
+    kv *= repeats
   if strategy == "all_to_all":
     return (q + kv) * (p - 1) // p
   if strategy == "ring_all_to_all":
@@ -108,11 +113,14 @@ def plan(mesh, arg_shapes, cfg, refit_why, refused=None) -> Split:
   windowed = left is not None and right == 0  # Causal sliding windows.
   balanced = cfg.mask.is_causal and local["q_rows"] % 2 == 0
   why = dict(refused or {})
+  repeats = {"all_to_all": kv_repeats(local["heads"], local["kv_heads"], p)}
   if not kv_seq:
     why["all_to_all"] = "the keys are not sharded like the queries"
-  elif local["kv_heads"] % p:
-    why["all_to_all"] = (f"the {local['kv_heads']} KV heads a device holds "
-                         f"do not divide by the {p} devices of the sequence")
+  elif repeats["all_to_all"] is None:
+    why["all_to_all"] = (
+        f"the {local['heads']} query heads a device holds do not split into "
+        f"whole groups of its {local['kv_heads']} KV heads over the {p} "
+        f"devices of the sequence")
   chunk = Problem(batch=q.shape[0] // axes_size(mesh, batch),
                   q_len=local["q_rows"] // (2 if balanced else 1),
                   kv_len=k.shape[1], num_heads=local["heads"],
@@ -128,9 +136,9 @@ def plan(mesh, arg_shapes, cfg, refit_why, refused=None) -> Split:
   ring_mask = dataclasses.replace(cfg.mask, is_causal=causal,
                                   window_left=None, window_right=None)
 
-  def ring_why(r: int, a: int):
+  def ring_why(r: int, a: int, copies: int = 1):
     """Why a ring over r devices cannot run, its blocks a chunks of the
-    sequence and 1 / a of the heads (or None)."""
+    sequence and 1 / a of the heads (`copies` of each KV head), or None."""
     if not kv_seq or q.shape[1] != k.shape[1]:
       return "ring runs self-attention with keys sharded as queries"
     if ring_mask not in ring_masks or (
@@ -143,7 +151,7 @@ def plan(mesh, arg_shapes, cfg, refit_why, refused=None) -> Split:
     rows = q.shape[1] // r // (2 if balanced and not windowed else 1)
     pair = dataclasses.replace(chunk, q_len=rows, kv_len=rows,
                                num_heads=local["heads"] // a,
-                               num_kv_heads=local["kv_heads"] // a)
+                               num_kv_heads=local["kv_heads"] * copies // a)
     return (refit_why(cfg, pair, q.dtype, False)
             or (windowed and refit_why(cfg, pair, q.dtype, True)) or None)
 
@@ -157,14 +165,19 @@ def plan(mesh, arg_shapes, cfg, refit_why, refused=None) -> Split:
     why["ring_all_to_all"] = (
         "ring_all_to_all needs the sequence sharded over several mesh "
         "axes: a ring over the first, all_to_all over the last")
-  elif local["kv_heads"] % local["inner"]:
+  elif (inner := kv_repeats(local["heads"], local["kv_heads"],
+                            local["inner"])) is None:
     why["ring_all_to_all"] = (
-        f"the {local['kv_heads']} KV heads a device holds do not divide by "
-        f"the {local['inner']} devices of {axes[-1]!r}")
-  elif reason := ring_why(p // local["inner"], local["inner"]):
+        f"the {local['heads']} query heads a device holds do not split into "
+        f"whole groups of its {local['kv_heads']} KV heads over the "
+        f"{local['inner']} devices of {axes[-1]!r}")
+  elif reason := ring_why(p // local["inner"], local["inner"], inner):
     why["ring_all_to_all"] = reason
-  costs = {s: cost(s, balanced=balanced, **local) for s in STRATEGIES[1:]
-           if s not in why}
+  else:
+    repeats["ring_all_to_all"] = inner
+  costs = {s: cost(s, balanced=balanced, repeats=repeats.get(s) or 1,
+                   **local)
+           for s in STRATEGIES[1:] if s not in why}
   want = cfg.context_parallel
   if want == "auto":
     if not costs:  # Nothing fits: XLA gathers the sequence.
@@ -174,8 +187,9 @@ def plan(mesh, arg_shapes, cfg, refit_why, refused=None) -> Split:
     raise ValueError(f"context_parallel={want!r} cannot run this call: "
                      f"{why[want]}")
   return Split(batch, heads, seq, kv_seq, want,
-                balanced and want != "all_to_all"
-                and not (windowed and want.startswith("ring")))
+               balanced and want != "all_to_all"
+               and not (windowed and want.startswith("ring")),
+               repeats.get(want) or 1)
 
 
 # The optional arrays each strategy splits the sequence with; with others a
