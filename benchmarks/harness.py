@@ -584,6 +584,8 @@ MODELS = (
                16, 448, 1500, 20, 20, 64),
     ModelShape("whisper_encoder", "Whisper large encoder: 1500 frames",
                8, 1500, 1500, 20, 20, 64),
+    ModelShape("falcon_7b", "Falcon-7B: 71 query heads of 64 on one KV head "
+               "(multi-query)", 4, 2048, 2048, 71, 1, 64, causal=True),
 )
 # Shapes like those of `MODELS` that no default was chosen on (`--held-out`).
 HELD_OUT = (
@@ -693,12 +695,15 @@ def _model_row(case, name, mode, calls, repeats):
 
 def markdown_models(rows) -> str:
   """One line per model: ms of each implementation, forward and
-  forward+backward, and ours against cuDNN (or XLA where cuDNN refuses)."""
+  forward+backward, ours against cuDNN (or XLA where cuDNN refuses), and
+  the first forward+backward call's seconds (tracing and compiling in
+  this process), ours and cuDNN's."""
   impls = [i for i in ("flash", "flash_triton", "cudnn", "xla") if any(
       r["impl"] == i for r in rows)]
   cols = [(i, m) for m in ("fwd", "fwd+bwd") for i in impls]
   head = ("| model | shape | " + " | ".join(f"{i} {m} ms" for i, m in cols)
-          + " | flash / best other fwd | fwd+bwd |")
+          + " | flash / best other fwd | fwd+bwd | first fwd+bwd s, flash "
+          "/ cudnn |")
   lines = [head, "|" + "---|" * (head.count("|") - 1)]
   by = {}
   nearest = {}  # (model, mode): cuDNN's best TFLOP/s at an even neighbour.
@@ -726,6 +731,10 @@ def markdown_models(rows) -> str:
       others = [group[(i, mode)]["ms"] for i in ("cudnn", "xla")
                 if "ms" in group.get((i, mode), {})]
       ratios.append(f"{min(others) / ours:.2f}" if ours and others else "-")
+    first = [group.get((i, "fwd+bwd"), {}).get("first_call_s")
+             for i in ("flash", "cudnn")]
+    ratios.append(" / ".join(f"{s:.2f}" if s is not None else "-"
+                             for s in first))
     if nearest:
       ours = {mode: group.get(("flash", mode), {}).get("tflops")
               for mode in ("fwd", "fwd+bwd")}

@@ -272,6 +272,12 @@ def test_model_rows_time_every_shape_and_name_refusals():
   assert table.count("\n") == 1 + len(small) + 1
   assert "phi2" in table and "refused" in table
   assert "| clip_text (held out) |" in table
+  assert "first fwd+bwd s, flash / cudnn" in table.splitlines()[0]
+  phi2 = next(line for line in table.splitlines() if "| phi2 |" in line)
+  first = next(r["first_call_s"] for r in rows
+               if r["model"] == "phi2" and r["impl"] == "flash"
+               and r["mode"] == "fwd+bwd")
+  assert phi2.endswith(f"| {first:.2f} / - |"), phi2
 
 
 def test_refused_lengths_are_compared_at_cudnns_nearest_shapes():
