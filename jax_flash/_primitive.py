@@ -175,9 +175,14 @@ def _ring_of(cfg: Config, q, k, v, seq, size: int) -> ring.Ring:
 
 
 def _ring_forward(q, k, v, operands: Operands, seq, size, cfg: Config):
+  """The ring's (o, lse). Rows past a length are zeroed first (padding may
+  hold anything; the pairs read the ids as segments, and a length's pad
+  ids match no other)."""
+  (q,), (k, v) = without_padding(cfg.mask, operands.q_ids, operands.kv_ids,
+                                 (q,), (k, v))
   return ring.forward(q, k, v, operands.q_ids, operands.kv_ids,
-                            operands.sinks, _ring_of(cfg, q, k, v, seq, size),
-                            operands.dropout_seed)
+                      operands.sinks, _ring_of(cfg, q, k, v, seq, size),
+                      operands.dropout_seed)
 
 
 def _ring_backward(q, k, v, operands: Operands, delta, lse, do, dlse, seq,
@@ -185,10 +190,12 @@ def _ring_backward(q, k, v, operands: Operands, delta, lse, do, dlse, seq,
   """(dq, dk, dv, the operands' gradients: the sinks' over this device's
   queries, zeros for the ids)."""
   del dlse  # In delta; the ring's pairs take no bias that would read it.
+  (q, do), (k, v) = without_padding(cfg.mask, operands.q_ids,
+                                    operands.kv_ids, (q, do), (k, v))
   dq, dk, dv = ring.backward(q, k, v, operands.q_ids, operands.kv_ids,
-                                   delta, lse, do,
-                                   _ring_of(cfg, q, k, v, seq, size),
-                                   operands.dropout_seed)
+                             delta, lse, do,
+                             _ring_of(cfg, q, k, v, seq, size),
+                             operands.dropout_seed)
   d_operands = jax.tree.map(jnp.zeros_like, operands)
   if operands.sinks is not None:
     d_operands = dataclasses.replace(

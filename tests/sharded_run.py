@@ -513,6 +513,16 @@ def operands_by_strategy():
       ("ring", lambda x: dict(is_causal=True, local_window_size=(20, 0),
                               sinks=x, dropout_rate=0.3,
                               dropout_rng=jax.random.key(7)), sinks, None),
+      # Lengths on a ring: rows past them zeroed first, their pad ids
+      # matching no other.
+      ("ring", lambda x: dict(is_causal=True, sinks=x,
+                              query_seq_lengths=jnp.array([t - 5, t // 2]),
+                              key_value_seq_lengths=jnp.array([t, t // 2])),
+       sinks, None),
+      ("ring", lambda x: dict(segment_ids=segments, sinks=x,
+                              query_seq_lengths=jnp.array([t, 37]),
+                              key_value_seq_lengths=jnp.array([50, t])),
+       sinks, None),
       ("all_gather", lambda x: dict(is_causal=True, bias=x),
        jax.random.normal(keys[1], (b, n, t, t)), rows),
       # Dropout: the keep bits of the queries' positions, as on one device.

@@ -28,7 +28,7 @@ moves, `plan.cost`):
   go back. Queries are never gathered.
 * ring (named only: it moves as much as all_gather, and spares memory):
   self-attention with causal or full masks or causal sliding windows
-  (segment ids and sinks too); K/V chunks travel around the
+  (segment ids, lengths and sinks too); K/V chunks travel around the
   devices while each runs its pairs (`ring`; `jax_flash.ring_attention` runs it
   inside a shard_map), causal calls in the balanced layout, windowed ones
   in order, stopping after the chunks the window reaches.

@@ -132,7 +132,8 @@ def plan(mesh, arg_shapes, cfg, refit_why, refused=None) -> Split:
     why["all_gather"] = offsets_why
   causal = cfg.mask.is_causal or windowed
   ring_masks = (Mask(is_causal=causal),
-                Mask(is_causal=causal, has_ids=True, segments_only=True))
+                Mask(is_causal=causal, has_ids=True, segments_only=True),
+                Mask(is_causal=causal, has_ids=True))  # Lengths too.
   ring_mask = dataclasses.replace(cfg.mask, is_causal=causal,
                                   window_left=None, window_right=None)
 
@@ -145,7 +146,7 @@ def plan(mesh, arg_shapes, cfg, refit_why, refused=None) -> Split:
         (cfg.mask.window_left, cfg.mask.window_right) != (None, None)
         and not windowed):
       return ("ring runs causal or full masks and causal sliding windows, "
-              "alone or with segment ids (no lengths)")
+              "alone or with segment ids and lengths")
     if cfg.mask.is_causal and not balanced and not windowed:
       return "a causal ring needs chunks of an even length"
     rows = q.shape[1] // r // (2 if balanced and not windowed else 1)
