@@ -60,6 +60,18 @@ def _label(x) -> str:
 failures = Failures()
 
 
+def _assert_refused(compile_call, strategy: str, why: str):
+  """compile_call() raises, naming `strategy` as unable to run the call and
+  saying `why` (raised in XLA's partitioner, wrapped by it)."""
+  try:
+    compile_call()
+  except Exception as e:  # Wrapped by XLA: any type.
+    assert f"context_parallel={strategy!r} cannot run this call" in str(e)
+    assert why in str(e), str(e)
+  else:
+    raise AssertionError(f"{strategy} ran where it should say: {why}")
+
+
 def main(num_kv_heads):
   assert jax.device_count() == 8
   mesh = jax.make_mesh((2, 4), ("data", "model"),
@@ -291,15 +303,10 @@ def context_parallel():
   ]
   for strategy, options, why in refused:
     with failures.case(strategy, options, why):
-      try:
-        jax.jit(lambda q, k: jax_flash.flash_attention(
-            q, k, k, context_parallel=strategy, **options)).lower(
-                q, kv).compile()
-      except Exception as e:  # Raised in XLA's partitioner, wrapped by it.
-        assert f"context_parallel={strategy!r} cannot run this call" in str(e)
-        assert why in str(e), str(e)
-      else:
-        raise AssertionError(f"{strategy} ran {options}")
+      _assert_refused(
+          lambda: jax.jit(lambda q, k: jax_flash.flash_attention(
+              q, k, k, context_parallel=strategy, **options)).lower(
+                  q, kv).compile(), strategy, why)
   failures.report("context_parallel: every case matches one device")
 
 
@@ -352,15 +359,11 @@ def _fp8_context_parallel(mesh, seq, bound):
             line for line in hlo.splitlines() if " all-gather(" in line)
       else:
         assert "all-gather(" not in hlo and hlo.count("all-to-all(") > 0
-  try:
-    jax.jit(lambda q, k, v: jax_flash.flash_attention(
-        q, k, v, fp8=True, is_causal=True, context_parallel="ring")).lower(
-            *(jax.device_put(x, seq) for x in (q, k, v))).compile()
-  except Exception as e:
-    assert "ring runs no ['fp8_k', 'fp8_q', 'fp8_scales', 'fp8_v']" in str(
-        e), str(e)
-  else:
-    raise AssertionError("ring ran an fp8 call")
+  _assert_refused(
+      lambda: jax.jit(lambda q, k, v: jax_flash.flash_attention(
+          q, k, v, fp8=True, is_causal=True, context_parallel="ring")).lower(
+              *(jax.device_put(x, seq) for x in (q, k, v))).compile(),
+      "ring", "ring runs no ['fp8_k', 'fp8_q', 'fp8_scales', 'fp8_v']")
 
 
 def _operand_setup():
@@ -579,15 +582,11 @@ def operands_by_strategy():
   for strategy, options, why in (
       ("ring", dict(mask=dense), "ring runs no ['dense_mask'"),):
     with failures.case(strategy, options, why):
-      try:
-        jax.jit(lambda q: jax_flash.flash_attention(
-            q, q, q, segment_ids=segments, context_parallel=strategy,
-            **options)).lower(jax.device_put(q, seq)).compile()
-      except Exception as e:  # Raised in XLA's partitioner, wrapped by it.
-        assert f"context_parallel={strategy!r} cannot run this call" in str(e)
-        assert why in str(e), str(e)
-      else:
-        raise AssertionError(f"{strategy} ran with segment ids and {options}")
+      _assert_refused(
+          lambda: jax.jit(lambda q: jax_flash.flash_attention(
+              q, q, q, segment_ids=segments, context_parallel=strategy,
+              **options)).lower(jax.device_put(q, seq)).compile(),
+          strategy, why)
   failures.report("operands by strategy: every case matches one device")
 
 
