@@ -1,22 +1,24 @@
 """Forward and forward+backward times of `jax_flash.flash_attention` (the
 default dispatch, bf16, jitted calls) on the benchmark's dense grid and its
 model shapes, for whichever jax_flash is first on PYTHONPATH: run it on two
-trees in one session on one GPU and compare with --compare.
+trees one after the other on one GPU and compare with --compare.
 
     PYTHONPATH=<old tree> python scripts/side_by_side.py --out old.jsonl
     PYTHONPATH=. python scripts/side_by_side.py --out new.jsonl
     python scripts/side_by_side.py --compare old.jsonl new.jsonl
 
-Public API only, so it runs on any commit's tree. Grid: 16,384 tokens a
+Public API only, so it runs on any commit's tree (timed by this tree's
+`benchmarks/harness.py`, loaded by path, for both). Grid: 16,384 tokens a
 call, 2,048 model dims (heads of 64 and 128), 1k/4k/16k tokens, causal or
 not; shapes: those of `benchmarks.harness.MODELS` (written out here).
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
-import statistics
-import time
+import os
+import sys
 
 # name: (batch, q_len, kv_len, heads, kv_heads, head_dim, value_head_dim,
 # causal, soft_cap)
@@ -41,27 +43,23 @@ for h in (64, 128):
           16384 // t, t, t, 2048 // h, 2048 // h, h, h, causal, None)
 
 
-def _time(fn, args, min_seconds=0.2, repeats=5) -> float:
-  import jax
-  jax.block_until_ready(fn(*args))
-  start = time.perf_counter()
-  jax.block_until_ready(fn(*args))
-  once = max(time.perf_counter() - start, 1e-6)
-  calls = max(3, int(min_seconds / once))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    for _ in range(calls):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - start) / calls)
-  return statistics.median(times)
+def _harness():
+  """This tree's `benchmarks/harness.py` (its timer `_time`), loaded by path:
+  the tree under test may have no benchmarks package."""
+  path = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                      os.pardir, "benchmarks", "harness.py")
+  spec = importlib.util.spec_from_file_location("harness", path)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules["harness"] = module  # Its dataclasses look themselves up.
+  spec.loader.exec_module(module)
+  return module
 
 
 def measure(out_path: str, names) -> None:
   import jax
   import jax.numpy as jnp
   import jax_flash
+  timer = _harness()._time
   with open(out_path, "a") as out:
     for name in names:
       b, t, s, n, kh, h, hv, causal, cap = SHAPES[name]
@@ -77,7 +75,7 @@ def measure(out_path: str, names) -> None:
       for mode, fn, args in (("fwd", fwd, (q, k, v)),
                              ("fwd+bwd", both, (q, k, v, do))):
         try:
-          row = dict(ms=_time(fn, args) * 1e3)
+          row = dict(ms=timer(fn, args, calls=3, repeats=5) * 1e3)
         except Exception as e:  # Say so, go on.
           row = dict(error=f"{type(e).__name__}: {str(e)[:200]}")
         out.write(json.dumps(dict(shape=name, mode=mode, **row)) + "\n")
