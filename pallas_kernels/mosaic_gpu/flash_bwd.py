@@ -287,7 +287,7 @@ def _group_share(heads, group: int, splits: int):
   last may be smaller)."""
   if splits == 1:
     return heads, 0, group
-  share = -(-group // splits)
+  share = pl.cdiv(group, splits)
   kv_head, part = lax.div(heads, splits), lax.rem(heads, splits)
   return kv_head, part * share, jnp.minimum(share, group - part * share)
 
@@ -1177,9 +1177,8 @@ def head_splits(blocks: BlockSizes, group: int, ctas: int, fp8: bool) -> int:
     return 1
   splits = blocks.dkv_head_splits
   if splits is None:
-    splits = -(-DKV_CTAS // ctas)
-  share = -(-group // min(splits, group))
-  return -(-group // share)
+    splits = pl.cdiv(DKV_CTAS, ctas)
+  return pl.cdiv(group, pl.cdiv(group, min(splits, group)))
 
 
 def _dkv_call(launch: _Launch, inputs, qt8, dot8, fp8_scales):
