@@ -13,7 +13,7 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 SCRIPT = r"""
-import sys
+import os, sys, time
 import jax, jax.numpy as jnp, numpy as np
 import jax_flash
 from pallas_kernels.triton.backend import TritonBackend
@@ -30,6 +30,11 @@ def loss(q, k, v):
                                   implementation="interpret",
                                   key_value_seq_lengths=jnp.array([70, 33]))
   return jnp.sum(out ** 2)
+if len(sys.argv) > 3:  # Start together: ready files in argv[3], argv[4] of them.
+  open(os.path.join(sys.argv[3], os.path.basename(sys.argv[2])), "w").close()
+  deadline = time.time() + 300
+  while len(os.listdir(sys.argv[3])) < int(sys.argv[4]) and time.time() < deadline:
+    time.sleep(0.01)
 value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, k)
 np.save(sys.argv[2], np.concatenate(
     [np.ravel(value)] + [np.ravel(g) for g in grads]))
@@ -37,10 +42,13 @@ print("traced", len(traced))
 """
 
 
-def _start(folder, out):
+def _start(folder, out, together=()):
+  """The script in a process of its own; `together`: (folder, n): it calls
+  once n processes have reached the call (each marks the folder)."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_FLASH_CACHE_DIR=folder,
              PYTHONPATH=os.pathsep.join([os.path.dirname(HERE)] + sys.path))
-  return subprocess.Popen([sys.executable, "-c", SCRIPT, "-", out],
+  return subprocess.Popen([sys.executable, "-c", SCRIPT, "-", out,
+                           *map(str, together)],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True, env=env)
 
@@ -75,7 +83,12 @@ def test_processes_writing_at_once_leave_whole_programs(tmp_path):
   reads them."""
   pytest.importorskip("flatbuffers")
   folder = str(tmp_path / "cache")
-  both = [_start(folder, str(tmp_path / f"{i}.npy")) for i in range(2)]
+  ready = tmp_path / "ready"
+  ready.mkdir()
+  # Both look in the cache before either stores (a loaded machine could
+  # otherwise finish one before the other starts).
+  both = [_start(folder, str(tmp_path / f"{i}.npy"), (ready, 2))
+          for i in range(2)]
   assert all(_traced(p) >= 1 for p in both)
   assert len(os.listdir(folder)) == 2, os.listdir(folder)
   assert _run(folder, str(tmp_path / "third.npy")) == 0
