@@ -267,8 +267,10 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
       "ring_all_to_all" (the sequence over several mesh axes: all_to_all
       over the last, a ring over the others) or "auto" (whichever of the
       others but ring moves fewer bytes: docs/devices.md). A strategy
-      named that cannot run the sharding is an error when the call
-      compiles, saying why.
+      named that cannot run the call's arguments (ring with a mask, a
+      bias or ALiBi, ...) is a ValueError at trace time on several
+      devices; one that cannot run the inputs' sharding warns as the
+      call compiles and the cheapest that can runs it.
     sequence_axis: inside `jax.shard_map`, the name of the mesh axis (or a
       tuple of names) the sequences are split over, in contiguous chunks:
       query [B, T / P, N, H], key and value [B, S / P, K, H] on each of the

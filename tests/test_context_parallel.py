@@ -95,3 +95,36 @@ def test_cost_model_orders_the_strategies():
     assert cost["all_gather"] == kv * 7 + (q if balanced else 0)
     assert (cost["all_to_all"] < cost["ring_all_to_all"]
             < cost["all_gather"] <= cost["ring"])
+
+
+@pytest.mark.parametrize("strategy, operands, mask, lengths, why", [
+    ("ring", dict(dense_mask=1, tile_kinds=1), Mask(), (64, 64),
+     "ring runs no mask."),
+    ("ring", dict(bias=1, alibi_slopes=1), Mask(is_causal=True), (64, 64),
+     "ring runs no alibi_slopes, bias."),
+    ("ring", {}, Mask(window_left=8, window_right=8), (64, 64),
+     "ring runs causal or full masks and causal sliding windows"),
+    ("ring", {}, Mask(is_causal=True), (64, 32), "ring runs self-attention"),
+    ("ring_all_to_all", dict(sinks=1), Mask(), (64, 64),
+     "ring_all_to_all runs no sinks."),
+    ("ring", dict(q_offsets=1), Mask(), (64, 64),
+     "ring runs no query offsets."),
+])
+def test_a_strategy_that_cannot_run_the_arguments_is_named(
+    strategy, operands, mask, lengths, why):
+  """`plan.refused_by` (whatever the sharding) and `plan.check_named`: a
+  ValueError naming the strategy, the argument in `flash_attention`'s
+  words and the strategies that can run the call; "auto" never refused."""
+  from jax_flash.context_parallel import plan
+  refused = plan.refused_by(Operands(**operands), mask, *lengths)
+  with pytest.raises(ValueError) as e:
+    plan.check_named(strategy, refused)
+  assert f"context_parallel={strategy!r} cannot run this call" in str(e.value)
+  assert why in str(e.value)
+  can = [s for s in STRATEGIES[1:] if s not in refused]
+  assert strategy not in can and can, refused
+  assert f"Strategies that can: {', '.join(map(repr, can))}" in str(e.value)
+  plan.check_named("auto", refused)
+  assert list(plan.refused_by(Operands(q_ids=1, kv_ids=1, sinks=1),
+                              Mask(is_causal=True, has_ids=True), 64,
+                              64)) == ["ring_all_to_all"]

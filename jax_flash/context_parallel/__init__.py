@@ -24,26 +24,34 @@ moves, `plan.cost`):
   queries against them at their positions in the sequence (query offsets);
   the backward's dK and dV partials are reduce-scattered back. Causal
   calls balance the work: the halves of the chunks are exchanged so that
-  device d holds chunks d and 2P-1-d of 2P (`collectives.to_zigzag`), and the results
-  go back. Queries are never gathered.
+  device d holds chunks d and 2P-1-d of 2P (`collectives.to_zigzag`),
+  and the results go back. Queries are never gathered.
 * ring (named only: it moves as much as all_gather, and spares memory):
   self-attention with causal or full masks or causal sliding windows
   (segment ids, lengths and sinks too); K/V chunks travel around the
-  devices while each runs its pairs (`ring`; `jax_flash.ring_attention` runs it
-  inside a shard_map), causal calls in the balanced layout, windowed ones
-  in order, stopping after the chunks the window reaches.
+  devices while each runs its pairs (`ring`; `jax_flash.ring_attention`
+  runs it inside a shard_map), causal calls in the balanced layout,
+  windowed ones in order, stopping after the chunks the window reaches.
 
 A call with optional operands (`Operands`: ids, a dense mask, a bias,
 ALiBi slopes, sinks, query offsets, tile kinds, dropout's seed) splits
 over batch and heads too, each operand along its own batch and head dims
-(`partition.operand_factors`; a dim of 1 that broadcasts stays whole, and a gradient
-summed over a split it broadcasts along is summed over those devices); its
-sequence splits by the strategies its arrays allow (`plan.STRATEGY_OPERANDS`),
-else is gathered. Dropout's seed is shifted to each device's place in the
-batch and the heads, and all_gather's chunks draw the bits of their
-queries' positions, so its keep bits are the whole call's. A mask_mod or
+(`partition.operand_factors`; a dim of 1 that broadcasts stays whole,
+and a gradient summed over a split it broadcasts along is summed over
+those devices); its sequence splits by the strategies its arrays allow
+(`plan.STRATEGY_OPERANDS`), else is gathered. Dropout's seed is shifted
+to each device's place in the batch and the heads, and all_gather's
+chunks draw the bits of their queries' positions, so its keep bits are
+the whole call's. A mask_mod or
 score_mod that reads its batch or head index and a mod's arrays keep the
 call whole (`partition.splittable`).
+
+A strategy named that cannot run a call whatever its sharding (its
+arrays, its mask, T != S on a ring: `plan.refused_by`) is a ValueError
+as the call traces. One that cannot run the sharding (known only in
+XLA's partitioner, where an exception reaches the user as an INTERNAL
+error) warns and the cheapest strategy that can runs the call
+(`plan.plan`'s `fallback`).
 
 Modules: `plan` (the split of a call, the cost model, what each strategy
 refuses), `collectives` (moves between chunks and heads, the balanced

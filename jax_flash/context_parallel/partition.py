@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from jax_flash.context_parallel import lowerings
 from jax_flash.context_parallel.collectives import after_all
 from jax_flash.context_parallel.plan import (Split, axes_size, axis_names,
-                                             plan, refused_by)
+                                             check_named, plan, refused_by)
 from jax_flash.core import dropout, mods
 from jax_flash.core.backend import differentiable_leaves
 from jax_flash.core.mask import Mask
@@ -177,11 +177,11 @@ def split_op(fn, in_factors, out_factors, strategies, refit_why,
     return type(like)(out) if isinstance(like, (list, tuple)) else out[0]
 
   def infer(cfg, mesh, arg_shapes, result_shape):
-    split = plan(mesh, arg_shapes, cfg, refit_why, refused)
+    split = plan(mesh, arg_shapes, cfg, refit_why, refused, fallback=True)
     return shardings(mesh, split, out_factors, result_shape)
 
   def partition(cfg, mesh, arg_shapes, result_shape):
-    split = plan(mesh, arg_shapes, cfg, refit_why, refused)
+    split = plan(mesh, arg_shapes, cfg, refit_why, refused, fallback=True)
     run = _per_device(fn, strategies, in_factors, out_factors, cfg, mesh,
                       split)
     return (mesh, after_all(_placed(run, mesh, split, out_factors,
@@ -219,12 +219,15 @@ def _on_axis(strategies, cfg, arrays, refit_why, refused):
   return strategies[split.strategy](cfg, split, p)(*arrays)
 
 
-def _leaves(operands: Operands, q, k):
+def _leaves(operands: Operands, q, k, cfg):
   """(operands' leaves, their tree, their factors, (strategy, why refused)
-  pairs): what keys a call's op."""
+  pairs): what keys a call's op. A strategy named that cannot run the
+  call whatever its sharding is a ValueError here, as the call traces."""
   leaves, tree = jax.tree.flatten(operands)
+  refused = refused_by(operands, cfg.mask, q.shape[1], k.shape[1])
+  check_named(cfg.context_parallel, refused)
   return (leaves, tree, operand_factors(operands, q, k),
-          tuple(refused_by(operands).items()))
+          tuple(refused.items()))
 
 
 def sharded_forward(forward, chunk_forward, ring_forward, refit_why):
@@ -261,12 +264,12 @@ def sharded_forward(forward, chunk_forward, ring_forward, refit_why):
                     _seed_index(tree))
 
   def call(q, k, v, operands: Operands, cfg):
-    leaves, tree, factors, refused = _leaves(operands, q, k)
+    leaves, tree, factors, refused = _leaves(operands, q, k, cfg)
     return op(tree, factors, refused)(q, k, v, *leaves, cfg)
 
   def on_axis(q, k, v, operands: Operands, cfg):
     """The same on sequence chunks inside a shard_map (`_on_axis`)."""
-    leaves, tree, factors, refused = _leaves(operands, q, k)
+    leaves, tree, factors, refused = _leaves(operands, q, k, cfg)
     return _on_axis(strategies(tree, factors)[1], cfg, (q, k, v, *leaves),
                     refit_why, dict(refused))
   call.on_axis = on_axis
@@ -328,14 +331,14 @@ def sharded_backward(backward, chunk_backward, ring_backward, refit_why):
     return jax.tree.unflatten(tree, grads)
 
   def call(q, k, v, operands: Operands, delta, lse, do, dlse, cfg):
-    leaves, tree, factors, refused = _leaves(operands, q, k)
+    leaves, tree, factors, refused = _leaves(operands, q, k, cfg)
     dq, dk, dv, *diff_grads = op(tree, factors, refused)(
         q, k, v, *leaves, delta, lse, do, dlse, cfg)
     return dq, dk, dv, with_grads(leaves, tree, diff_grads)
 
   def on_axis(q, k, v, operands: Operands, delta, lse, do, dlse, cfg):
     """The same on sequence chunks inside a shard_map (`_on_axis`)."""
-    leaves, tree, factors, refused = _leaves(operands, q, k)
+    leaves, tree, factors, refused = _leaves(operands, q, k, cfg)
     dq, dk, dv, *diff_grads = _on_axis(
         strategies(tree, factors)[2], cfg,
         (q, k, v, *leaves, delta, lse, do, dlse), refit_why, dict(refused))

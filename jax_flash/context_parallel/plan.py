@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 
 from jax.sharding import PartitionSpec as P
 
@@ -86,12 +87,16 @@ def cost(strategy: str, *, p: int, q_rows: int, kv_rows: int, heads: int,
   return (kv * (p - 1) if kv_seq else 0) + (q if balanced else 0)
 
 
-def plan(mesh, arg_shapes, cfg, refit_why, refused=None) -> Split:
+def plan(mesh, arg_shapes, cfg, refit_why, refused=None,
+         fallback=False) -> Split:
   """The split of a call whose first three arguments are q, k, v: batch
   and heads as the query is sharded (heads where whole GQA groups fit a
   device), the sequence where the keys are sharded alike or not at all,
-  by the strategy `cfg.context_parallel` names (or the cheaper one);
-  `refused`: {strategy: why it cannot run} known beforehand."""
+  by the strategy `cfg.context_parallel` names (or the cheapest);
+  `refused`: {strategy: why it cannot run} known beforehand. A named
+  strategy that cannot run the sharding is a ValueError, or with
+  `fallback` (in XLA's partitioner, where an error reaches the user as
+  INTERNAL) a warning and the cheapest that can."""
   q, k, v = arg_shapes[:3]
   batch, heads, seq = (_spec(q.sharding, d) for d in (0, 2, 1))
   num_kv_heads = k.shape[2]
@@ -130,23 +135,14 @@ def plan(mesh, arg_shapes, cfg, refit_why, refused=None) -> Split:
                                                      True)
   if offsets_why:
     why["all_gather"] = offsets_why
-  causal = cfg.mask.is_causal or windowed
-  ring_masks = (Mask(is_causal=causal),
-                Mask(is_causal=causal, has_ids=True, segments_only=True),
-                Mask(is_causal=causal, has_ids=True))  # Lengths too.
-  ring_mask = dataclasses.replace(cfg.mask, is_causal=causal,
-                                  window_left=None, window_right=None)
 
   def ring_why(r: int, a: int, copies: int = 1):
     """Why a ring over r devices cannot run, its blocks a chunks of the
     sequence and 1 / a of the heads (`copies` of each KV head), or None."""
-    if not kv_seq or q.shape[1] != k.shape[1]:
+    if not kv_seq:
       return "ring runs self-attention with keys sharded as queries"
-    if ring_mask not in ring_masks or (
-        (cfg.mask.window_left, cfg.mask.window_right) != (None, None)
-        and not windowed):
-      return ("ring runs causal or full masks and causal sliding windows, "
-              "alone or with segment ids and lengths")
+    if reason := ring_mask_why(cfg.mask, q.shape[1], k.shape[1]):
+      return reason
     if cfg.mask.is_causal and not balanced and not windowed:
       return "a causal ring needs chunks of an even length"
     rows = q.shape[1] // r // (2 if balanced and not windowed else 1)
@@ -180,13 +176,19 @@ def plan(mesh, arg_shapes, cfg, refit_why, refused=None) -> Split:
                    **local)
            for s in STRATEGIES[1:] if s not in why}
   want = cfg.context_parallel
-  if want == "auto":
+  if want in why and not fallback:
+    raise ValueError(f"context_parallel={want!r} cannot run this call: "
+                     f"{why[want]}")
+  if want in why:
+    warnings.warn(
+        f"context_parallel={want!r} cannot run this call as it is sharded: "
+        f"{why[want]}; running "
+        f"{repr(min(costs, key=costs.get)) if costs else 'it unsplit'} "
+        f"instead", stacklevel=2)
+  if want == "auto" or want in why:
     if not costs:  # Nothing fits: XLA gathers the sequence.
       return Split(batch, heads)
     want = min(costs, key=costs.get)
-  elif want in why:
-    raise ValueError(f"context_parallel={want!r} cannot run this call: "
-                     f"{why[want]}")
   return Split(batch, heads, seq, kv_seq, want,
                balanced and want != "all_to_all"
                and not (windowed and want.startswith("ring")),
@@ -224,14 +226,68 @@ STRATEGY_OPERANDS = {
 }
 
 
-def refused_by(operands: Operands) -> dict:
-  """{strategy: why it cannot run a call with `operands`}."""
+# The argument of `flash_attention` (or `flex_attention`) each operand
+# comes from, as a refusal names it.
+_ARGUMENT = dict(q_ids="segment_ids or lengths",
+                 kv_ids="segment_ids or lengths", dense_mask="mask",
+                 bias="bias", alibi_slopes="alibi_slopes",
+                 dropout_seed="dropout_rate", sinks="sinks",
+                 q_offsets="query offsets", tile_kinds="block_mask",
+                 **dict.fromkeys(_FP8, "fp8"))
+
+
+def _arguments(operands) -> str:
+  """The arguments `operands` (names of `Operands` fields) come from (a
+  dense mask's tile kinds are its own)."""
+  if "dense_mask" in operands:
+    operands = set(operands) - {"tile_kinds"}
+  return ", ".join(sorted({_ARGUMENT[name] for name in operands}))
+
+
+def ring_mask_why(mask: Mask, q_len: int, kv_len: int) -> str | None:
+  """Why no ring (nor ring_all_to_all) can run a call with `mask` and
+  these lengths, whatever its sharding, or None."""
+  if q_len != kv_len:
+    return "ring runs self-attention (T = S) with keys sharded as queries"
+  left, right = mask.band()
+  windowed = left is not None and right == 0
+  causal = mask.is_causal or windowed
+  bare = dataclasses.replace(mask, is_causal=causal, window_left=None,
+                             window_right=None)
+  if bare not in (Mask(is_causal=causal),
+                  Mask(is_causal=causal, has_ids=True, segments_only=True),
+                  Mask(is_causal=causal, has_ids=True)) or (
+                      (mask.window_left, mask.window_right) != (None, None)
+                      and not windowed):  # (has_ids: lengths too.)
+    return ("ring runs causal or full masks and causal sliding windows, "
+            "alone or with segment ids and lengths")
+  return None
+
+
+def refused_by(operands: Operands, mask: Mask, q_len: int,
+               kv_len: int) -> dict:
+  """{strategy: why it cannot run a call with `operands`, `mask` and these
+  query and key lengths}, whatever the call's sharding."""
   present = {f.name for f in dataclasses.fields(Operands)
              if getattr(operands, f.name) is not None}
-  refused = {name: f"{name} runs no {sorted(present - allowed)}"
+  refused = {name: f"{name} runs no {_arguments(present - allowed)}"
              for name, allowed in STRATEGY_OPERANDS.items()
              if not present <= allowed}
   if "tile_kinds" in present and "dense_mask" not in present:
-    refused.setdefault("all_gather", "all_gather runs no flex block mask "
+    refused.setdefault("all_gather", "all_gather runs no flex block_mask "
                        "(its tile kinds cover the whole call's grid)")
+  if reason := ring_mask_why(mask, q_len, kv_len):
+    for name in ("ring", "ring_all_to_all"):
+      refused.setdefault(name, reason)
   return refused
+
+
+def check_named(want: str, refused: dict) -> None:
+  """A ValueError where the strategy named, `want`, is in `refused`
+  (`refused_by`), saying which strategies could run the call."""
+  if want in refused:
+    others = [repr(s) for s in STRATEGIES[1:] if s not in refused]
+    raise ValueError(
+        f"context_parallel={want!r} cannot run this call: {refused[want]}. "
+        f"Strategies that can: {', '.join(others)} ('auto' picks the "
+        f"cheapest of them)")
