@@ -824,7 +824,7 @@ def sequence_axis_strategies():
       else:  # K and V whole (the backward's too), no Q.
         assert [g for g in gathered if g.count(",") == 3] == [
             f"{b},{t},{kv_heads},{h}"] * 2, gathered
-  bad = {"ring runs no ['alibi_slopes']": (
+  bad = {"ring runs no alibi_slopes.": (
              "ring", dict(alibi_slopes=jnp.ones((n,)))),
          "key_value_seq_lengths with sequence_axis": (
              "all_gather", dict(key_value_seq_lengths=jnp.array([9, 64]))),
