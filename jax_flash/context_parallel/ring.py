@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import jax.numpy as jnp
 from jax import lax
 
-from jax_flash.context_parallel.collectives import moved
+from jax_flash.context_parallel.collectives import in_turn, moved
 from jax_flash.core import dropout
 from jax_flash.core.mask import Mask
 from jax_flash.core.operands import Operands
@@ -110,25 +110,28 @@ def _pair_forward(kind, q, k, v, ids, offsets, seed, ring: Ring):
 
 
 def _pair_backward(kind, q, k, v, ids, offsets, seed, delta, lse, do,
-                   ring: Ring):
-  """Float32 (dq, dk, dv) of one pair, from the merged lse, dO and D =
-  rowsum(dO * O) - dlse of the merged O (`delta`)."""
+                   sums, ring: Ring):
+  """The float32 sums (dq, dk, dv) with one pair's gradients added, from
+  the merged lse, dO and D = rowsum(dO * O) - dlse of the merged O
+  (`delta`). The sums go into the branch and come out of it, so a
+  skipped pair returns them as they are and a run one adds to them in
+  place of holding its own float32 gradients beside them."""
   def run(mask):
     plan, configs = _plan_of(ring, mask)
 
-    def f(q, k, v, ids, delta, lse, do):
-      dq, dk, dv, _ = plan.backward.backward(
+    def f(q, k, v, ids, delta, lse, do, sums):
+      grads = plan.backward.backward(
           q, k, v, _pair_operands(mask, ids, offsets, seed), delta, lse, do,
-          None, mask=mask, scores=ring.scores, config=configs.backward)
-      return tuple(x.astype(jnp.float32) for x in (dq, dk, dv))
+          None, mask=mask, scores=ring.scores, config=configs.backward)[:3]
+      return tuple(s + g.astype(jnp.float32) for s, g in zip(sums, grads))
     return f
 
-  def skip(q, k, v, ids, delta, lse, do):
-    return tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
+  def skip(q, k, v, ids, delta, lse, do, sums):
+    return sums
 
   full, causal = _masks(ids, ring)
   return lax.switch(kind, [run(full), run(causal), skip], q, k, v, ids,
-                    delta, lse, do)
+                    delta, lse, do, sums)
 
 
 def _offsets(q, step):
@@ -202,9 +205,15 @@ def _parts(x, ring: Ring):
   return tuple(_half(x, h) for h in _halves(ring))
 
 
-def _rotate(ring: Ring, *xs):
+def _rotate(ring: Ring, *groups):
+  """Each of `groups` (tuples of arrays: halves, `_parts`) one device on
+  around the ring, every array sent after the one before has arrived
+  (`in_turn`): one array's received copy in flight at a time."""
   perm = [(j, (j + 1) % ring.size) for j in range(ring.size)]
-  return tuple(moved(lax.ppermute, x, ring.axis, perm) for x in xs)
+  send = lambda x: moved(lax.ppermute, x, ring.axis, perm)
+  flat = [x for group in groups for x in group]
+  done = iter(in_turn([send] * len(flat), flat))
+  return tuple(tuple(next(done) for _ in group) for group in groups)
 
 
 def _ids_half(q_ids, kv_ids, qh, kh):
@@ -236,9 +245,10 @@ def forward(q, k, v, q_ids, kv_ids, sinks, ring: Ring, seed=None):
   def step_and_rotate(step, carry):  # Segment ids travel with their keys.
     k, v, kv_ids, acc = carry
     acc = pairs(step, k, v, kv_ids, acc)
-    k, v = _rotate(ring, *k), _rotate(ring, *v)
-    if kv_ids is not None:
-      (kv_ids,) = _rotate(ring, kv_ids)
+    if kv_ids is None:
+      k, v = _rotate(ring, k, v)
+    else:
+      k, v, (kv_ids,) = _rotate(ring, k, v, (kv_ids,))
     return k, v, kv_ids, acc
 
   empty = (jnp.zeros((b, rows, n, v.shape[-1]), jnp.float32),
@@ -296,18 +306,16 @@ def backward(q, k, v, q_ids, kv_ids, delta, lse, do, ring: Ring,
     k, v, kv_ids, dq, dk, dv = carry
     dq, dk, dv = list(dq), list(dk), list(dv)
     for qh, kh, kind in _pairs(ring, i):
-      g_q, g_k, g_v = _pair_backward(
-          kind, _half(q, qh), k[halves.index(kh)], v[halves.index(kh)],
-          _ids_half(q_ids, kv_ids, qh, kh), _offsets(q, i),
-          _pair_seed(seed, ring, i, qh, kh, q.shape[1]),
-          lse_half(delta, qh), lse_half(lse, qh), _half(do, qh), ring)
       a, b = halves.index(qh), halves.index(kh)
-      dq[a] = dq[a] + g_q
-      dk[b] = dk[b] + g_k
-      dv[b] = dv[b] + g_v
-    k, v, dk, dv = (_rotate(ring, *x) for x in (k, v, dk, dv))
-    if kv_ids is not None:
-      (kv_ids,) = _rotate(ring, kv_ids)
+      dq[a], dk[b], dv[b] = _pair_backward(
+          kind, _half(q, qh), k[b], v[b], _ids_half(q_ids, kv_ids, qh, kh),
+          _offsets(q, i), _pair_seed(seed, ring, i, qh, kh, q.shape[1]),
+          lse_half(delta, qh), lse_half(lse, qh), _half(do, qh),
+          (dq[a], dk[b], dv[b]), ring)
+    if kv_ids is None:
+      k, v, dk, dv = _rotate(ring, k, v, dk, dv)
+    else:
+      k, v, dk, dv, (kv_ids,) = _rotate(ring, k, v, dk, dv, (kv_ids,))
     return k, v, kv_ids, tuple(dq), dk, dv
 
   steps = _steps(ring, q.shape[1])
