@@ -128,3 +128,24 @@ def test_a_strategy_that_cannot_run_the_arguments_is_named(
   assert list(plan.refused_by(Operands(q_ids=1, kv_ids=1, sinks=1),
                               Mask(is_causal=True, has_ids=True), 64,
                               64)) == ["ring_all_to_all"]
+
+
+def test_merging_two_parts_equals_merging_them_stacked():
+  """`softmax.merge_two` (the ring's step) is `softmax.merge` of the two
+  parts stacked, rows where one part or both saw no key (lse -inf)
+  included: those weigh 0, and a row no part saw is 0 with lse -inf."""
+  keys = jax.random.split(jax.random.key(0), 4)
+  o = jax.random.normal(keys[0], (2, 2, 5, 3, 8))
+  lse = jax.random.normal(keys[1], (2, 2, 5, 3))
+  lse = lse.at[0, :, 1].set(-jnp.inf).at[1, :, 2].set(-jnp.inf)
+  lse = lse.at[:, :, 4].set(-jnp.inf)
+  want_o, want_lse = softmax.merge(o, lse, axis=0)
+  got_o, got_lse = softmax.merge_two(o[0], lse[0],
+                                     o[1].astype(jnp.bfloat16), lse[1])
+  assert jnp.allclose(got_lse, want_lse, rtol=1e-6, atol=1e-6), (
+      jnp.max(jnp.abs(got_lse - want_lse)))
+  want_o = softmax.merge(o.at[1].set(o[1].astype(jnp.bfloat16)), lse,
+                         axis=0)[0]
+  assert jnp.allclose(got_o, want_o, rtol=1e-6, atol=1e-6)
+  assert not jnp.any(jnp.isnan(got_o)) and jnp.all(got_o[:, 4] == 0)
+  assert jnp.all(got_lse[:, 4] == -jnp.inf)

@@ -87,13 +87,14 @@ def cost(strategy: str, *, p: int, q_rows: int, kv_rows: int, heads: int,
   return (kv * (p - 1) if kv_seq else 0) + (q if balanced else 0)
 
 
-def plan(mesh, arg_shapes, cfg, refit_why, refused=None,
+def plan(mesh, arg_shapes, cfg, refit_why, refused,
          fallback=False) -> Split:
   """The split of a call whose first three arguments are q, k, v: batch
   and heads as the query is sharded (heads where whole GQA groups fit a
   device), the sequence where the keys are sharded alike or not at all,
   by the strategy `cfg.context_parallel` names (or the cheapest);
-  `refused`: {strategy: why it cannot run} known beforehand. A named
+  `refused`: {strategy: why it cannot run} whatever the sharding
+  (`refused_by`). A named
   strategy that cannot run the sharding is a ValueError, or with
   `fallback` (in XLA's partitioner, where an error reaches the user as
   INTERNAL) a warning and the cheapest that can."""
@@ -117,7 +118,7 @@ def plan(mesh, arg_shapes, cfg, refit_why, refused=None,
   left, right = cfg.mask.band()
   windowed = left is not None and right == 0  # Causal sliding windows.
   balanced = cfg.mask.is_causal and local["q_rows"] % 2 == 0
-  why = dict(refused or {})
+  why = dict(refused)
   repeats = {"all_to_all": kv_repeats(local["heads"], local["kv_heads"], p)}
   if not kv_seq:
     why["all_to_all"] = "the keys are not sharded like the queries"
@@ -139,10 +140,8 @@ def plan(mesh, arg_shapes, cfg, refit_why, refused=None,
   def ring_why(r: int, a: int, copies: int = 1):
     """Why a ring over r devices cannot run, its blocks a chunks of the
     sequence and 1 / a of the heads (`copies` of each KV head), or None."""
-    if not kv_seq:
+    if not kv_seq:  # (Its masks and lengths: `refused_by`.)
       return "ring runs self-attention with keys sharded as queries"
-    if reason := ring_mask_why(cfg.mask, q.shape[1], k.shape[1]):
-      return reason
     if cfg.mask.is_causal and not balanced and not windowed:
       return "a causal ring needs chunks of an even length"
     rows = q.shape[1] // r // (2 if balanced and not windowed else 1)
@@ -176,19 +175,20 @@ def plan(mesh, arg_shapes, cfg, refit_why, refused=None,
                    **local)
            for s in STRATEGIES[1:] if s not in why}
   want = cfg.context_parallel
-  if want in why and not fallback:
-    raise ValueError(f"context_parallel={want!r} cannot run this call: "
-                     f"{why[want]}")
+  cheapest = min(costs, key=costs.get) if costs else None
   if want in why:
+    if not fallback:
+      raise ValueError(f"context_parallel={want!r} cannot run this call: "
+                       f"{why[want]}")
     warnings.warn(
         f"context_parallel={want!r} cannot run this call as it is sharded: "
         f"{why[want]}; running "
-        f"{repr(min(costs, key=costs.get)) if costs else 'it unsplit'} "
-        f"instead", stacklevel=2)
+        f"{repr(cheapest) if cheapest else 'it unsplit'} instead",
+        stacklevel=2)
   if want == "auto" or want in why:
-    if not costs:  # Nothing fits: XLA gathers the sequence.
+    if cheapest is None:  # Nothing fits: XLA gathers the sequence.
       return Split(batch, heads)
-    want = min(costs, key=costs.get)
+    want = cheapest
   return Split(batch, heads, seq, kv_seq, want,
                balanced and want != "all_to_all"
                and not (windowed and want.startswith("ring")),

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_flash.context_parallel.collectives import in_turn, moved
-from jax_flash.core import dropout
+from jax_flash.core import dropout, softmax
 from jax_flash.core.mask import Mask
 from jax_flash.core.operands import Operands
 from jax_flash.core.scores import Scores
@@ -239,7 +239,9 @@ def forward(q, k, v, q_ids, kv_ids, sinks, ring: Ring, seed=None):
           kind, _half(q, qh), k[halves.index(kh)], v[halves.index(kh)],
           _ids_half(q_ids, kv_ids, qh, kh), _offsets(q, step),
           _pair_seed(seed, ring, step, qh, kh, q.shape[1]), ring)
-      acc[qh] = _merged(acc[qh], (o, part_lse))
+      # The running output in the query's layout [B, T, N, H], its lse
+      # [B, T, N]: a pair's lse moves, not its output.
+      acc[qh] = softmax.merge_two(*acc[qh], o, part_lse.transpose(0, 2, 1))
     return tuple(acc[h] for h in halves)
 
   def step_and_rotate(step, carry):  # Segment ids travel with their keys.
@@ -252,7 +254,7 @@ def forward(q, k, v, q_ids, kv_ids, sinks, ring: Ring, seed=None):
     return k, v, kv_ids, acc
 
   empty = (jnp.zeros((b, rows, n, v.shape[-1]), jnp.float32),
-           jnp.full((b, n, rows), -jnp.inf, jnp.float32))
+           jnp.full((b, rows, n), -jnp.inf, jnp.float32))
   k, v, kv_ids, acc = lax.fori_loop(
       0, steps - 1, step_and_rotate,
       (_parts(k, ring), _parts(v, ring), kv_ids, (empty,) * len(halves)))
@@ -260,31 +262,11 @@ def forward(q, k, v, q_ids, kv_ids, sinks, ring: Ring, seed=None):
   out, lse = [], []
   for merged, merged_lse in acc:
     if sinks is not None:  # Each head's sink joins the merged denominator.
-      with_sink = jnp.logaddexp(merged_lse, sinks[None, :, None])
-      merged = merged * _rows(jnp.exp(merged_lse - with_sink))
-      merged_lse = with_sink
+      merged, merged_lse = softmax.with_sink(merged, merged_lse,
+                                             sinks[None, None, :])
     out.append(merged.astype(q.dtype))
-    lse.append(merged_lse)
+    lse.append(merged_lse.transpose(0, 2, 1))
   return jnp.concatenate(out, axis=1), jnp.concatenate(lse, axis=-1)
-
-
-def _rows(weight):
-  """[B, N, T] weights as [B, T, N, 1], to scale an output's rows."""
-  return weight.transpose(0, 2, 1)[..., None]
-
-
-def _merged(acc, part):
-  """The running (o float32 [B, T, N, H], lse [B, N, T]) merged with a
-  pair's (o [B, T, N, H], lse), each normalized over its own keys, by
-  their logsumexps (`softmax.merge` of two parts, without stacking them
-  or moving the heads: a step holds one float32 output beside the
-  running one). A part that saw no key (lse -inf) weighs 0."""
-  (o, lse), (part_o, part_lse) = acc, part
-  total = jnp.logaddexp(lse, part_lse)
-  safe = jnp.where(jnp.isfinite(total), total, 0.0)
-  return (o * _rows(jnp.exp(lse - safe))
-          + part_o.astype(jnp.float32) * _rows(jnp.exp(part_lse - safe)),
-          total)
 
 
 def backward(q, k, v, q_ids, kv_ids, delta, lse, do, ring: Ring,

@@ -193,6 +193,17 @@ def merge(o, lse, axis: int):
   return out, jnp.squeeze(total, axis)
 
 
+def merge_two(o, lse, part_o, part_lse):
+  """`merge` of two parts without stacking them: the running float32 o
+  [..., H] and lse [...] with a part's (any float dtype), for loops that
+  merge one part a step (a ring's pairs)."""
+  total = jnp.logaddexp(lse, part_lse)
+  safe = jnp.where(jnp.isfinite(total), total, 0.0)
+  return (o * jnp.exp(lse - safe)[..., None]
+          + part_o.astype(jnp.float32) * jnp.exp(part_lse - safe)[..., None],
+          total)
+
+
 def merge_split_kv(o, lse, *, q_len: int, group: int, dtype, sinks=None):
   """A split-KV decode kernel's partials to `flash_decode`'s results.
 
