@@ -266,7 +266,8 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
       passed around; causal or full masks or causal windows, T = S),
       "ring_all_to_all" (the sequence over several mesh axes: all_to_all
       over the last, a ring over the others) or "auto" (whichever of the
-      others but ring moves fewer bytes: docs/devices.md). A strategy
+      others moves the fewest bytes among those that hold at most twice
+      the least memory: docs/devices.md). A strategy
       named that cannot run the call's arguments (ring with a mask, a
       bias or ALiBi, ...) is a ValueError at trace time on several
       devices; one that cannot run the inputs' sharding warns as the

@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_flash  # noqa: E402
+from jax_flash.core.options import STRATEGIES  # noqa: E402
 from jax_flash.testing import relative_error, tolerance  # noqa: E402
 from tests.cases import random_inputs  # noqa: E402
 
@@ -950,6 +951,118 @@ def memory_per_device():
   print("memory: a device's share falls as 1 / P")
 
 
+# The optional arguments of the strategy matrix (`matrix`), each with a
+# causal mask unless it sets its own. b = 2, T = S = 64, 8 query heads.
+def _matrix_arguments(keys, t, n):
+  return {
+      "causal": dict(is_causal=True),
+      "no mask": {},
+      "window": dict(is_causal=True, local_window_size=(20, 0)),
+      "segment_ids": dict(is_causal=True, segment_ids=jnp.sort(
+          jax.random.randint(keys[0], (2, t), 0, 3), axis=1)),
+      "lengths": dict(is_causal=True, query_seq_lengths=jnp.array([t, 37]),
+                      key_value_seq_lengths=jnp.array([50, t])),
+      "mask": dict(mask=jax.random.bernoulli(keys[1], 0.8, (2, 1, t, t))),
+      "bias": dict(bias=jax.random.normal(keys[2], (2, n, t, t))),
+      "alibi_slopes": dict(is_causal=True,
+                           alibi_slopes=jnp.linspace(0.01, 0.3, n)),
+      "sinks": dict(is_causal=True, sinks=jnp.linspace(-1.0, 1.0, n)),
+      "logits_soft_cap": dict(is_causal=True, logits_soft_cap=5.0),
+      "dropout_rate": dict(is_causal=True, dropout_rate=0.3,
+                           dropout_rng=jax.random.key(5)),
+  }
+
+
+# The cells of the matrix a strategy refuses, as the refusal names them.
+_MATRIX_REFUSED = {
+    "ring": {"mask": "ring runs no mask.", "bias": "ring runs no bias.",
+             "alibi_slopes": "ring runs no alibi_slopes."},
+    "ring_all_to_all": {
+        name: f"ring_all_to_all runs no {why}." for name, why in (
+            ("segment_ids", "segment_ids or lengths"),
+            ("lengths", "segment_ids or lengths"), ("mask", "mask"),
+            ("bias", "bias"), ("alibi_slopes", "alibi_slopes"),
+            ("sinks", "sinks"), ("dropout_rate", "dropout_rate"))},
+}
+
+
+def matrix(num_kv_heads):
+  """Every strategy ("auto" and each named one) x every optional argument
+  of `_matrix_arguments`, 8 query heads on `num_kv_heads`, the sequence
+  over 8 devices (a 2 x 4 mesh, both axes: ring_all_to_all's ring over
+  the first, all_to_all over the second): each cell matches one device
+  (output and q, k, v's gradients within float32's tolerance), its
+  output sharded as the queries, the named strategy run (its collectives
+  in the program, no warning of another), or is refused as the call
+  traces, naming the argument (`_MATRIX_REFUSED`). The blockwise path
+  ("xla"): the kernels' own handling of split operands is covered by
+  `operands_by_strategy`."""
+  mesh = jax.make_mesh((2, 4), ("ring", "a2a"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  seq = NamedSharding(mesh, P(None, ("ring", "a2a")))
+  bound = tolerance(jnp.float32)
+  b, t, n, h = 2, 64, 8, 16
+  q, k, v, do = random_inputs(b, t, t, n, num_kv_heads, h, jnp.float32,
+                              seed=num_kv_heads)
+  args = [jax.device_put(a, seq) for a in (q, k, v)]
+  picked = {}
+  for name, options in _matrix_arguments(
+      jax.random.split(jax.random.key(9), 3), t, n).items():
+    def loss(q, k, v, strategy):
+      out = jax_flash.flash_attention(q, k, v, implementation="xla",
+                                      context_parallel=strategy, **options)
+      return jnp.sum(out * do), out
+
+    def grad(strategy):
+      return jax.jit(jax.value_and_grad(
+          lambda q, k, v: loss(q, k, v, strategy), argnums=(0, 1, 2),
+          has_aux=True))
+    (_, out), grads = grad("auto")(q, k, v)  # One device's.
+    for strategy in STRATEGIES:
+      with failures.case(num_kv_heads, name, strategy):
+        why = _MATRIX_REFUSED.get(strategy, {}).get(name)
+        if why:
+          _assert_refused(lambda: grad(strategy).lower(*args), strategy, why)
+          continue
+        if picked.get(name) == strategy:
+          continue  # "auto" ran this very program.
+        with warnings.catch_warnings():
+          warnings.simplefilter("error")  # No strategy in another's place.
+          call = grad(strategy)
+          hlo = call.lower(*args).compile().as_text()
+          (_, out_s), grads_s = call(*args)
+        errors = [relative_error(out_s, out)] + [
+            relative_error(x, y) for x, y in zip(grads_s, grads)]
+        assert errors[0] <= bound.out and max(errors[1:]) <= bound.grad, errors
+        assert out_s.sharding.is_equivalent_to(seq, 4), out_s.sharding
+        ran = _strategy_in(hlo, b, t, num_kv_heads, h)
+        assert ran != "whole", ran  # (The queries' sequence stays split.)
+        assert strategy in ("auto", ran), (strategy, ran)
+        if strategy == "auto":
+          picked[name] = ran
+  print(f"matrix kv_heads={num_kv_heads}: auto picks " + ", ".join(
+      f"{name}: {s}" for name, s in picked.items()))
+  failures.report(f"matrix kv_heads={num_kv_heads}: every cell matches one "
+                  "device or is refused by name")
+
+
+def _strategy_in(hlo: str, b: int, t: int, kv_heads: int, h: int) -> str:
+  """The strategy a compiled program ran, from its collectives: all_gather
+  gathers whole K and V ([b, t, kv_heads, h] float32, forward and
+  backward: 4), the all-to-alls of all_to_all and ring_all_to_all move
+  heads (the latter's ring permutes too), a ring permutes alone; "whole"
+  where anything else of Q, K or V's shape is gathered."""
+  kv = f"f32[{b},{t},{kv_heads},{h}]"
+  gathered = [g for g in (line.split("=")[1].split()[0].split("{")[0]
+                          for line in hlo.splitlines() if " all-gather(" in line)
+              if re.fullmatch(rf"f32\[{b},{t},\d+,{h}\]", g)]
+  if gathered:
+    return "all_gather" if gathered == [kv] * 4 else "whole"
+  if "all-to-all(" in hlo:
+    return ("ring_all_to_all" if "collective-permute(" in hlo
+            else "all_to_all")
+  return "ring" if "collective-permute(" in hlo else "whole"
+
 if __name__ == "__main__":
   if sys.argv[1] == "sequence_axis_strategies":
     sequence_axis_strategies()
@@ -963,6 +1076,8 @@ if __name__ == "__main__":
     operands_by_strategy()
   elif sys.argv[1] == "memory_per_device":
     memory_per_device()
+  elif sys.argv[1] == "matrix":
+    matrix(int(sys.argv[2]))
   elif sys.argv[1] == "all_to_all_forward_one_block":
     all_to_all_forward_one_block()
   else:

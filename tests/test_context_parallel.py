@@ -97,6 +97,32 @@ def test_cost_model_orders_the_strategies():
             < cost["all_gather"] <= cost["ring"])
 
 
+@pytest.mark.parametrize("p, picked", [(4, "all_gather"), (8, "ring")])
+def test_auto_sends_the_least_within_memory(p, picked):
+  """`plan.plan` with "auto" where all_to_all cannot run (6 heads over 4
+  or 8 devices: no whole groups): all_gather sends the least, and holds
+  the whole K and V (`plan.held`): within `MEMORY_SLACK` of the ring's
+  holdings on 4 devices, past it on 8, where the ring runs."""
+  from types import SimpleNamespace as Of
+
+  from jax.sharding import PartitionSpec as P
+
+  from jax_flash.context_parallel import plan
+  sharded = Of(spec=P(None, "sp"))
+  arrays = [Of(shape=(1, 1024, 6, 64), dtype=jnp.bfloat16,
+                sharding=sharded)] * 3
+  cfg = Of(context_parallel="auto", mask=Mask(is_causal=True))
+  split = plan.plan(Of(shape={"sp": p}), arrays, cfg, lambda *_: None, {})
+  assert (split.seq, split.strategy) == ("sp", picked)
+  local = dict(p=p, q_rows=1024 // p, kv_rows=1024 // p, heads=6,
+               kv_heads=6, head_dims=128, kv_seq=True)
+  memory = {s: plan.held(s, **local) for s in ("all_gather", "ring")}
+  assert (memory["all_gather"] <= plan.MEMORY_SLACK * memory["ring"]) == (
+      p == 4)
+  assert plan.cost("all_gather", balanced=True, **local) < plan.cost(
+      "ring", balanced=True, **local)
+
+
 @pytest.mark.parametrize("strategy, operands, mask, lengths, why", [
     ("ring", dict(dense_mask=1, tile_kinds=1), Mask(), (64, 64),
      "ring runs no mask."),

@@ -20,7 +20,7 @@ def _run(arg: str) -> str:
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              PYTHONPATH=os.pathsep.join([os.path.dirname(HERE)] + sys.path))
   result = subprocess.run(
-      [sys.executable, os.path.join(HERE, "sharded_run.py"), arg],
+      [sys.executable, os.path.join(HERE, "sharded_run.py"), *arg.split()],
       capture_output=True, text=True, env=env, timeout=600)
   assert result.returncode == 0, result.stdout + result.stderr[-3000:]
   return result.stdout
@@ -63,6 +63,16 @@ def test_operands_split_over_batch_and_heads():
 def test_operands_under_each_sequence_strategy():
   assert ("operands by strategy: every case matches one device" in
           _run("operands_by_strategy"))
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 2, 4, 8])
+def test_every_strategy_with_every_optional_argument(num_kv_heads):
+  """`sharded_run.matrix`: each strategy x each optional argument, 8 query
+  heads on `num_kv_heads`, the sequence over 8 devices: one device's
+  results, or a refusal naming the argument; "auto" runs every cell."""
+  out = _run(f"matrix {num_kv_heads}")
+  assert f"matrix kv_heads={num_kv_heads}: every cell matches" in out, out
+  assert out.count("auto picks") == 1 and "whole" not in out, out
 
 
 def test_sequence_sharded_forward_of_one_block_compiles():

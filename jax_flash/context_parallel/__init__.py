@@ -10,7 +10,8 @@ whole GQA groups.
 Queries sharded along the sequence (keys sharded over the same mesh axes,
 or not sharded along it) run context parallelism, one of three strategies
 (`STRATEGIES`; `context_parallel` picks, "auto" by the bytes each device
-moves, `plan.cost`):
+moves, `plan.cost`, among those that hold at most `plan.MEMORY_SLACK`
+times the least, `plan.held`):
 
 * all_to_all (DeepSpeed-Ulysses): an all-to-all over the sequence axes
   trades each device's sequence chunk of every head for the whole sequence
@@ -26,7 +27,8 @@ moves, `plan.cost`):
   calls balance the work: the halves of the chunks are exchanged so that
   device d holds chunks d and 2P-1-d of 2P (`collectives.to_zigzag`),
   and the results go back. Queries are never gathered.
-* ring (named only: it moves as much as all_gather, and spares memory):
+* ring (it moves as much as all_gather, and spares memory: "auto" picks
+  it where all_gather would hold too much):
   self-attention with causal or full masks or causal sliding windows
   (segment ids, lengths and sinks too); K/V chunks travel around the
   devices while each runs its pairs (`ring`; `jax_flash.ring_attention`

@@ -1,7 +1,8 @@
 """How a sharded call splits: its batch and heads as the query is sharded,
 its sequence by one of the strategies (`STRATEGIES`), chosen by the bytes
-a device sends (`cost`) among those that can run the call (`plan`; the
-optional arrays each strategy takes: `STRATEGY_OPERANDS`)."""
+a device sends (`cost`) among those that can run the call and hold no
+more than `MEMORY_SLACK` times the least a device holds (`held`; `plan`;
+the optional arrays each strategy takes: `STRATEGY_OPERANDS`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -85,6 +86,27 @@ def cost(strategy: str, *, p: int, q_rows: int, kv_rows: int, heads: int,
   if strategy == "ring":  # As all_gather, and keys into the zigzag too.
     return kv * (p - 1) + (q + kv if balanced else 0)
   return (kv * (p - 1) if kv_seq else 0) + (q if balanced else 0)
+
+
+# "auto" picks the strategy that sends the least among those whose arrays a
+# device holds (`held`) are within this factor of the least any holds.
+MEMORY_SLACK = 2
+
+
+def held(strategy: str, *, p: int, q_rows: int, kv_rows: int, heads: int,
+         kv_heads: int, head_dims: int, kv_seq: bool, inner: int = 1,
+         repeats: int = 1, **_) -> int:
+  """Elements of Q, K, V and O a device holds at once as a strategy runs
+  (`cost`'s arguments): all_to_all its chunk's worth, each KV head as
+  `repeats` copies; all_gather the whole K and V; ring its queries and
+  two chunks of keys (the next arriving); ring_all_to_all as ring, its
+  blocks each KV head's copies."""
+  q, kv = q_rows * heads * head_dims, kv_rows * kv_heads * head_dims
+  if strategy == "all_to_all":
+    return q + kv * repeats
+  if strategy == "all_gather":
+    return q + kv * (p if kv_seq else 1)
+  return q + 2 * kv * (repeats if strategy == "ring_all_to_all" else 1)
 
 
 def plan(mesh, arg_shapes, cfg, refit_why, refused,
@@ -171,9 +193,12 @@ def plan(mesh, arg_shapes, cfg, refit_why, refused,
     why["ring_all_to_all"] = reason
   else:
     repeats["ring_all_to_all"] = inner
-  costs = {s: cost(s, balanced=balanced, repeats=repeats.get(s) or 1,
-                   **local)
-           for s in STRATEGIES[1:] if s not in why}
+  can = {s: dict(local, repeats=repeats.get(s) or 1)
+         for s in STRATEGIES[1:] if s not in why}
+  memory = {s: held(s, **shape) for s, shape in can.items()}
+  costs = {s: cost(s, balanced=balanced, **shape)
+           for s, shape in can.items()
+           if memory[s] <= MEMORY_SLACK * min(memory.values())}
   want = cfg.context_parallel
   cheapest = min(costs, key=costs.get) if costs else None
   if want in why:
