@@ -11,6 +11,7 @@ import pytest
 
 import jax_flash
 from jax_flash.core import fp8
+from pallas_kernels.mosaic_gpu import config
 from tests.cases import random_inputs
 from tests.conftest import HOPPER
 
@@ -527,6 +528,36 @@ def test_mosaic_fp8_stmatrix_stores_are_the_same_attention(shape, causal):
   again = jax.jit(lambda *a: _grads(calls[True], *a))(q, k, v, do)
   for a, b in zip(grads[True], again):
     assert bool(jnp.all(a == b))
+  _check_against_rounding(calls[True], q, k, v, do, causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, causal", [
+    ((2, 1000, 1003, 8, 2, 128), True),
+    ((1, 512, 777, 4, 4, 64), False),
+    ((1, 300, 1000, 4, 2, 256), True),
+    ((1, 2048, 2048, 8, 8, 128), False)])
+def test_mosaic_fp8_registers_operand_is_the_same_attention(shape, causal):
+  """`MosaicBlockSizes.e4m3_registers` (the forward's P handed to its P V
+  wgmma from registers, V's keys permuted as `stmatrix` stores permute
+  P's columns): the values wgmma reads from shared memory with
+  `e4m3_stmatrix`, so the same output to float32's rounding, within the
+  bounds of `_check_against_rounding`, and bitwise the same from one run
+  to the next; at the default's tiles, overlapped."""
+  if not HOPPER:
+    pytest.skip("not a Hopper GPU")
+  q, k, v, do = random_inputs(*shape, jnp.bfloat16)
+  calls = {}
+  for registers in (False, True):
+    blocks = jax_flash.MosaicBlockSizes(
+        overlap=True, e4m3_stmatrix=not registers, e4m3_registers=registers,
+        block_kv=config.FP8_BLOCK_KV[shape[-1]][not causal])
+    calls[registers] = jax.jit(functools.partial(
+        jax_flash.flash_attention, is_causal=causal, fp8=True,
+        implementation="mosaic", block_sizes=blocks))
+  out = calls[True](q, k, v)
+  assert _rel(out, calls[False](q, k, v)) < 1e-3
+  assert bool(jnp.all(out == calls[True](q, k, v)))
   _check_against_rounding(calls[True], q, k, v, do, causal)
 
 

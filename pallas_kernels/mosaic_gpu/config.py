@@ -172,6 +172,9 @@ class BlockSizes:
     e4m3_stmatrix (the FP8 kernels): their e4m3 tiles (P, P^T, dS, dS^T)
       stored by `stmatrix`, their columns permuted and the operand each
       meets permuted alike (`tiles.E4m3Tiles`), instead of 16-bit stores.
+    e4m3_registers (the FP8 forward): P handed to the P V wgmma from
+      registers, regrouped into the 8-bit wgmma layout (V's keys permuted
+      alike), with no store to shared memory and no fence.
     dkv_head_splits (not with fp8_backward or fused_dq): the dK/dV
       kernel's CTAs a KV head, each taking a share of the group's query
       heads (shares of ceil(G / splits)) and writing its partial dK and dV,
@@ -196,6 +199,7 @@ class BlockSizes:
   fp8_backward: bool = False
   overlap: bool = False
   e4m3_stmatrix: bool = False
+  e4m3_registers: bool = False
   dkv_head_splits: int | None = None
 
   def __post_init__(self):
@@ -215,7 +219,8 @@ class BlockSizes:
                       lambda x: 24 <= x <= 128 and x % 8 == 0,
                       "a multiple of 8 in [24, 128]")
     for name in ("named_barriers", "dv_before_ds", "fused_dq", "persistent",
-                 "fp8_backward", "overlap", "e4m3_stmatrix"):
+                 "fp8_backward", "overlap", "e4m3_stmatrix",
+                 "e4m3_registers"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"block_sizes.{name}={getattr(self, name)!r} must "
                          f"be a bool")
@@ -259,7 +264,8 @@ class BlockSizes:
     """Shared memory of the forward: Q tiles, the K/V ring, the row stats,
     each allocation aligned to 1 KiB, Mosaic's 2 KiB reduction scratch
     (`reduction_scratch`) and the barriers (1 KiB); with `fp8` (e4m3 Q, K
-    and V: itemsize 1) also O's bf16 staging and each consumer's e4m3 P.
+    and V: itemsize 1) also O's bf16 staging and each consumer's e4m3 P
+    (none with `e4m3_registers`).
     An upper bound: (128, 3) at head dim 128, 232568 bytes on the H200, is
     233472 here; 80-row K/V tiles at head dim 256, 230488 (lowered for
     the H200), 231424."""
@@ -267,8 +273,9 @@ class BlockSizes:
     q = aligned(buffers * 2 * self.block_q * head_dim * itemsize)
     kv = 2 * aligned(self.num_stages * self.block_kv * head_dim * itemsize)
     scratch = 2048 if self.reduction_scratch() else 0
-    staging = (aligned(buffers * 2 * self.block_q * head_dim * 2) +
-               aligned(2 * self.block_q * self.block_kv) if fp8 else 0)
+    p = 0 if self.e4m3_registers else aligned(2 * self.block_q *
+                                              self.block_kv)
+    staging = aligned(buffers * 2 * self.block_q * head_dim * 2) + p if fp8 else 0
     return (q + kv + staging + aligned(buffers * 2 * self.block_q * 4) +
             scratch + 1024)
 

@@ -286,7 +286,8 @@ def _cta(refs, scratch, **statics) -> _Cta:
               fp8_buffers=fp8_buffers, part_columns=part_columns,
               ready=ready, free=free, tail=tail, last_kv_tile=last_kv_tile,
               q_buffers=blocks.q_buffers(layout.width), wg=wg,
-              schedule=schedule, e4m3=E4m3Tiles(blocks.e4m3_stmatrix),
+              schedule=schedule,
+              e4m3=E4m3Tiles(blocks.e4m3_stmatrix, blocks.e4m3_registers),
               count=count, item_id=item_id, item_coords=item_coords,
               **statics)
 
@@ -366,7 +367,7 @@ class _Item:
   q_ids: object
   q_smems: list
   lse_smem: object
-  p_smem: object  # With FP8: its e4m3 P.
+  p_smem: object  # With FP8: its e4m3 P (None: P stays in registers).
 
   def slot(self, cta: _Cta, j):
     """The ring slot of key tile j."""
@@ -429,10 +430,8 @@ def _step(cta: _Cta, it: _Item, j, carry, *, masked: bool, width: int):
   p, m_new, l, acc = online_softmax(s, c, m, l, acc,
                                     log2_scale=cta.log2_scale)
   # l sums the undropped p; only P V sees the dropout.
-  if fp8:  # As e4m3, the left operand from shared memory.
-    p16 = it.p_smem
-    cta.e4m3.store(p.astype(fp8_lib.E4M3), p16)
-    plgpu.commit_smem()
+  if fp8:  # As e4m3: the left operand from shared memory or registers.
+    p16 = cta.e4m3.operand(p.astype(fp8_lib.E4M3), it.p_smem)
   else:
     p16 = dropped(p, cta.scores, cta.extras.seed, it.batch, it.head,
                   positions, cols).astype(cta.o_ref.dtype)
@@ -455,8 +454,10 @@ def _overlapped_step(cta: _Cta, it: _Item, j, carry, *, masked: bool,
   """Key tile j with `overlap` (FP8, whole tiles): its QK^T issued with
   tile j - 1's P V (none for the first tile), its softmax while P V runs,
   then the accumulator (P V's result) rescaled and tile j's P stored
-  where P V read tile j - 1's."""
-  acc, m, l = carry
+  where P V read tile j - 1's (or, `E4m3Tiles.registers`, carried as
+  the next step's left operand: `pending`)."""
+  acc, m, l, pending = carry
+  p_prev = it.p_smem if pending is None else pending
   (k_ready, v_ready, _), (k_free, v_free) = cta.ready, cta.free
   block_q, block_kv = cta.blocks.block_q, cta.blocks.block_kv
   slot, prev = it.slot(cta, j), it.slot(cta, j - 1)
@@ -473,7 +474,7 @@ def _overlapped_step(cta: _Cta, it: _Item, j, carry, *, masked: bool,
     if not first_tile:
       for acc_ref, a, (_, v_smem) in zip(acc_refs, acc, cta.v_views):
         acc_ref[...] = a
-        plgpu.wgmma(acc_ref, it.p_smem, v_smem.at[prev].T)
+        plgpu.wgmma(acc_ref, p_prev, v_smem.at[prev].T)
     cta.schedule.arrive()
     s = plgpu.wgmma_accumulator_load(s_ref, wait_n=0 if first_tile else 1)
     plgpu.barrier_arrive(k_free.at[slot])
@@ -490,24 +491,24 @@ def _overlapped_step(cta: _Cta, it: _Item, j, carry, *, masked: bool,
       matmuls, plgpu.ACC((block_q, block_kv), jnp.float32),
       tuple(plgpu.ACC((block_q, w), jnp.float32)
             for _, w in cta.layout.parts))
-  cta.e4m3.store(p8, it.p_smem)
-  plgpu.commit_smem()
-  return acc, m, l
+  p8 = cta.e4m3.operand(p8, it.p_smem)
+  return acc, m, l, (p8 if cta.e4m3.registers else None)
 
 
 def _finish(cta: _Cta, it: _Item, j, carry):
   """The last tile's (j - 1's) P V, with `overlap`."""
-  acc, m, l = carry
+  acc, m, l, pending = carry
+  p_prev = it.p_smem if pending is None else pending
   prev = it.slot(cta, j - 1)
   with jax.named_scope("v_wait"):
     plgpu.barrier_wait(cta.ready[1].at[prev])
 
   def pv(acc_refs):
     for acc_ref, (_, v_smem) in zip(acc_refs, cta.v_views):
-      plgpu.wgmma(acc_ref, it.p_smem, v_smem.at[prev].T)
+      plgpu.wgmma(acc_ref, p_prev, v_smem.at[prev].T)
   acc = pl.run_state(pv)(tuple(plgpu.ACC.init(a) for a in acc))
   plgpu.barrier_arrive(cta.free[1].at[prev])
-  return acc, m, l
+  return acc, m, l, pending
 
 
 def _release(cta: _Cta, it: _Item, j, carry):
@@ -551,15 +552,17 @@ def _overlapped_tiles(cta: _Cta, it: _Item, carry):
   """Tiles [lo, hi) by `_overlapped_step`: the first (taken as masked),
   the rest, then the last one's P V."""
   lo, full_lo, full_hi, hi = it.ranges
+  pending = cta.e4m3.no_operand((cta.blocks.block_q, cta.blocks.block_kv))
   carry = lax.fori_loop(lo, jnp.minimum(lo + 1, hi), functools.partial(
-      _overlapped_step, cta, it, masked=True, first_tile=True), carry)
+      _overlapped_step, cta, it, masked=True, first_tile=True),
+      (*carry, pending))
   for start, stop, masked in ((lo + 1, full_lo, True),
                               (jnp.maximum(full_lo, lo + 1), full_hi, False),
                               (jnp.maximum(full_hi, lo + 1), hi, True)):
     carry = lax.fori_loop(start, stop, functools.partial(
         _overlapped_step, cta, it, masked=masked), carry)
   return lax.fori_loop(hi, jnp.where(lo < hi, hi + 1, hi),
-                       functools.partial(_finish, cta, it), carry)
+                       functools.partial(_finish, cta, it), carry)[:3]
 
 
 def _epilogue(cta: _Cta, it: _Item, acc, m, l):
@@ -615,7 +618,8 @@ def _consumer_item(cta: _Cta, i, item, next_item, base):
     kv_head = lax.div(head, jnp.int32(cta.group))
     qk_scale = extras.scales[batch, kv_head, 0]
     pv_scale = extras.scales[batch, kv_head, 1]
-  p_smem = cta.fp8_buffers[1].at[wg] if cta.fp8 else None
+  p_smem = (cta.fp8_buffers[1].at[wg] if cta.fp8 and not
+            cta.e4m3.registers else None)
   with jax.named_scope("q_load"):  # Profiler regions (`compiler_params`).
     if cta.q_buffers == 1:
       _load_q(cta, item, 0)
@@ -758,7 +762,7 @@ def _scratch(blocks: BlockSizes, layout: Columns, dtype, out_dtype,
   """The forward's shared memory and barriers: per column part Q's tiles
   (a buffer a warpgroup, two when persistent), the K/V ring (V^T's tiles
   with FP8), the logsumexp's rows, with FP8 O's bf16 staging and each
-  consumer's e4m3 P; ready barriers (one arrival a column part's copy)
+  consumer's e4m3 P (unless it stays in registers); ready barriers (one arrival a column part's copy)
   for K, V and Q, free barriers for K and V (one arrival a consumer),
   and the consumers' schedule barrier (`_Schedule`, `_Turns`; none with
   named barriers)."""
@@ -785,6 +789,7 @@ def _scratch(blocks: BlockSizes, layout: Columns, dtype, out_dtype,
           (plgpu.SMEM((q_buffers, COMPUTE_WGS, blocks.block_q, widths[0]),
                       out_dtype, transforms=smem_transforms(out_dtype,
                                                             widths[0])),
+           None if blocks.e4m3_registers else
            plgpu.SMEM((COMPUTE_WGS, blocks.block_q, blocks.block_kv),
                       dtype, transforms=smem_transforms(
                           dtype, blocks.block_kv))) if fp8 else None,
@@ -839,7 +844,7 @@ def flash_forward(q, k, v, operands: Operands, *, mask: Mask, scores: Scores,
           for x, n in ((q, q_len), (k, kv_len)))
   if fp8:  # The tiled copies of V^T's [H, block_kv] tiles: whole tiles,
     # their keys permuted as P's columns are stored (`tiles.E4m3Tiles`).
-    v = E4m3Tiles(blocks.e4m3_stmatrix).permute(
+    v = E4m3Tiles(blocks.e4m3_stmatrix, blocks.e4m3_registers).permute(
         pad_to(v, 3, round_up(kv_len, blocks.block_kv)))
   else:
     v = pad_to(v, 1, tma_rows(kv_len, layout.untiled[1]))

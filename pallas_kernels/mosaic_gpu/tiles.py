@@ -257,23 +257,40 @@ def pad_ids(q_ids, kv_ids, q_rows: int, kv_rows: int):
           pad_to(kv_ids, 1, kv_rows, KV_PAD_ID))
 
 
-# An e4m3 tile stored by `stmatrix` holds its columns permuted within each
-# window of E4M3_WINDOW: stored column 4 t + 2 h + b is column 8 h + 2 t + b
-# (t < 4, h < 2, b < 2).
+# An e4m3 tile stored by `stmatrix` (or handed to wgmma from registers)
+# holds its columns permuted within each window of E4M3_WINDOW: stored
+# column 4 t + 2 h + b is column 8 h + 2 t + b (t < 4, h < 2, b < 2).
 E4M3_WINDOW = 16
+
+
+def _as_8bit_layout(x):
+  """An e4m3 FragmentedArray in the wgmma accumulator's layout as one in
+  Mosaic GPU's 8-bit wgmma layout, by its registers alone: a thread's two
+  column pairs of adjacent 8-column tiles become one 32-bit word (the
+  columns of each E4M3_WINDOW permuted, as `E4m3Tiles.permute` says)."""
+  pairs = x.registers  # [row tiles, 8-column tiles, 1, 1, halves, ...]
+  words = np.empty(mgpu.WGMMA_LAYOUT_8BIT.registers_shape(x.shape), object)
+  for idx in np.ndindex(words.shape):
+    words[idx] = mgpu_utils.vector_concat(
+        [pairs[(idx[0], 2 * idx[1] + h, *idx[2:])] for h in range(2)])
+  return mgpu.FragmentedArray(_registers=words,
+                              _layout=mgpu.WGMMA_LAYOUT_8BIT, _is_signed=None)
 
 
 @dataclasses.dataclass(frozen=True)
 class E4m3Tiles:
   """How the FP8 kernels' e4m3 tiles (P, P^T, dS, dS^T) leave the wgmma
-  accumulator's layout for shared memory (`BlockSizes.e4m3_stmatrix`):
-  as they are (Mosaic GPU's own store writes 8-bit values by 16-bit
-  stores), or with `stmatrix`: a thread's two column pairs of adjacent
-  8-column tiles become one 32-bit word, a layout Mosaic GPU stores by
-  `stmatrix`, each window of E4M3_WINDOW columns then permuted. A matmul
-  reading such a tile contracts over its columns, so the operand it
-  meets is permuted alike (`permute`)."""
+  accumulator's layout for the matmul that reads them
+  (`BlockSizes.e4m3_stmatrix`, `BlockSizes.e4m3_registers`): stored to
+  shared memory as they are (Mosaic GPU's own store writes 8-bit values
+  by 16-bit stores), or with `stmatrix`: each thread's registers
+  regrouped into Mosaic GPU's 8-bit wgmma layout (`_as_8bit_layout`),
+  which it stores by `stmatrix`; with `registers` those regrouped
+  registers are wgmma's left operand (`operand`), with no store. Both
+  permute each window of E4M3_WINDOW columns, so the operand the tile
+  meets, along the contracted axis, is permuted alike (`permute`)."""
   stmatrix: bool = False
+  registers: bool = False
 
   def store(self, x, ref):
     """e4m3 x ([rows, cols], the accumulator's layout; rows a multiple of
@@ -287,21 +304,38 @@ class E4m3Tiles:
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,
                                   plgpu.RefType((tiling, swizzle))))
     def store(_, x, smem):
-      pairs = x.registers  # [row tiles, 8-column tiles, 1, 1, halves, ...]
-      words = np.empty(mgpu.WGMMA_LAYOUT_8BIT.registers_shape(x.shape),
-                       object)
-      for idx in np.ndindex(words.shape):
-        words[idx] = mgpu_utils.vector_concat(
-            [pairs[(idx[0], 2 * idx[1] + h, *idx[2:])] for h in range(2)])
-      mgpu.FragmentedArray(_registers=words, _layout=mgpu.WGMMA_LAYOUT_8BIT,
-                           _is_signed=None).store_tiled(smem, swizzle.swizzle)
+      _as_8bit_layout(x).store_tiled(smem, swizzle.swizzle)
     store(x, ref)
+
+  def operand(self, x, ref):
+    """e4m3 x as wgmma's left operand: x's registers in the 8-bit wgmma
+    layout (`registers`), else x stored into ref (`store`), returned."""
+    if self.registers:
+      @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
+                         return_type=plgpu.ShapeDtypeStruct(
+                             x.shape, x.dtype, plgpu.Layout.WGMMA_8BIT))
+      def regroup(_, x):
+        return _as_8bit_layout(x)
+      return regroup(x)
+    self.store(x, ref)
+    plgpu.commit_smem()
+    return ref
+
+  def no_operand(self, shape):
+    """What a loop carries as the left operand before a tile's (zeros of
+    `shape` in the 8-bit wgmma layout with `registers`, else None: the
+    operand is in shared memory)."""
+    if not self.registers:
+      return None
+    return plgpu.layout_cast(jnp.zeros(shape, fp8_lib.E4M3),
+                             plgpu.Layout.WGMMA_8BIT)
 
   def permute(self, x, axis: int = -1):
     """x with its `axis` (a multiple of E4M3_WINDOW long) permuted as
-    `store` permutes a tile's columns: the operand a stored tile meets in
-    a matmul, along the contracted axis (x itself without `stmatrix`)."""
-    if not self.stmatrix:
+    `store` (or `operand`) permutes a tile's columns: the operand the tile
+    meets in a matmul, along the contracted axis (x itself with neither
+    `stmatrix` nor `registers`)."""
+    if not (self.stmatrix or self.registers):
       return x
     axis %= x.ndim
     shape = x.shape
