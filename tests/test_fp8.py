@@ -537,27 +537,35 @@ def test_mosaic_fp8_stmatrix_stores_are_the_same_attention(shape, causal):
     ((1, 512, 777, 4, 4, 64), False),
     ((1, 300, 1000, 4, 2, 256), True),
     ((1, 2048, 2048, 8, 8, 128), False)])
-def test_mosaic_fp8_registers_operand_is_the_same_attention(shape, causal):
-  """`MosaicBlockSizes.e4m3_registers` (the forward's P handed to its P V
-  wgmma from registers, V's keys permuted as `stmatrix` stores permute
-  P's columns): the values wgmma reads from shared memory with
-  `e4m3_stmatrix`, so the same output to float32's rounding, within the
-  bounds of `_check_against_rounding`, and bitwise the same from one run
-  to the next; at the default's tiles, overlapped."""
+def test_mosaic_fp8_registers_operands_are_the_same_attention(shape, causal):
+  """`MosaicBlockSizes.e4m3_registers` (the e4m3 tiles handed to wgmma
+  from registers, the operands they meet permuted as `stmatrix` stores
+  permute their columns): the values wgmma reads from shared memory with
+  `e4m3_stmatrix`, so output and gradients (the FP8 backward) the same to
+  float32's rounding, within the bounds of `_check_against_rounding`,
+  and bitwise the same from one run to the next; at the default's tiles,
+  overlapped."""
   if not HOPPER:
     pytest.skip("not a Hopper GPU")
   q, k, v, do = random_inputs(*shape, jnp.bfloat16)
   calls = {}
   for registers in (False, True):
     blocks = jax_flash.MosaicBlockSizes(
-        overlap=True, e4m3_stmatrix=not registers, e4m3_registers=registers,
+        overlap=True, fp8_backward=True, e4m3_stmatrix=not registers,
+        e4m3_registers=registers,
         block_kv=config.FP8_BLOCK_KV[shape[-1]][not causal])
-    calls[registers] = jax.jit(functools.partial(
+    calls[registers] = functools.partial(
         jax_flash.flash_attention, is_causal=causal, fp8=True,
-        implementation="mosaic", block_sizes=blocks))
-  out = calls[True](q, k, v)
-  assert _rel(out, calls[False](q, k, v)) < 1e-3
-  assert bool(jnp.all(out == calls[True](q, k, v)))
+        implementation="mosaic", block_sizes=blocks)
+  outs = {on: jax.jit(f)(q, k, v) for on, f in calls.items()}
+  assert _rel(outs[True], outs[False]) < 1e-3
+  grads = {on: jax.jit(lambda *a, f=f: _grads(f, *a))(q, k, v, do)
+           for on, f in calls.items()}
+  for a, b in zip(grads[True], grads[False]):
+    assert _rel(a, b) < 1e-3
+  again = jax.jit(lambda *a: _grads(calls[True], *a))(q, k, v, do)
+  for a, b in zip(grads[True], again):
+    assert bool(jnp.all(a == b))
   _check_against_rounding(calls[True], q, k, v, do, causal)
 
 

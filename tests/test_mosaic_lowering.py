@@ -787,17 +787,19 @@ def test_fp8_stmatrix_stores_lower(head_dim, causal):
 @pytest.mark.parametrize("head_dim, causal, overlap", [
     (64, False, True), (128, True, True), (128, False, False),
     (256, True, True)])
-def test_fp8_registers_operand_lowers(head_dim, causal, overlap):
-  """`MosaicBlockSizes.e4m3_registers`: the FP8 forward lowers with P
-  handed to its P V wgmma from registers, overlapped (P carried to the
-  next step) or not, a program of its own, on the default's tiles."""
+def test_fp8_registers_operands_lower(head_dim, causal, overlap):
+  """`MosaicBlockSizes.e4m3_registers`: the FP8 kernels lower with their
+  e4m3 tiles handed to wgmma from registers (the forward's P, overlapped
+  and carried to the next step or not; the FP8 backward's P^T, dS^T and
+  dS), programs of their own, on the default's tiles."""
   shape = (2, 256, 520, 8, 2, head_dim)
   blocks = functools.partial(
-      jax_flash.MosaicBlockSizes, overlap=overlap,
+      jax_flash.MosaicBlockSizes, overlap=overlap, fp8_backward=True,
       block_kv=config.FP8_BLOCK_KV[head_dim][not causal])
   on = lower_grad("mosaic", shape, is_causal=causal, fp8=True,
                   block_sizes=blocks(e4m3_registers=True))
   off = lower_grad("mosaic", shape, is_causal=causal, fp8=True,
-                   block_sizes=blocks())
+                   block_sizes=blocks(e4m3_stmatrix=True))
+  assert all(name in on for name in MOSAIC_BACKWARD)
   assert "flash_attention_forward_mosaic" in on
   assert on != off

@@ -172,9 +172,10 @@ class BlockSizes:
     e4m3_stmatrix (the FP8 kernels): their e4m3 tiles (P, P^T, dS, dS^T)
       stored by `stmatrix`, their columns permuted and the operand each
       meets permuted alike (`tiles.E4m3Tiles`), instead of 16-bit stores.
-    e4m3_registers (the FP8 forward): P handed to the P V wgmma from
-      registers, regrouped into the 8-bit wgmma layout (V's keys permuted
-      alike), with no store to shared memory and no fence.
+    e4m3_registers (the FP8 kernels): their e4m3 tiles (P, P^T, dS^T,
+      dS) handed to wgmma from registers, regrouped into the 8-bit wgmma
+      layout (the operand each meets permuted as for `e4m3_stmatrix`),
+      with no store to shared memory, no fence and no buffer.
     dkv_head_splits (not with fp8_backward or fused_dq): the dK/dV
       kernel's CTAs a KV head, each taking a share of the group's query
       heads (shares of ceil(G / splits)) and writing its partial dK and dV,

@@ -186,28 +186,28 @@ _DS_FLOOR = 2.0 ** -100
 
 
 def _quantize_ds(ds, m, ds_smem, e4m3: E4m3Tiles):
-  """FP8's dS tile (float32 [rows, cols], an accumulator's layout) into
-  ds_smem (stored by `e4m3`) as e4m3 values of dS * 448 / m_new, m_new the
-  running maximum of
+  """FP8's dS tile (float32 [rows, cols], an accumulator's layout) as
+  e4m3 values of dS * 448 / m_new, wgmma's left operand (`e4m3.operand`:
+  stored into ds_smem, or in registers), m_new the running maximum of
   each row's |dS| (m: the rows' maximum before this tile, 0 at first);
-  returns (m_new, alpha = m / m_new), by which the caller rescales the rows
-  of the accumulator this tile's product adds to (the online softmax's
-  trick: the accumulator then holds the sum at the scale m_new / 448)."""
+  returns (the operand, m_new, alpha = m / m_new), by which the caller
+  rescales the rows of the accumulator this tile's product adds to (the
+  online softmax's trick: the accumulator then holds the sum at the
+  scale m_new / 448)."""
   m_new = jnp.maximum(m, jnp.abs(ds).max(axis=1))
   positive = m_new > _DS_FLOOR
   alpha = jnp.where(positive, m / m_new, 1.0)
   inverse = jnp.where(positive, fp8_lib.E4M3_MAX / m_new, 0.0)
-  e4m3.store((ds * lax.broadcast_in_dim(inverse, ds.shape, [0])).astype(
-      fp8_lib.E4M3), ds_smem)
-  plgpu.commit_smem()
-  return m_new, alpha
+  ds8 = e4m3.operand((ds * lax.broadcast_in_dim(inverse, ds.shape, [0]))
+                      .astype(fp8_lib.E4M3), ds_smem)
+  return ds8, m_new, alpha
 
 
-def _fp8_product(acc, alpha, a_smem, b_smem):
-  """acc * alpha (per row; None: 1) + a_smem @ b_smem, by wgmma on e4m3
-  tiles."""
+def _fp8_product(acc, alpha, a, b_smem):
+  """acc * alpha (per row; None: 1) + a @ b_smem, by wgmma on e4m3 tiles
+  (a: a tile in shared memory or registers, `E4m3Tiles.operand`)."""
   def product(refs):
-    plgpu.wgmma(refs[0], a_smem, b_smem)
+    plgpu.wgmma(refs[0], a, b_smem)
   if alpha is not None:
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
   return pl.run_state(product)((plgpu.ACC.init(acc),))[0]
@@ -332,7 +332,8 @@ def _dkv_cta(refs, extras: Extras, scratch, head_splits: int = 1,
     first_head = first_head + offset
   return _Dkv(refs=refs, extras=extras, scratch=scratch, views=views,
               part_columns=part_columns,
-              e4m3=E4m3Tiles(blocks.e4m3_stmatrix), split=split,
+              e4m3=E4m3Tiles(blocks.e4m3_stmatrix, blocks.e4m3_registers),
+              split=split,
               batch=batch, kv_head=kv_head, out_head=out_head, wg=wg,
               kv_start=kv_start, ranges=ranges, last_tile=last_tile,
               tail=tail, steps=steps, slot=slot, kv_own=kv_own, rows=rows,
@@ -396,29 +397,37 @@ def _load_kv(cta: _Dkv):
                               copy, ready)
 
 
+def _e4m3_buffers(cta: _Dkv):
+  """This warpgroup's shared-memory P^T and dS^T tiles (None, None where
+  they stay in registers: `E4m3Tiles.registers`)."""
+  if cta.e4m3.registers:
+    return None, None
+  fp8_smem = cta.scratch["fp8"]
+  return fp8_smem["p"].at[cta.wg], fp8_smem["ds"].at[cta.wg]
+
+
 def _fp8_products(cta: _Dkv, carry, dv_acc, p, delta, ring, do_smem):
   """FP8's dV += P^T dO (into dv_acc, running while dS^T forms), dP^T = V
   dO^T, dS^T and dK += dS^T Q for one step, on carry (dK, the running row
   maxima of |dS^T|)."""
   dk, m = carry
-  fp8_smem, wg = cta.scratch["fp8"], cta.wg
+  fp8_smem = cta.scratch["fp8"]
   (qt_smem, dot_smem), _ = fp8_smem["ring"]
   _, q_ready, do_ready = cta.scratch["ready"]
   q_free, do_free = cta.scratch["free"]
   scales_ref = cta.extras.scales
-  pt_smem, ds_smem = fp8_smem["p"].at[wg], fp8_smem["ds"].at[wg]
-  cta.e4m3.store((p * fp8_lib.E4M3_MAX).astype(fp8_lib.E4M3), pt_smem)
-  plgpu.commit_smem()
+  pt_smem, ds_smem = _e4m3_buffers(cta)
+  pt = cta.e4m3.operand((p * fp8_lib.E4M3_MAX).astype(fp8_lib.E4M3), pt_smem)
   plgpu.barrier_wait(do_ready.at[ring])
 
   def dp_dv(acc):
     plgpu.wgmma(acc, cta.kv_own[1][0][1], do_smem.T)
-    plgpu.wgmma(dv_acc, pt_smem, dot_smem.at[ring].T)
+    plgpu.wgmma(dv_acc, pt, dot_smem.at[ring].T)
     return plgpu.wgmma_accumulator_load(acc, wait_n=1)  # dV runs.
   dp = pl.run_scoped(dp_dv, plgpu.ACC(p.shape, jnp.float32))
   ds = p * (dp * scales_ref[cta.batch, cta.kv_head, 1] - delta)
-  m, alpha = _quantize_ds(ds, m, ds_smem, cta.e4m3)
-  dk = _fp8_product(dk, alpha, ds_smem, qt_smem.at[ring].T)
+  ds8, m, alpha = _quantize_ds(ds, m, ds_smem, cta.e4m3)
+  dk = _fp8_product(dk, alpha, ds8, qt_smem.at[ring].T)
   plgpu.barrier_arrive(do_free.at[ring])  # dV's matmul is done too.
   plgpu.barrier_arrive(q_free.at[ring])
   return dk, m
@@ -434,13 +443,14 @@ def _fp8_split(cta: _Dkv, carry, p, delta, ring, do_smem):
   _, q_ready, do_ready = cta.scratch["ready"]
   q_free, do_free = cta.scratch["free"]
 
+  pt_smem, ds_smem = _e4m3_buffers(cta)
+
   def dv_part(carry):
     acc, m = carry
-    pt_smem = fp8_smem["p"].at[wg]
-    cta.e4m3.store((p * fp8_lib.E4M3_MAX).astype(fp8_lib.E4M3), pt_smem)
-    plgpu.commit_smem()
+    pt = cta.e4m3.operand((p * fp8_lib.E4M3_MAX).astype(fp8_lib.E4M3),
+                          pt_smem)
     plgpu.barrier_wait(do_ready.at[ring])
-    return _fp8_product(acc, None, pt_smem, dot_smem.at[ring].T), m
+    return _fp8_product(acc, None, pt, dot_smem.at[ring].T), m
 
   def dk_part(carry):
     acc, m = carry
@@ -450,11 +460,10 @@ def _fp8_split(cta: _Dkv, carry, p, delta, ring, do_smem):
       plgpu.wgmma(dp_acc, cta.kv_own[1][0][1], do_smem.T)
       return dp_acc[...]
     dp = pl.run_scoped(dp_t, plgpu.ACC(p.shape, jnp.float32))
-    ds_smem = fp8_smem["ds"].at[wg]
-    m, alpha = _quantize_ds(
+    ds8, m, alpha = _quantize_ds(
         p * (dp * cta.extras.scales[cta.batch, cta.kv_head, 1] - delta), m,
         ds_smem, cta.e4m3)
-    return _fp8_product(acc, alpha, ds_smem, qt_smem.at[ring].T), m
+    return _fp8_product(acc, alpha, ds8, qt_smem.at[ring].T), m
   carry = lax.cond(wg == 0, dv_part, dk_part, carry)
   plgpu.barrier_arrive(do_free.at[ring])
   plgpu.barrier_arrive(q_free.at[ring])
@@ -843,7 +852,8 @@ def _dq_cta(refs, extras: Extras, scratch, **statics) -> _Dq:
   steps = jnp.maximum(hi - lo, 1)  # A row that sees nothing: dQ = 0.
   return _Dq(refs=refs, extras=extras, scratch=scratch, views=views,
              part_columns=part_columns,
-             e4m3=E4m3Tiles(blocks.e4m3_stmatrix), wgs=wgs, batch=batch,
+             e4m3=E4m3Tiles(blocks.e4m3_stmatrix, blocks.e4m3_registers),
+             wgs=wgs, batch=batch,
              head=head, kv_head=kv_head, wg=wg, q_start=q_start,
              ranges=ranges, last_tile=last_tile, steps=steps,
              rows=pl.ds(q_start, bq), **statics)
@@ -932,12 +942,12 @@ def _dq_step(cta: _Dq, j, carry, dq_accs, lse, delta, q_ids, width):
   if fp8:  # carry: dQ and the running row maxima of |dS|.
     dq, m = carry
     fp8_smem = cta.scratch["fp8"]
-    ds_smem = fp8_smem["ds"].at[cta.wg]
-    m, alpha = _quantize_ds(
+    ds_smem = None if cta.e4m3.registers else fp8_smem["ds"].at[cta.wg]
+    ds8, m, alpha = _quantize_ds(
         pd * (dp * extras.scales[cta.batch, cta.kv_head, 1]
               - lax.broadcast_in_dim(delta, shape, [0])), m, ds_smem,
         cta.e4m3)
-    dq = _fp8_product(dq, alpha, ds_smem, fp8_smem["kt"].at[ring].T)
+    dq = _fp8_product(dq, alpha, ds8, fp8_smem["kt"].at[ring].T)
     plgpu.barrier_arrive(k_free.at[ring])
     return dq, m
   dp = dropped(dp, cta.scores, extras.seed, cta.batch, cta.head,
@@ -1153,8 +1163,10 @@ def _dq_call(launch: _Launch, inputs, kt8, fp8_scales):
     width = launch.layout.width
     scratch["fp8"] = dict(
         kt=launch.fp8_tiles((stages, width, kv_tile), kv_tile),
-        ds=launch.fp8_tiles((wgs, dq_rows, kv_tile), kv_tile),
         out=launch.staging((wgs, dq_rows, width)))
+    if not blocks.e4m3_registers:  # Each warpgroup's dS.
+      scratch["fp8"]["ds"] = launch.fp8_tiles((wgs, dq_rows, kv_tile),
+                                              kv_tile)
   q = inputs[0]
   return plgpu.kernel(
       launch.body(_dq_kernel, extras),
@@ -1230,14 +1242,16 @@ def _dkv_call(launch: _Launch, inputs, qt8, dot8, fp8_scales):
   if launch.split or exchange or fp8:
     scratch["done"] = plgpu.Barrier(num_arrivals=COMPUTE_WGS)
   if fp8:  # The Q^T and dO^T ring, whose memory dK's and dV's staging takes
-    # after the loop; each warpgroup's P^T and dS^T.
+    # after the loop; each warpgroup's P^T and dS^T (unless in registers).
     scratch["fp8"] = dict(
         ring=plgpu.RefUnion(
             (launch.fp8_tiles((stages, width, bq_dkv), bq_dkv),
              launch.fp8_tiles((stages, width, bq_dkv), bq_dkv)),
-            launch.staging((2, copies, dkv_rows, width))),
-        p=launch.fp8_tiles((COMPUTE_WGS, dkv_rows, bq_dkv), bq_dkv),
-        ds=launch.fp8_tiles((COMPUTE_WGS, dkv_rows, bq_dkv), bq_dkv))
+            launch.staging((2, copies, dkv_rows, width))))
+    if not blocks.e4m3_registers:
+      scratch["fp8"].update(
+          p=launch.fp8_tiles((COMPUTE_WGS, dkv_rows, bq_dkv), bq_dkv),
+          ds=launch.fp8_tiles((COMPUTE_WGS, dkv_rows, bq_dkv), bq_dkv))
   if blocks.fused_dq:
     dq_width = fused_dq_columns(width)
     scratch["fused"] = dict(
@@ -1311,7 +1325,7 @@ def flash_backward(q, k, v, operands: Operands, delta, lse, do, *,
   if fp8:
     q, k, v, do, (qt8, dot8, kt8), fp8_scales = fp8_backward_operands(
         operands, do, scores.scale, tp, kv_cols, fp8_rounding,
-        E4m3Tiles(blocks.e4m3_stmatrix))
+        E4m3Tiles(blocks.e4m3_stmatrix, blocks.e4m3_registers))
   else:
     q, do = (pad_to(x.astype(q.dtype), 1, tma_rows(q_len, untiled))
              for x in (q, do))
