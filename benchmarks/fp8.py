@@ -12,8 +12,8 @@ and 256, the bf16 one on the rounded values at 64), "fp8_bwd16" (the
 same with the bf16 backward on the rounded values,
 `MosaicBlockSizes(fp8_backward=False)`), "fp8_stmatrix" (the fp8 call with
 its e4m3 tiles stored by `stmatrix`, `MosaicBlockSizes.e4m3_stmatrix`),
-"fp8_registers" (the forward's P handed to wgmma from registers,
-`MosaicBlockSizes.e4m3_registers`),
+"fp8_registers" (the e4m3 tiles handed to wgmma from registers,
+`MosaicBlockSizes.e4m3_registers` and `e4m3_registers_bwd`),
 "fp8_e4m3" (forward only: float8
 inputs quantized beforehand, with descale), "cudnn" (jax.nn, bf16) and, forward only, "cudnn_fp8" (cuDNN's
 FP8 attention through jax's private `fused_attention_stablehlo` API, the
@@ -172,9 +172,10 @@ def speed(head_dim, causal, seq_len, tokens, hidden, calls, repeats,
       "fp8_bwd16": fp8_backward(causal, on=False),
       # The e4m3 tiles stored by stmatrix (`MosaicBlockSizes.e4m3_stmatrix`).
       "fp8_stmatrix": fp8_variant(causal, e4m3_stmatrix=True),
-      # P handed to the forward's P V from registers
-      # (`MosaicBlockSizes.e4m3_registers`).
-      "fp8_registers": fp8_variant(causal, e4m3_registers=True),
+      # The e4m3 tiles handed to wgmma from registers
+      # (`MosaicBlockSizes.e4m3_registers`, `e4m3_registers_bwd`).
+      "fp8_registers": fp8_variant(causal, e4m3_registers=True,
+                                   e4m3_registers_bwd=True),
   }
   # Inputs the caller quantized (forward only): float8 with descale.
   descale, e4m3 = _float8_inputs(q, k, v)

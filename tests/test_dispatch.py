@@ -323,3 +323,26 @@ def test_fp8_stores_by_stmatrix_by_default_at_128(head_dim, on):
   assert not backend.config(own, problem, jnp.bfloat16, is_causal=True,
                             scores=scores,
                             mask=Mask(is_causal=True)).e4m3_stmatrix
+
+
+@pytest.mark.parametrize("head_dim, forward, backward", [
+    (64, False, False), (128, False, True), (256, True, True)])
+def test_fp8_hands_tiles_from_registers_by_default(head_dim, forward,
+                                                   backward):
+  """fp8=True's default tiles hand the forward's P to wgmma from
+  registers at head dim 256 and the FP8 backward's tiles at 128 and 256
+  (`config.FP8_REGISTERS_DEFAULT_HEAD_DIMS`, `..._BWD_...`); a call's
+  own BlockSizes keep theirs."""
+  problem = Problem(batch=2, q_len=2048, kv_len=2048, num_heads=8,
+                    num_kv_heads=2, head_dim=head_dim, unbatched=False)
+  scores = Scores(scale=head_dim ** -0.5, fp8="amax")
+  backend = MosaicGpuBackend()
+  for causal in (False, True):
+    blocks = backend.config(None, problem, jnp.bfloat16, is_causal=causal,
+                            scores=scores, mask=Mask(is_causal=causal))
+    assert (blocks.e4m3_registers, blocks.e4m3_registers_bwd) == (
+        forward, backward)
+  own = backend.config(jax_flash.MosaicBlockSizes(block_kv=64), problem,
+                       jnp.bfloat16, is_causal=True, scores=scores,
+                       mask=Mask(is_causal=True))
+  assert not own.e4m3_registers and not own.e4m3_registers_bwd

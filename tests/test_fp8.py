@@ -520,8 +520,8 @@ def test_mosaic_fp8_stmatrix_stores_are_the_same_attention(shape, causal):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape, causal", _VARIANT_CASES)
 def test_mosaic_fp8_registers_operands_are_the_same_attention(shape, causal):
-  """`MosaicBlockSizes.e4m3_registers` (the e4m3 tiles handed to wgmma
-  from registers, the operands they meet permuted as `stmatrix` stores
+  """`MosaicBlockSizes.e4m3_registers` and `e4m3_registers_bwd` (the e4m3
+  tiles handed to wgmma from registers, the operands they meet permuted as `stmatrix` stores
   permute their columns): the values wgmma reads from shared memory with
   `e4m3_stmatrix`, so output and gradients (the FP8 backward) the same to
   float32's rounding, within the bounds of `_check_against_rounding`,
@@ -530,7 +530,8 @@ def test_mosaic_fp8_registers_operands_are_the_same_attention(shape, causal):
   block_kv = config.FP8_BLOCK_KV[shape[-1]][not causal]
   _check_variant(shape, causal, 1e-3, *(jax_flash.MosaicBlockSizes(
       overlap=True, fp8_backward=True, e4m3_stmatrix=not registers,
-      e4m3_registers=registers, block_kv=block_kv)
+      e4m3_registers=registers, e4m3_registers_bwd=registers,
+      block_kv=block_kv)
                                         for registers in (False, True)))
 
 

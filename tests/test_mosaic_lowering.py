@@ -788,16 +788,18 @@ def test_fp8_stmatrix_stores_lower(head_dim, causal):
     (64, False, True), (128, True, True), (128, False, False),
     (256, True, True)])
 def test_fp8_registers_operands_lower(head_dim, causal, overlap):
-  """`MosaicBlockSizes.e4m3_registers`: the FP8 kernels lower with their
-  e4m3 tiles handed to wgmma from registers (the forward's P, overlapped
-  and carried to the next step or not; the FP8 backward's P^T, dS^T and
-  dS), programs of their own, on the default's tiles."""
+  """`MosaicBlockSizes.e4m3_registers` and `e4m3_registers_bwd`: the FP8
+  kernels lower with their e4m3 tiles handed to wgmma from registers (the
+  forward's P, overlapped and carried to the next step or not; the FP8
+  backward's P^T, dS^T and dS), programs of their own, on the default's
+  tiles."""
   shape = (2, 256, 520, 8, 2, head_dim)
   blocks = functools.partial(
       jax_flash.MosaicBlockSizes, overlap=overlap, fp8_backward=True,
       block_kv=config.FP8_BLOCK_KV[head_dim][not causal])
   on = lower_grad("mosaic", shape, is_causal=causal, fp8=True,
-                  block_sizes=blocks(e4m3_registers=True))
+                  block_sizes=blocks(e4m3_registers=True,
+                                     e4m3_registers_bwd=True))
   off = lower_grad("mosaic", shape, is_causal=causal, fp8=True,
                    block_sizes=blocks(e4m3_stmatrix=True))
   assert all(name in on for name in MOSAIC_BACKWARD)

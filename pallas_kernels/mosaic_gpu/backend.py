@@ -217,6 +217,11 @@ class MosaicGpuBackend:
         blocks = dataclasses.replace(blocks, fp8_backward=True)
       if head_dim in config.FP8_STMATRIX_DEFAULT_HEAD_DIMS:
         blocks = dataclasses.replace(blocks, e4m3_stmatrix=True)
+      blocks = dataclasses.replace(
+          blocks,
+          e4m3_registers=head_dim in config.FP8_REGISTERS_DEFAULT_HEAD_DIMS,
+          e4m3_registers_bwd=(head_dim in
+                              config.FP8_REGISTERS_BWD_DEFAULT_HEAD_DIMS))
     blocks.check_overlap(fp8)
     if fp8 and blocks.block_kv % 64:
       raise ValueError(f"block_sizes.block_kv must be a multiple of 64 with "

@@ -24,6 +24,12 @@ FP8_BACKWARD_DEFAULT_HEAD_DIMS = (128, 256)
 # (`BlockSizes.e4m3_stmatrix`: faster there, not at 256; benchmarks/NOTES.md,
 # "Mosaic GPU FP8").
 FP8_STMATRIX_DEFAULT_HEAD_DIMS = (128,)
+# Head dims where fp8=True hands its e4m3 tiles to wgmma from registers by
+# default: the forward's P (`BlockSizes.e4m3_registers`) and the FP8
+# backward's P^T, dS^T and dS (`e4m3_registers_bwd`), where each was
+# faster (benchmarks/NOTES.md, "Mosaic GPU FP8").
+FP8_REGISTERS_DEFAULT_HEAD_DIMS = (256,)
+FP8_REGISTERS_BWD_DEFAULT_HEAD_DIMS = (128, 256)
 # Head dims a call may have (of query/key and of value): up to wgmma's
 # N <= 256. The kernels run at `kernel_head_dim`: a multiple of 16 (bf16
 # rows of 32 bytes, the narrowest swizzle TMA and wgmma take), at least 32.
@@ -172,10 +178,11 @@ class BlockSizes:
     e4m3_stmatrix (the FP8 kernels): their e4m3 tiles (P, P^T, dS, dS^T)
       stored by `stmatrix`, their columns permuted and the operand each
       meets permuted alike (`tiles.E4m3Tiles`), instead of 16-bit stores.
-    e4m3_registers (the FP8 kernels): their e4m3 tiles (P, P^T, dS^T,
-      dS) handed to wgmma from registers, regrouped into the 8-bit wgmma
-      layout (the operand each meets permuted as for `e4m3_stmatrix`),
-      with no store to shared memory, no fence and no buffer.
+    e4m3_registers (the FP8 forward) and e4m3_registers_bwd (the FP8
+      backward): their e4m3 tiles (P; P^T, dS^T and dS) handed to wgmma
+      from registers, regrouped into the 8-bit wgmma layout (the operand
+      each meets permuted as for `e4m3_stmatrix`), with no store to
+      shared memory, no fence and no buffer.
     dkv_head_splits (not with fp8_backward or fused_dq): the dK/dV
       kernel's CTAs a KV head, each taking a share of the group's query
       heads (shares of ceil(G / splits)) and writing its partial dK and dV,
@@ -201,6 +208,7 @@ class BlockSizes:
   overlap: bool = False
   e4m3_stmatrix: bool = False
   e4m3_registers: bool = False
+  e4m3_registers_bwd: bool = False
   dkv_head_splits: int | None = None
 
   def __post_init__(self):
@@ -221,7 +229,7 @@ class BlockSizes:
                       "a multiple of 8 in [24, 128]")
     for name in ("named_barriers", "dv_before_ds", "fused_dq", "persistent",
                  "fp8_backward", "overlap", "e4m3_stmatrix",
-                 "e4m3_registers"):
+                 "e4m3_registers", "e4m3_registers_bwd"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"block_sizes.{name}={getattr(self, name)!r} must "
                          f"be a bool")
@@ -276,7 +284,8 @@ class BlockSizes:
     scratch = 2048 if self.reduction_scratch() else 0
     p = 0 if self.e4m3_registers else aligned(2 * self.block_q *
                                               self.block_kv)
-    staging = aligned(buffers * 2 * self.block_q * head_dim * 2) + p if fp8 else 0
+    staging = (aligned(buffers * 2 * self.block_q * head_dim * 2) + p
+               if fp8 else 0)
     return (q + kv + staging + aligned(buffers * 2 * self.block_q * 4) +
             scratch + 1024)
 

@@ -332,7 +332,7 @@ def _dkv_cta(refs, extras: Extras, scratch, head_splits: int = 1,
     first_head = first_head + offset
   return _Dkv(refs=refs, extras=extras, scratch=scratch, views=views,
               part_columns=part_columns,
-              e4m3=E4m3Tiles(blocks.e4m3_stmatrix, blocks.e4m3_registers),
+              e4m3=E4m3Tiles(blocks.e4m3_stmatrix, blocks.e4m3_registers_bwd),
               split=split,
               batch=batch, kv_head=kv_head, out_head=out_head, wg=wg,
               kv_start=kv_start, ranges=ranges, last_tile=last_tile,
@@ -852,7 +852,7 @@ def _dq_cta(refs, extras: Extras, scratch, **statics) -> _Dq:
   steps = jnp.maximum(hi - lo, 1)  # A row that sees nothing: dQ = 0.
   return _Dq(refs=refs, extras=extras, scratch=scratch, views=views,
              part_columns=part_columns,
-             e4m3=E4m3Tiles(blocks.e4m3_stmatrix, blocks.e4m3_registers),
+             e4m3=E4m3Tiles(blocks.e4m3_stmatrix, blocks.e4m3_registers_bwd),
              wgs=wgs, batch=batch,
              head=head, kv_head=kv_head, wg=wg, q_start=q_start,
              ranges=ranges, last_tile=last_tile, steps=steps,
@@ -1164,7 +1164,7 @@ def _dq_call(launch: _Launch, inputs, kt8, fp8_scales):
     scratch["fp8"] = dict(
         kt=launch.fp8_tiles((stages, width, kv_tile), kv_tile),
         out=launch.staging((wgs, dq_rows, width)))
-    if not blocks.e4m3_registers:  # Each warpgroup's dS.
+    if not blocks.e4m3_registers_bwd:  # Each warpgroup's dS.
       scratch["fp8"]["ds"] = launch.fp8_tiles((wgs, dq_rows, kv_tile),
                                               kv_tile)
   q = inputs[0]
@@ -1248,7 +1248,7 @@ def _dkv_call(launch: _Launch, inputs, qt8, dot8, fp8_scales):
             (launch.fp8_tiles((stages, width, bq_dkv), bq_dkv),
              launch.fp8_tiles((stages, width, bq_dkv), bq_dkv)),
             launch.staging((2, copies, dkv_rows, width))))
-    if not blocks.e4m3_registers:
+    if not blocks.e4m3_registers_bwd:
       scratch["fp8"].update(
           p=launch.fp8_tiles((COMPUTE_WGS, dkv_rows, bq_dkv), bq_dkv),
           ds=launch.fp8_tiles((COMPUTE_WGS, dkv_rows, bq_dkv), bq_dkv))
@@ -1325,7 +1325,7 @@ def flash_backward(q, k, v, operands: Operands, delta, lse, do, *,
   if fp8:
     q, k, v, do, (qt8, dot8, kt8), fp8_scales = fp8_backward_operands(
         operands, do, scores.scale, tp, kv_cols, fp8_rounding,
-        E4m3Tiles(blocks.e4m3_stmatrix, blocks.e4m3_registers))
+        E4m3Tiles(blocks.e4m3_stmatrix, blocks.e4m3_registers_bwd))
   else:
     q, do = (pad_to(x.astype(q.dtype), 1, tma_rows(q_len, untiled))
              for x in (q, do))

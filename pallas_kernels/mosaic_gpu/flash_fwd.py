@@ -762,10 +762,10 @@ def _scratch(blocks: BlockSizes, layout: Columns, dtype, out_dtype,
   """The forward's shared memory and barriers: per column part Q's tiles
   (a buffer a warpgroup, two when persistent), the K/V ring (V^T's tiles
   with FP8), the logsumexp's rows, with FP8 O's bf16 staging and each
-  consumer's e4m3 P (unless it stays in registers); ready barriers (one arrival a column part's copy)
-  for K, V and Q, free barriers for K and V (one arrival a consumer),
-  and the consumers' schedule barrier (`_Schedule`, `_Turns`; none with
-  named barriers)."""
+  consumer's e4m3 P (unless it stays in registers); ready barriers (one
+  arrival a column part's copy) for K, V and Q, free barriers for K and V
+  (one arrival a consumer), and the consumers' schedule barrier
+  (`_Schedule`, `_Turns`; none with named barriers)."""
   widths = [w for _, w in layout.parts]
   stages, q_buffers = blocks.num_stages, blocks.q_buffers(layout.width)
   untiled = layout.untiled

@@ -280,8 +280,8 @@ def _as_8bit_layout(x):
 @dataclasses.dataclass(frozen=True)
 class E4m3Tiles:
   """How the FP8 kernels' e4m3 tiles (P, P^T, dS, dS^T) leave the wgmma
-  accumulator's layout for the matmul that reads them
-  (`BlockSizes.e4m3_stmatrix`, `BlockSizes.e4m3_registers`): stored to
+  accumulator's layout for the matmul that reads them (`BlockSizes`'
+  e4m3_stmatrix, e4m3_registers and e4m3_registers_bwd): stored to
   shared memory as they are (Mosaic GPU's own store writes 8-bit values
   by 16-bit stores), or with `stmatrix`: each thread's registers
   regrouped into Mosaic GPU's 8-bit wgmma layout (`_as_8bit_layout`),
