@@ -167,11 +167,13 @@ def _ring_of(cfg: Config, q, k, v, seq, size: int) -> ring.Ring:
   cfg = dataclasses.replace(
       cfg, scores=dataclasses.replace(cfg.scores, sinks=False))
   part = _refit(cfg, pair, q.dtype, False)
-  band = None if window is None else _refit(cfg, pair, q.dtype, True)
+  alibi = cfg.scores.alibi  # FULL pairs at offsets (`ring.Ring.alibi`).
+  band = (None if window is None and not alibi else
+          _refit(cfg, pair, q.dtype, True))
   return ring.Ring(axis=seq, size=size, causal=right == 0,
                     scores=cfg.scores, plan=part.plan, configs=part.configs,
                     window=window, band_plan=band and band.plan,
-                    band_configs=band and band.configs)
+                    band_configs=band and band.configs, alibi=alibi)
 
 
 def _ring_forward(q, k, v, operands: Operands, seq, size, cfg: Config):
@@ -182,7 +184,7 @@ def _ring_forward(q, k, v, operands: Operands, seq, size, cfg: Config):
                                  (q,), (k, v))
   return ring.forward(q, k, v, operands.q_ids, operands.kv_ids,
                       operands.sinks, _ring_of(cfg, q, k, v, seq, size),
-                      operands.dropout_seed)
+                      operands.dropout_seed, operands.alibi_slopes)
 
 
 def _ring_backward(q, k, v, operands: Operands, delta, lse, do, dlse, seq,
@@ -195,7 +197,7 @@ def _ring_backward(q, k, v, operands: Operands, delta, lse, do, dlse, seq,
   dq, dk, dv = ring.backward(q, k, v, operands.q_ids, operands.kv_ids,
                              delta, lse, do,
                              _ring_of(cfg, q, k, v, seq, size),
-                             operands.dropout_seed)
+                             operands.dropout_seed, operands.alibi_slopes)
   d_operands = jax.tree.map(jnp.zeros_like, operands)
   if operands.sinks is not None:
     d_operands = dataclasses.replace(

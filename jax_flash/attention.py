@@ -268,8 +268,8 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None,
       over the last, a ring over the others) or "auto" (whichever of the
       others moves the fewest bytes among those that hold at most twice
       the least memory: docs/devices.md). A strategy
-      named that cannot run the call's arguments (ring with a mask, a
-      bias or ALiBi, ...) is a ValueError at trace time on several
+      named that cannot run the call's arguments (ring with a mask or a
+      bias, ...) is a ValueError at trace time on several
       devices; one that cannot run the inputs' sharding warns as the
       call compiles and the cheapest that can runs it.
     sequence_axis: inside `jax.shard_map`, the name of the mesh axis (or a

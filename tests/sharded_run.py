@@ -524,8 +524,8 @@ def operands_by_strategy():
   # all_gather with ids, ALiBi and sinks (2 KV heads) named (causal:
   # balanced halves); "auto" chooses all_to_all (each KV head sent as 2
   # copies over the sequence's 4 devices: it sends the least, the ids
-  # gathered whole). Ring with ids and sinks (no ALiBi: a
-  # ring's pairs have no offsets). all_gather with a bias sharded along the
+  # gathered whole). Ring with ids and sinks, and ALiBi (each pair at its
+  # queries' offset from its keys). all_gather with a bias sharded along the
   # queries (its rows cut with the queries, every key's column on each
   # device): not gathered, its gradient sharded so. all_gather with dropout.
   q, k, v, do = random_inputs(b, t, t, n, 2, h, jnp.float32, seed=6)
@@ -544,6 +544,11 @@ def operands_by_strategy():
       ("ring", lambda x: dict(is_causal=True, segment_ids=segments, sinks=x),
        sinks, None, "interpret"),
       ("ring", lambda x: dict(segment_ids=segments, sinks=x),
+       sinks, None, "xla"),
+      ("ring", lambda x: dict(is_causal=True, segment_ids=segments, sinks=x,
+                              alibi_slopes=alibi), sinks, None, "interpret"),
+      ("ring", lambda x: dict(sinks=x, alibi_slopes=alibi, dropout_rate=0.3,
+                              dropout_rng=jax.random.key(8)),
        sinks, None, "xla"),
       # Dropout on a ring: each pair's bits drawn at its rows and columns
       # in the whole sequence (balanced halves when causal; a window's
@@ -624,8 +629,7 @@ def operands_by_strategy():
   _all_gather_structured_mask(mesh, seq, bound)
   for strategy, options, why in (
       ("ring", dict(mask=dense), "ring runs no mask."),
-      ("ring", dict(bias=dense * 1.0), "ring runs no bias."),
-      ("ring", dict(alibi_slopes=alibi), "ring runs no alibi_slopes.")):
+      ("ring", dict(bias=dense * 1.0), "ring runs no bias.")):
     with failures.case(strategy, options, why):
       _assert_refused(
           lambda: jax.jit(lambda q: jax_flash.flash_attention(
@@ -830,8 +834,7 @@ def sequence_axis_strategies():
       else:  # K and V whole (the backward's too), no Q.
         assert [g for g in gathered if g.count(",") == 3] == [
             f"{b},{t},{kv_heads},{h}"] * 2, gathered
-  bad = {"ring runs no alibi_slopes.": (
-             "ring", dict(alibi_slopes=jnp.ones((n,)))),
+  bad = {"ring runs no fp8.": ("ring", dict(fp8=True)),
          "key_value_seq_lengths with sequence_axis": (
              "all_gather", dict(key_value_seq_lengths=jnp.array([9, 64]))),
          "bias with sequence_axis": (
@@ -975,8 +978,7 @@ def _matrix_arguments(keys, t, n):
 
 # The cells of the matrix a strategy refuses, as the refusal names them.
 _MATRIX_REFUSED = {
-    "ring": {"mask": "ring runs no mask.", "bias": "ring runs no bias.",
-             "alibi_slopes": "ring runs no alibi_slopes."},
+    "ring": {"mask": "ring runs no mask.", "bias": "ring runs no bias."},
     "ring_all_to_all": {
         name: f"ring_all_to_all runs no {why}." for name, why in (
             ("segment_ids", "segment_ids or lengths"),
@@ -1053,8 +1055,9 @@ def _strategy_in(hlo: str, b: int, t: int, kv_heads: int, h: int) -> str:
   heads (the latter's ring permutes too), a ring permutes alone; "whole"
   where anything else of Q, K or V's shape is gathered."""
   kv = f"f32[{b},{t},{kv_heads},{h}]"
+  lines = [line for line in hlo.splitlines() if " all-gather(" in line]
   gathered = [g for g in (line.split("=")[1].split()[0].split("{")[0]
-                          for line in hlo.splitlines() if " all-gather(" in line)
+                          for line in lines)
               if re.fullmatch(rf"f32\[{b},{t},\d+,{h}\]", g)]
   if gathered:
     return "all_gather" if gathered == [kv] * 4 else "whole"

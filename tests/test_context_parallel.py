@@ -111,7 +111,8 @@ def test_auto_sends_the_least_within_memory(p, picked):
   sharded = Of(spec=P(None, "sp"))
   arrays = [Of(shape=(1, 1024, 6, 64), dtype=jnp.bfloat16,
                 sharding=sharded)] * 3
-  cfg = Of(context_parallel="auto", mask=Mask(is_causal=True))
+  cfg = Of(context_parallel="auto", mask=Mask(is_causal=True),
+           scores=Scores(scale=0.125))
   split = plan.plan(Of(shape={"sp": p}), arrays, cfg, lambda *_: None, {})
   assert (split.seq, split.strategy) == ("sp", picked)
   local = dict(p=p, q_rows=1024 // p, kv_rows=1024 // p, heads=6,
@@ -127,7 +128,7 @@ def test_auto_sends_the_least_within_memory(p, picked):
     ("ring", dict(dense_mask=1, tile_kinds=1), Mask(), (64, 64),
      "ring runs no mask."),
     ("ring", dict(bias=1, alibi_slopes=1), Mask(is_causal=True), (64, 64),
-     "ring runs no alibi_slopes, bias."),
+     "ring runs no bias."),
     ("ring", {}, Mask(window_left=8, window_right=8), (64, 64),
      "ring runs causal or full masks and causal sliding windows"),
     ("ring", {}, Mask(is_causal=True), (64, 32), "ring runs self-attention"),

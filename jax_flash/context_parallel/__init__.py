@@ -30,8 +30,8 @@ times the least, `plan.held`):
 * ring (it moves as much as all_gather, and spares memory: "auto" picks
   it where all_gather would hold too much):
   self-attention with causal or full masks or causal sliding windows
-  (segment ids, lengths and sinks too); K/V chunks travel around the
-  devices while each runs its pairs (`ring`; `jax_flash.ring_attention`
+  (segment ids, lengths, sinks, dropout and ALiBi too); K/V chunks
+  travel around the devices while each runs its pairs (`ring`; `jax_flash.ring_attention`
   runs it inside a shard_map), causal calls in the balanced layout,
   windowed ones in order, stopping after the chunks the window reaches.
 

@@ -171,7 +171,8 @@ def plan(mesh, arg_shapes, cfg, refit_why, refused,
                                num_heads=local["heads"] // a,
                                num_kv_heads=local["kv_heads"] * copies // a)
     return (refit_why(cfg, pair, q.dtype, False)
-            or (windowed and refit_why(cfg, pair, q.dtype, True)) or None)
+            or ((windowed or cfg.scores.alibi)
+                and refit_why(cfg, pair, q.dtype, True)) or None)
 
   axes = axis_names(seq)
   local["inner"] = mesh.shape[axes[-1]] if len(axes) > 1 else 1
@@ -233,7 +234,8 @@ def plan(mesh, arg_shapes, cfg, refit_why, refused,
 # and its tile kinds taken again from a chunk's rows (`_at_offsets`; a
 # flex block mask's kinds, which cover the whole call's grid, are refused:
 # `refused_by`). ring: key ids travel with the keys, sinks join the merge,
-# dropout draws each pair's bits at its place (`ring._pair_seed`). FP8's
+# dropout draws each pair's bits at its place, ALiBi runs each pair at its
+# queries' offset from its keys (`ring._pair_extras`). FP8's
 # e4m3 arrays and scales (`_FP8`) move as q, k, v and the per-head arrays
 # do in all_to_all and all_gather; a ring's pairs would not get them.
 _FP8 = ("fp8_q", "fp8_k", "fp8_v", "fp8_scales")
@@ -246,7 +248,8 @@ STRATEGY_OPERANDS = {
     "all_gather": frozenset(("q_ids", "kv_ids", "alibi_slopes", "sinks",
                              "bias", "dense_mask", "tile_kinds",
                              "dropout_seed", "q_offsets") + _FP8),
-    "ring": frozenset(("q_ids", "kv_ids", "sinks", "dropout_seed")),
+    "ring": frozenset(("q_ids", "kv_ids", "sinks", "dropout_seed",
+                       "alibi_slopes")),
     "ring_all_to_all": frozenset(),
 }
 

@@ -48,10 +48,18 @@ class Ring:
   window: int | None = None
   band_plan: Plan | None = None
   band_configs: Configs | None = None
+  # ALiBi: every FULL pair's queries at their offset from its keys (the
+  # band plan's), so that |i - j| is the distance in the whole sequence.
+  alibi: bool = False
 
   @property
   def zigzag(self) -> bool:
     return self.causal and self.window is None
+
+  @property
+  def offsets(self) -> bool:
+    """Whether FULL pairs run with query offsets (`_place`)."""
+    return self.window is not None or self.alibi
 
 
 def _steps(ring: Ring, chunk: int) -> int:
@@ -66,11 +74,12 @@ def _masks(ids, ring: Ring):
   """The masks of a pair's kinds FULL and CAUSAL (with segment ids if
   given: the ring takes no lengths, so no id marks padding); with a
   window, FULL is a key chunk before the queries' (at query offsets) and
-  CAUSAL the queries' own."""
+  CAUSAL the queries' own; with ALiBi, FULL pairs are at query offsets."""
   has_ids = ids[0] is not None
   kw = dict(has_ids=has_ids, segments_only=has_ids)
   if ring.window is None:
-    return Mask(**kw), Mask(is_causal=True, **kw)
+    return (Mask(has_q_offsets=ring.alibi, **kw),
+            Mask(is_causal=True, **kw))
   return (Mask(is_causal=True, window_left=ring.window, has_q_offsets=True,
                **kw),
           Mask(is_causal=True, window_left=ring.window, **kw))
@@ -82,22 +91,31 @@ def _plan_of(ring: Ring, mask: Mask):
   return ring.plan, ring.configs
 
 
-def _pair_operands(mask: Mask, ids, offsets, seed) -> Operands:
-  """A pair's operands: its ids, the query offsets of a windowed ring's
-  FULL pair, and dropout's seed at the pair's place (`_pair_seed`)."""
+@dataclasses.dataclass(frozen=True)
+class _Extras:
+  """A pair's arrays besides q, k, v and ids: the queries' offsets from
+  its keys (`_place`), dropout's seed at its place (`_pair_seed`) and
+  ALiBi's slopes."""
+  offsets: object
+  seed: object = None
+  slopes: object = None
+
+
+def _pair_operands(mask: Mask, ids, extras: _Extras) -> Operands:
+  """A pair's operands: its ids, the query offsets of a FULL pair with a
+  window or ALiBi, dropout's seed and ALiBi's slopes."""
   return Operands(q_ids=ids[0], kv_ids=ids[1],
-                  q_offsets=offsets if mask.has_q_offsets else None,
-                  dropout_seed=seed)
+                  q_offsets=extras.offsets if mask.has_q_offsets else None,
+                  dropout_seed=extras.seed, alibi_slopes=extras.slopes)
 
 
-def _pair_forward(kind, q, k, v, ids, offsets, seed, ring: Ring):
-  """(o, lse) of one (query chunk, key chunk) pair: full, causal or skipped
-  (`offsets`: the queries' positions past the keys' first, for a windowed
-  ring's FULL pairs; `seed`: dropout's, at the pair's rows and columns)."""
+def _pair_forward(kind, q, k, v, ids, extras: _Extras, ring: Ring):
+  """(o, lse) of one (query chunk, key chunk) pair: full, causal or
+  skipped."""
   def run(mask):
     plan, configs = _plan_of(ring, mask)
     return lambda q, k, v, ids: plan.forward.forward(
-        q, k, v, _pair_operands(mask, ids, offsets, seed), mask=mask,
+        q, k, v, _pair_operands(mask, ids, extras), mask=mask,
         scores=ring.scores, config=configs.forward)
 
   def skip(q, k, v, ids):
@@ -109,7 +127,7 @@ def _pair_forward(kind, q, k, v, ids, offsets, seed, ring: Ring):
   return lax.switch(kind, [run(full), run(causal), skip], q, k, v, ids)
 
 
-def _pair_backward(kind, q, k, v, ids, offsets, seed, delta, lse, do,
+def _pair_backward(kind, q, k, v, ids, extras: _Extras, delta, lse, do,
                    sums, ring: Ring):
   """The float32 sums (dq, dk, dv) with one pair's gradients added, from
   the merged lse, dO and D = rowsum(dO * O) - dlse of the merged O
@@ -121,7 +139,7 @@ def _pair_backward(kind, q, k, v, ids, offsets, seed, delta, lse, do,
 
     def f(q, k, v, ids, delta, lse, do, sums):
       grads = plan.backward.backward(
-          q, k, v, _pair_operands(mask, ids, offsets, seed), delta, lse, do,
+          q, k, v, _pair_operands(mask, ids, extras), delta, lse, do,
           None, mask=mask, scores=ring.scores, config=configs.backward)[:3]
       return tuple(s + g.astype(jnp.float32) for s, g in zip(sums, grads))
     return f
@@ -132,12 +150,6 @@ def _pair_backward(kind, q, k, v, ids, offsets, seed, delta, lse, do,
   full, causal = _masks(ids, ring)
   return lax.switch(kind, [run(full), run(causal), skip], q, k, v, ids,
                     delta, lse, do, sums)
-
-
-def _offsets(q, step):
-  """A windowed ring's query offsets at `step`: its keys are `step` chunks
-  before the queries."""
-  return jnp.full((q.shape[0],), step * q.shape[1], jnp.int32)
 
 
 def _pairs(ring: Ring, step):
@@ -164,26 +176,33 @@ def _pairs(ring: Ring, step):
   # (Half 0 never sees key half 1: chunk 2P-1-s comes after chunk d.)
 
 
-def _pair_seed(seed, ring: Ring, step, qh, kh, rows: int):
-  """Dropout's seed for this device's pair (query half qh, key half kh)
-  at `step`: offset to the pair's first row and column in the whole
-  sequence (chunk d of the queries, d - step of the keys; in the zigzag
-  layout halves 0 and 1 are chunks d and 2P-1-d of 2P), so its bits are
-  the unsharded call's. With a window the rows' offset is the keys'
-  chunk's: its kernels count a pair's rows from there, adding the
-  queries' offsets themselves (`_offsets`). `rows`: a device's rows (both
-  halves). None without dropout."""
-  if seed is None:
-    return None
+def _place(ring: Ring, step, qh, kh, rows: int):
+  """(first query, first key) of this device's pair (query half qh, key
+  half kh) at `step` in the whole sequence: chunk d of the queries and d
+  - step of the keys, or in the zigzag layout halves 0 and 1 of chunks d
+  and 2P-1-d of 2P. `rows`: a device's rows (both halves)."""
   d = lax.axis_index(ring.axis)
   s = lax.rem(d - step + ring.size, ring.size)
   if qh is None:
-    first_row = s if ring.window is not None else d
-    return dropout.at_positions(seed, first_row * rows, s * rows)
+    return d * rows, s * rows
   half = rows // 2
   chunk = lambda c, h: c if h == 0 else 2 * ring.size - 1 - c
-  return dropout.at_positions(seed, chunk(d, qh) * half,
-                              chunk(s, kh) * half)
+  return chunk(d, qh) * half, chunk(s, kh) * half
+
+
+def _pair_extras(ring: Ring, step, qh, kh, q, seed, slopes) -> _Extras:
+  """The `_Extras` of this device's pair at `step`: the queries' offset
+  from its keys (FULL pairs take it with `Ring.offsets`; a CAUSAL pair's
+  is 0), and dropout's seed (None without dropout) at the pair's first
+  row and column in the whole sequence, so its bits are the unsharded
+  call's; with offsets the kernels count a pair's rows from its keys'
+  first and add the offsets themselves."""
+  first_q, first_k = _place(ring, step, qh, kh, q.shape[1])
+  offsets = jnp.full((q.shape[0],), first_q - first_k, jnp.int32)
+  if seed is not None:
+    seed = dropout.at_positions(seed, first_k if ring.offsets else first_q,
+                                first_k)
+  return _Extras(offsets=offsets, seed=seed, slopes=slopes)
 
 
 def _half(x, half):
@@ -222,11 +241,13 @@ def _ids_half(q_ids, kv_ids, qh, kh):
   return _half(q_ids, qh), _half(kv_ids, kh)
 
 
-def forward(q, k, v, q_ids, kv_ids, sinks, ring: Ring, seed=None):
+def forward(q, k, v, q_ids, kv_ids, sinks, ring: Ring, seed=None,
+            slopes=None):
   """(out, lse) of this device's query chunk: the P steps in a loop (one
   step's buffers live at a time), each pair's partial merged into the
   running (o, lse) of its query half by their logsumexps. `seed`:
-  dropout's (int32 [4]), drawn at each pair's place in the sequence."""
+  dropout's (int32 [4]), drawn at each pair's place in the sequence;
+  `slopes`: ALiBi's (with `Ring.alibi`)."""
   halves = _halves(ring)
   b, _, n, _ = q.shape
   rows = q.shape[1] // len(halves)
@@ -237,8 +258,8 @@ def forward(q, k, v, q_ids, kv_ids, sinks, ring: Ring, seed=None):
     for qh, kh, kind in _pairs(ring, step):
       o, part_lse = _pair_forward(
           kind, _half(q, qh), k[halves.index(kh)], v[halves.index(kh)],
-          _ids_half(q_ids, kv_ids, qh, kh), _offsets(q, step),
-          _pair_seed(seed, ring, step, qh, kh, q.shape[1]), ring)
+          _ids_half(q_ids, kv_ids, qh, kh),
+          _pair_extras(ring, step, qh, kh, q, seed, slopes), ring)
       # The running output in the query's layout [B, T, N, H], its lse
       # [B, T, N]: a pair's lse moves, not its output.
       acc[qh] = softmax.merge_two(*acc[qh], o, part_lse.transpose(0, 2, 1))
@@ -270,7 +291,7 @@ def forward(q, k, v, q_ids, kv_ids, sinks, ring: Ring, seed=None):
 
 
 def backward(q, k, v, q_ids, kv_ids, delta, lse, do, ring: Ring,
-                   seed=None):
+             seed=None, slopes=None):
   """(dq, dk, dv) of this device's chunks from its lse, dO and D =
   rowsum(dO * O) - dlse (`delta`): the pairs' gradients, float32
   dK/dV travelling with their keys as halves (`_parts`; after P moves
@@ -291,7 +312,7 @@ def backward(q, k, v, q_ids, kv_ids, delta, lse, do, ring: Ring,
       a, b = halves.index(qh), halves.index(kh)
       dq[a], dk[b], dv[b] = _pair_backward(
           kind, _half(q, qh), k[b], v[b], _ids_half(q_ids, kv_ids, qh, kh),
-          _offsets(q, i), _pair_seed(seed, ring, i, qh, kh, q.shape[1]),
+          _pair_extras(ring, i, qh, kh, q, seed, slopes),
           lse_half(delta, qh), lse_half(lse, qh), _half(do, qh),
           (dq[a], dk[b], dv[b]), ring)
     if kv_ids is None:
