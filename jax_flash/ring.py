@@ -11,7 +11,7 @@ from jax_flash.core import checks
 
 def ring_attention(query, key, value, *, mesh, axis_name, is_causal=False,
                    segment_ids=None, scale=None, sinks=None,
-                   dropout_rate=0.0, dropout_rng=None,
+                   dropout_rate=0.0, dropout_rng=None, alibi_slopes=None,
                    implementation=None, block_sizes=None):
   """Self-attention with the sequence sharded over `axis_name` of `mesh`.
 
@@ -28,9 +28,10 @@ def ring_attention(query, key, value, *, mesh, axis_name, is_causal=False,
     is_causal: causal attention.
     segment_ids: int [B, T] (packed documents: a query sees only keys with
       its id); the key ids travel around the ring with the keys.
-    scale, sinks, dropout_rate, dropout_rng, implementation, block_sizes:
-      as in `flash_attention` (dropout: the keep bits of the unsharded
-      call; implementation: the backend each device runs on each pair of
+    scale, sinks, dropout_rate, dropout_rng, alibi_slopes, implementation,
+      block_sizes: as in `flash_attention` (dropout: the keep bits of the
+      unsharded call; ALiBi: distances in the whole sequence;
+      implementation: the backend each device runs on each pair of
       chunks).
   Returns [B, T, N, H], sequence-sharded over `axis_name`; differentiable
   with respect to query, key, value and sinks (the backward rings too).
@@ -47,14 +48,16 @@ def ring_attention(query, key, value, *, mesh, axis_name, is_causal=False,
                      f"{', twice that when causal' if is_causal else ''})")
   spec = P(None, axis_name)
 
-  def attend(q, k, v, ids, sinks, rng):
+  def attend(q, k, v, ids, sinks, rng, slopes):
     return flash_attention(
         q, k, v, is_causal=is_causal, segment_ids=ids, scale=scale,
         sinks=sinks, dropout_rate=dropout_rate, dropout_rng=rng,
-        implementation=implementation, block_sizes=block_sizes,
-        context_parallel="ring", sequence_axis=axis_name)
+        alibi_slopes=slopes, implementation=implementation,
+        block_sizes=block_sizes, context_parallel="ring",
+        sequence_axis=axis_name)
   return jax.shard_map(
       attend, mesh=mesh,
       in_specs=(spec, spec, spec, None if segment_ids is None else spec,
-                P(), P()),
-      out_specs=spec)(query, key, value, segment_ids, sinks, dropout_rng)
+                P(), P(), P()),
+      out_specs=spec)(query, key, value, segment_ids, sinks, dropout_rng,
+                      alibi_slopes)

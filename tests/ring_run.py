@@ -12,7 +12,8 @@ from jax_flash.testing import assert_attention_close, relative_error  # noqa: E4
 
 
 def main(causal, num_kv_heads, devices, segments=False,
-         implementation="interpret", sinks=False, dropout=False):
+         implementation="interpret", sinks=False, dropout=False,
+         alibi=False):
   mesh = jax.make_mesh((devices,), ("seq",),
                        axis_types=(jax.sharding.AxisType.Auto,),
                        devices=jax.devices()[:devices])
@@ -37,6 +38,8 @@ def main(causal, num_kv_heads, devices, segments=False,
     ids = jnp.sort(jax.random.randint(keys[3], (b, t), 0, 5), axis=1)
   drop = (dict(dropout_rate=0.25, dropout_rng=jax.random.key(7)) if dropout
           else {})
+  if alibi:  # Per batch and head.
+    drop["alibi_slopes"] = jnp.linspace(0.02, 0.4, b * n).reshape(b, n)
   ring = lambda q, k, v, s: jax_flash.ring_attention(
       q, k, v, mesh=mesh, axis_name="seq", is_causal=causal, segment_ids=ids,
       sinks=s, implementation=implementation, **drop)
@@ -48,7 +51,7 @@ def main(causal, num_kv_heads, devices, segments=False,
       relative_error(a, r) for a, r in zip(grads, ref_grads)]
   print(f"causal={causal} kv_heads={num_kv_heads} devices={devices} "
         f"segments={segments} implementation={implementation} "
-        f"sinks={sinks} dropout={dropout} "
+        f"sinks={sinks} dropout={dropout} alibi={alibi} "
         f"errors={errors}")
   assert_attention_close({"out": out, "grads": grads},
                          {"out": ref_out, "grads": ref_grads})
@@ -58,4 +61,5 @@ if __name__ == "__main__":
   main(sys.argv[1] == "causal", int(sys.argv[2]), int(sys.argv[3]),
        sys.argv[4] == "segments", sys.argv[5],
        len(sys.argv) > 6 and "sinks" in sys.argv[6],
-       len(sys.argv) > 6 and "dropout" in sys.argv[6])
+       len(sys.argv) > 6 and "dropout" in sys.argv[6],
+       len(sys.argv) > 6 and "alibi" in sys.argv[6])

@@ -1,8 +1,8 @@
 """ring_attention on simulated host devices: results and gradients equal the
 single-device reference, causal (zigzag) and not, MHA/GQA/MQA, segments, with
 the interpreted kernels and with the "xla" backend on each pair, with sinks
-(their gradient summed over the devices) and dropout (the reference's keep
-bits)."""
+(their gradient summed over the devices), dropout (the reference's keep
+bits) and ALiBi."""
 import os
 import subprocess
 import sys
@@ -23,7 +23,9 @@ HERE = os.path.dirname(__file__)
     ("causal", 2, 4, "", "xla", "sinks"),
     ("plain", 4, 2, "segments", "xla", "sinks"),
     ("causal", 2, 4, "", "xla", "dropout"),
-    ("causal", 1, 2, "segments", "interpret", "sinks+dropout")])
+    ("causal", 1, 2, "segments", "interpret", "sinks+dropout"),
+    ("causal", 2, 4, "", "interpret", "alibi"),
+    ("plain", 2, 4, "segments", "xla", "alibi+dropout")])
 def test_ring_attention_matches_single_device(causal, kv_heads, devices,
                                               segments, impl, sinks):
   env = dict(os.environ, JAX_PLATFORMS="cpu",
