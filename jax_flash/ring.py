@@ -28,11 +28,11 @@ def ring_attention(query, key, value, *, mesh, axis_name, is_causal=False,
     is_causal: causal attention.
     segment_ids: int [B, T] (packed documents: a query sees only keys with
       its id); the key ids travel around the ring with the keys.
-    scale, sinks, dropout_rate, dropout_rng, alibi_slopes, implementation,
-      block_sizes: as in `flash_attention` (dropout: the keep bits of the
-      unsharded call; ALiBi: distances in the whole sequence;
-      implementation: the backend each device runs on each pair of
-      chunks).
+    scale, sinks, dropout_rate, dropout_rng, alibi_slopes: as in
+      `flash_attention` (dropout: the keep bits of the unsharded call;
+      ALiBi: distances in the whole sequence).
+    implementation, block_sizes: as in `flash_attention` (the backend each
+      device runs on each pair of chunks).
   Returns [B, T, N, H], sequence-sharded over `axis_name`; differentiable
   with respect to query, key, value and sinks (the backward rings too).
   """
