@@ -94,7 +94,7 @@ def _plan_of(ring: Ring, mask: Mask):
 @dataclasses.dataclass(frozen=True)
 class _Extras:
   """A pair's arrays besides q, k, v and ids: the queries' offsets from
-  its keys (`_place`), dropout's seed at its place (`_pair_seed`) and
+  its keys (`_place`), dropout's seed at its place (`_pair_extras`) and
   ALiBi's slopes."""
   offsets: object
   seed: object = None
