@@ -1,10 +1,14 @@
 """Where a first call's time goes: tracing, lowering, XLA's compile, the first run.
 
     PYTHONPATH=. python benchmarks/compile_time.py [--impls ours cudnn] \
-        [--shapes 4x8192x32x8x128 ...] [--modes fwd fwd+bwd] [--cache]
+        [--shapes 4x8192x32x8x128 ...] [--modes fwd fwd+bwd] [--cache] \
+        [--warm 2x1024x16x4x128]
 
-Each measurement runs in a fresh process (nothing cached in memory), on
-bf16 inputs of shape batch x seq x heads x kv_heads x head_dim, causal:
+Each measurement runs in a fresh process (nothing cached in memory, and a
+kernel cache folder of its own, empty), on bf16 inputs of shape batch x
+seq x heads x kv_heads x head_dim, causal; with `--warm SHAPE`, a process
+that has already run SHAPE's forward+backward (a new shape's first call in
+a process whose kernels of another shape are compiled):
 
 * `first_call_s`: the wall time of `jax.jit(f)(*args)` to its result, what
   a user's first call costs;
@@ -32,24 +36,45 @@ import tempfile
 import time
 
 
-def _child(impl, shape, mode, staged):
+def _attention(impl):
   import jax
-  import jax.numpy as jnp
 
   import jax_flash
+  if impl == "ours":
+    return lambda q, k, v: jax_flash.flash_attention(q, k, v, is_causal=True)
+  return lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, is_causal=True, implementation=impl)
+
+
+def _inputs(shape, dtype):
+  """Random q, k, v and a cotangent of `shape` (b x t x n x kv x h)."""
+  import jax
   batch, seq, heads, kv_heads, head_dim = shape
-  dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
   keys = jax.random.split(jax.random.key(0), 4)
   q = jax.random.normal(keys[0], (batch, seq, heads, head_dim), dtype)
   k = jax.random.normal(keys[1], (batch, seq, kv_heads, head_dim), dtype)
   v = jax.random.normal(keys[2], k.shape, dtype)
   do = jax.random.normal(keys[3], q.shape, dtype)
-  jax.block_until_ready((q, k, v, do))
-  if impl == "ours":
-    attn = lambda q, k, v: jax_flash.flash_attention(q, k, v, is_causal=True)
-  else:
-    attn = lambda q, k, v: jax.nn.dot_product_attention(
-        q, k, v, is_causal=True, implementation=impl)
+  return jax.block_until_ready((q, k, v, do))
+
+
+def _warm_up(attn, shape, dtype):
+  """Runs `attn`'s forward+backward at `shape` to its result."""
+  import jax
+  q, k, v, do = _inputs(shape, dtype)
+  jax.block_until_ready(jax.jit(
+      lambda q, k, v, do: jax.vjp(attn, q, k, v)[1](do))(q, k, v, do))
+
+
+def _child(impl, shape, mode, staged, warm=None):
+  import jax
+  import jax.numpy as jnp
+
+  dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+  q, k, v, do = _inputs(shape, dtype)
+  attn = _attention(impl)
+  if warm:
+    _warm_up(attn, warm, dtype)
   if mode == "fwd":
     f, args = attn, (q, k, v)
   else:
@@ -80,11 +105,18 @@ def _child(impl, shape, mode, staged):
   return row
 
 
-def _spawn(impl, shape, mode, staged, env=None):
+def _spawn(impl, shape, mode, staged, env=None, warm=None):
+  """One measurement in a fresh process; without `env`, with an empty
+  kernel cache folder of its own (a new shape's first call)."""
   command = [sys.executable, __file__, "--child", impl, mode,
-             "x".join(map(str, shape)), "staged" if staged else "plain"]
+             "x".join(map(str, shape)), "staged" if staged else "plain",
+             "x".join(map(str, warm)) if warm else "-"]
+  if env is None:
+    with tempfile.TemporaryDirectory() as folder:
+      return _spawn(impl, shape, mode, staged,
+                    dict(os.environ, JAX_FLASH_CACHE_DIR=folder), warm)
   result = subprocess.run(command, capture_output=True, text=True,
-                          env=env or os.environ.copy(), timeout=900)
+                          env=env, timeout=900)
   if result.returncode:
     return {"error": result.stderr.strip().splitlines()[-1][:300]}
   return json.loads(result.stdout.strip().splitlines()[-1])
@@ -92,9 +124,10 @@ def _spawn(impl, shape, mode, staged, env=None):
 
 def main():
   if len(sys.argv) > 1 and sys.argv[1] == "--child":
-    impl, mode, shape, staged = sys.argv[2:6]
+    impl, mode, shape, staged, warm = sys.argv[2:7]
     shape = tuple(int(x) for x in shape.split("x"))
-    print(json.dumps(_child(impl, shape, mode, staged == "staged")))
+    warm = None if warm == "-" else tuple(int(x) for x in warm.split("x"))
+    print(json.dumps(_child(impl, shape, mode, staged == "staged", warm)))
     return
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--impls", nargs="+", default=["ours", "cudnn"],
@@ -105,20 +138,26 @@ def main():
                       help="batch x seq x heads x kv_heads x head_dim")
   parser.add_argument("--modes", nargs="+", default=["fwd+bwd"],
                       choices=["fwd", "fwd+bwd"])
+  parser.add_argument("--warm", default=None,
+                      help="a shape whose forward+backward each process "
+                      "runs first (its kernels compiled) before the one "
+                      "measured")
   parser.add_argument("--cache", action="store_true",
                       help="also measure a second process's first call "
                       "with the persistent compilation cache")
   args = parser.parse_args()
+  warm = tuple(int(x) for x in args.warm.split("x")) if args.warm else None
   for shape_text in args.shapes:
     shape = tuple(int(x) for x in shape_text.split("x"))
     for mode in args.modes:
       for impl in args.impls:
-        row = dict(impl=impl, mode=mode, shape=shape_text)
-        row.update(_spawn(impl, shape, mode, staged=False))
-        row.update(_spawn(impl, shape, mode, staged=True))
+        row = dict(impl=impl, mode=mode, shape=shape_text, warm=args.warm)
+        row.update(_spawn(impl, shape, mode, staged=False, warm=warm))
+        row.update(_spawn(impl, shape, mode, staged=True, warm=warm))
         if args.cache:
           with tempfile.TemporaryDirectory() as folder:
             env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=folder,
+                       JAX_FLASH_CACHE_DIR=os.path.join(folder, "kernels"),
                        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
             filled = _spawn(impl, shape, mode, staged=False, env=env)

@@ -18,6 +18,7 @@
 #   bash scripts/gpu_check.sh train     # train_lm at GPT-2-small size: flash, cuDNN, flax
 #   bash scripts/gpu_check.sh dispatch  # host time a call: jit vs compiled vs jax.nn
 #   bash scripts/gpu_check.sh compile   # first calls in stages, persistent cache (COMPILE_ARGS)
+#   bash scripts/gpu_check.sh compile_parts # a new shape in a warm process; ptxas's share
 #   bash scripts/gpu_check.sh train_step # a training step, ours vs cuDNN, profiled (TRAIN_ARGS)
 #   bash scripts/gpu_check.sh models    # shapes of public model configurations vs cuDNN and XLA
 #   bash scripts/gpu_check.sh profile   # the Mosaic forward's named regions at 2k (profiler;
@@ -165,6 +166,34 @@ for mode in "$@"; do
         ${COMPILE_ARGS:-} > "$OUT/compile.jsonl" 2> /tmp/compile.err \
         || tail -n 20 /tmp/compile.err
       cat "$OUT/compile.jsonl"
+      ;;
+    compile_parts)
+      # A new shape's first call in a warm process (another shape's
+      # kernels compiled before), ours and cuDNN's; then ptxas's share of
+      # the kernels' compile: each Mosaic module's PTX (MOSAIC_GPU_DUMP_TO)
+      # assembled again by the ptxas binary, timed.
+      timeout 200 python3 benchmarks/compile_time.py --warm 2x2048x16x4x128 \
+        --shapes 4x8192x32x8x128 2x8192x32x32x64 > "$OUT/compile_warm.jsonl" \
+        2> /tmp/compile_warm.err || tail -n 20 /tmp/compile_warm.err
+      cat "$OUT/compile_warm.jsonl"
+      rm -rf /tmp/ptx && mkdir -p /tmp/ptx
+      JAX_FLASH_CACHE_DIR=off MOSAIC_GPU_DUMP_TO=/tmp/ptx timeout 120 python3 -c "
+import time, jax, jax.numpy as jnp, jax_flash
+q = jnp.ones((4, 8192, 32, 128), jnp.bfloat16); k = jnp.ones((4, 8192, 8, 128), jnp.bfloat16)
+f = lambda q, k: jax_flash.flash_attention(q, k, k, is_causal=True).astype(jnp.float32).sum()
+lowered = jax.jit(jax.grad(f, argnums=(0, 1))).lower(q, k)
+start = time.perf_counter(); lowered.compile()
+print('compile_s (with the dumps)', round(time.perf_counter() - start, 3))" 2>&1 | tail -n 3
+      ptxas=$(find "$(python3 -c 'import site; print(site.getsitepackages()[0])')" \
+        /usr/local/cuda/bin -name ptxas -type f 2>/dev/null | head -n 1)
+      echo "ptxas: ${ptxas:-none}"
+      for ptx in /tmp/ptx/*.ptx; do
+        [ -n "$ptxas" ] || break
+        start=$EPOCHREALTIME
+        "$ptxas" -arch=sm_90a -O3 "$ptx" -o /tmp/ptx/out.cubin || echo "ptxas failed"
+        echo "$(basename "$ptx"): $(wc -c < "$ptx") bytes of PTX, ptxas" \
+          "$(awk "BEGIN {print $EPOCHREALTIME - $start}") s"
+      done | tee "$OUT/ptxas_times.txt"
       ;;
     train_step)
       # shellcheck disable=SC2086
