@@ -173,7 +173,8 @@ def _ring_of(cfg: Config, q, k, v, seq, size: int) -> ring.Ring:
   return ring.Ring(axis=seq, size=size, causal=right == 0,
                     scores=cfg.scores, plan=part.plan, configs=part.configs,
                     window=window, band_plan=band and band.plan,
-                    band_configs=band and band.configs, alibi=alibi)
+                    band_configs=band and band.configs, alibi=alibi,
+                    head_groups=ring.head_groups(k.shape[2]))
 
 
 def _ring_forward(q, k, v, operands: Operands, seq, size, cfg: Config):

@@ -2,7 +2,8 @@
 single-device reference, causal (zigzag) and not, MHA/GQA/MQA, segments, with
 the interpreted kernels and with the "xla" backend on each pair, with sinks
 (their gradient summed over the devices), dropout (the reference's keep
-bits) and ALiBi."""
+bits) and ALiBi; the backward a group of heads at a time where there are
+4 or more KV heads."""
 import os
 import subprocess
 import sys
@@ -25,7 +26,10 @@ HERE = os.path.dirname(__file__)
     ("causal", 2, 4, "", "xla", "dropout"),
     ("causal", 1, 2, "segments", "interpret", "sinks+dropout"),
     ("causal", 2, 4, "", "interpret", "alibi"),
-    ("plain", 2, 4, "segments", "xla", "alibi+dropout")])
+    ("plain", 2, 4, "segments", "xla", "alibi+dropout"),
+    # 4 KV heads: the backward in two groups of heads (`ring.head_groups`).
+    ("causal", 4, 4, "segments", "xla", "sinks+dropout+alibi"),
+    ("causal", 4, 2, "", "interpret", "dropout")])
 def test_ring_attention_matches_single_device(causal, kv_heads, devices,
                                               segments, impl, sinks):
   env = dict(os.environ, JAX_PLATFORMS="cpu",

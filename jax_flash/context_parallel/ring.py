@@ -51,6 +51,10 @@ class Ring:
   # ALiBi: every FULL pair's queries at their offset from its keys (the
   # band plan's), so that |i - j| is the distance in the whole sequence.
   alibi: bool = False
+  # The backward's heads in this many groups (whole KV heads with their
+  # query heads), one group's ring after another: a device holds one
+  # group's float32 sums and visiting keys at a time (`_in_head_groups`).
+  head_groups: int = 1
 
   @property
   def zigzag(self) -> bool:
@@ -60,6 +64,21 @@ class Ring:
   def offsets(self) -> bool:
     """Whether FULL pairs run with query offsets (`_place`)."""
     return self.window is not None or self.alibi
+
+
+# The backward's most head groups (`Ring.head_groups`), each of at least
+# two KV heads.
+MAX_HEAD_GROUPS = 4
+
+
+def head_groups(kv_heads: int) -> int:
+  """How many groups the ring's backward takes the heads in: the most, up
+  to MAX_HEAD_GROUPS, that divide the KV heads into groups of two or
+  more: a device holds the float32 sums and visiting keys of a quarter of
+  the heads at a time where there are 8 or more (their memory:
+  docs/devices.md)."""
+  return max(g for g in range(1, MAX_HEAD_GROUPS + 1)
+             if kv_heads % g == 0 and (g == 1 or kv_heads // g >= 2))
 
 
 def _steps(ring: Ring, chunk: int) -> int:
@@ -295,8 +314,41 @@ def backward(q, k, v, q_ids, kv_ids, delta, lse, do, ring: Ring,
   """(dq, dk, dv) of this device's chunks from its lse, dO and D =
   rowsum(dO * O) - dlse (`delta`): the pairs' gradients, float32
   dK/dV travelling with their keys as halves (`_parts`; after P moves
-  they are home again; a windowed ring's, after fewer, are sent home)."""
+  they are home again; a windowed ring's, after fewer, are sent home);
+  with `ring.head_groups`, a group of heads at a time."""
   do = do.astype(q.dtype)
+  run = lambda q, k, v, delta, lse, do, seed, slopes: _backward(
+      q, k, v, q_ids, kv_ids, delta, lse, do, ring, seed, slopes)
+  if ring.head_groups == 1:
+    return run(q, k, v, delta, lse, do, seed, slopes)
+  return _in_head_groups(run, ring.head_groups, q, k, v, delta, lse, do,
+                         seed, slopes)
+
+
+def _in_head_groups(run, groups: int, q, k, v, delta, lse, do, seed,
+                    slopes):
+  """run(q, k, v, delta, lse, do, seed, slopes) -> (dq, dk, dv) over
+  `groups` equal groups of heads in turn, group g the KV heads [g * K/G,
+  (g + 1) * K/G) and their query heads: each group's arrays sliced out,
+  its gradients written into the whole's, dropout's seed shifted to the
+  group's first head. One group's buffers live at a time."""
+  qn, kn = q.shape[2] // groups, k.shape[2] // groups
+
+  def group(g, grads):
+    take = lambda x, n, axis: lax.dynamic_slice_in_dim(x, g * n, n, axis)
+    out = run(take(q, qn, 2), take(k, kn, 2), take(v, kn, 2),
+              take(delta, qn, 1), take(lse, qn, 1), take(do, qn, 2),
+              None if seed is None else dropout.shifted(seed, 0, g * qn),
+              None if slopes is None else take(slopes, qn, 1))
+    return tuple(lax.dynamic_update_slice_in_dim(whole, part, g * n, 2)
+                 for whole, part, n in zip(grads, out, (qn, kn, kn)))
+  return lax.fori_loop(0, groups, group,
+                       tuple(jnp.zeros(x.shape, x.dtype) for x in (q, k, v)))
+
+
+def _backward(q, k, v, q_ids, kv_ids, delta, lse, do, ring: Ring, seed,
+              slopes):
+  """`backward` of one group of heads."""
   halves = _halves(ring)
   zeros = lambda x: tuple(jnp.zeros(y.shape, jnp.float32)
                           for y in _parts(x, ring))
