@@ -51,6 +51,21 @@ def _impls(causal: bool):
                                      implementation="mosaic",
                                      block_sizes=blocks)
 
+  def mosaic_alibi(vectors: bool):
+    # ALiBi with its paper's geometric slopes (its cost: -slope |i - j| a
+    # score, forward and backward), the default tiles; `alibi_vectors`:
+    # added as a row and a column vector where the mask is causal.
+    def attention(q, k, v):
+      n = q.shape[2]
+      slopes = 2.0 ** (-8.0 * jnp.arange(1, n + 1, dtype=jnp.float32) / n)
+      blocks = jax_flash.MosaicBlockSizes.get_default(
+          q.shape[-1], causal, band_only=True, kv_len=k.shape[1])
+      return jax_flash.flash_attention(
+          q, k, v, is_causal=causal, implementation="mosaic",
+          alibi_slopes=slopes, block_sizes=dataclasses.replace(
+              blocks, alibi_vectors=vectors))
+    return attention
+
   def jax_nn(impl):
     return lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, is_causal=causal, implementation=impl)
@@ -82,6 +97,10 @@ def _impls(causal: bool):
       # The same with a tanh soft-cap (its cost: a tanh per score, forward
       # and backward); nothing else in the table computes this function.
       "flash_mosaic_softcap": (ours(2, "mosaic", SOFT_CAP), modes),
+      # The same with ALiBi, by position tiles or (on causal masks) by
+      # vectors (`MosaicBlockSizes.alibi_vectors`).
+      "flash_mosaic_alibi": (mosaic_alibi(False), modes),
+      "flash_mosaic_alibi_vectors": (mosaic_alibi(True), modes),
       # dQ added by TMA reduce-add in the dK/dV kernel: not bitwise
       # deterministic, an option (`MosaicBlockSizes.fused_dq`).
       "flash_mosaic_fused_dq": (mosaic_fused_dq, ("bwd", "fwd+bwd")),
@@ -267,9 +286,9 @@ def run(head_dims, seq_lens, causals, tokens, hidden, dtype, calls, repeats,
                        dtype=jnp.dtype(dtype).name)
             row.update(_measure(fn, mode, q, k, v, do, fwd_flops, calls,
                                 repeats))
-            # (The soft-capped rows compute another function.)
+            # (The soft-capped and ALiBi rows compute another function.)
             if (mode == "fwd" and "error" not in row and
-                not name.endswith("_softcap")):
+                not name.endswith("_softcap") and "_alibi" not in name):
               out = jax.jit(fn)(q, k, v)  # Compiled already: a cache hit.
               if reference_out is None:
                 reference_out = out

@@ -26,6 +26,7 @@
 #   bash scripts/gpu_check.sh persistent # the persistent forward: tests, vs one CTA an item 1k-16k
 #   bash scripts/gpu_check.sh pending   # variants, decode and persistent tests (~5 min)
 #   bash scripts/gpu_check.sh softcap   # the soft-cap's cost, Mosaic and Triton, 8k
+#   bash scripts/gpu_check.sh alibi     # ALiBi's cost, by position tiles and by vectors
 #   bash scripts/gpu_check.sh cp_work   # context parallelism's per-device work, 128k-1M
 #   bash scripts/gpu_check.sh prefill   # prompt chunks vs a 32k cache (Triton, paged, Mosaic)
 #   bash scripts/gpu_check.sh h512      # head dim 512: Triton vs cuDNN and XLA, 8k
@@ -407,6 +408,17 @@ for h in map(int, '${PROFILE_HEAD_DIMS:-64 128}'.split()):
         ${CP_ARGS:-} > "$OUT/cp_work.jsonl" 2> /tmp/cp_work.err \
         || tail -n 20 /tmp/cp_work.err
       cut -c1-400 "$OUT/cp_work.jsonl"
+      ;;
+    alibi)
+      # ALiBi's cost: the Mosaic kernels with ALiBi by position tiles and
+      # by vectors (`alibi_vectors`), their GPU tests first, beside plain
+      # Mosaic and cuDNN (which takes no ALiBi); 2k and 8k.
+      XLA_FLAGS=$TEST_XLA_FLAGS timeout 200 python3 -m pytest -q -n 8 \
+        -p no:cacheprovider tests/test_gpu.py -k alibi \
+        > "$OUT/alibi_tests.log" 2>&1
+      grep -E "FAILED|passed|failed" "$OUT/alibi_tests.log" | tail -n 8
+      bench alibi "${BENCH_LIMIT:-300}" --seq-lens 2048 8192 --head-dims 128 64 \
+        --impls flash_mosaic flash_mosaic_alibi flash_mosaic_alibi_vectors cudnn
       ;;
     softcap)
       # The soft-cap's cost: Mosaic and Triton with logits_soft_cap=30

@@ -117,6 +117,13 @@ MOSAIC_OPTIONS = {
     "soft_cap_alibi_h256_causal": (
         Case(1, 512, 512, 4, 2, 256, "bfloat16", True),
         dict(logits_soft_cap=20.0, alibi_slopes=jnp.full((1, 4), 0.05))),
+    "alibi_causal_gqa": (
+        Case(2, 1000, 1003, 8, 2, 128, "bfloat16", True),
+        dict(alibi_slopes=jnp.linspace(0.02, 1.0, 16).reshape(2, 8))),
+    "alibi_window_dropout_h64": (
+        Case(1, 777, 777, 4, 4, 64, "bfloat16", True),
+        dict(alibi_slopes=jnp.full((1, 4), 0.3), local_window_size=(300, 0),
+             dropout_rate=0.1, dropout_rng=jax.random.key(21))),
     "sinks_window_gqa": (
         Case(1, 1000, 1003, 8, 2, 128, "bfloat16", True),
         dict(sinks=jnp.linspace(-3.0, 3.0, 8), local_window_size=(100, 0))),
@@ -263,6 +270,17 @@ def test_mosaic_register_options_match_reference(name, option):
   the default tiles otherwise."""
   case = MOSAIC_CASES[name]
   _compare_mosaic(case, blocks=_default_with(case, **option))
+
+
+@pytest.mark.parametrize("name", ["alibi_causal_gqa",
+                                  "alibi_window_dropout_h64",
+                                  "soft_cap_alibi_h256_causal"])
+def test_mosaic_alibi_vectors_match_reference(name):
+  """`MosaicBlockSizes(alibi_vectors=True)`: ALiBi on a causal mask added
+  as a row and a column vector (forward and gradients)."""
+  case, options = MOSAIC_OPTIONS[name]
+  _compare_mosaic(case, options,
+                  blocks=_default_with(case, alibi_vectors=True))
 
 
 @pytest.mark.parametrize("group", [1, 4, 8, 16, 32, 64, 71])

@@ -805,3 +805,27 @@ def test_fp8_registers_operands_lower(head_dim, causal, overlap):
   assert all(name in on for name in MOSAIC_BACKWARD)
   assert "flash_attention_forward_mosaic" in on
   assert on != off
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(is_causal=True),
+    dict(is_causal=True, local_window_size=(100, 0), logits_soft_cap=30.0,
+         dropout_rate=0.1, dropout_rng=jax.random.key(0)),
+    dict(is_causal=False)], ids=["causal", "window_cap_dropout", "full"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_alibi_vectors_lower(kwargs, head_dim):
+  """`MosaicBlockSizes.alibi_vectors`: with a causal mask the three
+  kernels add ALiBi as a row and a column vector (programs of their own);
+  without one (keys after their queries visible) the programs are the
+  option's off ones."""
+  shape = (2, 256, 520, 8, 2, head_dim)
+  slopes = jnp.linspace(0.1, 0.8, 8)
+  on, off = (kernel_modules(lower_grad(
+      "mosaic", shape, alibi_slopes=slopes, **kwargs,
+      block_sizes=dataclasses.replace(
+          jax_flash.MosaicBlockSizes.get_default(
+              head_dim, is_causal=kwargs["is_causal"]),
+          alibi_vectors=vectors))) for vectors in (True, False))
+  assert len(on) == 3 and on.keys() == off.keys()
+  for name in on:
+    assert (on[name] != off[name]) == kwargs["is_causal"], name

@@ -202,6 +202,40 @@ def test_factored_logits_are_the_logits(scale, soft_cap):
     assert c == 1.0
 
 
+@pytest.mark.parametrize("scale, soft_cap", [(0.088, None), (1.0, 20.0),
+                                              (-0.5, None)])
+@pytest.mark.parametrize("q_first, k_first", [(64, 0), (4096, 1024),
+                                              (131008, 0), (256, 256)])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_alibi_vectors_are_alibi(scale, soft_cap, q_first, k_first,
+                                 transposed):
+  """`tiles.with_alibi` (the Mosaic kernels' `alibi_vectors`): on a tile
+  of scores without ALiBi in t * c form, its row and column vectors give
+  the base-2 logits with ALiBi wherever the key is at or before its
+  query, as `Scores.logits2` forms them from |i - j|; near the diagonal,
+  far from it and at 128k positions, the dK/dV kernel's transposed tile
+  too."""
+  from jax_flash.core.scores import Scores
+  from pallas_kernels.mosaic_gpu.tiles import with_alibi
+  slope = 0.7
+  qk = 5.0 * jax.random.normal(jax.random.key(1), (64, 128))
+  rows = q_first + jnp.arange(64)[:, None]
+  cols = k_first + jnp.arange(128)[None, :]
+  want, _ = Scores(scale=scale, soft_cap=soft_cap, alibi=True).logits2(
+      qk, rows, cols, slope=slope)
+  t, c, _ = Scores(scale=scale, soft_cap=soft_cap).factored_logits2(qk)
+  q_rel, k_rel = q_first - k_first + jnp.arange(64), jnp.arange(128)
+  if transposed:  # Keys down, queries across.
+    got = with_alibi(t.T, c, slope, q_rel, k_rel, 1).T * c
+  else:
+    got = with_alibi(t, c, slope, q_rel, k_rel, 0) * c
+  seen = rows >= cols
+  assert bool(seen.any())
+  np.testing.assert_allclose(np.where(seen, got, 0.0),
+                             np.where(seen, want, 0.0),
+                             rtol=2e-6, atol=2e-4 * (1 + abs(c)))
+
+
 @pytest.mark.parametrize("kwargs", [
     {}, dict(is_causal=True),
     dict(local_window_size=(100, 20), dropout_rate=0.2,

@@ -190,6 +190,10 @@ class BlockSizes:
       more CTAs where (batch, KV heads, key tiles) underfill the GPU, as
       with multi-query attention. None: the fewest that give the kernel
       `DKV_CTAS` CTAs (or G).
+    alibi_vectors: ALiBi on a causal mask (every visible key at or before
+      its query) added to a tile as a row and a column vector, slope (j -
+      i) (`tiles.with_alibi`), instead of -slope |i - j| from two
+      position tiles.
   """
   block_q: int = 64
   block_kv: int = 128
@@ -210,6 +214,7 @@ class BlockSizes:
   e4m3_registers: bool = False
   e4m3_registers_bwd: bool = False
   dkv_head_splits: int | None = None
+  alibi_vectors: bool = False
 
   def __post_init__(self):
     for name in ("block_q", "block_q_dkv", "block_kv_dkv", "block_q_dq",
@@ -229,7 +234,7 @@ class BlockSizes:
                       "a multiple of 8 in [24, 128]")
     for name in ("named_barriers", "dv_before_ds", "fused_dq", "persistent",
                  "fp8_backward", "overlap", "e4m3_stmatrix",
-                 "e4m3_registers", "e4m3_registers_bwd"):
+                 "e4m3_registers", "e4m3_registers_bwd", "alibi_vectors"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"block_sizes.{name}={getattr(self, name)!r} must "
                          f"be a bool")

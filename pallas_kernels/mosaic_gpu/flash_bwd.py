@@ -74,6 +74,7 @@ from pallas_kernels.mosaic_gpu.layout import (COMPUTE_WGS, Columns,
                                               smem_transforms, split_dkv,
                                               tail_rows, tma_rows)
 from pallas_kernels.mosaic_gpu.tiles import (COL, ROW, E4m3Tiles,
+                                             alibi_by_vectors,
                                              await_last_releases,
                                              columns, cta_row_tile, dropped,
                                              load_ids, logits2,
@@ -81,7 +82,8 @@ from pallas_kernels.mosaic_gpu.tiles import (COL, ROW, E4m3Tiles,
                                              present, range_table,
                                              split_refs,
                                              table_ranges, tile_buffer,
-                                             tile_views, visible)
+                                             tile_views, vector_iota,
+                                             visible, with_alibi)
 
 
 def _meet(barrier):
@@ -98,7 +100,7 @@ def _iota(shape, dim):
 
 def _probabilities(s, lse, masked, *, mask: Mask, scores: Scores,
                    kv_len: int, positions, rows_cols, ids, pair, refs, batch,
-                   head, c_scale=None):
+                   head, c_scale=None, alibi_rel=None):
   """(P, aux) of a raw score tile `s`: P = 2**(s2 - lse) with s2 its base-2
   logits (`Scores.factored_logits2`, with the bias tile `pair` of bias_ref:
   for plain scores one FMA a pair) and lse the base-2 logsumexp broadcast to
@@ -107,14 +109,18 @@ def _probabilities(s, lse, masked, *, mask: Mask, scores: Scores,
   predicate and the dense mask's tile. refs: (slopes_ref, bias_ref,
   dense_ref), each None when absent; rows_cols: the tile's positions or
   None (then `positions()` computes them for the predicate); c_scale, a
-  factor of the logits (FP8: Q's and K's scales) or None."""
+  factor of the logits (FP8: Q's and K's scales) or None; alibi_rel:
+  `with_alibi`'s (q_rel, k_rel, q_dim) where the tile adds ALiBi as
+  vectors (`scores` then without it), else None."""
   slopes_ref, bias_ref, dense_ref = refs
+  slope = None if slopes_ref is None else slopes_ref[batch, head]
   s, c, aux = logits2(
-      scores, s, *(rows_cols or (None, None)),
-      slope=None if slopes_ref is None else slopes_ref[batch, head],
+      scores, s, *(rows_cols or (None, None)), slope=slope,
       bias_ref=bias_ref, pair=pair, batch=batch, head=head)
   if c_scale is not None:
     c = c * c_scale
+  if alibi_rel is not None:
+    s = with_alibi(s, c, slope, *alibi_rel)
   p = jnp.exp2(s * c - lse)
 
   def hidden():
@@ -480,7 +486,13 @@ def _dkv_probabilities(cta: _Dkv, i, s, lse, width, head, kv_ids):
 
   def positions():  # Transposed: queries across, keys down.
     return cta.q_tile(i) * bq + _iota(shape, 1), cta.kv_start + _iota(shape, 0)
-  rows_cols = positions() if needs_positions(mask, cta.scores) else None
+  no_alibi = alibi_by_vectors(mask, cta.scores, cta.blocks)
+  rows_cols = (positions() if needs_positions(mask, no_alibi or cta.scores)
+               else None)
+  alibi_rel = None
+  if no_alibi is not None:  # Queries across (COL), keys down (ROW).
+    alibi_rel = (cta.q_tile(i) * bq - cta.kv_start + vector_iota(width, COL),
+                 vector_iota(shape[0], ROW), 1)
   ids = {}
   if mask.has_ids:
     q_ids = load_ids(extras.q_ids, cta.batch, cta.q_tile(i) * bq, width, COL)
@@ -489,13 +501,14 @@ def _dkv_probabilities(cta: _Dkv, i, s, lse, width, head, kv_ids):
   tile = lo + i
   p, aux = _probabilities(
       s, lax.broadcast_in_dim(lse, shape, [1]),
-      (tile < full_lo) | (tile >= full_hi), mask=mask, scores=cta.scores,
-      kv_len=cta.kv_len, positions=positions, rows_cols=rows_cols, ids=ids,
+      (tile < full_lo) | (tile >= full_hi), mask=mask,
+      scores=no_alibi or cta.scores, kv_len=cta.kv_len, positions=positions,
+      rows_cols=rows_cols, ids=ids,
       # Keys down, queries across.
       pair=(cta.rows, pl.ds(cta.q_tile(i) * bq, width)),
       refs=(extras.slopes, extras.bias, extras.dense), batch=cta.batch,
       head=head, c_scale=(extras.scales[cta.batch, cta.kv_head, 0]
-                          if cta.fp8 else None))
+                          if cta.fp8 else None), alibi_rel=alibi_rel)
   return p, aux, rows_cols
 
 
@@ -914,7 +927,13 @@ def _dq_step(cta: _Dq, j, carry, dq_accs, lse, delta, q_ids, width):
   def positions():
     return cta.q_start + _iota(shape, 0), cta.kv_tile(j) * bkv + _iota(shape,
                                                                        1)
-  rows_cols = positions() if needs_positions(mask, cta.scores) else None
+  no_alibi = alibi_by_vectors(mask, cta.scores, cta.blocks)
+  rows_cols = (positions() if needs_positions(mask, no_alibi or cta.scores)
+               else None)
+  alibi_rel = None
+  if no_alibi is not None:  # Queries down (ROW), keys across (COL).
+    alibi_rel = (cta.q_start - cta.kv_tile(j) * bkv + vector_iota(bq, ROW),
+                 vector_iota(width, COL), 0)
 
   def s_dp(s_acc, dp_acc):
     plgpu.barrier_wait(k_ready.at[ring])
@@ -928,12 +947,14 @@ def _dq_step(cta: _Dq, j, carry, dq_accs, lse, delta, q_ids, width):
     tile = lo + j
     p, aux = _probabilities(
         s, lax.broadcast_in_dim(lse, shape, [0]),
-        (tile < full_lo) | (tile >= full_hi), mask=mask, scores=cta.scores,
-        kv_len=cta.kv_len, positions=positions, rows_cols=rows_cols,
+        (tile < full_lo) | (tile >= full_hi), mask=mask,
+        scores=no_alibi or cta.scores, kv_len=cta.kv_len,
+        positions=positions, rows_cols=rows_cols,
         ids=ids, pair=(cta.rows, pl.ds(cta.kv_tile(j) * bkv, width)),
         refs=(extras.slopes, extras.bias, extras.dense), batch=cta.batch,
         head=cta.head,
-        c_scale=extras.scales[cta.batch, cta.kv_head, 0] if fp8 else None)
+        c_scale=extras.scales[cta.batch, cta.kv_head, 0] if fp8 else None,
+        alibi_rel=alibi_rel)
     # P times the scores' derivative, all dS needs of P and aux.
     return cta.scores.dqk(p, aux), dp_acc[...]
   pd, dp = pl.run_scoped(s_dp, plgpu.ACC(shape, jnp.float32),

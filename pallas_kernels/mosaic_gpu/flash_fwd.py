@@ -49,6 +49,7 @@ from pallas_kernels.mosaic_gpu.layout import (COMPUTE_WGS, Columns,
                                               tma_rows)
 from pallas_kernels.mosaic_gpu.scheduling import persistent_order
 from pallas_kernels.mosaic_gpu.tiles import (COL, ROW, E4m3Tiles,
+                                             alibi_by_vectors,
                                              await_last_releases,
                                              columns, cta_row_tile, dropped,
                                              load_ids, logits2,
@@ -57,7 +58,8 @@ from pallas_kernels.mosaic_gpu.tiles import (COL, ROW, E4m3Tiles,
                                              rescaled,
                                              softmax_step, split_refs,
                                              table_ranges, tile_buffer,
-                                             tile_views, visible)
+                                             tile_views, vector_iota,
+                                             visible, with_alibi)
 
 # Hardware barrier ids of the consumers' schedule with `named_barriers`,
 # [warpgroup waiting][parity of its wait]: Mosaic GPU itself uses 0 (the
@@ -381,9 +383,11 @@ def _logits(cta: _Cta, it: _Item, j, s, *, masked: bool, width: int):
   unneeded)."""
   mask, block_q, block_kv = cta.mask, cta.blocks.block_q, cta.blocks.block_kv
   extras = cta.extras
+  no_alibi = alibi_by_vectors(mask, cta.scores, cta.blocks)
+  scores = no_alibi or cta.scores
   rows = cols = None
   shape = (block_q, width)
-  if masked or needs_positions(mask, cta.scores):
+  if masked or needs_positions(mask, scores):
     rows = it.q_start + plgpu.broadcasted_iota(jnp.int32, shape, 0,
                                                layout=plgpu.Layout.WGMMA)
     cols = j * block_kv + plgpu.broadcasted_iota(
@@ -391,11 +395,16 @@ def _logits(cta: _Cta, it: _Item, j, s, *, masked: bool, width: int):
   tile = (pl.ds(it.q_start, block_q), pl.ds(j * block_kv, width))
   positions = (rows if rows is None or extras.q_offsets is None else
                rows + it.q_offset)  # What ALiBi and a score_mod see.
-  s, c, _ = logits2(cta.scores, s, positions, cols, slope=it.slope,
+  s, c, _ = logits2(scores, s, positions, cols, slope=it.slope,
                     bias_ref=extras.bias, pair=tile, batch=it.batch,
                     head=it.head)
   if cta.fp8:
     c = c * it.qk_scale
+  if no_alibi is not None:  # Query positions less the key tile's first.
+    q_rel = it.q_start - j * block_kv + vector_iota(block_q, ROW)
+    if extras.q_offsets is not None:
+      q_rel = q_rel + it.q_offset
+    s = with_alibi(s, c, it.slope, q_rel, vector_iota(width, COL), 0)
   if masked:
     ids = {}
     if mask.has_ids:

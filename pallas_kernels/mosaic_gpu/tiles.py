@@ -33,7 +33,7 @@ from jax_flash.core.mask import (KV_PAD_ID, Q_PAD_ID, Mask, id_block_table,
                                   intersect_ranges, intersect_tables,
                                   kinds_block_table, without_full_tiles)
 from jax_flash.core.padding import pad_to
-from jax_flash.core.scores import Scores
+from jax_flash.core.scores import LOG2E, Scores
 from pallas_kernels.mosaic_gpu.layout import smem_transforms
 
 ROW = plgpu.Layout.WGMMA.reduce(1)  # One value per row of a wgmma tile.
@@ -205,6 +205,40 @@ def load_ids(ids_ref, batch, start, size: int, layout):
     return None
   return plgpu.load(ids_ref.at[batch, pl.ds(start, size)], layout=layout,
                     optimized=False)
+
+
+def alibi_by_vectors(mask: Mask, scores: Scores, blocks) -> Scores | None:
+  """The scores without ALiBi where a tile adds it as a row and a column
+  vector (`with_alibi`), else None: with `blocks.alibi_vectors`, ALiBi
+  among the scores and a mask whose visible pairs all have their key at
+  or before their query (the band's right bound <= 0), so that -slope
+  |i - j| = slope j - slope i: two additions a pair, not |i - j| formed
+  from two position tiles."""
+  _, right = mask.band()
+  if not (blocks.alibi_vectors and scores.alibi and right is not None
+          and right <= 0):
+    return None
+  return dataclasses.replace(scores, alibi=False)
+
+
+def with_alibi(t, c, slope, q_rel, k_rel, q_dim: int):
+  """t + (slope * log2(e) / c) (k - q): a tile of base-2 logits t * c
+  (`Scores.factored_logits2`) with ALiBi on pairs whose key k is at or
+  before their query q. q_rel, k_rel: int32 vectors of the tile's query
+  and key positions less one base (the key tile's first), in the layouts
+  of tile dims q_dim and 1 - q_dim (the dK/dV kernel's tiles have their
+  queries across, q_dim 1): each vector scaled once, then broadcast."""
+  a = slope * (LOG2E / c)
+  q_term = lax.broadcast_in_dim(q_rel.astype(jnp.float32) * a, t.shape,
+                                [q_dim])
+  k_term = lax.broadcast_in_dim(k_rel.astype(jnp.float32) * a, t.shape,
+                                [1 - q_dim])
+  return t + k_term - q_term
+
+
+def vector_iota(size: int, layout):
+  """int32 [size] 0, 1, ... in `layout` (`ROW` or `COL`)."""
+  return plgpu.broadcasted_iota(jnp.int32, (size,), 0, layout=layout)
 
 
 def needs_positions(mask: Mask, scores: Scores) -> bool:
