@@ -317,8 +317,8 @@ def context_parallel():
       ("ring_all_to_all", dict(local_window_size=8),
        "ring runs causal or full masks"),
       ("ring", dict(mask=jnp.ones((96, 96), bool)), "ring runs no mask."),
-      ("ring_all_to_all", dict(sinks=jnp.zeros(6)),
-       "ring_all_to_all runs no sinks.")):
+      ("ring_all_to_all", dict(bias=jnp.zeros((96, 96))),
+       "ring_all_to_all runs no bias.")):
     with failures.case(strategy, options, why):
       _assert_refused(
           lambda: jax.jit(lambda q, k: jax_flash.flash_attention(
@@ -992,12 +992,8 @@ def _matrix_arguments(keys, t, n):
 # The cells of the matrix a strategy refuses, as the refusal names them.
 _MATRIX_REFUSED = {
     "ring": {"mask": "ring runs no mask.", "bias": "ring runs no bias."},
-    "ring_all_to_all": {
-        name: f"ring_all_to_all runs no {why}." for name, why in (
-            ("segment_ids", "segment_ids or lengths"),
-            ("lengths", "segment_ids or lengths"), ("mask", "mask"),
-            ("bias", "bias"), ("alibi_slopes", "alibi_slopes"),
-            ("sinks", "sinks"), ("dropout_rate", "dropout_rate"))},
+    "ring_all_to_all": {"mask": "ring_all_to_all runs no mask.",
+                        "bias": "ring_all_to_all runs no bias."},
 }
 
 

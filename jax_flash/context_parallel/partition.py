@@ -152,6 +152,9 @@ def _placed(run, mesh, split: Split, out_factors, seed_index, cfg):
       if split.strategy == "all_to_all":  # A device's heads of its heads.
         heads = heads + place(split.seq,
                               local[2] // axes_size(mesh, split.seq))
+      elif split.strategy == "ring_all_to_all":  # Of the inner axis's.
+        inner = axis_names(split.seq)[-1]
+        heads = heads + place(inner, local[2] // mesh.shape[inner])
       arrays = list(arrays)
       arrays[seed_index] = dropout.shifted(
           arrays[seed_index], place(split.batch, local[0]), heads)

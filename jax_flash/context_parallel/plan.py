@@ -235,7 +235,9 @@ def plan(mesh, arg_shapes, cfg, refit_why, refused,
 # flex block mask's kinds, which cover the whole call's grid, are refused:
 # `refused_by`). ring: key ids travel with the keys, sinks join the merge,
 # dropout draws each pair's bits at its place, ALiBi runs each pair at its
-# queries' offset from its keys (`ring._pair_extras`). FP8's
+# queries' offset from its keys (`ring._pair_extras`). ring_all_to_all:
+# the ring's, moved as all_to_all moves them over its inner axis (dropout's
+# seed shifted to the device's heads there: `partition._placed`). FP8's
 # e4m3 arrays and scales (`_FP8`) move as q, k, v and the per-head arrays
 # do in all_to_all and all_gather; a ring's pairs would not get them.
 _FP8 = ("fp8_q", "fp8_k", "fp8_v", "fp8_scales")
@@ -250,7 +252,8 @@ STRATEGY_OPERANDS = {
                              "dropout_seed", "q_offsets") + _FP8),
     "ring": frozenset(("q_ids", "kv_ids", "sinks", "dropout_seed",
                        "alibi_slopes")),
-    "ring_all_to_all": frozenset(),
+    "ring_all_to_all": frozenset(("q_ids", "kv_ids", "sinks", "dropout_seed",
+                                  "alibi_slopes")),
 }
 
 
