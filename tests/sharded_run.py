@@ -986,6 +986,8 @@ def _matrix_arguments(keys, t, n):
       "logits_soft_cap": dict(is_causal=True, logits_soft_cap=5.0),
       "dropout_rate": dict(is_causal=True, dropout_rate=0.3,
                            dropout_rng=jax.random.key(5)),
+      "dropout_broadcast": dict(dropout_rate=0.3, dropout_broadcast=True,
+                                dropout_rng=jax.random.key(6)),
   }
 
 

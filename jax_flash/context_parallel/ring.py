@@ -321,25 +321,30 @@ def backward(q, k, v, q_ids, kv_ids, delta, lse, do, ring: Ring,
       q, k, v, q_ids, kv_ids, delta, lse, do, ring, seed, slopes)
   if ring.head_groups == 1:
     return run(q, k, v, delta, lse, do, seed, slopes)
+  if seed is not None and ring.scores.dropout_broadcast:
+    seed_of = lambda g: seed  # The same bits for every head.
+  else:
+    seed_of = lambda g: None if seed is None else dropout.shifted(
+        seed, 0, g * (q.shape[2] // ring.head_groups))
   return _in_head_groups(run, ring.head_groups, q, k, v, delta, lse, do,
-                         seed, slopes)
+                         seed_of, slopes)
 
 
-def _in_head_groups(run, groups: int, q, k, v, delta, lse, do, seed,
+def _in_head_groups(run, groups: int, q, k, v, delta, lse, do, seed_of,
                     slopes):
   """run(q, k, v, delta, lse, do, seed, slopes) -> (dq, dk, dv) over
   `groups` equal groups of heads in turn, group g the KV heads [g * K/G,
-  (g + 1) * K/G) and their query heads: each group's arrays sliced out,
-  its gradients written into the whole's, dropout's seed shifted to the
-  group's first head. One group's buffers live at a time."""
+  (g + 1) * K/G) and their query heads: each group's arrays sliced out
+  (dropout's seed `seed_of(g)`, shifted to the group's first head), its
+  gradients written into the whole's. One group's buffers live at a
+  time."""
   qn, kn = q.shape[2] // groups, k.shape[2] // groups
 
   def group(g, grads):
     take = lambda x, n, axis: lax.dynamic_slice_in_dim(x, g * n, n, axis)
     out = run(take(q, qn, 2), take(k, kn, 2), take(v, kn, 2),
               take(delta, qn, 1), take(lse, qn, 1), take(do, qn, 2),
-              None if seed is None else dropout.shifted(seed, 0, g * qn),
-              None if slopes is None else take(slopes, qn, 1))
+              seed_of(g), None if slopes is None else take(slopes, qn, 1))
     return tuple(lax.dynamic_update_slice_in_dim(whole, part, g * n, 2)
                  for whole, part, n in zip(grads, out, (qn, kn, kn)))
   return lax.fori_loop(0, groups, group,
