@@ -321,11 +321,10 @@ def backward(q, k, v, q_ids, kv_ids, delta, lse, do, ring: Ring,
       q, k, v, q_ids, kv_ids, delta, lse, do, ring, seed, slopes)
   if ring.head_groups == 1:
     return run(q, k, v, delta, lse, do, seed, slopes)
-  if seed is not None and ring.scores.dropout_broadcast:
-    seed_of = lambda g: seed  # The same bits for every head.
-  else:
-    seed_of = lambda g: None if seed is None else dropout.shifted(
-        seed, 0, g * (q.shape[2] // ring.head_groups))
+  # A group's bits are its heads' (with one mask for every head, the same).
+  shift = seed is not None and not ring.scores.dropout_broadcast
+  seed_of = lambda g: (dropout.shifted(seed, 0, g * q.shape[2]
+                                       // ring.head_groups) if shift else seed)
   return _in_head_groups(run, ring.head_groups, q, k, v, delta, lse, do,
                          seed_of, slopes)
 
