@@ -274,10 +274,13 @@ def test_mosaic_register_options_match_reference(name, option):
 
 @pytest.mark.parametrize("name", ["alibi_causal_gqa",
                                   "alibi_window_dropout_h64",
-                                  "soft_cap_alibi_h256_causal"])
+                                  "soft_cap_alibi_h256_causal",
+                                  "alibi_h64_f16",
+                                  "bias_soft_cap_alibi_h64_odd"])
 def test_mosaic_alibi_vectors_match_reference(name):
-  """`MosaicBlockSizes(alibi_vectors=True)`: ALiBi on a causal mask added
-  as a row and a column vector (forward and gradients)."""
+  """`MosaicBlockSizes(alibi_vectors=True)`: ALiBi added from a row and a
+  column vector, on causal masks and without one (|.| of their
+  difference), forward and gradients."""
   case, options = MOSAIC_OPTIONS[name]
   _compare_mosaic(case, options,
                   blocks=_default_with(case, alibi_vectors=True))

@@ -1,5 +1,7 @@
 """Bias (and its gradient), dense masks, soft-cap and ALiBi: each, combined
 with each other and with the masks, against the reference."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -205,19 +207,24 @@ def test_factored_logits_are_the_logits(scale, soft_cap):
 @pytest.mark.parametrize("scale, soft_cap", [(0.088, None), (1.0, 20.0),
                                               (-0.5, None)])
 @pytest.mark.parametrize("q_first, k_first", [(64, 0), (4096, 1024),
-                                              (131008, 0), (256, 256)])
+                                              (131008, 0), (256, 256),
+                                              (0, 64)])
 @pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("causal, slope", [(True, 0.7), (False, 0.7),
+                                           (False, -0.3)])
 def test_alibi_vectors_are_alibi(scale, soft_cap, q_first, k_first,
-                                 transposed):
+                                 transposed, causal, slope):
   """`tiles.with_alibi` (the Mosaic kernels' `alibi_vectors`): on a tile
   of scores without ALiBi in t * c form, its row and column vectors give
-  the base-2 logits with ALiBi wherever the key is at or before its
-  query, as `Scores.logits2` forms them from |i - j|; near the diagonal,
-  far from it and at 128k positions, the dK/dV kernel's transposed tile
-  too."""
+  the base-2 logits with ALiBi as `Scores.logits2` forms them from
+  |i - j|: on a causal mask wherever the key is at or before its query,
+  without one everywhere (keys on both sides; a negative slope too);
+  near the diagonal, far from it and at 128k positions, the dK/dV
+  kernel's transposed tile too."""
+  from jax_flash.core.mask import Mask
   from jax_flash.core.scores import Scores
   from pallas_kernels.mosaic_gpu.tiles import with_alibi
-  slope = 0.7
+  mask = Mask(is_causal=causal)
   qk = 5.0 * jax.random.normal(jax.random.key(1), (64, 128))
   rows = q_first + jnp.arange(64)[:, None]
   cols = k_first + jnp.arange(128)[None, :]
@@ -226,14 +233,41 @@ def test_alibi_vectors_are_alibi(scale, soft_cap, q_first, k_first,
   t, c, _ = Scores(scale=scale, soft_cap=soft_cap).factored_logits2(qk)
   q_rel, k_rel = q_first - k_first + jnp.arange(64), jnp.arange(128)
   if transposed:  # Keys down, queries across.
-    got = with_alibi(t.T, c, slope, q_rel, k_rel, 1).T * c
+    got = with_alibi(t.T, c, slope, q_rel, k_rel, 1, mask).T * c
   else:
-    got = with_alibi(t, c, slope, q_rel, k_rel, 0) * c
-  seen = rows >= cols
-  assert bool(seen.any())
+    got = with_alibi(t, c, slope, q_rel, k_rel, 0, mask) * c
+  seen = rows >= cols if causal else jnp.ones(qk.shape, bool)
+  if not bool(seen.any()):
+    pytest.skip("no key at or before its query in this tile")
   np.testing.assert_allclose(np.where(seen, got, 0.0),
                              np.where(seen, want, 0.0),
                              rtol=2e-6, atol=2e-4 * (1 + abs(c)))
+
+
+def test_alibi_vectors_default_rule():
+  """`MosaicBlockSizes.alibi_vectors=None`: vectors on masks whose keys are
+  at or before their queries, for tiles of at most
+  `ALIBI_VECTORS_MAX_COLUMNS` columns; True: on every mask; False: never;
+  nothing to do without ALiBi."""
+  from jax_flash.core.mask import Mask
+  from jax_flash.core.scores import Scores
+  from pallas_kernels.mosaic_gpu import config
+  from pallas_kernels.mosaic_gpu.tiles import alibi_by_vectors
+  alibi = Scores(scale=0.1, alibi=True)
+  widest = config.ALIBI_VECTORS_MAX_COLUMNS
+
+  def vectors(option, mask, columns, scores=alibi):
+    blocks = jax_flash.MosaicBlockSizes(alibi_vectors=option)
+    return alibi_by_vectors(mask, scores, blocks, columns) is not None
+  causal, window = Mask(is_causal=True), Mask(window_left=50, window_right=0)
+  assert vectors(None, causal, widest) and vectors(None, window, 64)
+  assert not vectors(None, causal, 2 * widest)
+  assert not vectors(None, Mask(), 64)
+  assert not vectors(None, Mask(window_left=50, window_right=1), 64)
+  assert vectors(True, Mask(), 2 * widest) and not vectors(False, causal, 64)
+  assert not vectors(True, causal, 64, Scores(scale=0.1))
+  assert dataclasses.replace(alibi, alibi=False) == alibi_by_vectors(
+      causal, alibi, jax_flash.MosaicBlockSizes(), 64)
 
 
 @pytest.mark.parametrize("kwargs", [

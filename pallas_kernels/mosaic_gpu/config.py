@@ -50,6 +50,11 @@ DECODE_BLOCK_K = 64  # Cache rows a split-KV K/V tile by default.
 # up to (about 8 a multiprocessor; benchmarks/NOTES.md, "Mosaic GPU
 # backward").
 DKV_CTAS = 1024
+# The widest score tile (columns) `BlockSizes.alibi_vectors=None` adds
+# ALiBi to by vectors: a column vector costs a thread a register per four
+# columns, and at 256 it made the forward slower (benchmarks/NOTES.md,
+# "ALiBi").
+ALIBI_VECTORS_MAX_COLUMNS = 128
 
 
 # `BlockSizes.fused_dq`'s head dims: 128-byte swizzled K rows, which the
@@ -193,7 +198,9 @@ class BlockSizes:
     alibi_vectors: ALiBi on a causal mask (every visible key at or before
       its query) added to a tile as a row and a column vector, slope (j -
       i) (`tiles.with_alibi`), instead of -slope |i - j| from two
-      position tiles.
+      position tiles. None: on for tiles of at most
+      `ALIBI_VECTORS_MAX_COLUMNS` columns (the backward's always, the
+      forward's up to 128-row K/V tiles).
   """
   block_q: int = 64
   block_kv: int = 128
@@ -214,7 +221,7 @@ class BlockSizes:
   e4m3_registers: bool = False
   e4m3_registers_bwd: bool = False
   dkv_head_splits: int | None = None
-  alibi_vectors: bool = False
+  alibi_vectors: bool | None = None
 
   def __post_init__(self):
     for name in ("block_q", "block_q_dkv", "block_kv_dkv", "block_q_dq",
@@ -235,6 +242,8 @@ class BlockSizes:
     for name in ("named_barriers", "dv_before_ds", "fused_dq", "persistent",
                  "fp8_backward", "overlap", "e4m3_stmatrix",
                  "e4m3_registers", "e4m3_registers_bwd", "alibi_vectors"):
+      if name == "alibi_vectors" and self.alibi_vectors is None:
+        continue
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"block_sizes.{name}={getattr(self, name)!r} must "
                          f"be a bool")

@@ -120,7 +120,7 @@ def _probabilities(s, lse, masked, *, mask: Mask, scores: Scores,
   if c_scale is not None:
     c = c * c_scale
   if alibi_rel is not None:
-    s = with_alibi(s, c, slope, *alibi_rel)
+    s = with_alibi(s, c, slope, *alibi_rel, mask)
   p = jnp.exp2(s * c - lse)
 
   def hidden():
@@ -486,7 +486,7 @@ def _dkv_probabilities(cta: _Dkv, i, s, lse, width, head, kv_ids):
 
   def positions():  # Transposed: queries across, keys down.
     return cta.q_tile(i) * bq + _iota(shape, 1), cta.kv_start + _iota(shape, 0)
-  no_alibi = alibi_by_vectors(mask, cta.scores, cta.blocks)
+  no_alibi = alibi_by_vectors(mask, cta.scores, cta.blocks, bq)
   rows_cols = (positions() if needs_positions(mask, no_alibi or cta.scores)
                else None)
   alibi_rel = None
@@ -927,7 +927,7 @@ def _dq_step(cta: _Dq, j, carry, dq_accs, lse, delta, q_ids, width):
   def positions():
     return cta.q_start + _iota(shape, 0), cta.kv_tile(j) * bkv + _iota(shape,
                                                                        1)
-  no_alibi = alibi_by_vectors(mask, cta.scores, cta.blocks)
+  no_alibi = alibi_by_vectors(mask, cta.scores, cta.blocks, bkv)
   rows_cols = (positions() if needs_positions(mask, no_alibi or cta.scores)
                else None)
   alibi_rel = None

@@ -383,7 +383,7 @@ def _logits(cta: _Cta, it: _Item, j, s, *, masked: bool, width: int):
   unneeded)."""
   mask, block_q, block_kv = cta.mask, cta.blocks.block_q, cta.blocks.block_kv
   extras = cta.extras
-  no_alibi = alibi_by_vectors(mask, cta.scores, cta.blocks)
+  no_alibi = alibi_by_vectors(mask, cta.scores, cta.blocks, block_kv)
   scores = no_alibi or cta.scores
   rows = cols = None
   shape = (block_q, width)
@@ -404,7 +404,7 @@ def _logits(cta: _Cta, it: _Item, j, s, *, masked: bool, width: int):
     q_rel = it.q_start - j * block_kv + vector_iota(block_q, ROW)
     if extras.q_offsets is not None:
       q_rel = q_rel + it.q_offset
-    s = with_alibi(s, c, it.slope, q_rel, vector_iota(width, COL), 0)
+    s = with_alibi(s, c, it.slope, q_rel, vector_iota(width, COL), 0, mask)
   if masked:
     ids = {}
     if mask.has_ids:

@@ -34,6 +34,7 @@ from jax_flash.core.mask import (KV_PAD_ID, Q_PAD_ID, Mask, id_block_table,
                                   kinds_block_table, without_full_tiles)
 from jax_flash.core.padding import pad_to
 from jax_flash.core.scores import LOG2E, Scores
+from pallas_kernels.mosaic_gpu.config import ALIBI_VECTORS_MAX_COLUMNS
 from pallas_kernels.mosaic_gpu.layout import smem_transforms
 
 ROW = plgpu.Layout.WGMMA.reduce(1)  # One value per row of a wgmma tile.
@@ -207,33 +208,47 @@ def load_ids(ids_ref, batch, start, size: int, layout):
                     optimized=False)
 
 
-def alibi_by_vectors(mask: Mask, scores: Scores, blocks) -> Scores | None:
-  """The scores without ALiBi where a tile adds it as a row and a column
-  vector (`with_alibi`), else None: with `blocks.alibi_vectors`, ALiBi
-  among the scores and a mask whose visible pairs all have their key at
-  or before their query (the band's right bound <= 0), so that -slope
-  |i - j| = slope j - slope i: two additions a pair, not |i - j| formed
-  from two position tiles."""
+def keys_at_or_before(mask: Mask) -> bool:
+  """Whether every pair `mask` shows has its key at or before its query
+  (the band's right bound <= 0, as on a causal mask)."""
   _, right = mask.band()
-  if not (blocks.alibi_vectors and scores.alibi and right is not None
-          and right <= 0):
+  return right is not None and right <= 0
+
+
+def alibi_by_vectors(mask: Mask, scores: Scores, blocks,
+                     columns: int) -> Scores | None:
+  """The scores without ALiBi where a tile of `columns` columns adds it
+  from a row and a column vector (`with_alibi`), else None (ALiBi, if
+  any, formed from two position tiles): with ALiBi among the scores and
+  `blocks.alibi_vectors` (None: on masks whose keys are at or before
+  their queries, for tiles of at most `ALIBI_VECTORS_MAX_COLUMNS`
+  columns)."""
+  wanted = blocks.alibi_vectors
+  if wanted is None:
+    wanted = (keys_at_or_before(mask)
+              and columns <= ALIBI_VECTORS_MAX_COLUMNS)
+  if not (wanted and scores.alibi):
     return None
   return dataclasses.replace(scores, alibi=False)
 
 
-def with_alibi(t, c, slope, q_rel, k_rel, q_dim: int):
-  """t + (slope * log2(e) / c) (k - q): a tile of base-2 logits t * c
-  (`Scores.factored_logits2`) with ALiBi on pairs whose key k is at or
-  before their query q. q_rel, k_rel: int32 vectors of the tile's query
-  and key positions less one base (the key tile's first), in the layouts
-  of tile dims q_dim and 1 - q_dim (the dK/dV kernel's tiles have their
-  queries across, q_dim 1): each vector scaled once, then broadcast."""
+def with_alibi(t, c, slope, q_rel, k_rel, q_dim: int, mask: Mask):
+  """t - (slope * log2(e) / c) |q - k|: a tile of base-2 logits t * c
+  (`Scores.factored_logits2`) with ALiBi, from the vectors of its query
+  and key positions less one base (the key tile's first), q_rel and k_rel
+  (int32, in the layouts of tile dims q_dim and 1 - q_dim; the dK/dV
+  kernel's tiles have their queries across, q_dim 1), each scaled once
+  by a = slope log2(e) / c, then broadcast. Where `mask` shows keys at or
+  before their queries, two additions a pair: t + a k - a q; elsewhere
+  t - sign(a) |a k - a q| (a subtraction, |.| and a multiply-add)."""
   a = slope * (LOG2E / c)
   q_term = lax.broadcast_in_dim(q_rel.astype(jnp.float32) * a, t.shape,
                                 [q_dim])
   k_term = lax.broadcast_in_dim(k_rel.astype(jnp.float32) * a, t.shape,
                                 [1 - q_dim])
-  return t + k_term - q_term
+  if keys_at_or_before(mask):
+    return t + k_term - q_term
+  return t - jnp.abs(k_term - q_term) * jnp.where(a < 0, -1.0, 1.0)
 
 
 def vector_iota(size: int, layout):
