@@ -53,7 +53,7 @@ DKV_CTAS = 1024
 # The widest score tile (columns) `BlockSizes.alibi_vectors=None` adds
 # ALiBi to by vectors: a column vector costs a thread a register per four
 # columns, and at 256 it made the forward slower (benchmarks/NOTES.md,
-# "ALiBi").
+# "Mosaic GPU forward").
 ALIBI_VECTORS_MAX_COLUMNS = 128
 
 
