@@ -27,6 +27,8 @@
 #   bash scripts/gpu_check.sh pending   # variants, decode and persistent tests (~5 min)
 #   bash scripts/gpu_check.sh softcap   # the soft-cap's cost, Mosaic and Triton, 8k
 #   bash scripts/gpu_check.sh alibi     # ALiBi's cost, by position tiles and by vectors
+#   bash scripts/gpu_check.sh alibi_tiles # ALiBi's vectors without a causal mask: their
+#                                       # tests, then ALiBi against the tiles, 8k (ptxas's spills)
 #   bash scripts/gpu_check.sh cp_work   # context parallelism's per-device work, 128k-1M
 #   bash scripts/gpu_check.sh prefill   # prompt chunks vs a 32k cache (Triton, paged, Mosaic)
 #   bash scripts/gpu_check.sh h512      # head dim 512: Triton vs cuDNN and XLA, 8k
@@ -419,6 +421,23 @@ for h in map(int, '${PROFILE_HEAD_DIMS:-64 128}'.split()):
       grep -E "FAILED|passed|failed" "$OUT/alibi_tests.log" | tail -n 8
       bench alibi "${BENCH_LIMIT:-300}" --seq-lens 2048 8192 --head-dims 128 64 \
         --impls flash_mosaic flash_mosaic_alibi flash_mosaic_alibi_vectors cudnn
+      ;;
+    alibi_tiles)
+      # ALiBi without a causal mask: the GPU tests of `alibi_vectors`
+      # (causal and not), then benchmarks/alibi_tiles.py at 8k (positions,
+      # vectors, the dQ kernel's 64-row K/V tiles) with ptxas's spill
+      # report of each variant's kernels.
+      XLA_FLAGS=$TEST_XLA_FLAGS timeout 150 python3 -m pytest -q -n 8 \
+        -p no:cacheprovider tests/test_gpu.py -k alibi_vectors \
+        > "$OUT/alibi_vectors_tests.log" 2>&1
+      grep -E "FAILED|passed|failed" "$OUT/alibi_vectors_tests.log" | tail -n 8
+      MOSAIC_GPU_DUMP_PTXAS=1 timeout "${BENCH_LIMIT:-330}" python3 \
+        benchmarks/alibi_tiles.py ${ALIBI_TILES_ARGS:-} \
+        > "$OUT/alibi_tiles.jsonl" 2> "$OUT/alibi_tiles.err" \
+        || tail -n 20 "$OUT/alibi_tiles.err"
+      cut -c1-160 "$OUT/alibi_tiles.jsonl"
+      awk '/^==/ {label = $0} / [1-9][0-9]* bytes spill/ {print label ": " $0}' \
+        "$OUT/alibi_tiles.err" | sort | uniq -c | head -n 40
       ;;
     softcap)
       # The soft-cap's cost: Mosaic and Triton with logits_soft_cap=30
