@@ -51,19 +51,22 @@ def _impls(causal: bool):
                                      implementation="mosaic",
                                      block_sizes=blocks)
 
-  def mosaic_alibi(vectors: bool):
+  def mosaic_alibi(positions: bool):
     # ALiBi with its paper's geometric slopes (its cost: -slope |i - j| a
-    # score, forward and backward), the default tiles; `alibi_vectors`:
-    # added as a row and a column vector where the mask is causal.
+    # score, forward and backward): the default (by vectors, on K/V
+    # tiles of at most 128 rows), or by position tiles on the default
+    # tiles without ALiBi (`MosaicBlockSizes.alibi_vectors=False`).
     def attention(q, k, v):
       n = q.shape[2]
       slopes = 2.0 ** (-8.0 * jnp.arange(1, n + 1, dtype=jnp.float32) / n)
-      blocks = jax_flash.MosaicBlockSizes.get_default(
-          q.shape[-1], causal, band_only=True, kv_len=k.shape[1])
+      blocks = None
+      if positions:
+        blocks = dataclasses.replace(jax_flash.MosaicBlockSizes.get_default(
+            q.shape[-1], causal, band_only=True, kv_len=k.shape[1]),
+                                     alibi_vectors=False)
       return jax_flash.flash_attention(
           q, k, v, is_causal=causal, implementation="mosaic",
-          alibi_slopes=slopes, block_sizes=dataclasses.replace(
-              blocks, alibi_vectors=vectors))
+          alibi_slopes=slopes, block_sizes=blocks)
     return attention
 
   def jax_nn(impl):
@@ -97,10 +100,10 @@ def _impls(causal: bool):
       # The same with a tanh soft-cap (its cost: a tanh per score, forward
       # and backward); nothing else in the table computes this function.
       "flash_mosaic_softcap": (ours(2, "mosaic", SOFT_CAP), modes),
-      # The same with ALiBi, by position tiles or (on causal masks) by
-      # vectors (`MosaicBlockSizes.alibi_vectors`).
+      # The same with ALiBi, by vectors (the default) or by position tiles
+      # (`MosaicBlockSizes.alibi_vectors`).
       "flash_mosaic_alibi": (mosaic_alibi(False), modes),
-      "flash_mosaic_alibi_vectors": (mosaic_alibi(True), modes),
+      "flash_mosaic_alibi_positions": (mosaic_alibi(True), modes),
       # dQ added by TMA reduce-add in the dK/dV kernel: not bitwise
       # deterministic, an option (`MosaicBlockSizes.fused_dq`).
       "flash_mosaic_fused_dq": (mosaic_fused_dq, ("bwd", "fwd+bwd")),

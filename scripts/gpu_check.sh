@@ -420,7 +420,7 @@ for h in map(int, '${PROFILE_HEAD_DIMS:-64 128}'.split()):
         > "$OUT/alibi_tests.log" 2>&1
       grep -E "FAILED|passed|failed" "$OUT/alibi_tests.log" | tail -n 8
       bench alibi "${BENCH_LIMIT:-300}" --seq-lens 2048 8192 --head-dims 128 64 \
-        --impls flash_mosaic flash_mosaic_alibi flash_mosaic_alibi_vectors cudnn
+        --impls flash_mosaic flash_mosaic_alibi flash_mosaic_alibi_positions cudnn
       ;;
     alibi_tiles)
       # ALiBi without a causal mask: the GPU tests of `alibi_vectors`

@@ -184,6 +184,30 @@ def test_default_key_tiles_follow_head_dim_causality_and_length(
   assert blocks.block_kv == block_kv
 
 
+@pytest.mark.parametrize("head_dim,causal", [(64, True), (64, False),
+                                             (128, False), (256, True)])
+def test_default_key_tiles_with_alibi_take_its_vectors(head_dim, causal):
+  """With ALiBi the default forward's K/V tiles are at most
+  `ALIBI_VECTORS_MAX_COLUMNS` rows, so that ALiBi is added by vectors
+  (head dim 64: 128 rows, not 256); without it, and with a call's own
+  tiles, they are as they were."""
+  from pallas_kernels.mosaic_gpu import config
+  problem = Problem(batch=2, q_len=8192, kv_len=8192, num_heads=8,
+                    num_kv_heads=8, head_dim=head_dim, unbatched=False)
+  backend, mask = MosaicGpuBackend(), Mask(is_causal=causal)
+
+  def tiles(block_sizes=None, **scores):
+    return backend.config(block_sizes, problem, jnp.bfloat16,
+                          is_causal=causal, mask=mask,
+                          scores=Scores(scale=0.1, **scores)).block_kv
+  plain = tiles()
+  assert tiles(alibi=True) == min(plain, config.ALIBI_VECTORS_MAX_COLUMNS)
+  assert (head_dim == 64) == (tiles(alibi=True) < plain)
+  if head_dim == 64:  # A call's own 256-row tiles stay.
+    own = jax_flash.MosaicBlockSizes(block_kv=256)
+    assert tiles(own, alibi=True) == 256
+
+
 def test_persistent_forward_names_what_it_cannot_take():
   with pytest.raises(ValueError, match="persistent=True needs "
                      "named_barriers=False"):

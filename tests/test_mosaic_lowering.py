@@ -816,9 +816,9 @@ def test_fp8_registers_operands_lower(head_dim, causal, overlap):
 def test_alibi_vectors_lower(kwargs, head_dim):
   """`MosaicBlockSizes.alibi_vectors`: True, the three kernels add ALiBi
   from a row and a column vector (programs of their own, with or without
-  a causal mask); None (the default), vectors on causal masks where a
-  tile has at most `ALIBI_VECTORS_MAX_COLUMNS` columns, positions
-  elsewhere (`tests/test_variants.py::test_alibi_vectors_default_rule`)."""
+  a causal mask); None (the default), vectors where a tile has at most
+  `ALIBI_VECTORS_MAX_COLUMNS` columns, positions elsewhere
+  (`tests/test_variants.py::test_alibi_vectors_default_rule`)."""
   shape = (2, 256, 520, 8, 2, head_dim)
   slopes = jnp.linspace(0.1, 0.8, 8)
   default = jax_flash.MosaicBlockSizes.get_default(
@@ -833,9 +833,9 @@ def test_alibi_vectors_lower(kwargs, head_dim):
              "flash_attention_dq_mosaic": default.block_kv_dq}
   for name in on:
     assert on[name] != off[name], name
-    vectors = kwargs["is_causal"] and next(
-        n for prefix, n in columns.items() if name.startswith(prefix)
-    ) <= config.ALIBI_VECTORS_MAX_COLUMNS
+    width = next(n for prefix, n in columns.items()
+                 if name.startswith(prefix))
+    vectors = width <= config.ALIBI_VECTORS_MAX_COLUMNS
     # (Not == the other: a module's bytes hold a few process-dependent
     # ones after other lowerings in the process.)
     assert rule[name] != (off[name] if vectors else on[name]), name

@@ -245,10 +245,9 @@ def test_alibi_vectors_are_alibi(scale, soft_cap, q_first, k_first,
 
 
 def test_alibi_vectors_default_rule():
-  """`MosaicBlockSizes.alibi_vectors=None`: vectors on masks whose keys are
-  at or before their queries, for tiles of at most
-  `ALIBI_VECTORS_MAX_COLUMNS` columns; True: on every mask; False: never;
-  nothing to do without ALiBi."""
+  """`MosaicBlockSizes.alibi_vectors=None`: vectors for tiles of at most
+  `ALIBI_VECTORS_MAX_COLUMNS` columns, whatever the mask; True: every
+  tile; False: none; nothing to do without ALiBi."""
   from jax_flash.core.mask import Mask
   from jax_flash.core.scores import Scores
   from pallas_kernels.mosaic_gpu import config
@@ -259,12 +258,11 @@ def test_alibi_vectors_default_rule():
   def vectors(option, mask, columns, scores=alibi):
     blocks = jax_flash.MosaicBlockSizes(alibi_vectors=option)
     return alibi_by_vectors(mask, scores, blocks, columns) is not None
-  causal, window = Mask(is_causal=True), Mask(window_left=50, window_right=0)
-  assert vectors(None, causal, widest) and vectors(None, window, 64)
-  assert not vectors(None, causal, 2 * widest)
-  assert not vectors(None, Mask(), 64)
-  assert not vectors(None, Mask(window_left=50, window_right=1), 64)
-  assert vectors(True, Mask(), 2 * widest) and not vectors(False, causal, 64)
+  causal = Mask(is_causal=True)
+  for mask in (causal, Mask(), Mask(window_left=50, window_right=1)):
+    assert vectors(None, mask, widest) and vectors(None, mask, 64)
+    assert not vectors(None, mask, 2 * widest)
+    assert vectors(True, mask, 2 * widest) and not vectors(False, mask, 64)
   assert not vectors(True, causal, 64, Scores(scale=0.1))
   assert dataclasses.replace(alibi, alibi=False) == alibi_by_vectors(
       causal, alibi, jax_flash.MosaicBlockSizes(), 64)

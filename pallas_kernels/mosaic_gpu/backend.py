@@ -190,7 +190,8 @@ class MosaicGpuBackend:
              mask: Mask | None = None) -> BlockSizes:
     """The call's tiles: `block_sizes`, or the defaults for its head dim,
     causality, key length, and (`persistent`) whether the call's mask is at
-    most causality (the persistent schedule weighs items by the band)."""
+    most causality (the persistent schedule weighs items by the band);
+    with ALiBi K/V tiles of at most `ALIBI_VECTORS_MAX_COLUMNS` rows."""
     head_dim = config.kernel_head_dim(problem.head_dim, problem.value_head_dim)
     fp8 = scores is not None and bool(scores.fp8)
     # FP8 calls arrive as rounded values (bf16 or float32): their forward
@@ -203,6 +204,11 @@ class MosaicGpuBackend:
                   problem.head_dim else head_dim, is_causal,
                   band_only=mask in (Mask(), Mask(is_causal=True)),
                   kv_len=problem.kv_len))
+    if (not own and scores is not None and scores.alibi
+        and blocks.block_kv > config.ALIBI_VECTORS_MAX_COLUMNS):
+      # ALiBi by vectors (`tiles.alibi_by_vectors`) on narrower tiles.
+      blocks = dataclasses.replace(
+          blocks, block_kv=config.ALIBI_VECTORS_MAX_COLUMNS)
     if fp8 and not own:  # The FP8 forward's K/V tiles, overlapped.
       blocks = dataclasses.replace(blocks, overlap=True)
       rows = config.FP8_BLOCK_KV.get(head_dim)

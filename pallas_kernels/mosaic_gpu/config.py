@@ -51,9 +51,9 @@ DECODE_BLOCK_K = 64  # Cache rows a split-KV K/V tile by default.
 # backward").
 DKV_CTAS = 1024
 # The widest score tile (columns) `BlockSizes.alibi_vectors=None` adds
-# ALiBi to by vectors: a column vector costs a thread a register per four
-# columns, and at 256 it made the forward slower (benchmarks/NOTES.md,
-# "Mosaic GPU forward").
+# ALiBi to by vectors, and the widest K/V tile of the default forward
+# with ALiBi: a column vector costs a thread a register per four columns;
+# at 256 the forward spilled (benchmarks/NOTES.md, "Mosaic GPU forward").
 ALIBI_VECTORS_MAX_COLUMNS = 128
 
 
@@ -195,12 +195,13 @@ class BlockSizes:
       more CTAs where (batch, KV heads, key tiles) underfill the GPU, as
       with multi-query attention. None: the fewest that give the kernel
       `DKV_CTAS` CTAs (or G).
-    alibi_vectors: ALiBi on a causal mask (every visible key at or before
-      its query) added to a tile as a row and a column vector, slope (j -
-      i) (`tiles.with_alibi`), instead of -slope |i - j| from two
-      position tiles. None: on for tiles of at most
-      `ALIBI_VECTORS_MAX_COLUMNS` columns (the backward's always, the
-      forward's up to 128-row K/V tiles).
+    alibi_vectors: ALiBi added to a tile from a row and a column vector
+      of positions scaled by the slope (`tiles.with_alibi`: on a causal
+      mask slope (j - i), two additions a score; otherwise -|slope j -
+      slope i|), instead of -slope |i - j| from two position tiles.
+      None: on for tiles of at most `ALIBI_VECTORS_MAX_COLUMNS` columns
+      (the backward's always; the forward's K/V tiles with ALiBi are
+      that wide by default).
   """
   block_q: int = 64
   block_kv: int = 128

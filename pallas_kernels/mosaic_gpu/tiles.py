@@ -220,13 +220,11 @@ def alibi_by_vectors(mask: Mask, scores: Scores, blocks,
   """The scores without ALiBi where a tile of `columns` columns adds it
   from a row and a column vector (`with_alibi`), else None (ALiBi, if
   any, formed from two position tiles): with ALiBi among the scores and
-  `blocks.alibi_vectors` (None: on masks whose keys are at or before
-  their queries, for tiles of at most `ALIBI_VECTORS_MAX_COLUMNS`
-  columns)."""
+  `blocks.alibi_vectors` (None: for tiles of at most
+  `ALIBI_VECTORS_MAX_COLUMNS` columns)."""
   wanted = blocks.alibi_vectors
   if wanted is None:
-    wanted = (keys_at_or_before(mask)
-              and columns <= ALIBI_VECTORS_MAX_COLUMNS)
+    wanted = columns <= ALIBI_VECTORS_MAX_COLUMNS
   if not (wanted and scores.alibi):
     return None
   return dataclasses.replace(scores, alibi=False)
