@@ -12,8 +12,8 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax.linen import dtypes
 
-from jax_flash.core.options import Options
-from jax_flash.nnx import attend, check_sow_weights, module_options
+from jax_flash.nnx import check_sow_weights, module_options
+from jax_flash.nnx import dot_product_attention as nnx_attention
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None,
@@ -45,18 +45,13 @@ def dot_product_attention(query, key, value, bias=None, mask=None,
         dropout_rate, deterministic, dtype, precision, module,
         force_fp32_for_softmax, einsum_dot_general, qk_attn_weights_einsum,
         attn_weights_value_einsum)
-  query, key, value = dtypes.promote_dtype(query, key, value, dtype=dtype)
-  use_dropout = dropout_rate > 0.0 and not deterministic
-  if use_dropout and dropout_rng is None:
-    raise ValueError("dropout_rate > 0 with deterministic=False needs "
-                     "dropout_rng")
-  return attend(query, key, value, Options(
-      bias=bias, mask=mask, is_causal=is_causal,
-      dropout_rate=dropout_rate if use_dropout else 0.0,
-      dropout_rng=dropout_rng if use_dropout else None,
-      dropout_broadcast=broadcast_dropout, sinks=sinks,
-      implementation=implementation, block_sizes=block_sizes, fp8=fp8,
-      context_parallel=context_parallel, sequence_axis=sequence_axis))
+  return nnx_attention(
+      query, key, value, bias, mask, broadcast_dropout, dropout_rng,
+      dropout_rate, deterministic, dtype,
+      promote_dtype=lambda xs, dtype: dtypes.promote_dtype(*xs, dtype=dtype),
+      is_causal=is_causal, implementation=implementation,
+      block_sizes=block_sizes, sinks=sinks, fp8=fp8,
+      context_parallel=context_parallel, sequence_axis=sequence_axis)
 
 
 class FlashAttention(nn.MultiHeadDotProductAttention):
