@@ -242,12 +242,13 @@ class BlockSizes:
                       "a multiple of 8 in [24, 128]")
     for name in ("named_barriers", "dv_before_ds", "fused_dq", "persistent",
                  "fp8_backward", "overlap", "e4m3_stmatrix",
-                 "e4m3_registers", "e4m3_registers_bwd", "alibi_vectors"):
-      if name == "alibi_vectors" and self.alibi_vectors is None:
-        continue
+                 "e4m3_registers", "e4m3_registers_bwd"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"block_sizes.{name}={getattr(self, name)!r} must "
                          f"be a bool")
+    if not isinstance(self.alibi_vectors, (bool, type(None))):
+      raise ValueError(f"block_sizes.alibi_vectors={self.alibi_vectors!r} "
+                       f"must be None or a bool")
     if self.fp8_backward and self.fused_dq:
       raise ValueError("block_sizes.fp8_backward=True needs fused_dq=False "
                        "(the FP8 backward has its own dQ kernel)")
