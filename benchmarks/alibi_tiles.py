@@ -1,11 +1,14 @@
-"""ALiBi's cost against the Mosaic kernels' tiles: the forward and
-forward+backward of plain Mosaic and Mosaic with ALiBi under several
-`MosaicBlockSizes` (the defaults; `alibi_vectors` False and True; the dQ
-kernel's K/V tiles at 64 rows; the forward's K/V tiles at 128 rows),
-beside cuDNN.
+"""A score modification's cost against the Mosaic kernels' tiles: the
+forward and forward+backward of plain Mosaic and Mosaic with ALiBi (or a
+soft-cap) under several `MosaicBlockSizes`, beside cuDNN. ALiBi: the
+defaults; `alibi_vectors` False and True; the dQ kernel's K/V tiles at 64
+rows; the forward's K/V tiles at 128 rows. Soft-cap (`--modification
+soft_cap`, a cap of 30): the defaults; the forward's K/V tiles at 128
+rows; the dQ kernel's at 64.
 
     PYTHONPATH=. python3 benchmarks/alibi_tiles.py [--seq-len 8192]
         [--head-dims 128 64] [--modes fwd fwd+bwd]
+        [--modification alibi|soft_cap]
 
 bf16, 16k tokens (batch = 16384 / seq), hidden 2048, causal and not, the
 paper's geometric slopes; jitted calls, one JSON line a measurement. With
@@ -24,11 +27,19 @@ import jax_flash
 from benchmarks.harness import _measure
 
 
-def variants(head_dim: int, causal: bool, kv_len: int) -> dict:
+def variants(head_dim: int, causal: bool, kv_len: int,
+             modification: str = "alibi") -> dict:
   """{label: block sizes}: None is the call's defaults ("plain": no
-  ALiBi)."""
+  modification)."""
   default = jax_flash.MosaicBlockSizes.get_default(
       head_dim, causal, band_only=True, kv_len=kv_len)
+  if modification == "soft_cap":
+    out = {"plain": None, "soft_cap": None}
+    if default.block_kv > 128:
+      out["soft_cap kv=128"] = dataclasses.replace(default, block_kv=128)
+    if default.block_kv_dq != 64:
+      out["soft_cap kv_dq=64"] = dataclasses.replace(default, block_kv_dq=64)
+    return out
   out = {"plain": None, "alibi": None,
          "alibi positions": dataclasses.replace(default, alibi_vectors=False),
          "alibi vectors": dataclasses.replace(default, alibi_vectors=True)}
@@ -46,6 +57,8 @@ def main():
   parser.add_argument("--seq-len", type=int, default=8192)
   parser.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
   parser.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"])
+  parser.add_argument("--modification", default="alibi",
+                      choices=["alibi", "soft_cap"])
   args = parser.parse_args()
   t = args.seq_len
   for h in args.head_dims:
@@ -56,12 +69,16 @@ def main():
     slopes = 2.0 ** (-8.0 * jnp.arange(1, n + 1, dtype=jnp.float32) / n)
     for causal in (True, False):
       flops = 4 * b * n * h * t * t / (2 if causal else 1)
+      modified = ({"logits_soft_cap": 30.0}
+                  if args.modification == "soft_cap" else
+                  {"alibi_slopes": slopes})
       impls = {label: lambda q, k, v, blocks=blocks, label=label:
                jax_flash.flash_attention(
                    q, k, v, is_causal=causal, implementation="mosaic",
                    block_sizes=blocks,
-                   alibi_slopes=None if label == "plain" else slopes)
-               for label, blocks in variants(h, causal, t).items()}
+                   **({} if label == "plain" else modified))
+               for label, blocks in variants(
+                   h, causal, t, args.modification).items()}
       impls["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
           q, k, v, is_causal=causal, implementation="cudnn")
       for label, fn in impls.items():

@@ -166,6 +166,9 @@ def speed(head_dim, causal, seq_len, tokens, hidden, calls, repeats,
           q, k, v, is_causal=causal),
       "fp8": lambda q, k, v: jax_flash.flash_attention(
           q, k, v, is_causal=causal, fp8=True),
+      # fp8=True with Q and K rotated first (the outliers' cure): its cost.
+      "fp8_rotate": lambda q, k, v: jax_flash.flash_attention(
+          q, k, v, is_causal=causal, fp8="rotate"),
       "cudnn": lambda q, k, v: jax.nn.dot_product_attention(
           q, k, v, is_causal=causal, implementation="cudnn"),
       "cudnn_fp8": cudnn_fp8(causal),

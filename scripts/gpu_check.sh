@@ -84,9 +84,9 @@ fp8_train() {  # fp8_train HEADS...: train_lm with --fp8 off and on, the
   local heads mode
   for heads in "$@"; do
     for mode in off on; do
-      timeout 200 python3 examples/train_lm.py --layers 4 --d-model 512 \
+      timeout ${FP8_TRAIN_LIMIT:-200} python3 examples/train_lm.py --layers 4 --d-model 512 \
         --heads "$heads" --kv-heads "$heads" --seq-len 1024 --batch 16 \
-        --steps 300 --lr 1e-3 --dtype bfloat16 --eval-batches 4 \
+        --steps ${FP8_TRAIN_STEPS:-300} --lr 1e-3 --dtype bfloat16 --eval-batches 4 \
         --sample-len 20 --fp8 $mode > "$OUT/train_fp8_${heads}_$mode.log" 2>&1
       echo "train --heads $heads --fp8 $mode: exit $?"
       tr '\r' '\n' < "$OUT/train_fp8_${heads}_$mode.log" | tail -n 4
@@ -146,7 +146,7 @@ for mode in "$@"; do
       fp8_train 8
       ;;
     fp8_train)
-      fp8_train 8 4
+      fp8_train ${FP8_TRAIN_HEADS:-8 4}  # shellcheck disable=SC2086
       ;;
     fp8_registers)
       XLA_FLAGS=$TEST_XLA_FLAGS timeout 200 python3 -m pytest -q -n 8 \
@@ -187,8 +187,10 @@ f = lambda q, k: jax_flash.flash_attention(q, k, k, is_causal=True).astype(jnp.f
 lowered = jax.jit(jax.grad(f, argnums=(0, 1))).lower(q, k)
 start = time.perf_counter(); lowered.compile()
 print('compile_s (with the dumps)', round(time.perf_counter() - start, 3))" 2>&1 | tail -n 3
-      ptxas=$(find "$(python3 -c 'import site; print(site.getsitepackages()[0])')" \
-        /usr/local/cuda/bin -name ptxas -type f 2>/dev/null | head -n 1)
+      # PTXAS: a ptxas of CUDA 12.9 or later (Mosaic GPU writes PTX 9.0);
+      # else the first found (Triton's, PTX 8.7, refuses it).
+      ptxas=${PTXAS:-$(find "$(python3 -c 'import site; print(site.getsitepackages()[0])')" \
+        /usr/local/cuda/bin -name ptxas -type f 2>/dev/null | head -n 1)}
       echo "ptxas: ${ptxas:-none}"
       for ptx in /tmp/ptx/*.ptx; do
         [ -n "$ptxas" ] || break
@@ -298,7 +300,7 @@ print('compile_s (with the dumps)', round(time.perf_counter() - start, 3))" 2>&1
       # sequence, bfloat16 compute: flash attention, jax.nn's cuDNN, then
       # flax's own.
       for impl in ${TRAIN_IMPLS:-pallas cudnn flax}; do
-        timeout 200 python3 examples/train_lm.py --layers 12 --d-model 768 \
+        timeout ${FP8_TRAIN_LIMIT:-200} python3 examples/train_lm.py --layers 12 --d-model 768 \
           --heads 12 --kv-heads 12 --seq-len 2048 --batch 8 --steps 60 \
           --lr 1e-3 --dtype bfloat16 --eval-batches 2 --sample-len 40 \
           --implementation $impl --out-dir /tmp/ckpt_$impl \

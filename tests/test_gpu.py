@@ -111,6 +111,15 @@ MOSAIC_OPTIONS = {
     "soft_cap_causal_gqa_any_length": (
         Case(1, 1000, 1003, 8, 2, 128, "bfloat16", True),
         dict(logits_soft_cap=30.0)),
+    # A soft-cap on the default tiles of head dims 64 and 128.
+    "soft_cap_h64_any_length": (
+        Case(2, 1000, 1003, 8, 8, 64, "bfloat16", False),
+        dict(logits_soft_cap=30.0)),
+    "soft_cap_h64_causal_f16": (
+        Case(1, 1024, 1024, 4, 2, 64, "float16", True),
+        dict(logits_soft_cap=10.0)),
+    "soft_cap_h128_gqa": (Case(1, 777, 1003, 8, 2, 128, "bfloat16", False),
+                          dict(logits_soft_cap=30.0)),
     "alibi_h64_f16": (Case(2, 512, 640, 4, 4, 64, "float16", False),
                       dict(alibi_slopes=jnp.linspace(0.01, 0.2, 8).reshape(
                           2, 4))),
