@@ -2,7 +2,7 @@
 forward and forward+backward of plain Mosaic and Mosaic with ALiBi (or a
 soft-cap) under several `MosaicBlockSizes`, beside cuDNN. ALiBi: the
 defaults; `alibi_vectors` False and True; the dQ kernel's K/V tiles at 64
-rows; the forward's K/V tiles at 128 rows. Soft-cap (`--modification
+rows; the forward's K/V tiles at 128 rows; on causal masks `alibi_fold`. Soft-cap (`--modification
 soft_cap`, a cap of 30): the defaults; the forward's K/V tiles at 128
 rows; the dQ kernel's at 64.
 
@@ -49,6 +49,10 @@ def variants(head_dim: int, causal: bool, kv_len: int,
   if default.block_kv > 128:
     out["alibi vectors kv=128"] = dataclasses.replace(
         default, alibi_vectors=True, block_kv=128)
+  if causal:  # The query term in the row max and the logsumexp.
+    out["alibi fold"] = dataclasses.replace(
+        default, alibi_vectors=True, alibi_fold=True,
+        block_kv=min(default.block_kv, 128))
   return out
 
 

@@ -27,8 +27,8 @@
 #   bash scripts/gpu_check.sh pending   # variants, decode and persistent tests (~5 min)
 #   bash scripts/gpu_check.sh softcap   # the soft-cap's cost, Mosaic and Triton, 8k
 #   bash scripts/gpu_check.sh alibi     # ALiBi's cost, by position tiles and by vectors
-#   bash scripts/gpu_check.sh alibi_tiles # ALiBi's vectors without a causal mask: their
-#                                       # tests, then ALiBi against the tiles, 8k (ptxas's spills)
+#   bash scripts/gpu_check.sh alibi_tiles # ALiBi's vectors and fold: their tests,
+#                                       # then ALiBi against the tiles, 8k (ptxas's spills)
 #   bash scripts/gpu_check.sh cp_work   # context parallelism's per-device work, 128k-1M
 #   bash scripts/gpu_check.sh prefill   # prompt chunks vs a 32k cache (Triton, paged, Mosaic)
 #   bash scripts/gpu_check.sh h512      # head dim 512: Triton vs cuDNN and XLA, 8k
@@ -425,12 +425,12 @@ for h in map(int, '${PROFILE_HEAD_DIMS:-64 128}'.split()):
         --impls flash_mosaic flash_mosaic_alibi flash_mosaic_alibi_positions cudnn
       ;;
     alibi_tiles)
-      # ALiBi without a causal mask: the GPU tests of `alibi_vectors`
-      # (causal and not), then benchmarks/alibi_tiles.py at 8k (positions,
-      # vectors, the dQ kernel's 64-row K/V tiles) with ptxas's spill
-      # report of each variant's kernels.
+      # The GPU tests of `alibi_vectors` (causal and not) and `alibi_fold`,
+      # then benchmarks/alibi_tiles.py at 8k (positions, vectors, the dQ
+      # kernel's 64-row K/V tiles, the fold on causal masks) with ptxas's
+      # spill report of each variant's kernels.
       XLA_FLAGS=$TEST_XLA_FLAGS timeout 150 python3 -m pytest -q -n 8 \
-        -p no:cacheprovider tests/test_gpu.py -k alibi_vectors \
+        -p no:cacheprovider tests/test_gpu.py -k "alibi_vectors or alibi_fold" \
         > "$OUT/alibi_vectors_tests.log" 2>&1
       grep -E "FAILED|passed|failed" "$OUT/alibi_vectors_tests.log" | tail -n 8
       MOSAIC_GPU_DUMP_PTXAS=1 timeout "${BENCH_LIMIT:-330}" python3 \

@@ -245,6 +245,8 @@ def test_mosaic_block_sizes_are_validated():
     jax_flash.MosaicBlockSizes(fp8_backward=True, fused_dq=True)
   with pytest.raises(ValueError, match="overlap=1 must be a bool"):
     jax_flash.MosaicBlockSizes(overlap=1)
+  with pytest.raises(ValueError, match="alibi_fold=None must be a bool"):
+    jax_flash.MosaicBlockSizes(alibi_fold=None)
   with pytest.raises(ValueError, match="overlap=True needs "
                      "named_barriers=False"):
     jax_flash.MosaicBlockSizes(overlap=True, named_barriers=True)

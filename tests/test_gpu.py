@@ -295,6 +295,18 @@ def test_mosaic_alibi_vectors_match_reference(name):
                   blocks=_default_with(case, alibi_vectors=True))
 
 
+@pytest.mark.parametrize("name", ["alibi_causal_gqa",
+                                  "alibi_window_dropout_h64",
+                                  "soft_cap_alibi_h256_causal"])
+def test_mosaic_alibi_fold_matches_reference(name):
+  """`MosaicBlockSizes(alibi_fold=True)`: ALiBi's query term in the
+  forward's row max and the backward's logsumexp, forward and gradients
+  (causal masks, where it applies)."""
+  case, options = MOSAIC_OPTIONS[name]
+  _compare_mosaic(case, options, blocks=_default_with(
+      case, alibi_vectors=True, alibi_fold=True))
+
+
 @pytest.mark.parametrize("group", [1, 4, 8, 16, 32, 64, 71])
 @pytest.mark.parametrize("splits", [3, 8])
 def test_mosaic_dkv_head_splits_match_reference(group, splits):

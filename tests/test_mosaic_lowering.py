@@ -839,3 +839,29 @@ def test_alibi_vectors_lower(kwargs, head_dim):
     # (Not == the other: a module's bytes hold a few process-dependent
     # ones after other lowerings in the process.)
     assert rule[name] != (off[name] if vectors else on[name]), name
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(is_causal=True),
+    dict(is_causal=True, local_window_size=(100, 0), logits_soft_cap=30.0),
+    dict(is_causal=True, dropout_rate=0.1, dropout_rng=jax.random.key(0))],
+    ids=["causal", "window_cap", "dropout"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_alibi_fold_lowers(kwargs, head_dim):
+  """`MosaicBlockSizes.alibi_fold` on causal masks: each of the three
+  kernels lowers with ALiBi's query term in the row max or the logsumexp
+  (programs of their own: the formula is checked in
+  `tests/test_variants.py::test_alibi_fold_is_alibi`)."""
+  shape = (2, 256, 520, 8, 2, head_dim)
+  slopes = jnp.linspace(0.1, 0.8, 8)
+  default = jax_flash.MosaicBlockSizes.get_default(
+      head_dim, is_causal=True, kv_len=520)
+  blocks = dataclasses.replace(default, alibi_vectors=True,
+                               block_kv=min(default.block_kv, 128))
+  fold, plain = (kernel_modules(lower_grad(
+      "mosaic", shape, alibi_slopes=slopes, **kwargs,
+      block_sizes=dataclasses.replace(blocks, alibi_fold=on)))
+      for on in (True, False))
+  assert len(fold) == 3 and fold.keys() == plain.keys()
+  for name in fold:
+    assert fold[name] != plain[name], name

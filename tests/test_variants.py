@@ -243,6 +243,57 @@ def test_alibi_vectors_are_alibi(scale, soft_cap, q_first, k_first, causal,
                              rtol=2e-6, atol=2e-4 * (1 + abs(c)))
 
 
+@pytest.mark.parametrize("q_first, slope", [(64, 0.7), (4096, 0.25),
+                                             (131008, 0.5), (200, -0.3)])
+def test_alibi_fold_is_alibi(q_first, slope):
+  """`MosaicBlockSizes.alibi_fold` on a causal mask: the tile's logits
+  without ALiBi's query term (`with_alibi(..., fold=True)`) and that term
+  as a row vector (`alibi_row`) joining the online softmax's max and shift
+  (`softmax_step(row=...)`, two key tiles in turn) give the logsumexp of
+  the logits with ALiBi as `Scores.logits2` forms them, and the
+  backward's P from the logsumexp less the row term (`_lse_tile`) is
+  2**(logits - lse); without a causal mask the fold changes nothing."""
+  from jax_flash.core.mask import Mask
+  from jax_flash.core.scores import Scores
+  from pallas_kernels.mosaic_gpu.flash_bwd import _lse_tile
+  from pallas_kernels.mosaic_gpu.tiles import (alibi_row, softmax_step,
+                                               with_alibi)
+  causal, rows = Mask(is_causal=True), q_first + jnp.arange(64)
+  qk = 5.0 * jax.random.normal(jax.random.key(2), (64, 256))
+  cols = q_first - 128 + jnp.arange(256)  # Keys before and after the rows.
+  seen = rows[:, None] >= cols[None, :]
+  want, _ = Scores(scale=0.088, alibi=True).logits2(
+      qk, rows[:, None], cols[None, :], slope=slope)
+  want = jnp.where(seen, want, -jnp.inf)
+  lse_want = jnp.log2(jnp.exp2(want - want.max(1, keepdims=True)).sum(1)) \
+      + want.max(1)
+  t, c, _ = Scores(scale=0.088).factored_logits2(qk)
+  m, l = jnp.full(64, -jnp.inf), jnp.zeros(64)
+  for j in range(2):  # Key tiles of 128, each based at its first key.
+    tile = slice(128 * j, 128 * (j + 1))
+    q_rel, k_rel = rows - cols[128 * j], jnp.arange(128)
+    folded = with_alibi(t[:, tile], c, slope, q_rel, k_rel, 0, causal,
+                        fold=True)
+    whole = with_alibi(t[:, tile], c, slope, q_rel, k_rel, 0, causal)
+    np.testing.assert_allclose(
+        np.where(seen[:, tile], folded * c + alibi_row(slope, q_rel)[:, None],
+                 0.0), np.where(seen[:, tile], whole * c, 0.0),
+        rtol=2e-6, atol=2e-4 * (1 + abs(c)))
+    s = jnp.where(seen[:, tile], folded, -jnp.inf)
+    _, m, l, _ = softmax_step(s, c, m, l, row=alibi_row(slope, q_rel))
+    p = jnp.exp2(folded * c - _lse_tile(lse_want, (64, 128), 0,
+                                        (slope, q_rel)))
+    np.testing.assert_allclose(
+        np.where(seen[:, tile], p, 0.0),
+        np.where(seen[:, tile], jnp.exp2(want[:, tile] - lse_want[:, None]),
+                 0.0), rtol=2e-4, atol=1e-6)
+  np.testing.assert_allclose(m + jnp.log2(l), lse_want, rtol=1e-6, atol=2e-4)
+  q_rel, k_rel = rows - cols[0], jnp.arange(256)
+  np.testing.assert_array_equal(  # Keys on both sides: no fold.
+      with_alibi(t, c, slope, q_rel, k_rel, 0, Mask(), fold=True),
+      with_alibi(t, c, slope, q_rel, k_rel, 0, Mask()))
+
+
 def test_alibi_vectors_default_rule():
   """`MosaicBlockSizes.alibi_vectors=None`: vectors for tiles of at most
   `ALIBI_VECTORS_MAX_COLUMNS` columns, whatever the mask; True: every

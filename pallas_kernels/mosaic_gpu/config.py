@@ -202,6 +202,10 @@ class BlockSizes:
       None: on for tiles of at most `ALIBI_VECTORS_MAX_COLUMNS` columns
       (the backward's always; the forward's K/V tiles with ALiBi are
       that wide by default).
+    alibi_fold: where ALiBi goes by vectors on a causal mask, its query
+      term (-slope i) joins the forward's row maximum and the backward's
+      logsumexp (one operation a row) instead of each score: one addition
+      a score, not two (`tiles.with_alibi`, `softmax_step`'s `row`).
   """
   block_q: int = 64
   block_kv: int = 128
@@ -223,6 +227,7 @@ class BlockSizes:
   e4m3_registers_bwd: bool = False
   dkv_head_splits: int | None = None
   alibi_vectors: bool | None = None
+  alibi_fold: bool = False
 
   def __post_init__(self):
     for name in ("block_q", "block_q_dkv", "block_kv_dkv", "block_q_dq",
@@ -242,7 +247,7 @@ class BlockSizes:
                       "a multiple of 8 in [24, 128]")
     for name in ("named_barriers", "dv_before_ds", "fused_dq", "persistent",
                  "fp8_backward", "overlap", "e4m3_stmatrix",
-                 "e4m3_registers", "e4m3_registers_bwd"):
+                 "e4m3_registers", "e4m3_registers_bwd", "alibi_fold"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"block_sizes.{name}={getattr(self, name)!r} must "
                          f"be a bool")

@@ -75,6 +75,7 @@ from pallas_kernels.mosaic_gpu.layout import (COMPUTE_WGS, Columns,
                                               tail_rows, tma_rows)
 from pallas_kernels.mosaic_gpu.tiles import (COL, ROW, E4m3Tiles,
                                              alibi_by_vectors,
+                                             alibi_folded, alibi_row,
                                              await_last_releases,
                                              columns, cta_row_tile, dropped,
                                              load_ids, logits2,
@@ -100,7 +101,7 @@ def _iota(shape, dim):
 
 def _probabilities(s, lse, masked, *, mask: Mask, scores: Scores,
                    kv_len: int, positions, rows_cols, ids, pair, refs, batch,
-                   head, c_scale=None, alibi_rel=None):
+                   head, c_scale=None, alibi_rel=None, fold=False):
   """(P, aux) of a raw score tile `s`: P = 2**(s2 - lse) with s2 its base-2
   logits (`Scores.factored_logits2`, with the bias tile `pair` of bias_ref:
   for plain scores one FMA a pair) and lse the base-2 logsumexp broadcast to
@@ -111,7 +112,8 @@ def _probabilities(s, lse, masked, *, mask: Mask, scores: Scores,
   None (then `positions()` computes them for the predicate); c_scale, a
   factor of the logits (FP8: Q's and K's scales) or None; alibi_rel:
   `with_alibi`'s (q_rel, k_rel, q_dim) where the tile adds ALiBi as
-  vectors (`scores` then without it), else None."""
+  vectors (`scores` then without it), else None; fold: its query term
+  left to lse (`_lse_tile`)."""
   slopes_ref, bias_ref, dense_ref = refs
   slope = None if slopes_ref is None else slopes_ref[batch, head]
   s, c, aux = logits2(
@@ -120,7 +122,7 @@ def _probabilities(s, lse, masked, *, mask: Mask, scores: Scores,
   if c_scale is not None:
     c = c * c_scale
   if alibi_rel is not None:
-    s = with_alibi(s, c, slope, *alibi_rel, mask)
+    s = with_alibi(s, c, slope, *alibi_rel, mask, fold=fold)
   p = jnp.exp2(s * c - lse)
 
   def hidden():
@@ -128,6 +130,16 @@ def _probabilities(s, lse, masked, *, mask: Mask, scores: Scores,
                  dense_ref=dense_ref, pair=pair, batch=batch, head=head, **ids)
     return jnp.where(ok, p, 0.0)
   return lax.cond(masked, hidden, lambda: p), aux
+
+
+def _lse_tile(lse, shape, q_dim: int, folded=None):
+  """The logsumexp lse (a vector over the tile's queries, along tile dim
+  q_dim) broadcast to a tile of `shape`. folded: None, or ALiBi's (slope,
+  q_rel) where its query term is folded (`alibi_folded`): lse less that
+  term first, one subtraction a query instead of an addition a pair."""
+  if folded is not None:
+    lse = lse - alibi_row(*folded)
+  return lax.broadcast_in_dim(lse, shape, [q_dim])
 
 
 def _part_views(layout: Columns, head_dim: int, *buffer_groups):
@@ -493,6 +505,7 @@ def _dkv_probabilities(cta: _Dkv, i, s, lse, width, head, kv_ids):
   if no_alibi is not None:  # Queries across (COL), keys down (ROW).
     alibi_rel = (cta.q_tile(i) * bq - cta.kv_start + vector_iota(width, COL),
                  vector_iota(shape[0], ROW), 1)
+  fold = alibi_rel is not None and alibi_folded(mask, cta.blocks)
   ids = {}
   if mask.has_ids:
     q_ids = load_ids(extras.q_ids, cta.batch, cta.q_tile(i) * bq, width, COL)
@@ -500,7 +513,8 @@ def _dkv_probabilities(cta: _Dkv, i, s, lse, width, head, kv_ids):
                kv_ids=lax.broadcast_in_dim(kv_ids, shape, [0]))
   tile = lo + i
   p, aux = _probabilities(
-      s, lax.broadcast_in_dim(lse, shape, [1]),
+      s, _lse_tile(lse, shape, 1, (extras.slopes[cta.batch, head],
+                                   alibi_rel[0]) if fold else None),
       (tile < full_lo) | (tile >= full_hi), mask=mask,
       scores=no_alibi or cta.scores, kv_len=cta.kv_len, positions=positions,
       rows_cols=rows_cols, ids=ids,
@@ -508,7 +522,8 @@ def _dkv_probabilities(cta: _Dkv, i, s, lse, width, head, kv_ids):
       pair=(cta.rows, pl.ds(cta.q_tile(i) * bq, width)),
       refs=(extras.slopes, extras.bias, extras.dense), batch=cta.batch,
       head=head, c_scale=(extras.scales[cta.batch, cta.kv_head, 0]
-                          if cta.fp8 else None), alibi_rel=alibi_rel)
+                          if cta.fp8 else None), alibi_rel=alibi_rel,
+      fold=fold)
   return p, aux, rows_cols
 
 
@@ -934,6 +949,7 @@ def _dq_step(cta: _Dq, j, carry, dq_accs, lse, delta, q_ids, width):
   if no_alibi is not None:  # Queries down (ROW), keys across (COL).
     alibi_rel = (cta.q_start - cta.kv_tile(j) * bkv + vector_iota(bq, ROW),
                  vector_iota(width, COL), 0)
+  fold = alibi_rel is not None and alibi_folded(mask, cta.blocks)
 
   def s_dp(s_acc, dp_acc):
     plgpu.barrier_wait(k_ready.at[ring])
@@ -946,7 +962,8 @@ def _dq_step(cta: _Dq, j, carry, dq_accs, lse, delta, q_ids, width):
     lo, full_lo, full_hi, _ = cta.ranges
     tile = lo + j
     p, aux = _probabilities(
-        s, lax.broadcast_in_dim(lse, shape, [0]),
+        s, _lse_tile(lse, shape, 0, (extras.slopes[cta.batch, cta.head],
+                                     alibi_rel[0]) if fold else None),
         (tile < full_lo) | (tile >= full_hi), mask=mask,
         scores=no_alibi or cta.scores, kv_len=cta.kv_len,
         positions=positions, rows_cols=rows_cols,
@@ -954,7 +971,7 @@ def _dq_step(cta: _Dq, j, carry, dq_accs, lse, delta, q_ids, width):
         refs=(extras.slopes, extras.bias, extras.dense), batch=cta.batch,
         head=cta.head,
         c_scale=extras.scales[cta.batch, cta.kv_head, 0] if fp8 else None,
-        alibi_rel=alibi_rel)
+        alibi_rel=alibi_rel, fold=fold)
     # P times the scores' derivative, all dS needs of P and aux.
     return cta.scores.dqk(p, aux), dp_acc[...]
   pd, dp = pl.run_scoped(s_dp, plgpu.ACC(shape, jnp.float32),

@@ -50,6 +50,7 @@ from pallas_kernels.mosaic_gpu.layout import (COMPUTE_WGS, Columns,
 from pallas_kernels.mosaic_gpu.scheduling import persistent_order
 from pallas_kernels.mosaic_gpu.tiles import (COL, ROW, E4m3Tiles,
                                              alibi_by_vectors,
+                                             alibi_folded, alibi_row,
                                              await_last_releases,
                                              columns, cta_row_tile, dropped,
                                              load_ids, logits2,
@@ -377,9 +378,10 @@ class _Item:
 
 
 def _logits(cta: _Cta, it: _Item, j, s, *, masked: bool, width: int):
-  """(t, c, positions, cols) of key tile j's raw scores s: base-2 logits
-  t * c (c > 0; `factored_logits2`), hidden pairs -inf where `masked`;
-  the positions and columns a score_mod, ALiBi or dropout see (None where
+  """(t, c, positions, cols, row) of key tile j's raw scores s: base-2
+  logits t * c + row (c > 0; `factored_logits2`; row: ALiBi's query term
+  where `alibi_folded`, else None), hidden pairs -inf where `masked`; the
+  positions and columns a score_mod, ALiBi or dropout see (None where
   unneeded)."""
   mask, block_q, block_kv = cta.mask, cta.blocks.block_q, cta.blocks.block_kv
   extras = cta.extras
@@ -400,11 +402,15 @@ def _logits(cta: _Cta, it: _Item, j, s, *, masked: bool, width: int):
                     head=it.head)
   if cta.fp8:
     c = c * it.qk_scale
+  row = None
   if no_alibi is not None:  # Query positions less the key tile's first.
     q_rel = it.q_start - j * block_kv + vector_iota(block_q, ROW)
     if extras.q_offsets is not None:
       q_rel = q_rel + it.q_offset
-    s = with_alibi(s, c, it.slope, q_rel, vector_iota(width, COL), 0, mask)
+    fold = alibi_folded(mask, cta.blocks)
+    s = with_alibi(s, c, it.slope, q_rel, vector_iota(width, COL), 0, mask,
+                   fold=fold)
+    row = alibi_row(it.slope, q_rel) if fold else None
   if masked:
     ids = {}
     if mask.has_ids:
@@ -415,7 +421,7 @@ def _logits(cta: _Cta, it: _Item, j, s, *, masked: bool, width: int):
                  pair=tile, batch=it.batch, head=it.head,
                  q_offset=it.q_offset, **ids)
     s = jnp.where(ok, s, -jnp.inf)
-  return s, c, positions, cols
+  return s, c, positions, cols, row
 
 
 def _step(cta: _Cta, it: _Item, j, carry, *, masked: bool, width: int):
@@ -435,9 +441,10 @@ def _step(cta: _Cta, it: _Item, j, carry, *, masked: bool, width: int):
     return acc_ref[...]
   s = pl.run_scoped(qk, plgpu.ACC((cta.blocks.block_q, width), jnp.float32))
   plgpu.barrier_arrive(k_free.at[slot])
-  s, c, positions, cols = _logits(cta, it, j, s, masked=masked, width=width)
+  s, c, positions, cols, row = _logits(cta, it, j, s, masked=masked,
+                                      width=width)
   p, m_new, l, acc = online_softmax(s, c, m, l, acc,
-                                    log2_scale=cta.log2_scale)
+                                    log2_scale=cta.log2_scale, row=row)
   # l sums the undropped p; only P V sees the dropout.
   if fp8:  # As e4m3: the left operand from shared memory or registers.
     p16 = cta.e4m3.operand(p.astype(fp8_lib.E4M3), it.p_smem)
@@ -487,7 +494,7 @@ def _overlapped_step(cta: _Cta, it: _Item, j, carry, *, masked: bool,
     cta.schedule.arrive()
     s = plgpu.wgmma_accumulator_load(s_ref, wait_n=0 if first_tile else 1)
     plgpu.barrier_arrive(k_free.at[slot])
-    s, c, _, _ = _logits(cta, it, j, s, masked=masked, width=block_kv)
+    s, c, _, _, _ = _logits(cta, it, j, s, masked=masked, width=block_kv)
     p, m_new, l_new, alpha = softmax_step(s, c, m, l,
                                           log2_scale=cta.log2_scale)
     p8 = p.astype(fp8_lib.E4M3)

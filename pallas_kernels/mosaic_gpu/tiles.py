@@ -148,17 +148,22 @@ def visible(mask: Mask, rows, cols, kv_len, *, dense_ref, pair, batch, head,
   return ok
 
 
-def softmax_step(s, c, m, l, *, log2_scale: float = 0.0):
-  """One tile of the online softmax on base-2 logits s * c (hidden pairs
-  -inf): (p, m_new, l_new, alpha) with the running row max m and sum l
-  updated, p = 2**(s c - m_new + log2_scale) (P scaled by 2**log2_scale
-  at no cost, l summing the scaled P) and alpha = 2**(m - m_new), the
-  factor that rescales the accumulator to m_new (a row that has seen no
-  key keeps max -inf and p 0)."""
-  m_new = jnp.maximum(m, s.max(axis=1) * c)
+def softmax_step(s, c, m, l, *, log2_scale: float = 0.0, row=None):
+  """One tile of the online softmax on base-2 logits s * c + row (hidden
+  pairs -inf; row: a term [rows] every logit of a row shares, or None):
+  (p, m_new, l_new, alpha) with the running row max m and sum l updated,
+  p = 2**(s c + row - m_new + log2_scale) (P scaled by 2**log2_scale at
+  no cost, l summing the scaled P; the row term joins the shift, not each
+  logit) and alpha = 2**(m - m_new), the factor that rescales the
+  accumulator to m_new (a row that has seen no key keeps max -inf and p
+  0)."""
+  tile_max = s.max(axis=1) * c
+  m_new = jnp.maximum(m, tile_max if row is None else tile_max + row)
   m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
   alpha = jnp.exp2(m - m_safe)
   shift = m_safe - log2_scale if log2_scale else m_safe
+  if row is not None:
+    shift = shift - row
   p = jnp.exp2(s * c - lax.broadcast_in_dim(shift, s.shape, [0]))
   return p, m_new, l * alpha + p.sum(axis=1), alpha
 
@@ -169,10 +174,11 @@ def rescaled(acc, alpha):
       lambda a: a * lax.broadcast_in_dim(alpha, a.shape, [0]), acc)
 
 
-def online_softmax(s, c, m, l, acc, *, log2_scale: float = 0.0):
+def online_softmax(s, c, m, l, acc, *, log2_scale: float = 0.0, row=None):
   """`softmax_step` with the accumulator acc rescaled: (p, m_new, l_new,
   acc)."""
-  p, m_new, l, alpha = softmax_step(s, c, m, l, log2_scale=log2_scale)
+  p, m_new, l, alpha = softmax_step(s, c, m, l, log2_scale=log2_scale,
+                                    row=row)
   return p, m_new, l, rescaled(acc, alpha)
 
 
@@ -230,23 +236,42 @@ def alibi_by_vectors(mask: Mask, scores: Scores, blocks,
   return dataclasses.replace(scores, alibi=False)
 
 
-def with_alibi(t, c, slope, q_rel, k_rel, q_dim: int, mask: Mask):
+def with_alibi(t, c, slope, q_rel, k_rel, q_dim: int, mask: Mask, *,
+               fold: bool = False):
   """t - (slope * log2(e) / c) |q - k|: a tile of base-2 logits t * c
   (`Scores.factored_logits2`) with ALiBi, from the vectors of its query
   and key positions less one base (the key tile's first), q_rel and k_rel
   (int32, in the layouts of tile dims q_dim and 1 - q_dim; the dK/dV
   kernel's tiles have their queries across, q_dim 1), each scaled once
   by a = slope log2(e) / c, then broadcast. Where `mask` shows keys at or
-  before their queries, two additions a pair: t + a k - a q; elsewhere
-  t - sign(a) |a k - a q| (a subtraction, |.| and a multiply-add)."""
+  before their queries, two additions a pair: t + a k - a q (with `fold`
+  t + a k alone, the caller adding `alibi_row(slope, q_rel)` to each
+  query's logits); elsewhere t - sign(a) |a k - a q| (a subtraction, |.|
+  and a multiply-add)."""
   a = slope * (LOG2E / c)
-  q_term = lax.broadcast_in_dim(q_rel.astype(jnp.float32) * a, t.shape,
-                                [q_dim])
+  folded = fold and keys_at_or_before(mask)
+  q_term = None if folded else lax.broadcast_in_dim(
+      q_rel.astype(jnp.float32) * a, t.shape, [q_dim])
   k_term = lax.broadcast_in_dim(k_rel.astype(jnp.float32) * a, t.shape,
                                 [1 - q_dim])
+  if folded:
+    return t + k_term
   if keys_at_or_before(mask):
     return t + k_term - q_term
   return t - jnp.abs(k_term - q_term) * jnp.where(a < 0, -1.0, 1.0)
+
+
+def alibi_row(slope, q_rel):
+  """-slope log2(e) q_rel: the base-2 query term `with_alibi(..., fold=True)`
+  leaves out, a vector in q_rel's layout."""
+  return q_rel.astype(jnp.float32) * (-LOG2E * slope)
+
+
+def alibi_folded(mask: Mask, blocks) -> bool:
+  """Whether ALiBi's query term joins the row max or the logsumexp
+  (`BlockSizes.alibi_fold` on a mask whose keys are at or before their
+  queries), where ALiBi goes by vectors."""
+  return blocks.alibi_fold and keys_at_or_before(mask)
 
 
 def vector_iota(size: int, layout):
