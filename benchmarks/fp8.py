@@ -179,6 +179,9 @@ def speed(head_dim, causal, seq_len, tokens, hidden, calls, repeats,
       # (`MosaicBlockSizes.e4m3_registers`, `e4m3_registers_bwd`).
       "fp8_registers": fp8_variant(causal, e4m3_registers=True,
                                    e4m3_registers_bwd=True),
+      # dS scaled by one bound a (batch, KV head)
+      # (`MosaicBlockSizes.fp8_ds_bound`).
+      "fp8_ds_bound": fp8_variant(causal, fp8_ds_bound=True),
   }
   # Inputs the caller quantized (forward only): float8 with descale.
   descale, e4m3 = _float8_inputs(q, k, v)
@@ -407,28 +410,42 @@ def error(head_dim, causal, seq_len, outliers):
     print(json.dumps(row), flush=True)
 
 
+def _scaled_round(x, bound):
+  """x float32 rounded to e4m3 with the power-of-two scale `fp8.scale_of`
+  gives `bound` (an array that broadcasts against x: a bound on |x| where
+  it broadcasts). The e4m3 values pass an optimization barrier, as in
+  `fp8.quantize_p`: XLA on a GPU would drop the round trip."""
+  scale = fp8.scale_of(bound)
+  x8 = jax.lax.optimization_barrier((x / scale).astype(fp8.E4M3))
+  return x8.astype(jnp.float32) * scale
+
+
 def _tile_round(x, tile):
   """x [B, N, T, S] float32 rounded to e4m3 with a power-of-two scale per
-  tile x tile block (the least at or above its max |x| / 448). The e4m3
-  values pass an optimization barrier, as in `fp8.quantize_p`: XLA on a GPU
-  would drop the round trip."""
+  tile x tile block (from its max |x|: `_scaled_round`)."""
   b, n, t, s = x.shape
   blocks = x.reshape(b, n, t // tile, tile, s // tile, tile)
   amax = jnp.max(jnp.abs(blocks), axis=(3, 5), keepdims=True)
-  m, e = jnp.frexp(amax / fp8.E4M3_MAX)
-  scale = jnp.where(amax > 0, jnp.ldexp(jnp.float32(1),
-                                        jnp.where(m == 0.5, e - 1, e)), 1.0)
-  x8 = jax.lax.optimization_barrier((blocks / scale).astype(fp8.E4M3))
-  return (x8.astype(jnp.float32) * scale).reshape(x.shape)
+  return _scaled_round(blocks, amax).reshape(x.shape)
 
 
-# Which of the backward's matmuls take e4m3 operands (`backward_error`).
+# Which of the backward's matmuls take e4m3 operands (`backward_error`),
+# and how dS is scaled for dQ and dK: a scale per tile x tile block, per
+# (batch, head) from its max |dS| ("head"), per query row from its max
+# |dS| ("row"), or from bounds known before the backward: per query row
+# 2 ||dO_i|| max_j ||V_j|| max_j P_ij ("row_bound"; max_j P_ij =
+# exp(m_i - lse_i), m_i the forward's row max of the logits), per (batch,
+# head) 1.25 (max_i ||dO_i|| max_j ||V_j|| + max_i |D_i|) ("head_bound",
+# `flash_bwd.ds_bound`: no reduction of dS at all).
 BACKWARD_VARIANTS = {
     "rounded_inputs": (),
     "dv_dp": ("dv", "dp"),
     "dq_dk_tile": ("dq", "dk"),
     "dq_dk_head": ("dq", "dk", "head"),
     "all_tile": ("dv", "dp", "dq", "dk"),
+    "all_row": ("dv", "dp", "dq", "dk", "row"),
+    "all_row_bound": ("dv", "dp", "dq", "dk", "row_bound"),
+    "all_head_bound": ("dv", "dp", "dq", "dk", "head_bound"),
 }
 
 
@@ -483,7 +500,18 @@ def backward_error(head_dim, seq_len, outliers, tile=128):
       dv = p_in.swapaxes(-1, -2) @ (dov if "dv" in parts else dof)
       dp = (dov if "dp" in parts else dof) @ vh.swapaxes(-1, -2)
       ds = p * (dp - delta)
-      if "dq" in parts:
+      norm = lambda x: jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True))
+      v_max = jnp.max(norm(vh), axis=-2, keepdims=True)
+      if "row" in parts:
+        ds = _scaled_round(ds, jnp.max(jnp.abs(ds), -1, keepdims=True))
+      elif "row_bound" in parts:
+        ds = _scaled_round(ds, 2 * norm(dof) * v_max
+                           * jnp.max(p, -1, keepdims=True))
+      elif "head_bound" in parts:  # As `flash_bwd.ds_bound`.
+        ds = _scaled_round(ds, 1.25 * (
+            jnp.max(norm(dof), -2, keepdims=True) * v_max
+            + jnp.max(jnp.abs(delta), -2, keepdims=True)))
+      elif "dq" in parts:
         ds = (_tile_round(ds, seq_len) if "head" in parts else
               _tile_round(ds, tile))
       dq = scale * ds @ kh

@@ -41,6 +41,8 @@
 #   bash scripts/gpu_check.sh fp8_train # train_lm --fp8 off/on at head dims 64 and 128
 #   bash scripts/gpu_check.sh fp8_registers # the forward's P from registers: its
 #                                       # tests, then fp8=True with and without it, 8k
+#   bash scripts/gpu_check.sh fp8_ds_bound # the FP8 backward's dS at one bound a head:
+#                                       # its tests, then fp8=True with and without it, 8k
 #   bash scripts/gpu_check.sh head_splits # the dK/dV kernel split over query-head shares:
 #                                       # its tests, then group sizes 1-71 vs cuDNN (fwd+bwd)
 #   bash scripts/gpu_check.sh mosaic    # the Mosaic kernels: correctness sweep + 8k benchmark
@@ -157,6 +159,16 @@ for mode in "$@"; do
         --impls bf16 fp8 fp8_registers > "$OUT/fp8_registers.jsonl" \
         2> /tmp/fp8_registers.err || tail -n 20 /tmp/fp8_registers.err
       cut -c1-220 "$OUT/fp8_registers.jsonl"
+      ;;
+    fp8_ds_bound)
+      XLA_FLAGS=$TEST_XLA_FLAGS timeout 200 python3 -m pytest -q -n 8 \
+        -p no:cacheprovider tests/test_fp8.py -k ds_bound \
+        > "$OUT/fp8_ds_bound_tests.log" 2>&1
+      grep -E "FAILED|passed|failed" "$OUT/fp8_ds_bound_tests.log" | tail -n 8
+      timeout "${BENCH_LIMIT:-240}" python3 benchmarks/fp8.py --parts speed \
+        --impls bf16 fp8 fp8_ds_bound > "$OUT/fp8_ds_bound.jsonl" \
+        2> /tmp/fp8_ds_bound.err || tail -n 20 /tmp/fp8_ds_bound.err
+      cut -c1-220 "$OUT/fp8_ds_bound.jsonl"
       ;;
     dispatch)
       timeout "${DISPATCH_LIMIT:-240}" python3 benchmarks/dispatch_overhead.py \

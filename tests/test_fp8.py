@@ -535,6 +535,45 @@ def test_mosaic_fp8_registers_operands_are_the_same_attention(shape, causal):
                                         for registers in (False, True)))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, causal", _VARIANT_CASES)
+def test_mosaic_fp8_ds_bound_is_the_same_attention(shape, causal):
+  """`MosaicBlockSizes.fp8_ds_bound` (dS scaled by one bound a (batch, KV
+  head), no row maxima or rescale): dS rounded to e4m3 at another scale,
+  so the gradients within a few e4m3 roundings of the default's, within
+  the bounds of `_check_against_rounding`, bitwise the same from one run
+  to the next; the forward unchanged."""
+  block_kv = config.FP8_BLOCK_KV[shape[-1]][not causal]
+  _check_variant(shape, causal, 5e-2, *(jax_flash.MosaicBlockSizes(
+      overlap=True, fp8_backward=True, block_kv=block_kv, fp8_ds_bound=on)
+                                        for on in (False, True)))
+
+
+def test_ds_bound_bounds_ds():
+  """`flash_bwd.ds_bound` (`fp8_ds_bound`'s scale): at or above |dS| =
+  |P (dP - D)| over each (batch, KV head)'s query heads, rows and keys,
+  with a logsumexp cotangent in D and large values; within 2^7 of it on
+  these inputs (the bound spends at most seven of e4m3's binades)."""
+  from pallas_kernels.mosaic_gpu.flash_bwd import ds_bound
+  b, t, s, n, kv, h = 2, 300, 280, 8, 2, 64
+  keys = jax.random.split(jax.random.key(3), 5)
+  q = jax.random.normal(keys[0], (b, t, n, h))
+  k, v = (c * jax.random.normal(x, (b, s, kv, h))
+          for c, x in ((1.0, keys[1]), (30.0, keys[2])))
+  do = jax.random.normal(keys[3], (b, t, n, h))
+  kk, vv = (jnp.repeat(x, n // kv, axis=2) for x in (k, v))
+  p = jax.nn.softmax(jnp.einsum("btnh,bsnh->bnts", q, kk) * h ** -0.5, -1)
+  o = jnp.einsum("bnts,bsnh->btnh", p, vv)
+  delta = (jnp.einsum("btnh,btnh->bnt", do, o)
+           - 5.0 * jax.random.normal(keys[4], (b, n, t)))
+  ds = p * (jnp.einsum("btnh,bsnh->bnts", do, vv) - delta[..., None])
+  actual = jnp.abs(ds).reshape(b, kv, n // kv, t, s).max(axis=(2, 3, 4))
+  bound = ds_bound(do, v, delta, kv)
+  assert bound.shape == (b, kv)
+  assert bool(jnp.all(actual <= bound))
+  assert bool(jnp.all(bound <= 2.0 ** 7 * actual))
+
+
 def _check_variant(shape, causal, bound, blocks, variant):
   """fp8=True on the Mosaic kernels at tiles `variant` against `blocks`
   (a GPU's): output and gradients within `bound` (relative) of each

@@ -807,6 +807,27 @@ def test_fp8_registers_operands_lower(head_dim, causal, overlap):
   assert on != off
 
 
+@pytest.mark.parametrize("head_dim, causal, registers", [
+    (128, True, True), (128, False, False), (256, True, True),
+    (64, False, False)])
+def test_fp8_ds_bound_lowers(head_dim, causal, registers):
+  """`MosaicBlockSizes.fp8_ds_bound`: both FP8 backward kernels lower with
+  dS scaled by one bound a (batch, KV head) (no row maxima, no rescale),
+  dS through shared memory or from registers, head dims split or not;
+  programs of their own."""
+  shape = (2, 256, 520, 8, 2, head_dim)
+  blocks = functools.partial(
+      jax_flash.MosaicBlockSizes, overlap=True, fp8_backward=True,
+      e4m3_registers_bwd=registers, e4m3_stmatrix=not registers,
+      block_kv=config.FP8_BLOCK_KV[head_dim][not causal])
+  on, off = (kernel_modules(lower_grad(
+      "mosaic", shape, is_causal=causal, fp8=True,
+      block_sizes=blocks(fp8_ds_bound=bound))) for bound in (True, False))
+  assert set(MOSAIC_BACKWARD) <= on.keys() == off.keys()
+  for name in MOSAIC_BACKWARD:
+    assert on[name] != off[name], name
+
+
 @pytest.mark.parametrize("kwargs", [
     dict(is_causal=True),
     dict(is_causal=True, local_window_size=(100, 0), logits_soft_cap=30.0,

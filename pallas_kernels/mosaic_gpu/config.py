@@ -202,6 +202,10 @@ class BlockSizes:
       None: on for tiles of at most `ALIBI_VECTORS_MAX_COLUMNS` columns
       (the backward's always; the forward's K/V tiles with ALiBi are
       that wide by default).
+    fp8_ds_bound (FP8 backward): dS scaled to e4m3 by one bound a (batch,
+      KV head) on |dS|, formed before the kernels (`flash_bwd.ds_bound`),
+      instead of its rows' running maxima: no row maxima of |dS| and no
+      rescale of the dK and dQ accumulators.
     alibi_fold: where ALiBi goes by vectors on a causal mask, its query
       term (-slope i) joins the forward's row maximum and the backward's
       logsumexp (one operation a row) instead of each score: one addition
@@ -228,6 +232,7 @@ class BlockSizes:
   dkv_head_splits: int | None = None
   alibi_vectors: bool | None = None
   alibi_fold: bool = False
+  fp8_ds_bound: bool = False
 
   def __post_init__(self):
     for name in ("block_q", "block_q_dkv", "block_kv_dkv", "block_q_dq",
@@ -247,7 +252,8 @@ class BlockSizes:
                       "a multiple of 8 in [24, 128]")
     for name in ("named_barriers", "dv_before_ds", "fused_dq", "persistent",
                  "fp8_backward", "overlap", "e4m3_stmatrix",
-                 "e4m3_registers", "e4m3_registers_bwd", "alibi_fold"):
+                 "e4m3_registers", "e4m3_registers_bwd", "alibi_fold",
+                 "fp8_ds_bound"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"block_sizes.{name}={getattr(self, name)!r} must "
                          f"be a bool")

@@ -203,7 +203,7 @@ def _zeros(shape, layout=plgpu.Layout.WGMMA):
 _DS_FLOOR = 2.0 ** -100
 
 
-def _quantize_ds(ds, m, ds_smem, e4m3: E4m3Tiles):
+def _quantize_ds(ds, m, ds_smem, e4m3: E4m3Tiles, bound: bool = False):
   """FP8's dS tile (float32 [rows, cols], an accumulator's layout) as
   e4m3 values of dS * 448 / m_new, wgmma's left operand (`e4m3.operand`:
   stored into ds_smem, or in registers), m_new the running maximum of
@@ -211,7 +211,14 @@ def _quantize_ds(ds, m, ds_smem, e4m3: E4m3Tiles):
   returns (the operand, m_new, alpha = m / m_new), by which the caller
   rescales the rows of the accumulator this tile's product adds to (the
   online softmax's trick: the accumulator then holds the sum at the
-  scale m_new / 448)."""
+  scale m_new / 448). With `bound` (`BlockSizes.fp8_ds_bound`) m is a
+  bound on every |dS| (`ds_bound`, from the first tile on): m_new is m
+  and alpha None (no rescale)."""
+  if bound:
+    inverse = jnp.where(m > _DS_FLOOR, fp8_lib.E4M3_MAX / m, 0.0)
+    ds8 = e4m3.operand((ds * lax.broadcast_in_dim(inverse, ds.shape, [0]))
+                        .astype(fp8_lib.E4M3), ds_smem)
+    return ds8, m, None
   m_new = jnp.maximum(m, jnp.abs(ds).max(axis=1))
   positive = m_new > _DS_FLOOR
   alpha = jnp.where(positive, m / m_new, 1.0)
@@ -229,6 +236,32 @@ def _fp8_product(acc, alpha, a, b_smem):
   if alpha is not None:
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
   return pl.run_state(product)((plgpu.ACC.init(acc),))[0]
+
+
+def _ds_scale_start(cta, rows: int):
+  """The FP8 kernels' dS scale carry before the first tile: the rows'
+  maxima of |dS| (zeros), or with `fp8_ds_bound` the (batch, KV head)'s
+  bound on |dS| (`ds_bound`, the scales' last column) on every row."""
+  zeros = _zeros((rows,), ROW)
+  if not cta.blocks.fp8_ds_bound:
+    return zeros
+  return zeros + cta.extras.scales[cta.batch, cta.kv_head, 5]
+
+
+def ds_bound(do, v, delta, num_kv_heads: int):
+  """float32 [B, K]: a bound on |dS| = |P (dP - D)| over each (batch, KV
+  head)'s query heads, rows and keys, from P <= 1, |dP_ij| <= ||dO_i||
+  ||V_j|| and |D_i|: max_i ||dO_i|| max_j ||V_j|| + max_i |D_i|, 1.25 times
+  over (dO and V reach the kernels rounded to e4m3, each element within
+  1/16 of itself). do [B, T, N, H], v [B, S, K, H] (the values the kernels
+  multiply, dequantized), delta [B, N, T] (D)."""
+  b, t, n, _ = do.shape
+  norm = lambda x: jnp.sqrt(jnp.sum(jnp.square(x.astype(jnp.float32)), -1))
+  do_max = norm(do).reshape(b, t, num_kv_heads, n // num_kv_heads).max(
+      axis=(1, 3))
+  d_max = jnp.abs(delta.astype(jnp.float32)).reshape(
+      b, num_kv_heads, -1).max(axis=-1)
+  return 1.25 * (do_max * norm(v).max(axis=1) + d_max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -444,7 +477,8 @@ def _fp8_products(cta: _Dkv, carry, dv_acc, p, delta, ring, do_smem):
     return plgpu.wgmma_accumulator_load(acc, wait_n=1)  # dV runs.
   dp = pl.run_scoped(dp_dv, plgpu.ACC(p.shape, jnp.float32))
   ds = p * (dp * scales_ref[cta.batch, cta.kv_head, 1] - delta)
-  ds8, m, alpha = _quantize_ds(ds, m, ds_smem, cta.e4m3)
+  ds8, m, alpha = _quantize_ds(ds, m, ds_smem, cta.e4m3,
+                               cta.blocks.fp8_ds_bound)
   dk = _fp8_product(dk, alpha, ds8, qt_smem.at[ring].T)
   plgpu.barrier_arrive(do_free.at[ring])  # dV's matmul is done too.
   plgpu.barrier_arrive(q_free.at[ring])
@@ -480,7 +514,7 @@ def _fp8_split(cta: _Dkv, carry, p, delta, ring, do_smem):
     dp = pl.run_scoped(dp_t, plgpu.ACC(p.shape, jnp.float32))
     ds8, m, alpha = _quantize_ds(
         p * (dp * cta.extras.scales[cta.batch, cta.kv_head, 1] - delta), m,
-        ds_smem, cta.e4m3)
+        ds_smem, cta.e4m3, cta.blocks.fp8_ds_bound)
     return _fp8_product(acc, alpha, ds8, qt_smem.at[ring].T), m
   carry = lax.cond(wg == 0, dv_part, dk_part, carry)
   plgpu.barrier_arrive(do_free.at[ring])
@@ -661,7 +695,7 @@ def _dkv_fp8_store(cta: _Dkv, run):
   batch, kv_head, slot = cta.batch, cta.kv_head, cta.slot
   _, out_smem = cta.scratch["fp8"]["ring"]
   dk_ref, dv_ref = cta.refs[6:]
-  zeros = (_zeros((bkv, width)), _zeros((bkv,), ROW))
+  zeros = (_zeros((bkv, width)), _ds_scale_start(cta, bkv))
   if cta.split:  # One accumulator a warpgroup, carried: dV's or dK's.
     acc, m = run(carry=zeros)
     dk = dv = acc
@@ -984,7 +1018,7 @@ def _dq_step(cta: _Dq, j, carry, dq_accs, lse, delta, q_ids, width):
     ds8, m, alpha = _quantize_ds(
         pd * (dp * extras.scales[cta.batch, cta.kv_head, 1]
               - lax.broadcast_in_dim(delta, shape, [0])), m, ds_smem,
-        cta.e4m3)
+        cta.e4m3, cta.blocks.fp8_ds_bound)
     dq = _fp8_product(dq, alpha, ds8, fp8_smem["kt"].at[ring].T)
     plgpu.barrier_arrive(k_free.at[ring])
     return dq, m
@@ -1039,7 +1073,8 @@ def _dq_consumer(cta: _Dq):
         dq_accs=dq_accs, lse=lse, delta=delta, q_ids=q_ids), carry)
     return carry if cta.fp8 else [acc[...] for acc in dq_accs]
   if cta.fp8:  # dS's row scales (m / 448), K's and the softmax scale.
-    dq, m = run(carry=(_zeros((bq, cta.layout.width)), _zeros((bq,), ROW)))
+    dq, m = run(carry=(_zeros((bq, cta.layout.width)),
+                       _ds_scale_start(cta, bq)))
     out = cta.scratch["fp8"]["out"].at[wg]
     _store([(out, out, dq * lax.broadcast_in_dim(
         m * cta.extras.scales[batch, cta.kv_head, 4], dq.shape, [0]),
@@ -1082,7 +1117,8 @@ def _dq_kernel(refs, extras: Extras, scratch, **statics):
 
 def fp8_backward_operands(operands: Operands, do, softmax_scale: float,
                           q_rows: int, kv_rows: int,
-                          rounding: fp8_lib.Rounding, e4m3: E4m3Tiles):
+                          rounding: fp8_lib.Rounding, e4m3: E4m3Tiles,
+                          delta=None):
   """(q8, k8, v8, do8, (qt8, dot8, kt8), scales) for the FP8 backward: the
   call's e4m3 values (`Operands.fp8_q`, ...) and dO quantized as the
   inputs are (`jax_flash.core.fp8`, by `rounding`), zero rows up to
@@ -1090,7 +1126,9 @@ def fp8_backward_operands(operands: Operands, do, softmax_scale: float,
   H, rows], their rows permuted as the e4m3 tiles they meet are stored
   (`e4m3`: P^T, dS^T and dS); scales [B, K, 5] float32: Q's times K's (the logits), V's
   times dO's (dP), dO's / 448 (dV from P * 448), Q's and K's times
-  softmax_scale / 448 (dK and dQ from dS * 448 over its row maxima)."""
+  softmax_scale / 448 (dK and dQ from dS * 448 over its row maxima), and
+  given D (`delta`, [B, N, T]: `BlockSizes.fp8_ds_bound`) a sixth, the
+  bound on |dS| (`ds_bound`)."""
   num_kv_heads = operands.fp8_k.shape[2]
   sq, sk, sv = (operands.fp8_scales[..., i] for i in range(3))
   sdo = fp8_lib.scales(do, num_kv_heads, rounding)
@@ -1100,8 +1138,13 @@ def fp8_backward_operands(operands: Operands, do, softmax_scale: float,
   transposed = tuple(e4m3.permute(x.transpose(0, 2, 3, 1))
                      for x in (q8, do8, k8))
   scale = softmax_scale / fp8_lib.E4M3_MAX
-  scales = jnp.stack([sq * sk, sv * sdo, sdo / fp8_lib.E4M3_MAX, sq * scale,
-                      sk * scale], axis=-1).astype(jnp.float32)
+  columns = [sq * sk, sv * sdo, sdo / fp8_lib.E4M3_MAX, sq * scale,
+             sk * scale]
+  if delta is not None:
+    columns.append(ds_bound(
+        fp8_lib.dequantize(do8, sdo, num_kv_heads),
+        fp8_lib.dequantize(v8, sv, num_kv_heads), delta, num_kv_heads))
+  scales = jnp.stack(columns, axis=-1).astype(jnp.float32)
   return q8, k8, v8, do8, transposed, scales
 
 
@@ -1363,7 +1406,8 @@ def flash_backward(q, k, v, operands: Operands, delta, lse, do, *,
   if fp8:
     q, k, v, do, (qt8, dot8, kt8), fp8_scales = fp8_backward_operands(
         operands, do, scores.scale, tp, kv_cols, fp8_rounding,
-        E4m3Tiles(blocks.e4m3_stmatrix, blocks.e4m3_registers_bwd))
+        E4m3Tiles(blocks.e4m3_stmatrix, blocks.e4m3_registers_bwd),
+        delta if blocks.fp8_ds_bound else None)
   else:
     q, do = (pad_to(x.astype(q.dtype), 1, tma_rows(q_len, untiled))
              for x in (q, do))
