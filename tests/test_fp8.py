@@ -542,9 +542,11 @@ def test_mosaic_fp8_ds_bound_is_the_same_attention(shape, causal):
   head), no row maxima or rescale): dS rounded to e4m3 at another scale,
   so the gradients within a few e4m3 roundings of the default's, within
   the bounds of `_check_against_rounding`, bitwise the same from one run
-  to the next; the forward unchanged."""
+  to the next; the forward unchanged. (Each variant's dS rounding adds
+  about 3% to the gradients' error against float32 on these inputs,
+  independently: 0.1 bounds their difference.)"""
   block_kv = config.FP8_BLOCK_KV[shape[-1]][not causal]
-  _check_variant(shape, causal, 5e-2, *(jax_flash.MosaicBlockSizes(
+  _check_variant(shape, causal, 1e-1, *(jax_flash.MosaicBlockSizes(
       overlap=True, fp8_backward=True, block_kv=block_kv, fp8_ds_bound=on)
                                         for on in (False, True)))
 
