@@ -79,6 +79,20 @@ bench() {  # bench NAME TIMEOUT ARGS...: one benchmark run into $OUT/NAME.
     | cut -c1-400 | sort -u | head -n 12
 }
 
+fp8_variant() {  # fp8_variant IMPL TESTS: an FP8 option (benchmarks/fp8.py's
+  # speed row IMPL): test_fp8.py -k TESTS, then fp8=True with and without
+  # it beside bf16, 8k.
+  local impl=$1 tests=$2
+  XLA_FLAGS=$TEST_XLA_FLAGS timeout 200 python3 -m pytest -q -n 8 \
+    -p no:cacheprovider tests/test_fp8.py -k "$tests" \
+    > "$OUT/${impl}_tests.log" 2>&1
+  grep -E "FAILED|passed|failed" "$OUT/${impl}_tests.log" | tail -n 8
+  timeout "${BENCH_LIMIT:-240}" python3 benchmarks/fp8.py --parts speed \
+    --impls bf16 fp8 "$impl" > "$OUT/$impl.jsonl" \
+    2> "/tmp/$impl.err" || tail -n 20 "/tmp/$impl.err"
+  cut -c1-220 "$OUT/$impl.jsonl"
+}
+
 fp8_train() {  # fp8_train HEADS...: train_lm with --fp8 off and on, the
   # same seed (d_model 512, causal, 1,024 tokens: head dim 512 / HEADS;
   # 8 heads, 64: the bf16 backward on the rounded inputs; 4 heads, 128: the
@@ -148,27 +162,14 @@ for mode in "$@"; do
       fp8_train 8
       ;;
     fp8_train)
-      fp8_train ${FP8_TRAIN_HEADS:-8 4}  # shellcheck disable=SC2086
+      # shellcheck disable=SC2086
+      fp8_train ${FP8_TRAIN_HEADS:-8 4}
       ;;
     fp8_registers)
-      XLA_FLAGS=$TEST_XLA_FLAGS timeout 200 python3 -m pytest -q -n 8 \
-        -p no:cacheprovider tests/test_fp8.py -k "registers or stmatrix" \
-        > "$OUT/fp8_registers_tests.log" 2>&1
-      grep -E "FAILED|passed|failed" "$OUT/fp8_registers_tests.log" | tail -n 8
-      timeout "${BENCH_LIMIT:-240}" python3 benchmarks/fp8.py --parts speed \
-        --impls bf16 fp8 fp8_registers > "$OUT/fp8_registers.jsonl" \
-        2> /tmp/fp8_registers.err || tail -n 20 /tmp/fp8_registers.err
-      cut -c1-220 "$OUT/fp8_registers.jsonl"
+      fp8_variant fp8_registers "registers or stmatrix"
       ;;
     fp8_ds_bound)
-      XLA_FLAGS=$TEST_XLA_FLAGS timeout 200 python3 -m pytest -q -n 8 \
-        -p no:cacheprovider tests/test_fp8.py -k ds_bound \
-        > "$OUT/fp8_ds_bound_tests.log" 2>&1
-      grep -E "FAILED|passed|failed" "$OUT/fp8_ds_bound_tests.log" | tail -n 8
-      timeout "${BENCH_LIMIT:-240}" python3 benchmarks/fp8.py --parts speed \
-        --impls bf16 fp8 fp8_ds_bound > "$OUT/fp8_ds_bound.jsonl" \
-        2> /tmp/fp8_ds_bound.err || tail -n 20 /tmp/fp8_ds_bound.err
-      cut -c1-220 "$OUT/fp8_ds_bound.jsonl"
+      fp8_variant fp8_ds_bound ds_bound
       ;;
     dispatch)
       timeout "${DISPATCH_LIMIT:-240}" python3 benchmarks/dispatch_overhead.py \

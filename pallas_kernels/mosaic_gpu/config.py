@@ -202,14 +202,14 @@ class BlockSizes:
       None: on for tiles of at most `ALIBI_VECTORS_MAX_COLUMNS` columns
       (the backward's always; the forward's K/V tiles with ALiBi are
       that wide by default).
-    fp8_ds_bound (FP8 backward): dS scaled to e4m3 by one bound a (batch,
-      KV head) on |dS|, formed before the kernels (`flash_bwd.ds_bound`),
-      instead of its rows' running maxima: no row maxima of |dS| and no
-      rescale of the dK and dQ accumulators.
     alibi_fold: where ALiBi goes by vectors on a causal mask, its query
       term (-slope i) joins the forward's row maximum and the backward's
       logsumexp (one operation a row) instead of each score: one addition
       a score, not two (`tiles.with_alibi`, `softmax_step`'s `row`).
+    fp8_ds_bound (FP8 backward): dS scaled to e4m3 by one bound a (batch,
+      KV head) on |dS|, formed before the kernels (`flash_bwd.ds_bound`),
+      instead of its rows' running maxima: no row maxima of |dS| and no
+      rescale of the dK and dQ accumulators.
   """
   block_q: int = 64
   block_kv: int = 128
