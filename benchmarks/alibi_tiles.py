@@ -8,7 +8,8 @@ rows; the dQ kernel's at 64.
 
     PYTHONPATH=. python3 benchmarks/alibi_tiles.py [--seq-len 8192]
         [--head-dims 128 64] [--modes fwd fwd+bwd]
-        [--modification alibi|soft_cap]
+        [--modification alibi|soft_cap] [--masks causal none]
+        [--labels plain,alibi,alibi_fold,cudnn]
 
 bf16, 16k tokens (batch = 16384 / seq), hidden 2048, causal and not, the
 paper's geometric slopes; jitted calls, one JSON line a measurement. With
@@ -63,7 +64,14 @@ def main():
   parser.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"])
   parser.add_argument("--modification", default="alibi",
                       choices=["alibi", "soft_cap"])
+  parser.add_argument("--masks", nargs="+", default=["causal", "none"],
+                      choices=["causal", "none"])
+  parser.add_argument("--labels", default=None,
+                      help="comma-separated rows to run, spaces as "
+                      "underscores (default: all)")
   args = parser.parse_args()
+  wanted = (None if args.labels is None else
+            {x.replace("_", " ") for x in args.labels.split(",")})
   t = args.seq_len
   for h in args.head_dims:
     b, n = 16384 // t, 2048 // h
@@ -71,7 +79,7 @@ def main():
     q, k, v, do = (jax.random.normal(x, (b, t, n, h), jnp.bfloat16)
                    for x in keys)
     slopes = 2.0 ** (-8.0 * jnp.arange(1, n + 1, dtype=jnp.float32) / n)
-    for causal in (True, False):
+    for causal in (mask == "causal" for mask in args.masks):
       flops = 4 * b * n * h * t * t / (2 if causal else 1)
       modified = ({"logits_soft_cap": 30.0}
                   if args.modification == "soft_cap" else
@@ -86,6 +94,8 @@ def main():
       impls["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
           q, k, v, is_causal=causal, implementation="cudnn")
       for label, fn in impls.items():
+        if wanted is not None and label.replace("_", " ") not in wanted:
+          continue
         print(f"== {label} h={h} causal={causal}", file=sys.stderr,
               flush=True)
         for mode in args.modes:
