@@ -64,7 +64,8 @@ OFFSETS = [0, 45]
 
 @pytest.mark.parametrize("mask", BANDS, ids=str)
 @pytest.mark.parametrize("q_len, kv_len, block_q, block_k",
-                         [(100, 90, 16, 32), (64, 64, 32, 16), (37, 130, 16, 16)])
+                         [(100, 90, 16, 32), (64, 64, 32, 16), (37, 130, 16, 16),
+                          (100, 96, 16, 32)])
 @pytest.mark.parametrize("q_offset", OFFSETS)
 def test_kv_block_ranges_match_brute_force(mask, q_len, kv_len, block_q,
                                            block_k, q_offset):
@@ -79,6 +80,11 @@ def test_kv_block_ranges_match_brute_force(mask, q_len, kv_len, block_q,
                                         q_offset=q_offset))
     classes = _tile_classes(tile_rows, 0, block_q, block_k, num_tiles)
     _check_ranges(ranges, classes)
+    # A partial range the static mask rules out is empty (its loop unemitted).
+    leading, trailing = mask_lib.kv_partial_ends(mask, block_k, kv_len)
+    lo, full_lo, full_hi, hi = (int(x) for x in ranges)
+    assert leading or full_lo == lo, ranges
+    assert trailing or full_hi == hi, ranges
 
 
 @pytest.mark.parametrize("mask", BANDS, ids=str)

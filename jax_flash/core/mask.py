@@ -197,6 +197,18 @@ def kv_block_ranges(mask: Mask, q_start, block_q: int, block_k: int,
   return clamp_ranges(jnp.minimum(lo, hi), full_lo, full_hi, hi)
 
 
+def kv_partial_ends(mask: Mask, block_k: int, kv_len: int) -> tuple[bool, bool]:
+  """Whether `kv_block_ranges`' partial ranges [lo, full_lo) and [full_hi, hi)
+  can hold a tile, by the static mask alone. One that cannot is empty on
+  every call (no left bound: full_lo = lo; no right bound and whole tiles:
+  full_hi = hi), so a kernel need not emit its loop. Ids, tile kinds, a
+  dense mask or a mask_mod may make any tile partial."""
+  if mask.has_table or mask.has_dense or mask.mod is not None:
+    return True, True
+  left, right = mask.band()
+  return left is not None, right is not None or kv_len % block_k != 0
+
+
 def q_block_ranges(mask: Mask, kv_start, block_k: int, block_q: int,
                    q_len: int, q_offset=0):
   """Query tiles a key tile [kv_start, kv_start + block_k) must visit, by the band.

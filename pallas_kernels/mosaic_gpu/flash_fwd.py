@@ -39,7 +39,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax_flash.core import fp8 as fp8_lib
 from jax_flash.core import softmax
 from jax_flash.core.device import num_multiprocessors
-from jax_flash.core.mask import Mask, cdiv, kv_block_ranges
+from jax_flash.core.mask import Mask, cdiv, kv_block_ranges, kv_partial_ends
 from jax_flash.core.operands import Operands
 from jax_flash.core.padding import pad_pairs, pad_to, round_up
 from jax_flash.core.scores import Scores
@@ -547,11 +547,16 @@ def _release(cta: _Cta, it: _Item, j, carry):
 
 
 def _stepped_tiles(cta: _Cta, it: _Item, carry):
-  """Tiles [lo, hi), each by `_step`: masked, unmasked, masked."""
+  """Tiles [lo, hi), each by `_step`: masked, unmasked, masked (a masked
+  range the mask leaves empty on every call not emitted)."""
   lo, full_lo, full_hi, hi = it.ranges
   block_kv, tail = cta.blocks.block_kv, cta.tail
-  for start, stop, masked in ((lo, full_lo, True), (full_lo, full_hi, False),
-                              (full_hi, hi, True)):
+  leading, trailing = kv_partial_ends(cta.mask, block_kv, cta.kv_len)
+  for start, stop, masked, emitted in ((lo, full_lo, True, leading),
+                                       (full_lo, full_hi, False, True),
+                                       (full_hi, hi, True, trailing)):
+    if not emitted:
+      continue
     # The last key tile (always masked where keys end inside it) on its
     # first `tail` rows: a loop of none or one step after the rest.
     end = (stop if not masked or tail == block_kv else
@@ -566,15 +571,21 @@ def _stepped_tiles(cta: _Cta, it: _Item, carry):
 
 def _overlapped_tiles(cta: _Cta, it: _Item, carry):
   """Tiles [lo, hi) by `_overlapped_step`: the first (taken as masked),
-  the rest, then the last one's P V."""
+  the rest, then the last one's P V (a masked range the mask leaves empty
+  on every call not emitted)."""
   lo, full_lo, full_hi, hi = it.ranges
+  leading, trailing = kv_partial_ends(cta.mask, cta.blocks.block_kv,
+                                      cta.kv_len)
   pending = cta.e4m3.no_operand((cta.blocks.block_q, cta.blocks.block_kv))
   carry = lax.fori_loop(lo, jnp.minimum(lo + 1, hi), functools.partial(
       _overlapped_step, cta, it, masked=True, first_tile=True),
       (*carry, pending))
-  for start, stop, masked in ((lo + 1, full_lo, True),
-                              (jnp.maximum(full_lo, lo + 1), full_hi, False),
-                              (jnp.maximum(full_hi, lo + 1), hi, True)):
+  for start, stop, masked, emitted in (
+      (lo + 1, full_lo, True, leading),
+      (jnp.maximum(full_lo, lo + 1), full_hi, False, True),
+      (jnp.maximum(full_hi, lo + 1), hi, True, trailing)):
+    if not emitted:
+      continue
     carry = lax.fori_loop(start, stop, functools.partial(
         _overlapped_step, cta, it, masked=masked), carry)
   return lax.fori_loop(hi, jnp.where(lo < hi, hi + 1, hi),
