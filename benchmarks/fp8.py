@@ -367,9 +367,10 @@ class _NoExp2:
     return (lambda x: x) if name == "exp2" else getattr(jnp, name)
 
 
-def error(head_dim, causal, seq_len, outliers):
-  """Errors against float32 on the unquantized inputs; `outliers`: two
-  feature columns of Q and K 20x the rest."""
+def error(head_dim, causal, seq_len, outliers, names=None):
+  """Errors against float32 on the unquantized inputs of the
+  implementations `names` (None: all); `outliers`: two feature columns of
+  Q and K 20x the rest."""
   keys = jax.random.split(jax.random.key(1), 4)
   shape = (1, seq_len, 8, head_dim)
   q, k, v, do = (jax.random.normal(kk, shape, jnp.bfloat16) for kk in keys)
@@ -386,6 +387,7 @@ def error(head_dim, causal, seq_len, outliers):
            "fp8_rotate": lambda q, k, v: jax_flash.flash_attention(
                q, k, v, is_causal=causal, fp8="rotate"),
            "fp8_bwd8": fp8_backward(causal),
+           "fp8_ds_bound": fp8_variant(causal, fp8_ds_bound=True),
            "bf16": lambda q, k, v: jax_flash.flash_attention(
                q, k, v, is_causal=causal),
            "rounding_alone": rounded}
@@ -397,6 +399,8 @@ def error(head_dim, causal, seq_len, outliers):
   want_g = grads(exact, *up)
   calls["cudnn_fp8"] = cudnn_fp8(causal)  # Forward only.
   for name, f in calls.items():
+    if names is not None and name not in names:
+      continue
     args = up if name == "rounding_alone" else (q, k, v)
     row = dict(kind="error", impl=name, head_dim=head_dim, causal=causal,
                seq_len=seq_len, outliers=outliers)
@@ -543,7 +547,8 @@ def main():
                       default=[64, 128, 192, 256])
   parser.add_argument("--stages", type=int, nargs="+", default=[2, 3])
   parser.add_argument("--impls", nargs="+", default=None,
-                      help="the speed part's implementations (default: all)")
+                      help="the speed and error parts' implementations "
+                      "(default: all)")
   parser.add_argument("--masks", nargs="+", default=["causal", "none"],
                       choices=["causal", "none"],
                       help="the causalities the per-causality parts run")
@@ -564,7 +569,7 @@ def main():
         run(head_dim, mask == "causal")
   for head_dim in args.head_dims if "error" in args.parts else ():
     for outliers in (False, True):
-      error(head_dim, True, args.error_len, outliers)
+      error(head_dim, True, args.error_len, outliers, args.impls)
   for head_dim in args.head_dims if "backward" in args.parts else ():
     for outliers in (False, True):
       backward_error(head_dim, args.error_len, outliers)
