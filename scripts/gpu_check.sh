@@ -22,7 +22,7 @@
 #   bash scripts/gpu_check.sh train_step # a training step, ours vs cuDNN, profiled (TRAIN_ARGS)
 #   bash scripts/gpu_check.sh models    # shapes of public model configurations vs cuDNN and XLA
 #   bash scripts/gpu_check.sh profile   # the Mosaic forward's named regions at 2k (profiler;
-#                                       # PROFILE_SEQ_LEN, PROFILE_OPTIONS)
+#                                       # PROFILE_SEQ_LEN, PROFILE_OPTIONS, PROFILE_CALL)
 #   bash scripts/gpu_check.sh persistent # the persistent forward: tests, vs one CTA an item 1k-16k
 #   bash scripts/gpu_check.sh pending   # variants, decode and persistent tests (~5 min)
 #   bash scripts/gpu_check.sh softcap   # the soft-cap's cost, Mosaic and Triton, 8k
@@ -358,7 +358,8 @@ for line in sys.stdin:
       # times back to back (clocks up) and the last launch's trace kept.
       # PROFILE_HEAD_DIMS ("64 128") the head dims;
       # PROFILE_OPTIONS='{"option": value}' sets MosaicBlockSizes fields
-      # over the defaults (e.g. '{"persistent": true}'); PROFILE_SEQ_LEN
+      # over the defaults (e.g. '{"persistent": true}'); PROFILE_CALL
+      # adds flash_attention's arguments (e.g. '{"logits_soft_cap": 30}'); PROFILE_SEQ_LEN
       # (2048) the sequence length, 16k tokens a launch, with room for 4
       # events a 64-row key tile.
       mkdir -p "$OUT/profile"
@@ -367,6 +368,7 @@ for line in sys.stdin:
       JAX_FLASH_MOSAIC_PROFILE_DIR="$OUT/profile" timeout 150 python3 -c "
 import dataclasses, glob, json, os, jax, jax.numpy as jnp, jax_flash
 options = json.loads(os.environ.get('PROFILE_OPTIONS') or '{}')
+call = json.loads(os.environ.get('PROFILE_CALL') or '{}')
 n = $seq
 for h in map(int, '${PROFILE_HEAD_DIMS:-64 128}'.split()):
   for causal in (False, True):
@@ -376,7 +378,7 @@ for h in map(int, '${PROFILE_HEAD_DIMS:-64 128}'.split()):
         jax_flash.MosaicBlockSizes.get_default(h, causal), **options)
     f = jax.jit(lambda q: jax_flash.flash_attention(
         q, q, q, is_causal=causal, implementation='mosaic',
-        block_sizes=blocks))
+        block_sizes=blocks, **call))
     for _ in range(5):
       jax.block_until_ready(f(q))
     traces = sorted(glob.glob('$OUT/profile/*-trace.json'), key=os.path.getmtime)
