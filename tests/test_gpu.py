@@ -298,13 +298,14 @@ def test_mosaic_alibi_vectors_match_reference(name):
 @pytest.mark.parametrize("name", ["alibi_causal_gqa",
                                   "alibi_window_dropout_h64",
                                   "soft_cap_alibi_h256_causal"])
-def test_mosaic_alibi_fold_matches_reference(name):
-  """`MosaicBlockSizes(alibi_fold=True)`: ALiBi's query term in the
-  forward's row max and the backward's logsumexp, forward and gradients
-  (causal masks, where it applies)."""
+@pytest.mark.parametrize("fold", [True, False])
+def test_mosaic_alibi_fold_matches_reference(name, fold):
+  """`MosaicBlockSizes.alibi_fold` on and off: ALiBi's query term in the
+  forward's row max and the backward's logsumexp, or in each score,
+  forward and gradients (causal masks, where it applies)."""
   case, options = MOSAIC_OPTIONS[name]
   _compare_mosaic(case, options, blocks=_default_with(
-      case, alibi_vectors=True, alibi_fold=True))
+      case, alibi_vectors=True, alibi_fold=fold))
 
 
 @pytest.mark.parametrize("group", [1, 4, 8, 16, 32, 64, 71])

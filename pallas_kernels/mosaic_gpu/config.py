@@ -231,8 +231,8 @@ class BlockSizes:
   e4m3_registers_bwd: bool = False
   dkv_head_splits: int | None = None
   alibi_vectors: bool | None = None
-  alibi_fold: bool = False
-  fp8_ds_bound: bool = False
+  alibi_fold: bool = True
+  fp8_ds_bound: bool = True
 
   def __post_init__(self):
     for name in ("block_q", "block_q_dkv", "block_kv_dkv", "block_q_dq",
