@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/compile_time.py [--impls ours cudnn] \
         [--shapes 4x8192x32x8x128 ...] [--modes fwd fwd+bwd] [--cache] \
-        [--warm 2x1024x16x4x128]
+        [--warm 2x1024x16x4x128] [--rounds 3]
 
 Each measurement runs in a fresh process (nothing cached in memory, and a
 kernel cache folder of its own, empty), on bf16 inputs of shape batch x
@@ -30,6 +30,7 @@ f is the forward (`fwd`) or `jax.vjp` of it applied to a cotangent
 reader's (same process kinds, same shapes).
 """
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -144,16 +145,20 @@ def main():
                       help="a shape whose forward+backward each process "
                       "runs first (its kernels compiled) before the one "
                       "measured")
+  parser.add_argument("--rounds", type=int, default=1,
+                      help="measure each row this many times (fresh "
+                      "processes; a row a round, `round` in it)")
   parser.add_argument("--cache", action="store_true",
                       help="also measure a second process's first call "
                       "with the persistent compilation cache")
   args = parser.parse_args()
   warm = tuple(int(x) for x in args.warm.split("x")) if args.warm else None
-  for shape_text in args.shapes:
+  for shape_text, rnd in itertools.product(args.shapes, range(args.rounds)):
     shape = tuple(int(x) for x in shape_text.split("x"))
     for mode in args.modes:
       for impl in args.impls:
-        row = dict(impl=impl, mode=mode, shape=shape_text, warm=args.warm)
+        row = dict(impl=impl, mode=mode, shape=shape_text, warm=args.warm,
+                   round=rnd)
         row.update(_spawn(impl, shape, mode, staged=False, warm=warm))
         row.update(_spawn(impl, shape, mode, staged=True, warm=warm))
         if args.cache:
