@@ -494,9 +494,9 @@ def _overlapped_step(cta: _Cta, it: _Item, j, carry, *, masked: bool,
     cta.schedule.arrive()
     s = plgpu.wgmma_accumulator_load(s_ref, wait_n=0 if first_tile else 1)
     plgpu.barrier_arrive(k_free.at[slot])
-    s, c, _, _, _ = _logits(cta, it, j, s, masked=masked, width=block_kv)
+    s, c, _, _, row = _logits(cta, it, j, s, masked=masked, width=block_kv)
     p, m_new, l_new, alpha = softmax_step(s, c, m, l,
-                                          log2_scale=cta.log2_scale)
+                                          log2_scale=cta.log2_scale, row=row)
     p8 = p.astype(fp8_lib.E4M3)
     if first_tile:
       return acc, m_new, l_new, p8
