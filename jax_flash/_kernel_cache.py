@@ -29,6 +29,7 @@ import importlib.metadata
 import logging
 import os
 import pathlib
+import re
 import tempfile
 
 import jax
@@ -72,12 +73,22 @@ def _versions() -> str:
   return " ".join(versions + [source.hexdigest()])
 
 
-def _key(static, args) -> str:
+# An object's address in a repr ("<function f at 0x7f...>"): a key that
+# holds one differs in every process.
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _key(static, args) -> str | None:
+  """The hash naming the stored program of `static` and the arguments'
+  types, or None where the text it hashes names an object's address
+  (never the same in another process: such a call is not kept)."""
   avals = [(tuple(a.shape), str(a.dtype)) for a in jax.tree.leaves(
       jax.tree.map(jax.typeof, args))]
   device = jax.devices()[0]
   text = repr((static, avals, device.platform, device.device_kind,
                _versions()))
+  if _ADDRESS.search(text):
+    return None
   return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -107,7 +118,7 @@ def call(jitted, static, *args):
   cache only saves time)."""
   folder = cache_folder()
   key = _key(static, args)
-  if key in _unkeepable:
+  if key is None or key in _unkeepable:
     return jitted(*args)
   path = os.path.join(folder, key + ".exported")
   if os.path.exists(path):

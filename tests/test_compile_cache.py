@@ -120,3 +120,53 @@ def test_the_key_holds_the_versions_and_the_code():
   from jax_flash import _kernel_cache
   versions = _kernel_cache._versions().split()
   assert versions[0] == jax.__version__ and len(versions[-1]) == 64
+
+
+KEYS_SCRIPT = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+import jax
+from jax_flash import _kernel_cache
+import lowering
+keys = []
+_kernel_cache.keepable = lambda cfg: True  # Under the abstract device too.
+def recording(jitted, static, *args):
+  keys.append(_kernel_cache._key(static, args))
+  return jitted(*args)
+_kernel_cache.call = recording
+lowering.lower_grad("mosaic", is_causal=True)
+lowering.lower_grad("mosaic", fp8=True)
+lowering.lower_grad("triton", is_causal=True)
+print("keys", " ".join(map(str, keys)))
+"""
+
+
+def test_the_gpu_kernels_keys_are_the_same_in_every_process():
+  """The keys of the Mosaic GPU and Triton kernels' programs (lowered for
+  an H200 here) name no object's address: a second process finds what the
+  first stored."""
+  def keys():
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(HERE)] + sys.path))
+    result = subprocess.run([sys.executable, "-c", KEYS_SCRIPT, HERE],
+                            capture_output=True, text=True, env=env,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.split("keys")[-1].split()
+  first = keys()
+  assert len(first) == 6 and "None" not in first, first
+  assert keys() == first
+
+
+def test_a_key_naming_an_address_is_not_kept(tmp_path, monkeypatch):
+  import jax
+  import jax.numpy as jnp
+
+  from jax_flash import _kernel_cache
+  monkeypatch.setenv("JAX_FLASH_CACHE_DIR", str(tmp_path))
+  x = jnp.arange(3.0)
+  assert _kernel_cache._key(("forward", lambda: 0), (x,)) is None
+  assert _kernel_cache._key(("forward", "plain"), (x,)) is not None
+  out = _kernel_cache.call(jax.jit(lambda x: x * 2), ("f", lambda: 0), x)
+  np.testing.assert_array_equal(out, 2 * np.arange(3.0))
+  assert not os.listdir(tmp_path)

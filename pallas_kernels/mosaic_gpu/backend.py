@@ -127,6 +127,13 @@ class MosaicGpuBackend:
   one it picks for a Hopper GPU; XLA's ops by default)."""
   fp8_rounding: Callable[[], fp8_lib.Rounding] = lambda: fp8_lib.XLA
   name = "mosaic"
+
+  def __repr__(self) -> str:
+    # The function by its name, not its address: the kernel cache's key
+    # holds this repr and must read the same in every process.
+    f = self.fp8_rounding
+    return (f"MosaicGpuBackend(fp8_rounding="
+            f"{getattr(f, '__module__', '?')}.{getattr(f, '__qualname__', f)})")
   needs_gpu = True
   config_type = BlockSizes
   operand_gradients = frozenset()  # A bias's comes from another backend.
