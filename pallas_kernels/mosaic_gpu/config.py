@@ -231,7 +231,7 @@ class BlockSizes:
   e4m3_registers_bwd: bool = False
   dkv_head_splits: int | None = None
   alibi_vectors: bool | None = None
-  alibi_fold: bool = False
+  alibi_fold: bool = True
   fp8_ds_bound: bool = True
 
   def __post_init__(self):
