@@ -34,7 +34,7 @@
 #   bash scripts/gpu_check.sh h512      # head dim 512: Triton vs cuDNN and XLA, 8k
 #   bash scripts/gpu_check.sh dims      # head dims 96/192: Mosaic vs Triton and cuDNN, 8k
 #   bash scripts/gpu_check.sh ptxas     # the Mosaic kernels' register/spill report
-#   bash scripts/gpu_check.sh sass      # their PTX (instruction mix: sass_mix.py)
+#   bash scripts/gpu_check.sh sass      # their PTX (instruction mix: sass_mix.py; SASS_WHICH, SASS_CALL)
 #   bash scripts/gpu_check.sh fp8       # FP8: its tests, where an fp8 call's time goes (8k),
 #                                       # speed and error vs bf16 and cuDNN (bf16 and FP8),
 #                                       # train_lm with --fp8 on and off (~12 min)
@@ -494,17 +494,20 @@ jax.jit(jax.grad(f)).lower(q).compile()" > "$OUT/ptxas_h$h.log" 2>&1
       # module) into $OUT/mosaic_ptx.tar.gz. This machine has no nvdisasm of
       # CUDA 13 (Mosaic GPU writes no .sass here); on the CPU machine:
       #   tar xzf mosaic_ptx.tar.gz && python benchmarks/sass_mix.py --assemble sass_flash_h128
-      for which in flash_h128 flash_h64 flash_h256 tokamax_h128; do
+      # SASS_CALL: more arguments of our call as JSON (e.g. '{"logits_soft_cap": 30}');
+      # SASS_WHICH: the modules to dump (default: all four).
+      for which in ${SASS_WHICH:-flash_h128 flash_h64 flash_h256 tokamax_h128}; do
         h=${which##*_h}
         rm -rf "/tmp/sass_$which"; mkdir -p "/tmp/sass_$which"
         MOSAIC_GPU_DUMP_TO="/tmp/sass_$which" timeout 150 python3 -c "
-import jax, jax.numpy as jnp, jax_flash
+import json, os, jax, jax.numpy as jnp, jax_flash
+call = json.loads(os.environ.get('SASS_CALL') or '{}')
 q = jnp.ones((1, 8192, 2048 // $h, $h), jnp.bfloat16)
 if '$which'.startswith('tokamax'):
   import tokamax
   attn = lambda q: tokamax.dot_product_attention(q, q, q, is_causal=True, implementation='mosaic')
 else:
-  attn = lambda q: jax_flash.flash_attention(q, q, q, is_causal=True, implementation='mosaic')
+  attn = lambda q: jax_flash.flash_attention(q, q, q, is_causal=True, implementation='mosaic', **call)
 jax.block_until_ready(jax.jit(jax.grad(lambda q: attn(q).astype(jnp.float32).sum()))(q))" \
           > "/tmp/sass_$which.log" 2>&1
         echo "$which: exit $?: $(cd /tmp/sass_$which && ls *.ptx | tr '\n' ' ')"
