@@ -20,6 +20,11 @@ whole under a temporary name and renamed into place, so concurrent
 processes read a program whole or not at all. Calls with a user's
 mask_mod or score_mod (functions, whose identity does not survive a
 process) and calls split over several devices are not kept.
+
+The folder holds at most `$JAX_FLASH_CACHE_MAX_MB` megabytes (1024 by
+default; a forward+backward's programs take about 0.3 MB): storing a
+program past that removes the least recently used ones (a read counts as
+a use) down to 80% of it.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ import os
 import pathlib
 import re
 import tempfile
+import time
 
 import jax
 from jax import export
@@ -38,6 +44,11 @@ from jax import export
 logger = logging.getLogger(__name__)
 
 ENV = "JAX_FLASH_CACHE_DIR"
+MAX_MB_ENV = "JAX_FLASH_CACHE_MAX_MB"
+DEFAULT_MAX_MB = 1024
+# A file of another name (a program being written) younger than this is
+# never removed.
+_WRITING_S = 600
 # Custom calls of the kernels: Mosaic GPU's and Triton's. A stored program
 # is only ever read by the code that wrote it (its hash is in the key).
 _KERNEL_TARGETS = ("mosaic_gpu_v2", "__gpu$xla.gpu.triton")
@@ -125,7 +136,10 @@ def call(jitted, static, *args):
     try:
       with open(path, "rb") as f:
         exported = export.deserialize(bytearray(f.read()))
+      _touch(path)
       return exported.call(*args)
+    except FileNotFoundError:  # Removed meanwhile (`_trim`): stored again.
+      pass
     except Exception as e:  # Unreadable: written again below.
       logger.warning("jax_flash: ignoring the stored kernel %s: %s", path, e)
   try:
@@ -143,4 +157,56 @@ def call(jitted, static, *args):
     logger.warning("jax_flash: cannot keep a kernel in %s (%s: %s); set "
                    "%s=off to stop trying", folder, type(e).__name__, e, ENV)
     return jitted(*args)
+  _trim(folder, keep=path)
   return exported.call(*args)
+
+
+def max_bytes() -> int:
+  """The folder's size limit in bytes (`$JAX_FLASH_CACHE_MAX_MB`)."""
+  text = os.environ.get(MAX_MB_ENV, "").strip()
+  try:
+    megabytes = float(text) if text else DEFAULT_MAX_MB
+  except ValueError:
+    raise ValueError(f"{MAX_MB_ENV} must be a number of megabytes, got "
+                     f"{text!r}") from None
+  return int(megabytes * 2**20)
+
+
+def _touch(path):
+  """Marks a stored program used now (its modification time)."""
+  try:
+    os.utime(path)
+  except OSError:
+    pass
+
+
+def _trim(folder, keep):
+  """Past `max_bytes()`, removes the least recently used files of `folder`
+  (all but `keep`, and files being written) down to 80% of it. Another
+  process may remove the same files meanwhile."""
+  limit, now, files = max_bytes(), time.time(), []
+  try:
+    entries = list(os.scandir(folder))
+  except OSError:
+    return
+  for entry in entries:
+    try:
+      stat = entry.stat()
+    except OSError:
+      continue
+    if entry.is_file():
+      files.append((stat.st_mtime, stat.st_size, entry.path))
+  total = sum(size for _, size, _ in files)
+  if total <= limit:
+    return
+  for mtime, size, path in sorted(files):
+    if total <= 0.8 * limit:
+      break
+    if path == keep or (not path.endswith(".exported")
+                        and now - mtime < _WRITING_S):
+      continue
+    try:
+      os.remove(path)
+    except OSError:
+      continue
+    total -= size

@@ -170,3 +170,55 @@ def test_a_key_naming_an_address_is_not_kept(tmp_path, monkeypatch):
   out = _kernel_cache.call(jax.jit(lambda x: x * 2), ("f", lambda: 0), x)
   np.testing.assert_array_equal(out, 2 * np.arange(3.0))
   assert not os.listdir(tmp_path)
+
+
+def test_the_folder_keeps_to_its_size_limit(tmp_path, monkeypatch):
+  """Past $JAX_FLASH_CACHE_MAX_MB the least recently used programs go, down
+  to 80% of it; the one just stored and a program being written stay."""
+  from jax_flash import _kernel_cache
+  monkeypatch.setenv("JAX_FLASH_CACHE_MAX_MB", "1")  # 1 MiB.
+  kib = 1024
+  old = 1_000_000.0
+  names = [f"{i}.exported" for i in range(6)]
+  for i, name in enumerate(names):  # 0 the least recently used.
+    path = tmp_path / name
+    path.write_bytes(b"x" * (256 * kib))
+    os.utime(path, (old + i, old + i))
+  writing = tmp_path / "tmpwriting"  # Another process's, being written.
+  writing.write_bytes(b"x" * (256 * kib))
+  keep = str(tmp_path / names[0])  # Just stored (an old time, even so).
+  _kernel_cache._trim(str(tmp_path), keep=keep)
+  left = sorted(os.listdir(tmp_path))
+  # 7 x 256 KiB in 1 MiB: the oldest go (not `keep`, not the one being
+  # written) until at most 819 KiB stay.
+  assert left == sorted([names[0], names[5], "tmpwriting"]), left
+  assert sum(os.path.getsize(tmp_path / n) for n in left) <= 0.8 * 2**20
+  _kernel_cache._trim(str(tmp_path), keep=keep)  # Under the limit: no-op.
+  assert sorted(os.listdir(tmp_path)) == left
+
+
+def test_a_read_marks_a_program_used(tmp_path, monkeypatch):
+  import jax
+  import jax.numpy as jnp
+
+  from jax_flash import _kernel_cache
+  monkeypatch.setenv("JAX_FLASH_CACHE_DIR", str(tmp_path))
+  x = jnp.arange(4.0)
+  double = jax.jit(lambda x: x * 2)
+  np.testing.assert_array_equal(
+      _kernel_cache.call(double, ("double",), x), 2 * np.arange(4.0))
+  [name] = os.listdir(tmp_path)
+  os.utime(tmp_path / name, (1_000_000.0, 1_000_000.0))
+  np.testing.assert_array_equal(
+      _kernel_cache.call(double, ("double",), x), 2 * np.arange(4.0))
+  assert os.path.getmtime(tmp_path / name) > 1_000_000.0
+  assert os.listdir(tmp_path) == [name]
+
+
+def test_a_bad_size_limit_names_the_variable(monkeypatch):
+  from jax_flash import _kernel_cache
+  monkeypatch.setenv("JAX_FLASH_CACHE_MAX_MB", "lots")
+  with pytest.raises(ValueError, match="JAX_FLASH_CACHE_MAX_MB"):
+    _kernel_cache.max_bytes()
+  monkeypatch.delenv("JAX_FLASH_CACHE_MAX_MB")
+  assert _kernel_cache.max_bytes() == 1024 * 2**20
