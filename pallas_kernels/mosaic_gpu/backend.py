@@ -127,6 +127,9 @@ class MosaicGpuBackend:
   one it picks for a Hopper GPU; XLA's ops by default)."""
   fp8_rounding: Callable[[], fp8_lib.Rounding] = lambda: fp8_lib.XLA
   name = "mosaic"
+  needs_gpu = True
+  config_type = BlockSizes
+  operand_gradients = frozenset()  # A bias's comes from another backend.
 
   def __repr__(self) -> str:
     # The function by its name, not its address: the kernel cache's key
@@ -134,9 +137,6 @@ class MosaicGpuBackend:
     f = self.fp8_rounding
     return (f"MosaicGpuBackend(fp8_rounding="
             f"{getattr(f, '__module__', '?')}.{getattr(f, '__qualname__', f)})")
-  needs_gpu = True
-  config_type = BlockSizes
-  operand_gradients = frozenset()  # A bias's comes from another backend.
 
   def unsupported(self, problem: Problem, dtype, *, mask: Mask,
                   scores: Scores, decode: bool | str = False) -> str | None:
