@@ -134,8 +134,16 @@ def recording(jitted, static, *args):
   keys.append(_kernel_cache._key(static, args))
   return jitted(*args)
 _kernel_cache.call = recording
+import jax.numpy as jnp
 lowering.lower_grad("mosaic", is_causal=True)
 lowering.lower_grad("mosaic", fp8=True)
+lowering.lower_grad("mosaic", is_causal=True, logits_soft_cap=30.0,
+                    alibi_slopes=jnp.full((8,), 0.1),
+                    dropout_rate=0.1, dropout_rng=jax.random.key(0))
+lowering.lower_grad("mosaic", local_window_size=(64, 0),
+                    sinks=jnp.zeros((8,)),
+                    segment_ids=(jnp.zeros((2, 256), jnp.int32),
+                                 jnp.zeros((2, 512), jnp.int32)))
 lowering.lower_grad("triton", is_causal=True)
 print("keys", " ".join(map(str, keys)))
 """
@@ -154,7 +162,7 @@ def test_the_gpu_kernels_keys_are_the_same_in_every_process():
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout.split("keys")[-1].split()
   first = keys()
-  assert len(first) == 6 and "None" not in first, first
+  assert len(first) == 10 and "None" not in first, first
   assert keys() == first
 
 
