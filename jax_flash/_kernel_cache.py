@@ -19,7 +19,8 @@ empty or "off"; otherwise it is `$XDG_CACHE_HOME/jax_flash/kernels`
 whole under a temporary name and renamed into place, so concurrent
 processes read a program whole or not at all. Calls with a user's
 mask_mod or score_mod (functions, whose identity does not survive a
-process) and calls split over several devices are not kept.
+process) are not kept, nor is anything in a process that sees more than
+one device (its calls may be split over them).
 
 The folder holds at most `$JAX_FLASH_CACHE_MAX_MB` megabytes (1024 by
 default; a forward+backward's programs take about 0.3 MB): storing a
