@@ -118,6 +118,7 @@ def main(num_kv_heads):
   print(f"kv_heads={num_kv_heads} all-gathers={gathers} "
         f"out_sharding={out_s.sharding.spec} errors={errors}")
   assert max(errors) == 0.0, errors  # Bitwise: each shard is the same program.
+  _on_explicit_axes(grad, (q, k, v), (out, *grads), num_kv_heads)
   # vmap over a leading axis (custom_partitioning needs our vmap rule).
   stacked = [jnp.stack([x, -x]) for x in (q, k, v)]
   outs = jax.jit(jax.vmap(lambda q, k, v: jax_flash.flash_attention(
@@ -162,6 +163,28 @@ def main(num_kv_heads):
     # dK/dV summed over them (float32 sums: within tolerance).
     assert max(errors) <= tolerance(jnp.float32).grad, errors
     assert hlo.count("all-gather(") == 0 and hlo.count("all-to-all(") > 0
+
+
+def _on_explicit_axes(grad, args, expected, num_kv_heads):
+  """`grad` on a mesh with Explicit axes (shardings in the arrays' types,
+  `jax.make_mesh`'s default), split over batch and heads and, where 4
+  divides the KV heads, over the sequence: one device's results bitwise,
+  the output sharded as the query."""
+  mesh = jax.make_mesh((2, 4), ("data", "model"),
+                       axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  heads = P("data", None, "model", None)
+  specs = [(heads, heads if num_kv_heads % 4 == 0 else P("data"))]
+  if num_kv_heads % 4 == 0:
+    specs.append((P("data", "model"),) * 2)
+  for q_spec, kv_spec in specs:
+    q, k, v = (jax.device_put(x, NamedSharding(mesh, s))
+               for x, s in zip(args, (q_spec, kv_spec, kv_spec)))
+    (_, out), grads = jax.jit(grad)(q, k, v)
+    errors = [relative_error(a, b) for a, b in zip((out, *grads), expected)]
+    print(f"explicit axes {q_spec}: out_sharding={out.sharding.spec} "
+          f"errors={errors}")
+    assert max(errors) == 0.0, errors
+    assert tuple(out.sharding.spec)[:3] == (tuple(q_spec) + (None,))[:3]
 
 
 def _module_on_a_sequence_mesh(mesh, num_kv_heads):
