@@ -6,8 +6,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jax_flash import _dispatch, _primitive, fa1
 from jax_flash.context_parallel.sequence_axis import attend as attend_on_axis
@@ -40,34 +38,14 @@ def config(plan: _dispatch.Plan, block_sizes, problem: Problem, dtype,
 
 def flash_call(query, key, value, operands: Operands, cfg: _primitive.Config):
   """(out [B, T, N, Hv], lse [B, N, T]) through the attention primitive:
-  what `flash_attention` and the kernel path of `flex_attention` run.
-
-  Where the arrays' shardings are part of their types (a mesh with
-  Explicit axes, `jax.make_mesh`'s default), the call runs with those axes
-  as Auto ones (`jax.sharding.auto_axes`): the primitive splits it as it
-  splits any sharded call, and the results come out sharded as the query
-  is (lse over its batch, heads and rows)."""
+  what `flash_attention` and the kernel path of `flex_attention` run (on a
+  mesh with Explicit axes, with them as Auto ones: `device.on_auto_axes`)."""
   def bind(query, key, value, operands):
     with jax.named_scope("jax_flash_attention"):
       return _primitive.bind(query, key, value, operands, cfg)
-  mesh = _explicit_mesh(query, key, value)
-  if mesh is None or cfg.sequence_axis is not None:
+  if cfg.sequence_axis is not None:  # Inside a shard_map: manual axes.
     return bind(query, key, value, operands)
-  b, t, n = (tuple(jax.typeof(query).sharding.spec) + (None,) * 3)[:3]
-  return jax.sharding.auto_axes(bind, out_sharding=(
-      NamedSharding(mesh, P(b, t, n, None)),
-      NamedSharding(mesh, P(b, n, t))))(query, key, value, operands)
-
-
-def _explicit_mesh(*arrays):
-  """The mesh of the first array whose sharding type has Explicit axes,
-  or None."""
-  for x in arrays:
-    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
-    if mesh is not None and not mesh.empty and any(
-        t == AxisType.Explicit for t in mesh.axis_types):
-      return mesh
-  return None
+  return device.on_auto_axes(bind, query, key, value, operands)
 
 
 def _empty(query, p: Problem, return_residual: bool):

@@ -5,7 +5,7 @@ import jax
 import numpy as np
 
 from jax_flash import _dispatch
-from jax_flash.core import checks
+from jax_flash.core import checks, device
 from jax_flash.core.mask import Mask
 from jax_flash.core.scores import Scores
 
@@ -101,8 +101,9 @@ def flash_decode(query, key_cache=None, value_cache=None, *, kv_lengths,
   backend = _dispatch.select(implementation, query, p, query.dtype, mask=mask,
                              scores=scores,
                              decode="paged" if paged else "contiguous").forward
-  out, lse = backend.decode(query, k, v, kv_lengths, mask=mask, scores=scores,
-                            num_splits=num_splits,
-                            page_table=page_table if paged else None,
-                            sinks=sinks)
+  out, lse = device.on_auto_axes(
+      lambda query, k, v, kv_lengths, page_table, sinks: backend.decode(
+          query, k, v, kv_lengths, mask=mask, scores=scores,
+          num_splits=num_splits, page_table=page_table, sinks=sinks),
+      query, k, v, kv_lengths, page_table if paged else None, sinks)
   return (out, lse.transpose(0, 2, 1)) if return_residual else out

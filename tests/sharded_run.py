@@ -185,6 +185,19 @@ def _on_explicit_axes(grad, args, expected, num_kv_heads):
           f"errors={errors}")
     assert max(errors) == 0.0, errors
     assert tuple(out.sharding.spec)[:3] == (tuple(q_spec) + (None,))[:3]
+  # Decoding a batch-sharded cache: one device's output (within float32's
+  # rounding: a device's batch may pick other KV splits), sharded as the
+  # query.
+  q, k, v = args[0][:, -1:], args[1], args[2]
+  lengths = jnp.array([96, 50, 7, 81])
+  decode = jax.jit(lambda q, k, v, lengths: jax_flash.flash_decode(
+      q, k, v, kv_lengths=lengths, implementation="interpret"))
+  batch = NamedSharding(mesh, P("data"))
+  out = decode(*(jax.device_put(x, batch) for x in (q, k, v, lengths)))
+  error = relative_error(out, decode(q, k, v, lengths))
+  assert error <= tolerance(jnp.float32).out, error
+  assert tuple(out.sharding.spec)[:1] == ("data",), out.sharding
+  print("explicit axes: decode matches one device")
 
 
 def _module_on_a_sequence_mesh(mesh, num_kv_heads):
