@@ -133,16 +133,15 @@ def call(jitted, static, *args):
   if key is None or key in _unkeepable:
     return jitted(*args)
   path = os.path.join(folder, key + ".exported")
-  if os.path.exists(path):
-    try:
-      with open(path, "rb") as f:
-        exported = export.deserialize(bytearray(f.read()))
-      _touch(path)
-      return exported.call(*args)
-    except FileNotFoundError:  # Removed meanwhile (`_trim`): stored again.
-      pass
-    except Exception as e:  # Unreadable: written again below.
-      logger.warning("jax_flash: ignoring the stored kernel %s: %s", path, e)
+  try:
+    with open(path, "rb") as f:
+      exported = export.deserialize(bytearray(f.read()))
+    _touch(path)
+    return exported.call(*args)
+  except FileNotFoundError:  # Not stored yet, or removed (`_trim`).
+    pass
+  except Exception as e:  # Unreadable: written again below.
+    logger.warning("jax_flash: ignoring the stored kernel %s: %s", path, e)
   try:
     exported = export.export(
         jitted, platforms=(export.default_export_platform(),),

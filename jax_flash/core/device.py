@@ -1,4 +1,5 @@
-"""What every backend may ask of the GPU it runs on or compiles for."""
+"""What every backend may ask of the GPU it runs on or compiles for, and
+how a call meets its mesh's axis types (`on_auto_axes`)."""
 import jax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
